@@ -1,0 +1,214 @@
+"""Appending and reading back through the public Spool API."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+
+import pytest
+
+import walspool
+from walspool import CAP_DROP, SHUTDOWN
+
+MSG = {"role": "user", "content": "x" * 450}
+
+
+def test_append_returns_receipt_with_per_session_seq(spool):
+    a1 = spool.append("a", {"n": 1})
+    b1 = spool.append("b", {"n": 1})
+    a2 = spool.append("a", {"n": 2}, reason=SHUTDOWN)
+    assert (a1.session_id, a1.seq, a1.reason) == ("a", 1, CAP_DROP)
+    assert (b1.seq, a2.seq, a2.reason) == (1, 2, SHUTDOWN)
+    assert a1.id < b1.id < a2.id
+
+
+def test_records_read_back_in_drop_order_with_fields(spool):
+    spool.append("a", {"n": 1})
+    spool.append_many([("a", {"n": 2}), ("b", {"n": 9})], reason=SHUTDOWN)
+    spool.append(None, "text", session_key="agent:main:telegram:dm:1", reason=SHUTDOWN)
+    recs = list(spool.records())
+    assert [(r.session_id, r.seq, r.message) for r in recs] == [
+        ("a", 1, {"n": 1}), ("a", 2, {"n": 2}), ("b", 1, {"n": 9}), (None, 1, "text")]
+    assert recs[3].session_key == "agent:main:telegram:dm:1"
+    assert [r.message["n"] for r in spool.records(session_id="a")] == [1, 2]
+    assert [r.seq for r in spool.records(reasons=[SHUTDOWN])] == [2, 1, 1]
+    assert all(r.attempts == 0 and r.last_error is None for r in recs)
+    assert recs[0].created_at <= recs[1].created_at
+
+
+def test_records_pages_through_many_rows(spool):
+    spool.append_many([("s", {"i": i}) for i in range(1300)])
+    assert [r.message["i"] for r in spool.records(session_id="s")] == list(range(1300))
+    assert [r.seq for r in spool.records()] == list(range(1, 1301))
+
+
+def test_seq_continues_after_reopen(spool_path):
+    with walspool.Spool(spool_path) as s:
+        assert [s.append("a", MSG).seq for _ in range(3)] == [1, 2, 3]
+    with walspool.Spool(spool_path, durability="normal") as s:
+        assert s.append("a", MSG).seq == 4
+        assert s.append("new", MSG).seq == 1
+
+
+def test_seq_never_reused_after_rows_are_removed(spool):
+    for _ in range(3):
+        spool.append("a", MSG)
+    spool._execute(lambda conn: conn.execute("DELETE FROM records"))
+    assert spool.append("a", MSG).seq == 4
+
+
+def test_seq_contiguous_with_64_threads(spool):
+    per = 40
+    barrier = threading.Barrier(64)
+    receipts: dict[int, list] = {}
+
+    def work(i: int) -> None:
+        barrier.wait()
+        receipts[i] = [spool.append(f"t{i % 8}", {"t": i, "j": j}) for j in range(per)]
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(64)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    by_session: dict[str, list] = {}
+    for rec in spool.records():
+        by_session.setdefault(rec.session_id, []).append(rec)
+    for session, recs in by_session.items():
+        assert [r.seq for r in recs] == list(range(1, len(recs) + 1)), session
+        # each thread's own messages keep their order within the session
+        for i in range(64):
+            mine = [r.message["j"] for r in recs if r.message["t"] == i]
+            assert mine == sorted(mine)
+    assert sum(len(v) for v in by_session.values()) == 64 * per
+    assert {r.seq for rs in receipts.values() for r in rs} <= set(range(1, 8 * per + 1))
+
+
+def test_submit_reserves_order_before_returning(spool):
+    lock = threading.Lock()
+    futures = []
+    with lock:
+        for i in range(200):
+            futures.append(spool.submit("s", {"i": i}))
+    seqs = [f.result(timeout=30).seq for f in futures]
+    assert seqs == list(range(1, 201))
+
+
+def test_append_async_runs_off_the_loop(spool):
+    loop_thread: list[int] = []
+
+    async def main():
+        loop_thread.append(threading.get_ident())
+        return await asyncio.gather(*(spool.append_async(f"s{i % 4}", {"i": i}) for i in range(100)))
+
+    receipts = asyncio.run(main())
+    assert sorted(r.seq for r in receipts if r.session_id == "s0") == list(range(1, 26))
+    assert len(list(spool.records())) == 100
+
+
+def test_append_many_is_one_transaction(spool, spool_path):
+    spool.append_many([("s", MSG)] * 10)
+    with pytest.raises(walspool.InvalidArgument):
+        spool.append_many([("s", MSG), ("", MSG)])
+    assert spool.stats().rows == 10
+    assert spool.append_many([]) == []
+
+
+def test_close_commits_everything_accepted(spool_path):
+    s = walspool.Spool(spool_path, durability="normal")
+    futures = [s.submit("s", {"i": i}) for i in range(500)]
+    s.close()
+    assert all(f.done() for f in futures)
+    with walspool.Spool(spool_path) as again:
+        assert again.stats().rows == 500
+    with pytest.raises(walspool.SpoolClosed):
+        s.append("s", MSG)
+    with pytest.raises(walspool.SpoolClosed):
+        list(s.records())
+    s.close()  # idempotent
+
+
+def test_stats_counts_rows_bytes_reasons(spool):
+    spool.append("a", {"x": 1})
+    spool.append("b", {"x": 1}, reason=SHUTDOWN)
+    spool.append(None, {"x": 1}, session_key="k", reason=SHUTDOWN)
+    st = spool.stats()
+    assert (st.rows, st.sessions, st.failing) == (3, 3, 0)
+    assert st.bytes == 3 * len('{"x":1}')
+    assert st.by_reason == {CAP_DROP: 1, SHUTDOWN: 2}
+    assert st.oldest <= st.newest
+    assert st.db_bytes > 0
+
+
+@pytest.mark.parametrize("bad,what", [
+    ("", "must not be empty"),
+    ("x" * 5000, "over the limit"),
+    ("a\udc80", "lone surrogate"),
+    (42, "must be a str"),
+])
+def test_bad_session_ids_are_refused_clearly(spool, bad, what):
+    spool.append("ok", MSG)
+    with pytest.raises(walspool.InvalidArgument, match=what):
+        spool.append(bad, MSG)
+    with pytest.raises(walspool.InvalidArgument, match=what):
+        spool.append("s", MSG, reason=bad)
+    assert spool.stats().rows == 1
+
+
+def test_hostile_but_valid_names_are_stored_faithfully(spool):
+    names = ["a\x00b", "'; DROP TABLE records; --", "名前 🎉", "x" * 4096]
+    for name in names:
+        spool.append(name, {"n": name}, reason=name)
+    got = [(r.session_id, r.reason, r.message["n"]) for r in spool.records()]
+    assert got == [(n, n, n) for n in names]
+
+
+def test_needs_session_id_or_key(spool):
+    with pytest.raises(walspool.InvalidArgument, match="session_id or a session_key"):
+        spool.append(None, MSG)
+
+
+def test_payload_too_large_names_sizes(spool_path):
+    with walspool.Spool(spool_path, max_payload_bytes=1000) as s:
+        s.append("s", {"c": "x" * 900})
+        with pytest.raises(walspool.PayloadTooLarge) as info:
+            s.append("s", {"c": "x" * 1000})
+        assert info.value.limit == 1000 and info.value.session_id == "s"
+        assert "max_payload_bytes=1000" in str(info.value)
+        assert s.stats().rows == 1
+
+
+def test_spool_full_keeps_everything_stored(spool_path):
+    with walspool.Spool(spool_path, max_bytes=256 * 1024) as s:
+        stored = 0
+        with pytest.raises(walspool.SpoolFull) as info:
+            for _ in range(10_000):
+                s.append("s", MSG)
+                stored += 1
+        assert "is full (max_bytes=262144)" in str(info.value)
+        assert info.value.path == str(spool_path)
+        assert s.stats().rows == stored > 100
+        assert [r.seq for r in s.records()] == list(range(1, stored + 1))
+        # a concurrent group with one failure does not fail its neighbours
+        with pytest.raises(walspool.SpoolFull):
+            s.submit("s", MSG).result(10)
+
+
+def test_bad_options_refused(tmp_path: Path):
+    with pytest.raises(walspool.InvalidArgument, match="durability"):
+        walspool.Spool(tmp_path / "s.db", durability="sometimes")
+    assert not (tmp_path / "s.db").exists()
+
+
+def test_public_api_is_pinned():
+    assert sorted(walspool.__all__) == sorted([
+        "AGENT_HISTORY", "CAP_DROP", "SHUTDOWN", "DiskFull", "InvalidArgument", "NotASpool",
+        "PayloadTooLarge", "Receipt", "Record", "SchemaTooNew", "Spool", "SpoolClosed",
+        "SpoolCorrupt", "SpoolFull", "SpoolIOError", "Stats", "SymlinkRefused", "WalspoolError",
+    ])
+    for name in walspool.__all__:
+        assert getattr(walspool, name) is not None
+    assert walspool.CAP_DROP == "transcript_cap_drop"
+    assert walspool.SHUTDOWN == "shutdown"
+    assert walspool.AGENT_HISTORY == "shutdown-with-unpersisted-agent-history"

@@ -1,0 +1,43 @@
+"""walspool: a durable WAL SQLite spool for the hermes-agent gateway's transcripts.
+
+Messages the gateway would drop (at its pending-queue cap, or at shutdown) are
+appended to a separate, FTS-free SQLite spool, and replayed into ``state.db`` in drop
+order once it works again.
+"""
+
+from .errors import (
+    DiskFull,
+    InvalidArgument,
+    NotASpool,
+    PayloadTooLarge,
+    SchemaTooNew,
+    SpoolClosed,
+    SpoolCorrupt,
+    SpoolFull,
+    SpoolIOError,
+    SymlinkRefused,
+    WalspoolError,
+)
+from .records import AGENT_HISTORY, CAP_DROP, SHUTDOWN, Receipt, Record, Stats
+from .spool import Spool
+
+__all__ = [
+    "AGENT_HISTORY",
+    "CAP_DROP",
+    "SHUTDOWN",
+    "DiskFull",
+    "InvalidArgument",
+    "NotASpool",
+    "PayloadTooLarge",
+    "Receipt",
+    "Record",
+    "SchemaTooNew",
+    "Spool",
+    "SpoolClosed",
+    "SpoolCorrupt",
+    "SpoolFull",
+    "SpoolIOError",
+    "Stats",
+    "SymlinkRefused",
+    "WalspoolError",
+]

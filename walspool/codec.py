@@ -1,0 +1,125 @@
+"""Payload encoding: any message in, JSON text out.
+
+The rule, applied once when a message is appended:
+
+* A value JSON can spell (dicts with string keys, lists, strings, integers of any
+  size, finite floats, booleans, None) is stored as it is and reads back equal.
+* Anything else is stored as its closest JSON form: bytes as base64 text;
+  datetimes, dates and times as ISO 8601 text; UUIDs and Decimals as text; enums
+  as their value; tuples, sets and frozensets as lists; dataclasses and msgspec
+  Structs as objects of their fields; any other object with attributes (a platform
+  ``MessageEvent``, an SDK update object) as an object of its public attributes,
+  nested to a depth of 32 and without following cycles; dict keys that are not
+  strings as ``str(key)``; NaN and infinities as null (JSON has no spelling for
+  them); lone UTF-16 surrogates as U+FFFD, as state.db itself scrubs them; and
+  whatever is left as ``repr(value)``.
+
+Reading a record gives back the JSON form, so a converted value does not come back
+as its original type. Encoding never raises for a value within the size limit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Mapping
+from typing import Any
+
+import msgspec
+
+_MAX_DEPTH = 32
+
+_encoder = msgspec.json.Encoder(enc_hook=lambda obj: _object_fields(obj))
+_decoder = msgspec.json.Decoder()
+
+
+def encode(message: Any) -> bytes:
+    """Return ``message`` as UTF-8 JSON by the module's conversion rule."""
+    try:
+        return _encoder.encode(message)
+    except Exception:  # noqa: BLE001 - the slow path below handles any value
+        return _encoder.encode(_plain(message, 0, set()))
+
+
+def decode(payload: str | bytes) -> Any:
+    """Return the JSON value stored in a payload."""
+    return _decoder.decode(payload)
+
+
+def _object_fields(obj: Any) -> Any:
+    """msgspec's hook for types it cannot encode natively."""
+    if isinstance(obj, (bytearray, memoryview)):
+        return bytes(obj)
+    fields = _public_attributes(obj)
+    if fields is not None:
+        return fields
+    return _safe_repr(obj)
+
+
+def _public_attributes(obj: Any) -> dict[str, Any] | None:
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: getattr(obj, f.name, None) for f in dataclasses.fields(obj)}
+    attrs = getattr(obj, "__dict__", None)
+    if isinstance(attrs, dict) and not isinstance(obj, type):
+        return {k: v for k, v in attrs.items() if isinstance(k, str) and not k.startswith("_")}
+    return None
+
+
+def _safe_repr(obj: Any) -> str:
+    try:
+        return _scrub(repr(obj))
+    except Exception:  # noqa: BLE001 - a broken __repr__ must not lose the message
+        return f"<unrepresentable {type(obj).__qualname__}>"
+
+
+def _scrub(text: str) -> str:
+    """Replace lone surrogates, which UTF-8 cannot carry, with U+FFFD."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        # UTF-16 joins surrogate pairs into their character and marks each lone
+        # surrogate with a single U+FFFD.
+        return text.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "replace")
+    return text
+
+
+def _plain(value: Any, depth: int, active: set[int]) -> Any:
+    """Convert ``value`` into JSON-safe Python values (the slow, general path)."""
+    if value is None or isinstance(value, (bool, int)):
+        return value
+    if isinstance(value, float):
+        return value if value == value and value not in (float("inf"), float("-inf")) else None
+    if isinstance(value, str):
+        return _scrub(value)
+    if depth >= _MAX_DEPTH or id(value) in active:
+        return _safe_repr(value)
+    if isinstance(value, enum.Enum):
+        return _plain(value.value, depth + 1, active)
+    active.add(id(value))
+    try:
+        if isinstance(value, Mapping):
+            return {_key(k): _plain(v, depth + 1, active) for k, v in value.items()}
+        if isinstance(value, (list, tuple, set, frozenset)):
+            return [_plain(v, depth + 1, active) for v in value]
+        try:
+            native = msgspec.to_builtins(value, enc_hook=_refuse)
+        except Exception:  # noqa: BLE001 - not a type msgspec knows natively
+            native = _public_attributes(value)
+            if native is None:
+                return _safe_repr(value)
+        return _plain(native, depth + 1, active)
+    finally:
+        active.discard(id(value))
+
+
+def _key(key: Any) -> str:
+    if isinstance(key, str):
+        return _scrub(key)
+    try:
+        return _scrub(str(key))
+    except Exception:  # noqa: BLE001 - a broken __str__ must not lose the message
+        return _safe_repr(key)
+
+
+def _refuse(obj: Any) -> Any:
+    raise TypeError(type(obj).__qualname__)

@@ -1,0 +1,92 @@
+"""The errors walspool raises: one base class, one subclass per condition.
+
+Every error carries the spool path and, where one is involved, the session it is
+about, so a log line or a caller can say exactly what failed.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+class WalspoolError(Exception):
+    """Base class of every error walspool raises on purpose."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        path: str | os.PathLike[str] | None = None,
+        session_id: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.path = os.fspath(path) if path is not None else None
+        self.session_id = session_id
+
+
+class InvalidArgument(WalspoolError, ValueError):
+    """A session id, reason or option that walspool cannot store as given."""
+
+
+class PayloadTooLarge(WalspoolError):
+    """One message encodes to more than the spool's ``max_payload_bytes``."""
+
+    def __init__(self, size: int, limit: int, *, path: str, session_id: str | None) -> None:
+        super().__init__(
+            f"message for session {session_id!r} is {size} bytes as JSON, over the "
+            f"spool's max_payload_bytes={limit}; raise the limit or trim the message",
+            path=path,
+            session_id=session_id,
+        )
+        self.size = size
+        self.limit = limit
+
+
+class SpoolFull(WalspoolError):
+    """The spool has reached its ``max_bytes``; nothing stored was dropped."""
+
+    def __init__(self, limit: int, *, path: str, session_id: str | None = None) -> None:
+        super().__init__(
+            f"spool {path} is full (max_bytes={limit}); replay it into state.db or "
+            "raise max_bytes",
+            path=path,
+            session_id=session_id,
+        )
+        self.limit = limit
+
+
+class DiskFull(WalspoolError):
+    """The disk (or the process's file-size limit) has no room for the write."""
+
+
+class SpoolIOError(WalspoolError):
+    """The operating system reported an I/O error on the spool file."""
+
+
+class NotASpool(WalspoolError):
+    """The file exists but is not a walspool spool; it was left unchanged."""
+
+
+class SchemaTooNew(NotASpool):
+    """The spool was written by a newer walspool; it was left unchanged."""
+
+    def __init__(self, found: int, supported: int, *, path: str) -> None:
+        super().__init__(
+            f"{path} has spool schema version {found}, newer than this walspool "
+            f"understands ({supported}); upgrade walspool to open it",
+            path=path,
+        )
+        self.found = found
+        self.supported = supported
+
+
+class SymlinkRefused(WalspoolError):
+    """The spool path is a symbolic link, which walspool never follows."""
+
+
+class SpoolClosed(WalspoolError):
+    """The spool was closed; open a new ``Spool`` to append or read."""
+
+
+class SpoolCorrupt(WalspoolError):
+    """SQLite reports the spool as damaged."""

@@ -1,0 +1,57 @@
+"""The values walspool hands back: receipts, records and statistics.
+
+All are frozen msgspec Structs. New fields are only ever appended, with defaults.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+#: A message the gateway's pending queue evicted at its cap.
+CAP_DROP = "transcript_cap_drop"
+#: A message still pending when the gateway shut down.
+SHUTDOWN = "shutdown"
+#: An agent's history that was never flushed; for operators, not replayed by default.
+AGENT_HISTORY = "shutdown-with-unpersisted-agent-history"
+
+
+class Receipt(msgspec.Struct, frozen=True):
+    """Proof that one message is committed to the spool."""
+
+    id: int
+    session_id: str | None
+    seq: int
+    reason: str
+    session_key: str | None
+    created_at: float
+
+
+class Record(msgspec.Struct, frozen=True):
+    """One spooled message as read back; ``message`` is the decoded payload."""
+
+    id: int
+    session_id: str | None
+    seq: int
+    reason: str
+    session_key: str | None
+    created_at: float
+    message: Any
+    attempts: int
+    last_error: str | None
+    last_attempt_at: float | None = None
+
+
+class Stats(msgspec.Struct, frozen=True):
+    """A summary of what a spool holds."""
+
+    rows: int
+    sessions: int
+    bytes: int
+    oldest: float | None
+    newest: float | None
+    by_reason: dict[str, int]
+    failing: int
+    db_bytes: int
+    wal_bytes: int

@@ -1,0 +1,398 @@
+"""The spool file: where it lives, how a connection to it is set up, its schema.
+
+Every connection is an apsw connection. The stdlib ``sqlite3`` module is never used
+on a spool: two SQLite libraries in one process can drop each other's POSIX locks
+(https://www.sqlite.org/howtocorrupt.html#_multiple_copies_of_sqlite_linked_into_the_same_application).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import apsw
+
+from .errors import (
+    DiskFull,
+    NotASpool,
+    SchemaTooNew,
+    SpoolCorrupt,
+    SpoolIOError,
+    SymlinkRefused,
+    WalspoolError,
+)
+
+log = logging.getLogger("walspool.schema")
+
+#: ``PRAGMA application_id`` of a spool: "WSPL".
+APPLICATION_ID = 0x5753504C
+#: ``PRAGMA user_version`` of the schema this module creates.
+SCHEMA_VERSION = 1
+
+DURABILITY_SYNCHRONOUS = {"full": "FULL", "normal": "NORMAL"}
+BUSY_TIMEOUT_MS = 10_000
+JOURNAL_SIZE_LIMIT = 64 * 1024 * 1024
+SQLITE_MAGIC = b"SQLite format 3\x00"
+
+SCHEMA_SQL = f"""
+PRAGMA application_id = {APPLICATION_ID};
+PRAGMA user_version = {SCHEMA_VERSION};
+
+-- One row per spooled message. A row belongs to the stream of its session_id, or,
+-- when only the routing key is known, to the stream of its session_key; seq orders
+-- a stream. inflight holds the sink's mark while a replay has the row out.
+CREATE TABLE records (
+    id INTEGER PRIMARY KEY,
+    session_id TEXT,
+    seq INTEGER NOT NULL CHECK (seq > 0),
+    reason TEXT NOT NULL,
+    session_key TEXT,
+    created_at REAL NOT NULL,
+    payload TEXT NOT NULL,
+    attempts INTEGER NOT NULL DEFAULT 0,
+    last_error TEXT,
+    last_attempt_at REAL,
+    inflight INTEGER,
+    UNIQUE (session_id, seq),
+    CHECK (session_id IS NOT NULL OR session_key IS NOT NULL)
+) STRICT;
+
+CREATE UNIQUE INDEX records_session_key_seq_idx
+    ON records (session_key, seq) WHERE session_id IS NULL;
+
+-- The next seq of every stream ever appended to, kept after its rows are gone so
+-- that a seq is never reused. stream is 'session_id' or 'session_key'.
+CREATE TABLE sequences (
+    stream TEXT NOT NULL CHECK (stream IN ('session_id', 'session_key')),
+    name TEXT NOT NULL,
+    next_seq INTEGER NOT NULL CHECK (next_seq > 0),
+    PRIMARY KEY (stream, name)
+) STRICT, WITHOUT ROWID;
+
+CREATE VIEW backlog AS
+SELECT
+    session_id,
+    CASE WHEN session_id IS NULL THEN session_key END AS session_key,
+    count(*) AS rows,
+    sum(length(CAST(payload AS BLOB))) AS bytes,
+    strftime('%Y-%m-%dT%H:%M:%fZ', min(created_at), 'unixepoch') AS oldest,
+    strftime('%Y-%m-%dT%H:%M:%fZ', max(created_at), 'unixepoch') AS newest,
+    max(attempts) AS max_attempts,
+    (SELECT h.last_error FROM records AS h
+      WHERE h.session_id IS r.session_id
+        AND (r.session_id IS NOT NULL OR h.session_key IS r.session_key)
+        AND h.last_error IS NOT NULL
+      ORDER BY h.seq LIMIT 1) AS last_error
+FROM records AS r
+GROUP BY session_id, CASE WHEN session_id IS NULL THEN session_key END;
+
+CREATE VIEW failures AS
+SELECT
+    id, session_id, session_key, seq, reason, attempts, last_error,
+    strftime('%Y-%m-%dT%H:%M:%fZ', last_attempt_at, 'unixepoch') AS last_attempt,
+    strftime('%Y-%m-%dT%H:%M:%fZ', created_at, 'unixepoch') AS created
+FROM records
+WHERE last_error IS NOT NULL;
+"""
+
+EXPECTED_OBJECTS = {
+    ("table", "records"),
+    ("table", "sequences"),
+    ("view", "backlog"),
+    ("view", "failures"),
+    ("index", "records_session_key_seq_idx"),
+}
+
+
+# -- files and permissions ---------------------------------------------------
+
+
+def refuse_symlink(path: Path) -> None:
+    """Refuse a spool path that is a symlink: the spool is only ever written in place."""
+    if path.is_symlink():
+        raise SymlinkRefused(
+            f"spool path {path} is a symbolic link; walspool does not follow links, "
+            "give the real path",
+            path=path,
+        )
+
+
+def create_private(path: Path) -> None:
+    """Create the spool's directory (0700) and an empty database file (0600).
+
+    SQLite gives the ``-wal`` and ``-shm`` files the mode of the database file
+    (https://www.sqlite.org/tempfiles.html), so they are 0600 too, whatever the umask.
+    """
+    if not path.parent.exists():
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(path.parent, 0o700)
+    with contextlib.suppress(FileExistsError):
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        try:
+            os.fchmod(fd, 0o600)
+        finally:
+            os.close(fd)
+
+
+def tighten_modes(path: Path) -> None:
+    """Make an existing spool and its ``-wal``/``-shm`` files private (0600)."""
+    for name in (path, Path(f"{path}-wal"), Path(f"{path}-shm")):
+        with contextlib.suppress(FileNotFoundError, PermissionError):
+            if not name.is_symlink() and name.stat().st_mode & 0o777 != 0o600:
+                os.chmod(name, 0o600)
+
+
+# -- connection setup, one concern each ----------------------------------------
+
+
+def set_busy_timeout(conn: apsw.Connection) -> None:
+    """Wait for a competing writer instead of failing with "database is locked".
+
+    https://www.sqlite.org/c3ref/busy_timeout.html
+    """
+    conn.set_busy_timeout(BUSY_TIMEOUT_MS)
+
+
+def set_wal(conn: apsw.Connection, path: Path) -> None:
+    """Use write-ahead logging: readers never block the writer, one fsync per commit.
+
+    https://www.sqlite.org/wal.html
+    """
+    mode = conn.execute("PRAGMA journal_mode = WAL").get
+    if mode != "wal":
+        raise SpoolIOError(
+            f"{path}: SQLite refused WAL mode (got {mode!r}); put the spool on a local "
+            "file system",
+            path=path,
+        )
+
+
+def set_synchronous(conn: apsw.Connection, durability: str) -> None:
+    """FULL fsyncs the WAL at every commit (survives power loss); NORMAL does not
+    (survives a killed process only).
+
+    https://www.sqlite.org/pragma.html#pragma_synchronous
+    """
+    conn.execute(f"PRAGMA synchronous = {DURABILITY_SYNCHRONOUS[durability]}")
+
+
+def set_journal_size_limit(conn: apsw.Connection) -> None:
+    """Truncate the WAL back to a bounded size after each checkpoint resets it.
+
+    https://www.sqlite.org/pragma.html#pragma_journal_size_limit
+    """
+    conn.execute(f"PRAGMA journal_size_limit = {JOURNAL_SIZE_LIMIT}")
+
+
+def set_max_bytes(conn: apsw.Connection, max_bytes: int | None) -> None:
+    """Cap the database at ``max_bytes`` with ``max_page_count``; None leaves it uncapped.
+
+    SQLite enforces the cap itself: an insert that would grow the file past it fails
+    with SQLITE_FULL and changes nothing. https://www.sqlite.org/pragma.html#pragma_max_page_count
+    """
+    if max_bytes is None:
+        return
+    page_size = conn.execute("PRAGMA page_size").get
+    pages = max(1, max_bytes // page_size)
+    conn.execute(f"PRAGMA max_page_count = {pages}")
+
+
+def set_foreign_keys_off(conn: apsw.Connection) -> None:
+    """The spool has no foreign keys; keep SQLite from looking for any."""
+    conn.execute("PRAGMA foreign_keys = OFF")
+
+
+# -- opening -----------------------------------------------------------------
+
+
+def open_writer(path: Path, durability: str, max_bytes: int | None) -> apsw.Connection:
+    """Open (creating if needed) the spool for writing, checked and set up.
+
+    A file that is not a spool, or of a newer schema, raises and is left unchanged.
+    A spool SQLite reports as damaged is moved aside and a fresh one is opened.
+    """
+    refuse_symlink(path)
+    create_private(path)
+    try:
+        conn = _open_checked(path)
+    except SpoolCorrupt as exc:
+        moved = move_aside(path)
+        log.error(
+            "spool %s is damaged (%s); moved it aside to %s and opened a fresh spool",
+            path, exc.__cause__ or exc, moved,
+        )
+        create_private(path)
+        conn = _open_checked(path)
+    set_synchronous(conn, durability)
+    set_journal_size_limit(conn)
+    set_max_bytes(conn, max_bytes)
+    tighten_modes(path)
+    return conn
+
+
+def open_reader(path: Path) -> apsw.Connection:
+    """Open an existing spool read-only (``mode=ro``); never creates or changes it."""
+    refuse_symlink(path)
+    if not path.exists():
+        raise WalspoolError(f"no spool at {path}", path=path)
+    _refuse_non_sqlite(path)
+    flags = apsw.SQLITE_OPEN_READONLY | apsw.SQLITE_OPEN_URI | apsw.SQLITE_OPEN_NOFOLLOW
+    try:
+        conn = apsw.Connection(f"file:{_uri_path(path)}?mode=ro", flags=flags)
+        set_busy_timeout(conn)
+        _check_identity(conn, path, allow_empty=False)
+    except apsw.Error as exc:
+        raise sqlite_error(exc, path) from exc
+    return conn
+
+
+def _open_checked(path: Path) -> apsw.Connection:
+    _refuse_non_sqlite(path)
+    flags = (
+        apsw.SQLITE_OPEN_READWRITE | apsw.SQLITE_OPEN_CREATE | apsw.SQLITE_OPEN_NOFOLLOW
+        | apsw.SQLITE_OPEN_URI
+    )
+    conn = apsw.Connection(f"file:{_uri_path(path)}", flags=flags)
+    try:
+        set_busy_timeout(conn)
+        set_foreign_keys_off(conn)
+        if _check_identity(conn, path, allow_empty=True):
+            set_wal(conn, path)
+            _create_schema(conn, path)
+        else:
+            set_wal(conn, path)
+        _cheap_check(conn)
+    except (NotASpool, SymlinkRefused):
+        conn.close()
+        raise
+    except apsw.Error as exc:
+        conn.close()
+        raise sqlite_error(exc, path) from exc
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+def _uri_path(path: Path) -> str:
+    from urllib.parse import quote
+
+    return quote(str(path.absolute()))
+
+
+def _refuse_non_sqlite(path: Path) -> None:
+    """A non-empty file without SQLite's header is someone else's file: leave it alone."""
+    with open(path, "rb") as f:
+        head = f.read(len(SQLITE_MAGIC))
+    if head and head != SQLITE_MAGIC:
+        raise NotASpool(
+            f"{path} is not a SQLite database, so not a walspool spool; "
+            "give the path of a spool or of a file that does not exist yet",
+            path=path,
+        )
+
+
+def _check_identity(conn: apsw.Connection, path: Path, *, allow_empty: bool) -> bool:
+    """Return True for an empty database (a new spool); raise unless it is a spool."""
+    app_id = conn.execute("PRAGMA application_id").get
+    version = conn.execute("PRAGMA user_version").get
+    objects = conn.execute("SELECT count(*) FROM sqlite_schema").get
+    if app_id == 0 and version == 0 and objects == 0 and allow_empty:
+        return True
+    if app_id != APPLICATION_ID:
+        raise NotASpool(
+            f"{path} is a SQLite database but not a walspool spool "
+            f"(application_id={app_id}); it was left unchanged",
+            path=path,
+        )
+    if version > SCHEMA_VERSION:
+        raise SchemaTooNew(version, SCHEMA_VERSION, path=path)
+    return False
+
+
+def _create_schema(conn: apsw.Connection, path: Path) -> None:
+    """Create the schema in one transaction; a concurrent creator may have won."""
+    with transaction(conn, path):
+        if conn.execute("SELECT count(*) FROM sqlite_schema").get == 0:
+            conn.execute(SCHEMA_SQL)
+
+
+def _cheap_check(conn: apsw.Connection) -> None:
+    """Touch the schema and each table's b-tree without scanning it.
+
+    Catches a damaged header, schema or root page in constant time; ``walspool
+    check`` runs the full ``integrity_check``.
+    """
+    found = set(conn.execute("SELECT type, name FROM sqlite_schema"))
+    missing = EXPECTED_OBJECTS - found
+    if missing:
+        raise apsw.CorruptError(f"spool schema lacks {sorted(n for _, n in missing)}")
+    conn.execute("SELECT max(id) FROM records").get
+    conn.execute("SELECT 1 FROM records ORDER BY session_id, seq LIMIT 1").get
+    conn.execute("SELECT 1 FROM sequences LIMIT 1").get
+
+
+def move_aside(path: Path) -> Path:
+    """Rename a damaged spool and its ``-wal``/``-shm`` files; never delete them."""
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    target = path.with_name(f"{path.name}.damaged-{stamp}-{os.getpid()}")
+    for suffix in ("-wal", "-shm", ""):
+        with contextlib.suppress(FileNotFoundError):
+            os.rename(f"{path}{suffix}", f"{target}{suffix}")
+    return target
+
+
+@contextlib.contextmanager
+def transaction(conn: apsw.Connection, path: Path) -> Iterator[None]:
+    """``BEGIN IMMEDIATE`` ... ``COMMIT``; roll back on any exception."""
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        yield
+        conn.execute("COMMIT")
+    except BaseException:
+        if not conn.get_autocommit():
+            with contextlib.suppress(apsw.Error):
+                conn.execute("ROLLBACK")
+        raise
+
+
+def sqlite_error(
+    exc: apsw.Error,
+    path: Path,
+    session_id: str | None = None,
+    conn: apsw.Connection | None = None,
+) -> WalspoolError:
+    """Map an apsw error to the walspool error named for its condition.
+
+    ``conn``, when given, supplies the operating system's errno of the failure, which
+    tells a full disk (ENOSPC) or a file-size limit (EFBIG) from other I/O errors.
+    """
+    os_errno = _system_errno(conn)
+    text = f"{path}: {exc}"
+    if isinstance(exc, (apsw.CorruptError, apsw.NotADBError)):
+        return SpoolCorrupt(
+            f"{text}; run `walspool check {path}`", path=path, session_id=session_id
+        )
+    if isinstance(exc, apsw.FullError) or os_errno in (errno.ENOSPC, errno.EFBIG):
+        return DiskFull(
+            f"{path}: no room to write ({exc}); free disk space, nothing stored was lost",
+            path=path,
+            session_id=session_id,
+        )
+    if isinstance(exc, apsw.IOError):
+        return SpoolIOError(f"{text}; check the disk", path=path, session_id=session_id)
+    return WalspoolError(text, path=path, session_id=session_id)
+
+
+def _system_errno(conn: apsw.Connection | None) -> int:
+    if conn is None:
+        return 0
+    try:
+        return int(conn.system_errno)
+    except apsw.Error:
+        return 0

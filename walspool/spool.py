@@ -1,0 +1,311 @@
+"""The spool: append messages durably, read them back in drop order."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import threading
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import apsw
+
+from . import codec
+from .errors import InvalidArgument, PayloadTooLarge, SpoolClosed
+from .records import CAP_DROP, Receipt, Record, Stats
+from .schema import open_reader, open_writer, sqlite_error
+from .writer import Append, Operation, Row, Writer
+
+DEFAULT_MAX_PAYLOAD_BYTES = 64 * 1024 * 1024
+#: Longest session id, session key or reason accepted, in characters.
+MAX_NAME_LENGTH = 4096
+#: Rows fetched per read transaction while iterating, so a slow reader never pins
+#: the WAL for long.
+PAGE_ROWS = 512
+
+RECORD_COLUMNS = (
+    "id, session_id, seq, reason, session_key, created_at, payload, attempts, last_error, "
+    "last_attempt_at"
+)
+RECORDS_PAGE_SQL = f"""
+SELECT {RECORD_COLUMNS} FROM records
+WHERE id > :after AND (:reasons IS NULL OR reason IN (SELECT value FROM json_each(:reasons)))
+ORDER BY id LIMIT :limit
+"""
+SESSION_RECORDS_PAGE_SQL = f"""
+SELECT {RECORD_COLUMNS} FROM records
+WHERE session_id = :session_id AND seq > :after
+  AND (:reasons IS NULL OR reason IN (SELECT value FROM json_each(:reasons)))
+ORDER BY seq LIMIT :limit
+"""
+STATS_BY_REASON_SQL = """
+SELECT reason, count(*), sum(length(CAST(payload AS BLOB))), min(created_at), max(created_at)
+FROM records GROUP BY reason
+"""
+STATS_SESSIONS_SQL = """
+SELECT (SELECT count(DISTINCT session_id) FROM records)
+     + (SELECT count(DISTINCT session_key) FROM records WHERE session_id IS NULL)
+"""
+STATS_FAILING_SQL = "SELECT count(*) FROM records WHERE last_error IS NOT NULL"
+
+
+def default_path() -> Path:
+    """``<HERMES_HOME>/spool.db``; ``HERMES_HOME`` defaults to ``~/.hermes``."""
+    home = os.environ.get("HERMES_HOME") or os.path.join(os.path.expanduser("~"), ".hermes")
+    return Path(home) / "spool.db"
+
+
+class Spool:
+    """A durable, ordered spool of messages in one SQLite file (WAL mode).
+
+    ``durability="full"``: an acknowledged append survives a power cut.
+    ``durability="normal"``: it survives a killed process, not a power cut.
+
+    Thread-safe; several processes may share one spool file.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str] | None = None,
+        *,
+        durability: str = "full",
+        max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+        max_bytes: int | None = None,
+    ) -> None:
+        if durability not in ("full", "normal"):
+            raise InvalidArgument(
+                f"durability must be 'full' or 'normal', not {durability!r}", path=path
+            )
+        if max_payload_bytes <= 0 or (max_bytes is not None and max_bytes <= 0):
+            raise InvalidArgument("max_payload_bytes and max_bytes must be positive", path=path)
+        self.path = Path(path) if path is not None else default_path()
+        self.durability = durability
+        self.max_payload_bytes = max_payload_bytes
+        self.max_bytes = max_bytes
+        self._conn = open_writer(self.path, durability, max_bytes)
+        self._writer = Writer(self._conn, self.path, max_bytes)
+        self._reader: apsw.Connection | None = None
+        self._reader_lock = threading.Lock()
+        self._closed = False
+
+    # -- appending -----------------------------------------------------------
+
+    def append(
+        self,
+        session_id: str | None,
+        message: Any,
+        *,
+        reason: str = CAP_DROP,
+        session_key: str | None = None,
+    ) -> Receipt:
+        """Spool one message; return once it is committed."""
+        row = self._row(session_id, message, reason, session_key)
+        return self._writer.call(Append((row,), single=True))
+
+    def append_many(
+        self,
+        items: Iterable[tuple[str | None, Any] | tuple[str | None, Any, str | None]],
+        *,
+        reason: str = CAP_DROP,
+    ) -> list[Receipt]:
+        """Spool ``(session_id, message[, session_key])`` items in one transaction.
+
+        All or nothing: either every item is committed, in order, or none is.
+        """
+        rows = [
+            self._row(item[0], item[1], reason, item[2] if len(item) > 2 else None)
+            for item in items
+        ]
+        if not rows:
+            return []
+        return self._writer.call(Append(rows, single=False))
+
+    def submit(
+        self,
+        session_id: str | None,
+        message: Any,
+        *,
+        reason: str = CAP_DROP,
+        session_key: str | None = None,
+    ) -> concurrent.futures.Future[Receipt]:
+        """Take the message's place in its session's order now; commit in the background.
+
+        A bad argument or an oversized message raises here; a storage failure
+        (disk full, spool full, I/O error) arrives through the future.
+        """
+        row = self._row(session_id, message, reason, session_key)
+        return self._writer.submit(Append((row,), single=True))
+
+    async def append_async(
+        self,
+        session_id: str | None,
+        message: Any,
+        *,
+        reason: str = CAP_DROP,
+        session_key: str | None = None,
+    ) -> Receipt:
+        """Spool one message from asyncio; the event loop never runs SQLite.
+
+        Cancelling the awaiting task does not take the message back.
+        """
+        row = self._row(session_id, message, reason, session_key)
+        return await self._writer.call_async(Append((row,), single=True))
+
+    def _row(
+        self, session_id: str | None, message: Any, reason: str, session_key: str | None
+    ) -> Row:
+        if session_id is not None:
+            _check_name(session_id, "session_id", self.path)
+        if session_key is not None:
+            _check_name(session_key, "session_key", self.path)
+        if session_id is None and session_key is None:
+            raise InvalidArgument(
+                "a message needs a session_id or a session_key", path=self.path
+            )
+        _check_name(reason, "reason", self.path)
+        payload = codec.encode(message)
+        if len(payload) > self.max_payload_bytes:
+            raise PayloadTooLarge(
+                len(payload), self.max_payload_bytes, path=str(self.path), session_id=session_id
+            )
+        return (session_id, session_key, reason, time.time(), payload.decode("utf-8"))
+
+    # -- writing on the replayer's behalf ----------------------------------------
+
+    def _execute(self, fn: Any) -> Any:
+        """Run ``fn(conn)`` in the writer's next transaction; return its result."""
+        return self._writer.call(Operation(fn))
+
+    # -- reading ---------------------------------------------------------------
+
+    def records(
+        self, session_id: str | None = None, reasons: Sequence[str] | None = None
+    ) -> Iterator[Record]:
+        """Yield spooled records: all of them by id, or one session's by seq.
+
+        Rows are read a page at a time, each page in its own short read
+        transaction: rows appended or removed during the iteration may or may not
+        be seen, but no row is seen twice and a session's order is kept.
+        """
+        reasons_json = None if reasons is None else codec.encode(list(reasons)).decode()
+        if session_id is None:
+            sql, params = RECORDS_PAGE_SQL, {"reasons": reasons_json}
+        else:
+            sql, params = SESSION_RECORDS_PAGE_SQL, {
+                "reasons": reasons_json, "session_id": session_id}
+        after = 0
+        while True:
+            rows = self._read(sql, {**params, "after": after, "limit": PAGE_ROWS})
+            for row in rows:
+                yield record_from_row(row)
+            if len(rows) < PAGE_ROWS:
+                return
+            after = rows[-1][0] if session_id is None else rows[-1][2]
+
+    def stats(self) -> Stats:
+        """Count what the spool holds: rows, sessions, bytes, age, by reason, failing."""
+
+        def query(conn: apsw.Connection) -> tuple[Any, ...]:
+            with conn:
+                return (
+                    conn.execute(STATS_BY_REASON_SQL).fetchall(),
+                    conn.execute(STATS_SESSIONS_SQL).get,
+                    conn.execute(STATS_FAILING_SQL).get,
+                )
+
+        by_reason, sessions, failing = self._with_reader(query)
+        return stats_from(by_reason, sessions, failing, self.path)
+
+    def _read(self, sql: str, params: Any) -> list[tuple[Any, ...]]:
+        return self._with_reader(lambda conn: conn.execute(sql, params).fetchall())
+
+    def _with_reader(self, fn: Any) -> Any:
+        with self._reader_lock:
+            if self._closed:
+                raise SpoolClosed(f"spool {self.path} is closed", path=self.path)
+            if self._reader is None:
+                self._reader = open_reader(self.path)
+            try:
+                return fn(self._reader)
+            except apsw.Error as exc:
+                raise sqlite_error(exc, self.path) from exc
+
+    # -- life cycle ------------------------------------------------------------
+
+    def close(self) -> None:
+        """Commit everything already accepted, then close the files. Idempotent."""
+        self._writer.close()
+        with self._reader_lock:
+            if self._closed:
+                return
+            self._closed = True
+            if self._reader is not None:
+                self._reader.close()
+        self._conn.close()
+
+    def __enter__(self) -> Spool:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Spool({str(self.path)!r}, durability={self.durability!r})"
+
+
+def record_from_row(row: tuple[Any, ...]) -> Record:
+    """Build a Record from a row selected as ``RECORD_COLUMNS``."""
+    (row_id, session_id, seq, reason, session_key, created_at, payload, attempts,
+     last_error, last_attempt_at) = row
+    return Record(row_id, session_id, seq, reason, session_key, created_at,
+                  codec.decode(payload), attempts, last_error, last_attempt_at)
+
+
+def stats_from(by_reason: list[tuple[Any, ...]], sessions: int, failing: int,
+               path: Path) -> Stats:
+    """Assemble Stats from the per-reason rows and the file sizes on disk."""
+    return Stats(
+        rows=sum(r[1] for r in by_reason),
+        sessions=sessions,
+        bytes=sum(r[2] or 0 for r in by_reason),
+        oldest=min((r[3] for r in by_reason), default=None),
+        newest=max((r[4] for r in by_reason), default=None),
+        by_reason={r[0]: r[1] for r in by_reason},
+        failing=failing,
+        db_bytes=_size(path),
+        wal_bytes=_size(Path(f"{path}-wal")),
+    )
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
+def _check_name(value: Any, what: str, path: Path) -> None:
+    if not isinstance(value, str):
+        raise InvalidArgument(f"{what} must be a str, not {type(value).__name__}", path=path)
+    if not value:
+        raise InvalidArgument(f"{what} must not be empty", path=path)
+    if len(value) > MAX_NAME_LENGTH:
+        raise InvalidArgument(
+            f"{what} is {len(value)} characters, over the limit of {MAX_NAME_LENGTH}", path=path
+        )
+    if not value.isascii():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise InvalidArgument(
+                f"{what} {value!r} contains a lone surrogate, which UTF-8 cannot store",
+                path=path,
+            ) from None
