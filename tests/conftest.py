@@ -30,5 +30,9 @@ def run_python(code: str, *args: str, timeout: float = 120, **kw) -> subprocess.
     env = {**os.environ, "PYTHONPATH": str(ROOT), **kw.pop("env", {})}
     return subprocess.run(
         [sys.executable, "-c", code, *args],
-        capture_output=True, text=True, timeout=timeout, env=env, **kw,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        **kw,
     )

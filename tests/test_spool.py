@@ -29,7 +29,11 @@ def test_records_read_back_in_drop_order_with_fields(spool):
     spool.append(None, "text", session_key="agent:main:telegram:dm:1", reason=SHUTDOWN)
     recs = list(spool.records())
     assert [(r.session_id, r.seq, r.message) for r in recs] == [
-        ("a", 1, {"n": 1}), ("a", 2, {"n": 2}), ("b", 1, {"n": 9}), (None, 1, "text")]
+        ("a", 1, {"n": 1}),
+        ("a", 2, {"n": 2}),
+        ("b", 1, {"n": 9}),
+        (None, 1, "text"),
+    ]
     assert recs[3].session_key == "agent:main:telegram:dm:1"
     assert [r.message["n"] for r in spool.records(session_id="a")] == [1, 2]
     assert [r.seq for r in spool.records(reasons=[SHUTDOWN])] == [2, 1, 1]
@@ -100,7 +104,9 @@ def test_append_async_runs_off_the_loop(spool):
 
     async def main():
         loop_thread.append(threading.get_ident())
-        return await asyncio.gather(*(spool.append_async(f"s{i % 4}", {"i": i}) for i in range(100)))
+        return await asyncio.gather(
+            *(spool.append_async(f"s{i % 4}", {"i": i}) for i in range(100))
+        )
 
     receipts = asyncio.run(main())
     assert sorted(r.seq for r in receipts if r.session_id == "s0") == list(range(1, 26))
@@ -141,12 +147,15 @@ def test_stats_counts_rows_bytes_reasons(spool):
     assert st.db_bytes > 0
 
 
-@pytest.mark.parametrize("bad,what", [
-    ("", "must not be empty"),
-    ("x" * 5000, "over the limit"),
-    ("a\udc80", "lone surrogate"),
-    (42, "must be a str"),
-])
+@pytest.mark.parametrize(
+    "bad,what",
+    [
+        ("", "must not be empty"),
+        ("x" * 5000, "over the limit"),
+        ("a\udc80", "lone surrogate"),
+        (42, "must be a str"),
+    ],
+)
 def test_bad_session_ids_are_refused_clearly(spool, bad, what):
     spool.append("ok", MSG)
     with pytest.raises(walspool.InvalidArgument, match=what):
@@ -202,11 +211,28 @@ def test_bad_options_refused(tmp_path: Path):
 
 
 def test_public_api_is_pinned():
-    assert sorted(walspool.__all__) == sorted([
-        "AGENT_HISTORY", "CAP_DROP", "SHUTDOWN", "DiskFull", "InvalidArgument", "NotASpool",
-        "PayloadTooLarge", "Receipt", "Record", "SchemaTooNew", "Spool", "SpoolClosed",
-        "SpoolCorrupt", "SpoolFull", "SpoolIOError", "Stats", "SymlinkRefused", "WalspoolError",
-    ])
+    assert sorted(walspool.__all__) == sorted(
+        [
+            "AGENT_HISTORY",
+            "CAP_DROP",
+            "SHUTDOWN",
+            "DiskFull",
+            "InvalidArgument",
+            "NotASpool",
+            "PayloadTooLarge",
+            "Receipt",
+            "Record",
+            "SchemaTooNew",
+            "Spool",
+            "SpoolClosed",
+            "SpoolCorrupt",
+            "SpoolFull",
+            "SpoolIOError",
+            "Stats",
+            "SymlinkRefused",
+            "WalspoolError",
+        ]
+    )
     for name in walspool.__all__:
         assert getattr(walspool, name) is not None
     assert walspool.CAP_DROP == "transcript_cap_drop"

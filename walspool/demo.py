@@ -22,8 +22,11 @@ def run_demo(out: TextIO, sessions: int = 16, per_session: int = 250) -> int:
 
             def feed(session: str) -> None:
                 for i in range(per_session):
-                    spool.append(session, {"role": "user", "content": f"{session} #{i}", "i": i},
-                                 reason=CAP_DROP)
+                    spool.append(
+                        session,
+                        {"role": "user", "content": f"{session} #{i}", "i": i},
+                        reason=CAP_DROP,
+                    )
                 sent[session] = list(range(per_session))
 
             threads = [threading.Thread(target=feed, args=(f"s{n:02d}",)) for n in range(sessions)]

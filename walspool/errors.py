@@ -47,8 +47,7 @@ class SpoolFull(WalspoolError):
 
     def __init__(self, limit: int, *, path: str, session_id: str | None = None) -> None:
         super().__init__(
-            f"spool {path} is full (max_bytes={limit}); replay it into state.db or "
-            "raise max_bytes",
+            f"spool {path} is full (max_bytes={limit}); replay it into state.db or raise max_bytes",
             path=path,
             session_id=session_id,
         )

@@ -166,8 +166,7 @@ def set_wal(conn: apsw.Connection, path: Path) -> None:
     mode = conn.execute("PRAGMA journal_mode = WAL").get
     if mode != "wal":
         raise SpoolIOError(
-            f"{path}: SQLite refused WAL mode (got {mode!r}); put the spool on a local "
-            "file system",
+            f"{path}: SQLite refused WAL mode (got {mode!r}); put the spool on a local file system",
             path=path,
         )
 
@@ -224,7 +223,9 @@ def open_writer(path: Path, durability: str, max_bytes: int | None) -> apsw.Conn
         moved = move_aside(path)
         log.error(
             "spool %s is damaged (%s); moved it aside to %s and opened a fresh spool",
-            path, exc.__cause__ or exc, moved,
+            path,
+            exc.__cause__ or exc,
+            moved,
         )
         create_private(path)
         conn = _open_checked(path)
@@ -254,7 +255,9 @@ def open_reader(path: Path) -> apsw.Connection:
 def _open_checked(path: Path) -> apsw.Connection:
     _refuse_non_sqlite(path)
     flags = (
-        apsw.SQLITE_OPEN_READWRITE | apsw.SQLITE_OPEN_CREATE | apsw.SQLITE_OPEN_NOFOLLOW
+        apsw.SQLITE_OPEN_READWRITE
+        | apsw.SQLITE_OPEN_CREATE
+        | apsw.SQLITE_OPEN_NOFOLLOW
         | apsw.SQLITE_OPEN_URI
     )
     conn = apsw.Connection(f"file:{_uri_path(path)}", flags=flags)
@@ -322,6 +325,13 @@ def _create_schema(conn: apsw.Connection, path: Path) -> None:
             conn.execute(SCHEMA_SQL)
 
 
+CHEAP_CHECK_SQL = (
+    "SELECT max(id) FROM records",
+    "SELECT 1 FROM records ORDER BY session_id, seq LIMIT 1",
+    "SELECT 1 FROM sequences LIMIT 1",
+)
+
+
 def _cheap_check(conn: apsw.Connection) -> None:
     """Touch the schema and each table's b-tree without scanning it.
 
@@ -332,9 +342,8 @@ def _cheap_check(conn: apsw.Connection) -> None:
     missing = EXPECTED_OBJECTS - found
     if missing:
         raise apsw.CorruptError(f"spool schema lacks {sorted(n for _, n in missing)}")
-    conn.execute("SELECT max(id) FROM records").get
-    conn.execute("SELECT 1 FROM records ORDER BY session_id, seq LIMIT 1").get
-    conn.execute("SELECT 1 FROM sequences LIMIT 1").get
+    for sql in CHEAP_CHECK_SQL:
+        conn.execute(sql).fetchall()
 
 
 def move_aside(path: Path) -> Path:

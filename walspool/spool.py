@@ -162,9 +162,7 @@ class Spool:
         if session_key is not None:
             _check_name(session_key, "session_key", self.path)
         if session_id is None and session_key is None:
-            raise InvalidArgument(
-                "a message needs a session_id or a session_key", path=self.path
-            )
+            raise InvalidArgument("a message needs a session_id or a session_key", path=self.path)
         _check_name(reason, "reason", self.path)
         payload = codec.encode(message)
         if len(payload) > self.max_payload_bytes:
@@ -194,8 +192,10 @@ class Spool:
         if session_id is None:
             sql, params = RECORDS_PAGE_SQL, {"reasons": reasons_json}
         else:
-            sql, params = SESSION_RECORDS_PAGE_SQL, {
-                "reasons": reasons_json, "session_id": session_id}
+            sql, params = (
+                SESSION_RECORDS_PAGE_SQL,
+                {"reasons": reasons_json, "session_id": session_id},
+            )
         after = 0
         while True:
             rows = self._read(sql, {**params, "after": after, "limit": PAGE_ROWS})
@@ -263,14 +263,33 @@ class Spool:
 
 def record_from_row(row: tuple[Any, ...]) -> Record:
     """Build a Record from a row selected as ``RECORD_COLUMNS``."""
-    (row_id, session_id, seq, reason, session_key, created_at, payload, attempts,
-     last_error, last_attempt_at) = row
-    return Record(row_id, session_id, seq, reason, session_key, created_at,
-                  codec.decode(payload), attempts, last_error, last_attempt_at)
+    (
+        row_id,
+        session_id,
+        seq,
+        reason,
+        session_key,
+        created_at,
+        payload,
+        attempts,
+        last_error,
+        last_attempt_at,
+    ) = row
+    return Record(
+        row_id,
+        session_id,
+        seq,
+        reason,
+        session_key,
+        created_at,
+        codec.decode(payload),
+        attempts,
+        last_error,
+        last_attempt_at,
+    )
 
 
-def stats_from(by_reason: list[tuple[Any, ...]], sessions: int, failing: int,
-               path: Path) -> Stats:
+def stats_from(by_reason: list[tuple[Any, ...]], sessions: int, failing: int, path: Path) -> Stats:
     """Assemble Stats from the per-reason rows and the file sizes on disk."""
     return Stats(
         rows=sum(r[1] for r in by_reason),

@@ -84,9 +84,7 @@ class _Group:
             self.next_seq[stream] = seq + 1
             row_id = self.next_id
             self.next_id += 1
-            self.inserts.append(
-                (row_id, session_id, seq, reason, session_key, created_at, payload)
-            )
+            self.inserts.append((row_id, session_id, seq, reason, session_key, created_at, payload))
             receipts.append(Receipt(row_id, session_id, seq, reason, session_key, created_at))
         return receipts
 
@@ -340,6 +338,7 @@ class Writer:
         # is used, so count "nearly at the cap" as at it; a real ENOSPC is DiskFull.
         return pages >= limit - 8
 
+
 def _wake(items: list[tuple[Request, Any]]) -> None:
     """Wake every waiter of a finished group; asyncio waiters once per loop."""
     by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Request, asyncio.Future[Any]]]] = {}
@@ -368,4 +367,3 @@ def _resolve(pairs: list[tuple[Request, asyncio.Future[Any]]]) -> None:
             future.set_exception(request.error)
         else:
             future.set_result(request.result)
-
