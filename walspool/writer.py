@@ -117,6 +117,10 @@ class Request:
     def size(self) -> int:
         return 1
 
+    @property
+    def payload_bytes(self) -> int:
+        return 0
+
     def run(self, group: _Group) -> None:
         raise NotImplementedError
 
@@ -137,6 +141,10 @@ class Append(Request):
     @property
     def size(self) -> int:
         return len(self.rows)
+
+    @property
+    def payload_bytes(self) -> int:
+        return sum(len(row[4]) for row in self.rows)
 
     def run(self, group: _Group) -> None:
         receipts = group.add(self.rows)
@@ -318,7 +326,7 @@ class Writer:
     def _error(self, exc: BaseException, request: Request) -> BaseException:
         if isinstance(exc, WalspoolError):
             return exc
-        if isinstance(exc, apsw.FullError) and self._at_max_bytes():
+        if isinstance(exc, apsw.FullError) and self._at_max_bytes(request):
             error: BaseException = SpoolFull(
                 self._max_bytes or 0, path=str(self._path), session_id=request.session_id
             )
@@ -329,14 +337,18 @@ class Writer:
         error.__cause__ = exc
         return error
 
-    def _at_max_bytes(self) -> bool:
+    def _at_max_bytes(self, request: Request) -> bool:
+        """Did SQLITE_FULL come from the ``max_bytes`` cap rather than the disk?
+
+        True when the pages in use plus those the request needs reach the cap.
+        """
         if self._max_bytes is None:
             return False
+        page_size = self._conn.execute("PRAGMA page_size").get
         pages = self._conn.execute("PRAGMA page_count").get
         limit = self._conn.execute("PRAGMA max_page_count").get
-        # An insert that needs more pages than are left fails before the last page
-        # is used, so count "nearly at the cap" as at it; a real ENOSPC is DiskFull.
-        return pages >= limit - 8
+        needed = request.payload_bytes // page_size + 8
+        return pages + needed >= limit
 
 
 def _wake(items: list[tuple[Request, Any]]) -> None:

@@ -1,0 +1,144 @@
+"""The payload rule: JSON values round-trip exactly, everything else converts."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import decimal
+import enum
+import uuid
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import walspool
+
+JSON = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**200), max_value=2**200)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(),
+    lambda children: (
+        st.lists(children, max_size=5) | st.dictionaries(st.text(max_size=10), children, max_size=5)
+    ),
+    max_leaves=30,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(message=st.dictionaries(st.text(max_size=12), JSON, max_size=6))
+def test_json_safe_dicts_round_trip_exactly(tmp_path_factory, message):
+    path = tmp_path_factory.mktemp("rt") / "spool.db"
+    with walspool.Spool(path, durability="normal") as spool:
+        spool.append("s", message)
+        (rec,) = spool.records()
+    assert rec.message == message
+    assert repr(rec.message) == repr(message)  # -0.0, int vs float, key order
+
+
+@settings(max_examples=100, deadline=None)
+@given(value=st.from_type(type).flatmap(st.from_type) | st.binary() | st.datetimes())
+def test_any_value_is_accepted(tmp_path_factory, value):
+    path = tmp_path_factory.mktemp("any") / "spool.db"
+    with walspool.Spool(path, durability="normal") as spool:
+        receipt = spool.append("s", {"v": value})
+        assert receipt.seq == 1
+        (rec,) = spool.records()
+    assert "v" in rec.message
+
+
+class Kind(enum.Enum):
+    TEXT = "text"
+
+
+@dataclasses.dataclass
+class Source:
+    platform: str
+    chat_id: str
+
+
+class RawUpdate:
+    def __init__(self) -> None:
+        self.update_id = 7
+        self._bot = object()
+        self.me = self  # a cycle
+
+
+class BrokenRepr:
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        raise RuntimeError("no")
+
+
+@dataclasses.dataclass
+class Event:
+    text: str
+    message_type: Kind
+    source: Source
+    raw_message: object
+    timestamp: datetime.datetime
+
+
+def test_conversion_rule(spool):
+    when = datetime.datetime(2026, 11, 29, 12, 0, 0, tzinfo=datetime.timezone.utc)
+    uid = uuid.UUID(int=5)
+    message = {
+        "bytes": b"\x00\xff",
+        "when": when,
+        "day": datetime.date(2026, 1, 2),
+        "uuid": uid,
+        "dec": decimal.Decimal("1.10"),
+        "kind": Kind.TEXT,
+        "tuple": (1, 2),
+        "set": {3},
+        "nan": float("nan"),
+        "inf": float("-inf"),
+        "surrogate": "a\udc80b",
+        "pair": "\ud83d\ude00",
+        "keys": {1: "one", (2, 3): "tuple"},
+        "broken": BrokenRepr(),
+        "event": Event("hi", Kind.TEXT, Source("telegram", "42"), RawUpdate(), when),
+    }
+    spool.append("s", message)
+    (rec,) = spool.records()
+    got = rec.message
+    assert got["bytes"] == "AP8="
+    assert got["when"] == "2026-11-29T12:00:00Z"
+    assert got["day"] == "2026-01-02"
+    assert got["uuid"] == str(uid)
+    assert got["dec"] == "1.10"
+    assert got["kind"] == "text"
+    assert got["tuple"] == [1, 2] and got["set"] == [3]
+    assert got["nan"] is None and got["inf"] is None
+    assert got["surrogate"] == "a\ufffdb"
+    assert got["pair"] == "😀"
+    assert got["keys"] == {"1": "one", "(2, 3)": "tuple"}
+    assert got["broken"] == "<unrepresentable BrokenRepr>"
+    event = got["event"]
+    assert event["text"] == "hi" and event["message_type"] == "text"
+    assert event["source"] == {"platform": "telegram", "chat_id": "42"}
+    assert event["raw_message"]["update_id"] == 7
+    assert "_bot" not in event["raw_message"]
+    assert isinstance(event["raw_message"]["me"], str)  # the cycle is cut
+    assert event["timestamp"] == "2026-11-29T12:00:00Z"
+
+
+def test_non_dict_messages(spool):
+    spool.append("s", "plain text")
+    spool.append("s", [1, "two"])
+    spool.append("s", None)
+    assert [r.message for r in spool.records()] == ["plain text", [1, "two"], None]
+
+
+def test_deep_nesting_is_cut_not_raised(spool):
+    deep: list = []
+    cur = deep
+    for _ in range(5000):
+        nxt: list = []
+        cur.append(nxt)
+        cur = nxt
+    spool.append("s", {"deep": deep})
+    (rec,) = spool.records()
+    assert isinstance(rec.message["deep"], list)

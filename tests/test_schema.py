@@ -1,0 +1,218 @@
+"""The spool file: identity, permissions, refusals, damage handling, sqlite3 shell."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import sqlite3
+import stat
+import subprocess
+import threading
+from pathlib import Path
+
+import apsw
+import pytest
+
+import walspool
+from walspool.schema import APPLICATION_ID, SCHEMA_VERSION
+
+from _helpers import run_python
+
+MSG = {"role": "user", "content": "hello 世界", "n": 1}
+
+
+def mode(path: Path) -> int:
+    return stat.S_IMODE(os.stat(path).st_mode)
+
+
+def test_file_identity_wal_and_strict_tables(spool, spool_path):
+    spool.append("s", MSG)
+    conn = apsw.Connection(str(spool_path), flags=apsw.SQLITE_OPEN_READONLY)
+    assert conn.execute("PRAGMA application_id").get == APPLICATION_ID
+    assert conn.execute("PRAGMA user_version").get == SCHEMA_VERSION == 1
+    assert conn.execute("PRAGMA journal_mode").get == "wal"
+    strict = {
+        name: s
+        for _, name, _, _, _, s in conn.execute("PRAGMA table_list")
+        if name in ("records", "sequences")
+    }
+    assert strict == {"records": 1, "sequences": 1}
+    names = {r[0] for r in conn.execute("SELECT name FROM sqlite_schema")}
+    assert {"records", "sequences", "backlog", "failures"} <= names
+    assert not any("fts" in n.lower() for n in names)
+    assert conn.execute("SELECT count(*) FROM sqlite_schema WHERE type='trigger'").get == 0
+    conn.close()
+
+
+def test_private_modes_under_permissive_umask(tmp_path):
+    old = os.umask(0)
+    try:
+        path = tmp_path / "new" / "deeper" / "spool.db"
+        with walspool.Spool(path) as s:
+            s.append("s", MSG)
+            assert mode(path.parent) == 0o700
+            for name in (path, Path(f"{path}-wal"), Path(f"{path}-shm")):
+                assert name.exists(), name
+                assert mode(name) == 0o600, name
+    finally:
+        os.umask(old)
+
+
+def test_existing_loose_spool_modes_are_tightened(spool_path):
+    with walspool.Spool(spool_path) as s:
+        s.append("s", MSG)
+    os.chmod(spool_path, 0o644)
+    with walspool.Spool(spool_path) as s:
+        assert mode(spool_path) == 0o600
+        assert s.stats().rows == 1
+
+
+def test_symlinked_path_is_refused(tmp_path):
+    real = tmp_path / "real.db"
+    with walspool.Spool(real) as s:
+        s.append("s", MSG)
+    link = tmp_path / "link.db"
+    link.symlink_to(real)
+    before = real.read_bytes()
+    with pytest.raises(walspool.SymlinkRefused, match="symbolic link") as info:
+        walspool.Spool(link)
+    assert info.value.path == str(link)
+    assert real.read_bytes() == before
+    dangling = tmp_path / "dangling.db"
+    dangling.symlink_to(tmp_path / "nowhere.db")
+    with pytest.raises(walspool.SymlinkRefused):
+        walspool.Spool(dangling)
+    assert not (tmp_path / "nowhere.db").exists()
+
+
+def test_non_sqlite_file_is_refused_and_unchanged(tmp_path):
+    path = tmp_path / "notes.txt"
+    path.write_text("my precious notes\n" * 100)
+    before = path.read_bytes()
+    with pytest.raises(walspool.NotASpool, match="not a SQLite database"):
+        walspool.Spool(path)
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+
+
+def test_other_sqlite_database_is_refused_and_unchanged(tmp_path):
+    path = tmp_path / "state.db"
+    conn = apsw.Connection(str(path))
+    conn.execute("CREATE TABLE messages(id INTEGER PRIMARY KEY, content TEXT)")
+    conn.execute("INSERT INTO messages(content) VALUES ('keep me')")
+    conn.close()
+    before = path.read_bytes()
+    with pytest.raises(walspool.NotASpool, match="not a walspool spool") as info:
+        walspool.Spool(path)
+    assert info.value.path == str(path)
+    assert path.read_bytes() == before
+    assert not Path(f"{path}-wal").exists()
+
+
+def test_newer_schema_is_refused_and_unchanged(spool_path):
+    with walspool.Spool(spool_path) as s:
+        s.append("s", MSG)
+    conn = apsw.Connection(str(spool_path))
+    conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
+    conn.close()
+    before = spool_path.read_bytes()
+    with pytest.raises(walspool.SchemaTooNew, match="upgrade walspool") as info:
+        walspool.Spool(spool_path)
+    assert (info.value.found, info.value.supported) == (SCHEMA_VERSION + 1, SCHEMA_VERSION)
+    assert isinstance(info.value, walspool.NotASpool)
+    assert spool_path.read_bytes() == before
+
+
+def _spool_with_rows(path: Path, n: int = 300) -> None:
+    with walspool.Spool(path) as s:
+        s.append_many([("s", {"i": i, "pad": "x" * 400}) for i in range(n)])
+
+
+@pytest.mark.parametrize("damage", ["header", "root_page"])
+def test_damaged_spool_is_moved_aside_and_replaced(spool_path, caplog, damage):
+    _spool_with_rows(spool_path)
+    data = bytearray(spool_path.read_bytes())
+    if damage == "header":
+        data[16:18] = b"\x00\x03"  # page size 3: not a valid SQLite header
+    else:
+        page = int.from_bytes(data[16:18], "big")
+        data[page : 2 * page] = b"\xff" * page  # page 2, the records table's root
+    spool_path.write_bytes(bytes(data))
+    damaged = bytes(data)
+    with caplog.at_level(logging.ERROR, logger="walspool"):
+        with walspool.Spool(spool_path) as s:
+            assert s.stats().rows == 0
+            assert s.append("s", MSG).seq == 1
+    aside = [p for p in spool_path.parent.iterdir() if ".damaged-" in p.name]
+    assert len(aside) == 1
+    assert aside[0].read_bytes() == damaged
+    assert mode(aside[0]) == 0o600
+    errors = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert errors and str(spool_path) in errors[0].getMessage()
+    assert str(aside[0]) in errors[0].getMessage()
+
+
+def test_opening_does_not_scan(spool_path):
+    """A damaged page deep in the table is left for `walspool check`, not open."""
+    _spool_with_rows(spool_path, 2000)
+    data = bytearray(spool_path.read_bytes())
+    page = int.from_bytes(data[16:18], "big")
+    middle = (len(data) // page // 2) * page
+    data[middle + 100 : middle + 200] = b"\xee" * 100
+    spool_path.write_bytes(bytes(data))
+    with walspool.Spool(spool_path) as s:
+        assert s.append("s", MSG).seq == 2001
+    assert not [p for p in spool_path.parent.iterdir() if ".damaged-" in p.name]
+
+
+def test_sqlite3_shell_reads_while_writer_active(spool, spool_path):
+    shell = shutil.which("sqlite3")
+    assert shell, "the sqlite3 shell is part of the test environment (scripts/test installs it)"
+    spool.append("s1", {"role": "user", "content": "first"})
+    stop = threading.Event()
+
+    def keep_writing() -> None:
+        i = 0
+        while not stop.is_set():
+            spool.append("busy", {"role": "user", "content": f"m{i}"})
+            i += 1
+
+    writer = threading.Thread(target=keep_writing)
+    writer.start()
+    try:
+
+        def sql(query: str) -> str:
+            out = subprocess.run(
+                [shell, "-readonly", str(spool_path), query],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
+            assert out.returncode == 0, out.stderr
+            return out.stdout.strip()
+
+        assert sql("PRAGMA journal_mode") == "wal"
+        assert (
+            sql("SELECT json_extract(payload, '$.content') FROM records WHERE session_id = 's1'")
+            == "first"
+        )
+        backlog = sql("SELECT session_id, rows FROM backlog WHERE session_id = 's1'")
+        assert backlog == "s1|1"
+        assert sql("SELECT count(*) FROM failures") == "0"
+    finally:
+        stop.set()
+        writer.join(30)
+
+
+def test_stdlib_sqlite3_in_another_process_reads_the_spool(spool, spool_path):
+    spool.append("s", MSG)
+    out = run_python(
+        "import sqlite3, sys\n"
+        "c = sqlite3.connect(f'file:{sys.argv[1]}?mode=ro', uri=True)\n"
+        "print(c.execute(\"select json_extract(payload,'$.content') from records\").fetchone()[0])",
+        str(spool_path),
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == MSG["content"]
+    assert sqlite3.sqlite_version  # the stdlib module is only ever used out of process
