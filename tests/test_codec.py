@@ -82,7 +82,7 @@ class Event:
 
 
 def test_conversion_rule(spool):
-    when = datetime.datetime(2026, 11, 29, 12, 0, 0, tzinfo=datetime.timezone.utc)
+    when = datetime.datetime(2026, 11, 29, 12, 0, 0, tzinfo=datetime.UTC)
     uid = uuid.UUID(int=5)
     message = {
         "bytes": b"\x00\xff",

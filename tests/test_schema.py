@@ -13,11 +13,10 @@ from pathlib import Path
 
 import apsw
 import pytest
+from _helpers import run_python
 
 import walspool
 from walspool.schema import APPLICATION_ID, SCHEMA_VERSION
-
-from _helpers import run_python
 
 MSG = {"role": "user", "content": "hello 世界", "n": 1}
 

@@ -10,9 +10,9 @@ import threading
 
 import apsw
 import pytest
+from _helpers import ROOT, run_python
 
 import walspool
-from _helpers import ROOT, run_python
 
 WRITER_CHILD = r"""
 import sys, threading, walspool
