@@ -230,6 +230,7 @@ def test_public_api_is_pinned():
             "SpoolIOError",
             "Stats",
             "SymlinkRefused",
+            "UnsupportedGateway",
             "WalspoolError",
         ]
     )

@@ -16,6 +16,7 @@ from .errors import (
     SpoolFull,
     SpoolIOError,
     SymlinkRefused,
+    UnsupportedGateway,
     WalspoolError,
 )
 from .records import AGENT_HISTORY, CAP_DROP, SHUTDOWN, Receipt, Record, Stats
@@ -39,5 +40,6 @@ __all__ = [
     "SpoolIOError",
     "Stats",
     "SymlinkRefused",
+    "UnsupportedGateway",
     "WalspoolError",
 ]

@@ -89,3 +89,7 @@ class SpoolClosed(WalspoolError):
 
 class SpoolCorrupt(WalspoolError):
     """SQLite reports the spool as damaged."""
+
+
+class UnsupportedGateway(WalspoolError):
+    """The gateway object is not the hermes-agent release walspool links into."""
