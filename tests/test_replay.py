@@ -1,0 +1,567 @@
+"""Replaying through the public API: order, holds, reasons, resolver, crashes, concurrency."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import apsw
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import walspool
+from walspool import AGENT_HISTORY, CAP_DROP, SHUTDOWN
+from walspool.records import Record
+from walspool.replay import Replayer, ReplayReport, StreamReport
+from walspool.sinks import SessionDBSink
+
+hermes_state = pytest.importorskip("hermes_state")
+
+ROOT = Path(__file__).resolve().parent.parent
+CHILD = Path(__file__).with_name("_replay_child.py")
+TIMEOUT = 60
+
+
+class MemorySink:
+    """The Sink protocol over a list, refusing writes on demand."""
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[str, Any]] = []
+        self.refuse: Callable[[str, Record], Exception | None] = lambda sid, rec: None
+
+    def mark(self) -> int:
+        return len(self.rows)
+
+    def write(self, session_id: str, record: Record) -> None:
+        error = self.refuse(session_id, record)
+        if error is not None:
+            raise error
+        self.rows.append((session_id, record.message))
+
+    def landed(self, session_id: str, mark: int, records: list[Record]) -> int:
+        i = 0
+        for sid, message in self.rows[mark:]:
+            if i < len(records) and sid == session_id and message == records[i].message:
+                i += 1
+        return i
+
+    def messages(self, session_id: str) -> list[Any]:
+        return [m for s, m in self.rows if s == session_id]
+
+
+def msg(session: str, i: int) -> dict[str, Any]:
+    return {"role": "user" if i % 2 else "assistant", "content": f"{session}-{i}"}
+
+
+@pytest.fixture
+def sink() -> MemorySink:
+    return MemorySink()
+
+
+@pytest.fixture
+def state_db(tmp_path: Path):
+    db = hermes_state.SessionDB(db_path=tmp_path / "state.db")
+    yield db
+    db.close()
+
+
+def query(spool: walspool.Spool, sql: str) -> list[tuple[Any, ...]]:
+    """Read the spool file as an operator would, on a connection of its own."""
+    conn = apsw.Connection(str(spool.path), flags=apsw.SQLITE_OPEN_READONLY)
+    try:
+        return conn.execute(sql).fetchall()
+    finally:
+        conn.close()
+
+
+def contents(db: Any, session_id: str) -> list[str]:
+    return [row["content"] for row in db.get_messages(session_id, include_inactive=True)]
+
+
+# -- order and bookkeeping ------------------------------------------------------
+
+
+def test_rows_move_in_drop_order_per_session(spool, sink):
+    spool.append_many([(s, msg(s, i)) for i in range(300) for s in ("b", "a", "c")])
+    report = Replayer(spool, sink, batch_rows=64).replay()
+    assert (report.moved, report.held, report.errors, report.recovered) == (900, 0, {}, 0)
+    for s in ("a", "b", "c"):
+        assert sink.messages(s) == [msg(s, i) for i in range(300)]
+    assert report.sessions["a"] == StreamReport("a", None, moved=300, held=0)
+    assert list(spool.records()) == []
+
+
+def test_order_into_a_real_session_db(spool, state_db):
+    for s in ("a", "b"):
+        state_db.create_session(s, "telegram")
+    spool.append_many([(s, msg(s, i)) for i in range(40) for s in ("a", "b")])
+    report = Replayer(spool, SessionDBSink(state_db), batch_rows=16).replay()
+    assert report.moved == 80
+    for s in ("a", "b"):
+        assert contents(state_db, s) == [f"{s}-{i}" for i in range(40)]
+
+
+def test_one_spool_transaction_per_batch_not_per_row(spool, sink):
+    spool.append_many([("s", msg("s", i)) for i in range(1000)])
+    calls = []
+    execute = spool._execute
+    spool._execute = lambda fn: calls.append(fn) or execute(fn)
+    assert Replayer(spool, sink, batch_rows=250).replay().moved == 1000
+    # the in-flight check, take + settle per batch, then one empty take to end the
+    # session_id streams and one for the session_key streams
+    assert len(calls) == 1 + 2 * 4 + 2
+
+
+def test_limit_caps_the_rows_written(spool, sink):
+    spool.append_many([(s, msg(s, i)) for s in ("a", "b") for i in range(10)])
+    replayer = Replayer(spool, sink, batch_rows=4)
+    assert replayer.replay(limit=7).moved == 7
+    assert sink.messages("a") == [msg("a", i) for i in range(7)]
+    assert replayer.replay(limit=0).moved == 0
+    assert replayer.replay().moved == 13
+    assert sink.messages("b") == [msg("b", i) for i in range(10)]
+
+
+def test_session_id_limits_the_replay(spool, sink):
+    spool.append_many([(s, msg(s, i)) for s in ("a", "b") for i in range(3)])
+    spool.append(None, "by key", session_key="k", reason=SHUTDOWN)
+    report = Replayer(spool, sink, resolver=lambda key: "a").replay(session_id="b")
+    assert report.moved == 3 and set(report.sessions) == {"b"}
+    assert [r.session_id for r in spool.records()] == ["a", "a", "a", None]
+
+
+def test_invalid_arguments(spool, sink):
+    with pytest.raises(walspool.InvalidArgument, match="batch_rows"):
+        Replayer(spool, sink, batch_rows=0)
+    with pytest.raises(walspool.InvalidArgument, match="limit"):
+        Replayer(spool, sink).replay(limit=-1)
+
+
+# -- failures hold their own stream only -------------------------------------------
+
+
+def test_failure_holds_later_rows_of_its_session_only(spool, sink):
+    spool.append_many([(s, msg(s, i)) for i in range(5) for s in ("a", "b", "c")])
+    sink.refuse = lambda sid, rec: (
+        OSError("disk on fire") if sid == "b" and rec.message == msg("b", 2) else None
+    )
+    report = Replayer(spool, sink, batch_rows=4).replay()
+    assert (report.moved, report.held) == (12, 3)
+    assert report.errors == {"b": "OSError: disk on fire"}
+    assert report.sessions["b"] == StreamReport(
+        "b", None, moved=2, held=3, error="OSError: disk on fire"
+    )
+    assert sink.messages("b") == [msg("b", 0), msg("b", 1)]
+    assert sink.messages("a") == [msg("a", i) for i in range(5)]
+    left = list(spool.records())
+    assert [(r.seq, r.attempts, r.last_error) for r in left] == [
+        (3, 1, "OSError: disk on fire"),
+        (4, 0, None),
+        (5, 0, None),
+    ]
+    assert left[0].last_attempt_at is not None
+    failures = query(spool, "SELECT session_id, seq, attempts, last_error FROM failures")
+    assert failures == [("b", 3, 1, "OSError: disk on fire")]
+
+    assert Replayer(spool, sink).replay().held == 3
+    assert next(spool.records()).attempts == 2
+    sink.refuse = lambda sid, rec: None
+    assert Replayer(spool, sink).replay().moved == 3
+    assert sink.messages("b") == [msg("b", i) for i in range(5)]
+
+
+def test_missing_session_is_held_while_others_move(spool, state_db):
+    state_db.create_session("here", "telegram")
+    spool.append_many([(s, msg(s, i)) for i in range(3) for s in ("gone", "here")])
+    report = Replayer(spool, SessionDBSink(state_db)).replay()
+    assert (report.moved, report.held) == (3, 3)
+    assert report.errors == {
+        "gone": (
+            "session gone does not exist in state.db (FOREIGN KEY constraint failed); "
+            "replay with create_missing=True to create it"
+        )
+    }
+    assert contents(state_db, "here") == ["here-0", "here-1", "here-2"]
+
+    report = Replayer(spool, SessionDBSink(state_db, create_missing=True)).replay()
+    assert (report.moved, report.held) == (3, 0)
+    assert contents(state_db, "gone") == ["gone-0", "gone-1", "gone-2"]
+
+
+def test_broken_state_db_holds_everything_until_healed(spool, state_db):
+    state_db.create_session("s", "cli")
+    spool.append_many([("s", msg("s", i)) for i in range(4)])
+    state_db._conn.execute(
+        "CREATE TRIGGER broken BEFORE INSERT ON messages BEGIN "
+        "SELECT RAISE(ABORT, 'database disk image is malformed'); END"
+    )
+    report = Replayer(spool, SessionDBSink(state_db)).replay()
+    assert (report.moved, report.held) == (0, 4)
+    assert "database disk image is malformed" in report.errors["s"]
+    state_db._conn.execute("DROP TRIGGER broken")
+    assert Replayer(spool, SessionDBSink(state_db)).replay().moved == 4
+    assert contents(state_db, "s") == [f"s-{i}" for i in range(4)]
+
+
+# -- reasons and resolution ------------------------------------------------------
+
+
+def test_agent_history_is_left_alone_unless_asked_for(spool, sink):
+    spool.append("s", msg("s", 0))
+    spool.append("s", {"role": "user", "content": "history"}, reason=AGENT_HISTORY)
+    spool.append("s", msg("s", 2), reason=SHUTDOWN)
+    spool.append("s", msg("s", 3), reason="adapter_shutdown")
+    assert Replayer(spool, sink).replay().moved == 3
+    assert sink.messages("s") == [msg("s", 0), msg("s", 2), msg("s", 3)]
+    assert [r.reason for r in spool.records()] == [AGENT_HISTORY]
+    assert Replayer(spool, sink).replay(reasons=[AGENT_HISTORY]).moved == 1
+    assert sink.messages("s")[-1] == {"role": "user", "content": "history"}
+
+
+def test_reasons_choose_rows(spool, sink):
+    spool.append("s", msg("s", 0), reason=CAP_DROP)
+    spool.append("s", msg("s", 1), reason=SHUTDOWN)
+    assert Replayer(spool, sink).replay(reasons=[SHUTDOWN]).moved == 1
+    assert [r.reason for r in spool.records()] == [CAP_DROP]
+
+
+def test_rows_by_session_key_go_through_the_resolver(spool, sink):
+    spool.append(None, "one", session_key="agent:main:tg:dm:1", reason=SHUTDOWN)
+    spool.append(None, "two", session_key="agent:main:tg:dm:1", reason=SHUTDOWN)
+    spool.append(None, "lost", session_key="agent:main:tg:dm:2", reason=SHUTDOWN)
+    spool.append("sess-1", "cap drop first")
+    keys = {"agent:main:tg:dm:1": "sess-1"}
+    report = Replayer(spool, sink, resolver=keys.get).replay()
+    assert (report.moved, report.held) == (3, 1)
+    assert sink.messages("sess-1") == ["cap drop first", "one", "two"]
+    assert report.sessions["agent:main:tg:dm:1"] == StreamReport(
+        "sess-1", "agent:main:tg:dm:1", moved=2, held=0
+    )
+    assert report.errors == {
+        "agent:main:tg:dm:2": "resolver found no session for session_key 'agent:main:tg:dm:2'"
+    }
+    (left,) = spool.records()
+    assert (left.session_key, left.attempts) == ("agent:main:tg:dm:2", 1)
+
+
+def test_rows_by_session_key_without_a_resolver_stay(spool, sink):
+    spool.append(None, "x", session_key="k", reason=SHUTDOWN)
+    report = Replayer(spool, sink).replay()
+    assert report.held == 1 and "need a resolver" in report.errors["k"]
+
+
+def test_a_resolver_that_raises_is_unresolvable(spool, sink):
+    spool.append(None, "x", session_key="k", reason=SHUTDOWN)
+
+    def resolver(key: str) -> str:
+        raise LookupError(key)
+
+    assert Replayer(spool, sink, resolver=resolver).replay().errors == {
+        "k": "resolver found no session for session_key 'k'"
+    }
+
+
+# -- exactly once across crashes -------------------------------------------------
+
+
+class Crash(BaseException):
+    """Stands in for the process dying: nothing after it runs."""
+
+
+def set_inflight(spool: walspool.Spool, mark: int) -> None:
+    spool._execute(lambda conn: conn.execute("UPDATE records SET inflight = ?", (mark,)))
+
+
+def test_recovery_removes_what_landed_and_writes_the_rest(spool, sink):
+    spool.append_many([("s", msg("s", i)) for i in range(5)])
+    sink.rows.append(("s", msg("s", 0)))  # written before the crashed replay's mark
+    set_inflight(spool, sink.mark())
+    sink.rows += [("s", msg("s", 0)), ("other", "x"), ("s", msg("s", 1))]
+    report = Replayer(spool, sink).replay()
+    assert (report.recovered, report.moved) == (2, 3)
+    assert sink.messages("s") == [msg("s", 0)] + [msg("s", i) for i in range(5)]
+
+
+def test_a_failing_probe_keeps_the_stream_in_flight(spool, sink):
+    spool.append_many([("s", msg("s", 0)), ("t", msg("t", 0))])
+    spool._execute(
+        lambda conn: conn.execute("UPDATE records SET inflight = 0 WHERE session_id = 's'")
+    )
+    spool.append("s", msg("s", 1))
+
+    def landed(session_id: str, mark: int, records: list[Record]) -> int:
+        raise TimeoutError("state.db unreachable")
+
+    sink.landed = landed  # type: ignore[method-assign]
+    report = Replayer(spool, sink).replay()
+    assert report.moved == 1 and sink.messages("t") == [msg("t", 0)]
+    assert report.held == 2
+    assert report.errors["s"] == (
+        "1 rows of an interrupted replay could not be checked "
+        "against the sink: probe failed: TimeoutError: state.db "
+        "unreachable"
+    )
+    assert query(spool, "SELECT seq, inflight FROM records ORDER BY seq") == [(1, 0), (2, None)]
+
+
+def test_an_interrupted_replay_in_process_is_recovered(spool, sink):
+    spool.append_many([("s", msg("s", i)) for i in range(6)])
+    write = sink.write
+
+    def write_then_die(session_id: str, record: Record) -> None:
+        write(session_id, record)
+        if record.seq == 3:
+            raise Crash
+
+    sink.write = write_then_die  # type: ignore[method-assign]
+    with pytest.raises(Crash):
+        Replayer(spool, sink, batch_rows=4).replay()
+    sink.write = write  # type: ignore[method-assign]
+    report = Replayer(spool, sink).replay()
+    assert (report.recovered, report.moved) == (3, 3)
+    assert sink.messages("s") == [msg("s", i) for i in range(6)]
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.lists(
+        st.one_of(
+            st.tuples(st.just("append"), st.sampled_from("abc"), st.integers(1, 6)),
+            st.tuples(
+                st.just("replay"),
+                st.sampled_from(["ok", "before", "after", "refuse"]),
+                st.integers(1, 8),
+                st.sampled_from("abc"),
+            ),
+        ),
+        max_size=12,
+    )
+)
+def test_model_of_append_replay_and_crash(ops):
+    """Whatever appends, failures and crashes happen, a clean replay ends exactly once."""
+    expected: dict[str, list[Any]] = {s: [] for s in "abc"}
+    sink = MemorySink()
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        walspool.Spool(Path(tmp) / "spool.db", durability="normal") as spool,
+    ):
+        replayer = Replayer(spool, sink, batch_rows=3)
+        for op in ops:
+            if op[0] == "append":
+                _, s, n = op
+                items = [{"s": s, "i": len(expected[s]) + i} for i in range(n)]
+                spool.append_many([(s, m) for m in items])
+                expected[s] += items
+                continue
+            _, kind, k, bad = op
+            writes = [0]
+
+            def refuse(sid: str, rec: Record, kind=kind, k=k, bad=bad, writes=writes) -> Any:
+                writes[0] += 1
+                if kind == "before" and writes[0] == k:
+                    raise Crash
+                if kind == "refuse" and sid == bad:
+                    return RuntimeError("no")
+                return None
+
+            sink.refuse = refuse
+            inner = MemorySink.write
+
+            def write(
+                self: MemorySink, sid: str, rec: Record, kind=kind, k=k, writes=writes, inner=inner
+            ) -> None:
+                inner(self, sid, rec)
+                if kind == "after" and writes[0] == k:
+                    raise Crash
+
+            sink.write = write.__get__(sink)  # type: ignore[method-assign]
+            try:
+                replayer.replay()
+            except Crash:
+                pass
+        sink.refuse = lambda sid, rec: None
+        sink.write = MemorySink.write.__get__(sink)  # type: ignore[method-assign]
+        report = replayer.replay()
+        assert report.held == 0
+        assert list(spool.records()) == []
+    for s in "abc":
+        assert sink.messages(s) == expected[s]
+
+
+def fill_for_crash(spool_path: Path, state_path: Path, per_session: int) -> dict[str, list[str]]:
+    """Three sessions in state.db, their messages interleaved in the spool."""
+    db = hermes_state.SessionDB(db_path=state_path)
+    for s in ("s0", "s1", "s2"):
+        db.create_session(s, "telegram")
+    db.close()
+    expected: dict[str, list[str]] = {s: [] for s in ("s0", "s1", "s2")}
+    with walspool.Spool(spool_path) as spool:
+        for i in range(per_session):
+            for s in expected:
+                message = msg(s, i)
+                if i % 3 == 0:
+                    message["timestamp"] = 1_700_000_000 + i  # its own time, else spool time
+                spool.append(s, message)
+                expected[s].append(message["content"])
+    return expected
+
+
+def run_child(
+    spool_path: Path, state_path: Path, crash: str | None, batch_rows: int = 8
+) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HERMES_HOME": str(spool_path.parent)}
+    env.pop("WALSPOOL_CRASH", None)
+    if crash is not None:
+        env["WALSPOOL_CRASH"] = crash
+    return subprocess.run(
+        [sys.executable, str(CHILD), str(spool_path), str(state_path), str(batch_rows)],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        env=env,
+    )
+
+
+def check_exactly_once(
+    spool_path: Path, state_path: Path, expected: dict[str, list[str]]
+) -> ReplayReport:
+    done = run_child(spool_path, state_path, None)
+    assert done.returncode == 0, done.stderr
+    db = hermes_state.SessionDB(db_path=state_path)
+    try:
+        for s, want in expected.items():
+            assert contents(db, s) == want, s
+    finally:
+        db.close()
+    with walspool.Spool(spool_path) as spool:
+        assert list(spool.records()) == []
+    return ReplayReport(**json.loads(done.stdout))
+
+
+@pytest.mark.parametrize(
+    "crash, recovered",
+    [
+        ("after_commit:5", 5),  # sink committed, spool delete not done, mid-batch
+        ("after_commit:8", 8),  # the last row of a batch
+        ("before_write:4", 3),  # in flight, the first three written
+        ("after_mark:2", 0),  # the second batch marked in flight, nothing of it written
+        ("during_settle:1", 8),  # the delete transaction never commits
+    ],
+)
+def test_sigkill_at_one_point_loses_and_duplicates_nothing(tmp_path, crash, recovered):
+    spool_path, state_path = tmp_path / "spool.db", tmp_path / "state.db"
+    expected = fill_for_crash(spool_path, state_path, 12)
+    killed = run_child(spool_path, state_path, crash)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    report = check_exactly_once(spool_path, state_path, expected)
+    assert report.recovered == recovered
+
+
+def test_sigkill_again_and_again_then_a_clean_replay(tmp_path):
+    spool_path, state_path = tmp_path / "spool.db", tmp_path / "state.db"
+    expected = fill_for_crash(spool_path, state_path, 30)
+    for crash in [
+        "after_commit:3",
+        "before_write:6",
+        "after_mark:2",
+        "during_settle:1",
+        "after_commit:11",
+        "during_settle:2",
+        "before_write:1",
+        "after_commit:1",
+        "after_mark:1",
+        "during_settle:3",
+    ]:
+        killed = run_child(spool_path, state_path, crash, batch_rows=7)
+        assert killed.returncode == -signal.SIGKILL, (crash, killed.stderr)
+    check_exactly_once(spool_path, state_path, expected)
+
+
+# -- concurrency ---------------------------------------------------------------------
+
+APPENDER = """
+import sys, walspool
+spool = walspool.Spool(sys.argv[1], durability="normal")
+n = int(sys.argv[2])
+def part(lo, hi):
+    for i in range(lo, hi):
+        s = f"p{i % 4}"
+        spool.append(s, {"role": "user", "content": f"{s}-{i // 4}"})
+part(0, n // 2)
+print("half", flush=True)
+sys.stdin.readline()
+part(n // 2, n)
+spool.close()
+"""
+
+
+def test_replay_while_another_process_appends(tmp_path, state_db):
+    spool_path, n = tmp_path / "spool.db", 1200
+    for s in ("p0", "p1", "p2", "p3"):
+        state_db.create_session(s, "cli")
+    with walspool.Spool(spool_path) as spool:
+        replayer = Replayer(spool, SessionDBSink(state_db), batch_rows=50)
+        child = subprocess.Popen(
+            [sys.executable, "-c", APPENDER, str(spool_path), str(n)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
+        try:
+            assert child.stdout.readline() == "half\n"
+            moved = replayer.replay().moved
+            assert moved >= n // 2
+            child.stdin.write("go\n")
+            child.stdin.flush()
+            while child.poll() is None:
+                moved += replayer.replay().moved
+            assert child.wait(TIMEOUT) == 0, child.stderr.read()
+        finally:
+            if child.poll() is None:
+                child.kill()
+                child.wait(TIMEOUT)
+        moved += replayer.replay().moved
+    assert moved == n
+    for s in range(4):
+        assert contents(state_db, f"p{s}") == [f"p{s}-{i}" for i in range(n // 4)]
+
+
+def test_replay_while_threads_append_and_another_replayer_runs(spool, sink):
+    per, threads = 300, 4
+    start = threading.Barrier(threads + 2)
+    appended = threading.Event()
+
+    def append(t: int) -> None:
+        start.wait()
+        for i in range(per):
+            spool.append(f"t{t}", {"t": t, "i": i})
+
+    def replay_until_done() -> None:
+        start.wait()
+        replayer = Replayer(spool, sink, batch_rows=32)
+        while not appended.is_set():
+            replayer.replay()
+
+    appenders = [threading.Thread(target=append, args=(t,)) for t in range(threads)]
+    replayers = [threading.Thread(target=replay_until_done) for _ in range(2)]
+    for th in appenders + replayers:
+        th.start()
+    for th in appenders:
+        th.join(TIMEOUT)
+    appended.set()
+    for th in replayers:
+        th.join(TIMEOUT)
+    Replayer(spool, sink).replay()
+    for t in range(threads):
+        assert sink.messages(f"t{t}") == [{"t": t, "i": i} for i in range(per)]

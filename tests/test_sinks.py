@@ -1,0 +1,339 @@
+"""SessionDBSink: the gateway's own mapping to append_message, and the landed probe."""
+
+from __future__ import annotations
+
+import datetime
+import threading
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import walspool
+from walspool.records import Record
+from walspool.replay import Replayer
+from walspool.sinks import SessionDBSink, SessionMissing, append_kwargs
+
+hermes_state = pytest.importorskip("hermes_state")
+gateway_session = pytest.importorskip("gateway.session")
+
+T0 = 1_750_000_000.25
+
+ASSISTANT = {
+    "role": "assistant",
+    "content": "Let me check the weather.",
+    "tool_calls": [
+        {
+            "id": "call_1",
+            "type": "function",
+            "function": {"name": "weather", "arguments": '{"city": "Oslo"}'},
+        }
+    ],
+    "reasoning": "The user wants weather.",
+    "reasoning_content": "thinking...",
+    "reasoning_details": [{"type": "reasoning.text", "text": "step 1"}],
+    "codex_reasoning_items": [{"id": "rs_1", "summary": []}],
+    "codex_message_items": [{"id": "msg_1", "content": []}],
+    "finish_reason": "tool_calls",
+    "timestamp": T0 + 1,
+}
+USER = {
+    "role": "user",
+    "content": "Wie ist das Wetter? ☔ 天气",
+    "message_id": "tg-42",
+    "observed": 1,
+    "api_content": "[note] Wie ist das Wetter?",
+    "timestamp": T0,
+    "reasoning": "a user row's reasoning is not stored",
+}
+TOOL = {
+    "role": "tool",
+    "content": '{"temp": -3.5}',
+    "tool_call_id": "call_1",
+    "tool_name": "weather",
+    "timestamp": T0 + 2,
+    "api_content": {"not": "a string"},
+}
+MULTIMODAL = {
+    "role": "user",
+    "content": [{"type": "text", "text": "see"}, {"type": "image_url", "image_url": {"url": "x"}}],
+    "platform_message_id": "p-7",
+    "message_id": "ignored",
+    "timestamp": T0 + 3,
+}
+MESSAGES = [USER, ASSISTANT, TOOL, MULTIMODAL]
+
+
+def record(message: Any, created_at: float = T0 + 100, rid: int = 1, seq: int = 1) -> Record:
+    return Record(rid, "s", seq, walspool.CAP_DROP, None, created_at, message, 0, None)
+
+
+@pytest.fixture
+def state_db(tmp_path: Path):
+    db = hermes_state.SessionDB(db_path=tmp_path / "state.db")
+    yield db
+    db.close()
+
+
+def stored(db: Any, session_id: str) -> list[dict[str, Any]]:
+    """A session's rows as get_messages gives them, without the row id and session."""
+    return [
+        {k: v for k, v in row.items() if k not in ("id", "session_id")}
+        for row in db.get_messages(session_id, include_inactive=True)
+    ]
+
+
+def test_rows_equal_what_the_gateway_itself_writes(spool, state_db, tmp_path):
+    direct = hermes_state.SessionDB(db_path=tmp_path / "gateway.db")
+    direct.create_session("s", "telegram")
+    store = types.SimpleNamespace(_db=direct)
+    for message in MESSAGES:
+        gateway_session.SessionStore._append_transcript_message(store, "s", dict(message))
+    expected = stored(direct, "s")
+    direct.close()
+    state_db.create_session("s", "telegram")
+    for message in MESSAGES:
+        spool.append("s", message)
+    report = Replayer(spool, SessionDBSink(state_db)).replay()
+    assert (report.moved, report.held) == (4, 0)
+    assert stored(state_db, "s") == expected
+    rows = state_db.get_messages("s")
+    assert rows[0]["platform_message_id"] == "tg-42" and rows[0]["observed"] == 1
+    assert rows[0]["reasoning"] is None and rows[0]["api_content"] == USER["api_content"]
+    assert rows[1]["tool_calls"] == ASSISTANT["tool_calls"]
+    assert rows[1]["reasoning_content"] == "thinking..." and rows[1]["finish_reason"] is None
+    assert (rows[2]["tool_name"], rows[2]["tool_call_id"], rows[2]["api_content"]) == (
+        "weather",
+        "call_1",
+        None,
+    )
+    assert rows[3]["content"] == MULTIMODAL["content"]
+    assert rows[3]["platform_message_id"] == "p-7"
+    assert [r["timestamp"] for r in rows] == [T0, T0 + 1, T0 + 2, T0 + 3]
+
+
+def test_reasoning_fields_only_for_assistant_rows():
+    for role in ("user", "tool", "system"):
+        kwargs = append_kwargs(record({**ASSISTANT, "role": role}))
+        assert all(
+            kwargs[name] is None
+            for name in (
+                "reasoning",
+                "reasoning_content",
+                "reasoning_details",
+                "codex_reasoning_items",
+                "codex_message_items",
+            )
+        ), role
+    assert append_kwargs(record(ASSISTANT))["reasoning_details"] == ASSISTANT["reasoning_details"]
+
+
+def test_role_defaults_to_unknown_and_observed_is_a_bool():
+    kwargs = append_kwargs(record({"content": "hi", "observed": "yes"}))
+    assert (kwargs["role"], kwargs["observed"], kwargs["platform_message_id"]) == (
+        "unknown",
+        True,
+        None,
+    )
+
+
+def test_non_transcript_payloads_become_user_messages():
+    assert append_kwargs(record("pending slot text", created_at=T0)) == {
+        "role": "user",
+        "content": "pending slot text",
+        "timestamp": T0,
+    }
+    event = {
+        "text": "from the adapter",
+        "message_type": "text",
+        "message_id": "m-1",
+        "source": {"platform": "telegram"},
+        "raw_message": None,
+    }
+    assert append_kwargs(record(event, created_at=T0)) == {
+        "role": "user",
+        "content": "from the adapter",
+        "platform_message_id": "m-1",
+        "timestamp": T0,
+    }
+    assert append_kwargs(record([1, "two"], created_at=T0))["content"] == '[1,"two"]'
+
+
+@pytest.mark.parametrize(
+    "value, expected",
+    [
+        (T0, T0),
+        (1_750_000_000, 1_750_000_000.0),
+        ("1750000000.5", 1_750_000_000.5),
+        ("2025-06-15T12:00:00+00:00", 1_749_988_800.0),
+        (None, T0 + 100),
+        ("not a time", T0 + 100),
+        (True, T0 + 100),
+        ({"nested": 1}, T0 + 100),
+    ],
+)
+def test_timestamp_is_always_an_explicit_float(value, expected):
+    assert append_kwargs(record({"role": "user", "timestamp": value}))["timestamp"] == expected
+
+
+def test_a_spooled_datetime_keeps_its_time(spool, state_db):
+    when = datetime.datetime(2025, 6, 15, 12, 0, tzinfo=datetime.UTC)
+    state_db.create_session("s", "cli")
+    spool.append("s", {"role": "user", "content": "x", "timestamp": when})
+    Replayer(spool, SessionDBSink(state_db)).replay()
+    assert state_db.get_messages("s")[0]["timestamp"] == when.timestamp()
+
+
+class LookAlike:
+    """A SessionDB stand-in whose append_message takes fewer keywords, no _conn."""
+
+    def __init__(self) -> None:
+        self.rows: list[dict[str, Any]] = []
+        self.sessions = {"s"}
+
+    def append_message(
+        self,
+        session_id: str,
+        role: str,
+        content: Any = None,
+        timestamp: Any = None,
+        tool_calls: Any = None,
+    ) -> int:
+        self.rows.append(
+            {
+                "id": len(self.rows) + 1,
+                "session_id": session_id,
+                "role": role,
+                "content": content,
+                "timestamp": timestamp,
+                "tool_calls": tool_calls,
+            }
+        )
+        return len(self.rows)
+
+    def get_messages(self, session_id: str) -> list[dict[str, Any]]:
+        return [r for r in self.rows if r["session_id"] == session_id]
+
+
+def test_only_keywords_the_installed_append_message_accepts(spool):
+    db = LookAlike()
+    spool.append("s", ASSISTANT)
+    spool.append("s", USER)
+    sink = SessionDBSink(db)
+    assert sink.mark() == 0
+    assert Replayer(spool, sink).replay().moved == 2
+    assert db.rows[0]["tool_calls"] == ASSISTANT["tool_calls"]
+    assert [(r["role"], r["timestamp"]) for r in db.rows] == [("assistant", T0 + 1), ("user", T0)]
+
+
+def test_append_message_with_var_keywords_gets_everything():
+    seen: dict[str, Any] = {}
+
+    class Open:
+        def append_message(self, session_id: str, **kwargs: Any) -> int:
+            seen.update(kwargs)
+            return 1
+
+    SessionDBSink(Open()).write("s", record(ASSISTANT))
+    assert seen["codex_message_items"] == ASSISTANT["codex_message_items"]
+    assert seen["api_content"] is None and seen["timestamp"] == T0 + 1
+
+
+def test_missing_session_raises_a_clear_error_and_writes_nothing(state_db):
+    sink = SessionDBSink(state_db)
+    with pytest.raises(SessionMissing) as info:
+        sink.write("nope", record(USER))
+    assert str(info.value) == (
+        "session nope does not exist in state.db (FOREIGN KEY constraint failed); "
+        "replay with create_missing=True to create it"
+    )
+    assert info.value.session_id == "nope"
+    assert isinstance(info.value, walspool.WalspoolError)
+
+
+def test_create_missing_creates_the_session_once(state_db):
+    sink = SessionDBSink(state_db, create_missing=True)
+    sink.write("new", record(USER))
+    sink.write("new", record(TOOL))
+    assert [r["role"] for r in state_db.get_messages("new")] == ["user", "tool"]
+    assert state_db.get_session("new")["source"] == "walspool"
+
+
+def test_create_missing_leaves_an_existing_session_alone(state_db):
+    state_db.create_session("s", "telegram")
+    SessionDBSink(state_db, create_missing=True).write("s", record(USER))
+    assert state_db.get_session("s")["source"] == "telegram"
+
+
+def test_landed_counts_the_prefix_written_after_the_mark(state_db):
+    state_db.create_session("s", "cli")
+    sink = SessionDBSink(state_db)
+    records = [
+        record({"role": "user", "content": str(i), "timestamp": T0 + i}, rid=i, seq=i)
+        for i in range(1, 6)
+    ]
+    sink.write("s", records[0])  # landed before the mark: not counted
+    mark = sink.mark()
+    assert sink.landed("s", mark, records[1:]) == 0
+    sink.write("s", records[1])
+    state_db.append_message("s", "assistant", "another writer", timestamp=T0 + 50)
+    sink.write("s", records[2])
+    assert sink.landed("s", mark, records[1:]) == 2
+    assert sink.landed("s", mark, records[2:]) == 1  # a subsequence, not a window
+
+
+def test_landed_tells_equal_content_apart_by_timestamp(state_db):
+    state_db.create_session("s", "cli")
+    sink = SessionDBSink(state_db)
+    same = [
+        record({"role": "user", "content": "ok"}, created_at=T0 + i, rid=i, seq=i) for i in range(3)
+    ]
+    mark = sink.mark()
+    sink.write("s", same[0])
+    assert sink.landed("s", mark, same) == 1
+
+
+def test_landed_cannot_tell_a_foreign_row_with_the_same_role_and_timestamp(state_db):
+    """The documented limit: another writer's row equal in (role, timestamp)."""
+    state_db.create_session("s", "cli")
+    sink = SessionDBSink(state_db)
+    mark = sink.mark()
+    state_db.append_message("s", "user", "someone else's", timestamp=T0)
+    assert sink.landed("s", mark, [record({"role": "user", "timestamp": T0})]) == 1
+
+
+def test_locked_state_db_holds_the_row_and_the_next_replay_moves_it(spool, state_db, tmp_path):
+    import sqlite3
+
+    state_db.create_session("s", "cli")
+    state_db._WRITE_MAX_RETRIES = 1
+    state_db._conn.execute("PRAGMA busy_timeout = 50")
+    spool.append("s", USER)
+    spool.append("s", TOOL)
+    blocker = sqlite3.connect(tmp_path / "state.db", isolation_level=None)
+    blocker.execute("BEGIN IMMEDIATE")
+    try:
+        report = Replayer(spool, SessionDBSink(state_db)).replay()
+    finally:
+        blocker.execute("ROLLBACK")
+        blocker.close()
+    assert (report.moved, report.held) == (0, 2)
+    assert "database is locked" in report.errors["s"]
+    assert [r.attempts for r in spool.records()] == [1, 0]
+    assert Replayer(spool, SessionDBSink(state_db)).replay().moved == 2
+    assert [r["role"] for r in state_db.get_messages("s")] == ["user", "tool"]
+
+
+def test_sink_write_is_thread_safe_with_the_gateway_writing(state_db):
+    state_db.create_session("s", "cli")
+    sink = SessionDBSink(state_db)
+    other = threading.Thread(
+        target=lambda: [state_db.append_message("s", "assistant", str(i)) for i in range(50)]
+    )
+    other.start()
+    for i in range(50):
+        sink.write("s", record({"role": "user", "content": str(i)}, created_at=T0 + i))
+    other.join(30)
+    users = [r["content"] for r in state_db.get_messages("s") if r["role"] == "user"]
+    assert users == [str(i) for i in range(50)]

@@ -1,0 +1,463 @@
+"""Replaying: move spooled rows into a sink, in seq order, exactly once across crashes.
+
+A row belongs to a stream: its ``session_id``, or, for a row spooled with only a
+routing key, its ``session_key``. Each batch takes three steps:
+
+1. one spool transaction selects the next rows and records the sink's ``mark()``
+   in their ``inflight`` column;
+2. the sink writes them, one commit each, in seq order, a stream stopping at its
+   first failure;
+3. one spool transaction deletes the written rows, clears ``inflight`` on the rest
+   and records the failure (``attempts``, ``last_error``, ``last_attempt_at``).
+
+A crash between 1 and 3 leaves rows with ``inflight`` set. The next replay first
+asks the sink which of them landed after the recorded mark (``Sink.landed``),
+deletes those and writes the rest again. What the probe can and cannot tell apart
+is the sink's to document (see ``SessionDBSink``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import itertools
+import logging
+import os
+import time
+from collections.abc import Callable, Iterator, Sequence
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import apsw
+import msgspec
+
+from .errors import InvalidArgument, WalspoolError
+from .records import AGENT_HISTORY, Record
+from .sinks import Sink
+from .spool import RECORD_COLUMNS, Spool, record_from_row
+
+log = logging.getLogger("walspool.replay")
+
+#: Rows per batch: one spool transaction marks them, one settles them.
+DEFAULT_BATCH_ROWS = 512
+#: Beside the spool; an exclusive ``flock`` on it makes replays take turns.
+LOCK_SUFFIX = ".replay-lock"
+_MAX_SEQ = 2**63 - 1
+
+#: Which rows a replay takes: the asked-for reasons, or every reason but agent history.
+REASON_FILTER = """(CASE WHEN :reasons IS NULL THEN reason != :agent_history
+     ELSE reason IN (SELECT value FROM json_each(:reasons)) END)"""
+NEXT_BY_ID_SQL = f"""
+SELECT {RECORD_COLUMNS} FROM records
+WHERE session_id IS NOT NULL AND (session_id, seq) > (:after_name, :after_seq)
+  AND inflight IS NULL AND {REASON_FILTER}
+ORDER BY session_id, seq LIMIT :limit
+"""
+NEXT_IN_SESSION_SQL = f"""
+SELECT {RECORD_COLUMNS} FROM records
+WHERE session_id = :session_id AND seq > :after_seq AND inflight IS NULL AND {REASON_FILTER}
+ORDER BY seq LIMIT :limit
+"""
+NEXT_BY_KEY_SQL = f"""
+SELECT {RECORD_COLUMNS} FROM records INDEXED BY records_session_key_seq_idx
+WHERE session_id IS NULL AND (session_key, seq) > (:after_name, :after_seq)
+  AND inflight IS NULL AND {REASON_FILTER}
+ORDER BY session_key, seq LIMIT :limit
+"""
+INFLIGHT_SQL = f"""
+SELECT {RECORD_COLUMNS}, inflight FROM records
+WHERE inflight IS NOT NULL AND (:session_id IS NULL OR session_id = :session_id)
+"""
+SET_INFLIGHT_SQL = "UPDATE records SET inflight = ? WHERE id = ?"
+RELEASE_SQL = "UPDATE records SET inflight = NULL WHERE id = ?"
+DELETE_SQL = "DELETE FROM records WHERE id = ?"
+RECORD_FAILURE_SQL = """
+UPDATE records SET attempts = attempts + 1, last_error = ?, last_attempt_at = ?, inflight = NULL
+WHERE id = ?
+"""
+COUNT_HELD_BY_ID_SQL = f"""
+SELECT count(*) FROM records
+WHERE session_id = :name AND (inflight IS NOT NULL OR {REASON_FILTER})
+"""
+COUNT_HELD_BY_KEY_SQL = f"""
+SELECT count(*) FROM records
+WHERE session_id IS NULL AND session_key = :name AND (inflight IS NOT NULL OR {REASON_FILTER})
+"""
+
+#: ("session_id" | "session_key", name): the order a row moves in, as in ``sequences``.
+Stream = tuple[str, str]
+Resolver = Callable[[str], "str | None"]
+
+
+class StreamReport(msgspec.Struct, frozen=True):
+    """What one stream did: rows moved, rows held and why.
+
+    ``session_id`` is where the rows went (for a key stream, what the resolver
+    gave; None when it gave nothing); ``session_key`` is set for key streams.
+    """
+
+    session_id: str | None
+    session_key: str | None
+    moved: int
+    held: int
+    error: str | None = None
+
+
+class ReplayReport(msgspec.Struct, frozen=True):
+    """The outcome of one ``Replayer.replay``.
+
+    ``moved``: rows written to the sink and removed from the spool by this call.
+    ``held``: rows left behind in streams that failed (the failing row and the
+    later rows of its stream). ``errors``: each held stream's error, keyed by the
+    stream's name (its session_id, or its session_key for rows spooled without
+    one). ``recovered``: rows a crashed replay had written but not removed, found
+    in the sink and removed now (not counted in ``moved``). ``sessions``: per
+    stream detail, keyed like ``errors``.
+    """
+
+    moved: int
+    held: int
+    errors: dict[str, str] = msgspec.field(default_factory=dict)
+    recovered: int = 0
+    sessions: dict[str, StreamReport] = msgspec.field(default_factory=dict)
+
+
+class Replayer:
+    """Moves spooled rows into a ``Sink``, per stream in seq order, exactly once.
+
+    Guarantees:
+
+    * Per stream, rows reach the sink in seq order. A row whose write fails stays
+      in the spool with ``attempts`` + 1, ``last_error`` and ``last_attempt_at``,
+      and holds back the later rows of its stream only; other streams go on.
+    * A row leaves the spool only after the sink's write committed.
+    * A crash anywhere (before a write, after a write but before the spool
+      delete, during the delete) neither loses nor duplicates a message, within
+      what the sink's ``landed`` probe can tell apart: the next replay probes
+      the rows left in flight first.
+    * Replays of one spool take turns (an ``flock`` on ``<spool>.replay-lock``,
+      released by the kernel if the process dies), so two replayers never
+      write the same row; appends go on meanwhile, in any process.
+
+    Not guaranteed: order between different streams (rows spooled by
+    ``session_key`` are written after those spooled by ``session_id``, whatever
+    session the key resolves to); that rows appended during a replay are taken
+    by it; that a write which raised did not land (the next replay writes it
+    again, so a sink must raise only for writes that did not commit).
+    """
+
+    def __init__(
+        self,
+        spool: Spool,
+        sink: Sink,
+        *,
+        resolver: Resolver | None = None,
+        batch_rows: int = DEFAULT_BATCH_ROWS,
+    ) -> None:
+        if batch_rows < 1:
+            raise InvalidArgument(f"batch_rows must be positive, not {batch_rows}", path=spool.path)
+        self.spool = spool
+        self.sink = sink
+        self.resolver = resolver
+        self.batch_rows = batch_rows
+
+    def replay(
+        self,
+        session_id: str | None = None,
+        reasons: Sequence[str] | None = None,
+        limit: int | None = None,
+    ) -> ReplayReport:
+        """Move rows to the sink; return what moved, what stayed and why.
+
+        ``session_id`` limits the replay to rows spooled with that session id
+        (rows spooled by routing key only are then left alone). ``reasons``
+        chooses rows by reason; by default every reason except
+        ``AGENT_HISTORY``. ``limit`` caps the rows written by this call.
+
+        Blocks while another replay of the same spool runs; call it off the
+        event loop. Errors of the spool, and ``sink.mark()`` errors, propagate;
+        rows then left in flight are probed by the next replay.
+        """
+        if limit is not None and limit < 0:
+            raise InvalidArgument(f"limit must not be negative, not {limit}", path=self.spool.path)
+        reasons_json = None if reasons is None else msgspec.json.encode(list(reasons)).decode()
+        run = _Run(self, session_id, reasons_json)
+        with _exclusive(Path(f"{self.spool.path}{LOCK_SUFFIX}")):
+            run.recover()
+            run.move(limit)
+        report = run.report()
+        if report.moved or report.held or report.recovered:
+            log.info(
+                "replayed %d rows from %s into %r; %d held in %d streams",
+                report.moved,
+                self.spool.path,
+                self.sink,
+                report.held,
+                len(report.errors),
+            )
+        return report
+
+    def __repr__(self) -> str:
+        return f"Replayer({self.spool!r}, {self.sink!r})"
+
+
+class _Tally:
+    __slots__ = ("session_id", "moved", "held", "error")
+
+    def __init__(self, session_id: str | None) -> None:
+        self.session_id = session_id
+        self.moved = 0
+        self.held = 0
+        self.error: str | None = None
+
+
+class _Settlement:
+    """What the spool transaction after a batch has to do."""
+
+    def __init__(self) -> None:
+        self.delete: list[int] = []
+        self.release: list[int] = []
+        self.failures: list[tuple[str, float, int]] = []
+        self.newly_held: list[Stream] = []
+
+
+class _Run:
+    """The state of one ``replay`` call."""
+
+    def __init__(self, replayer: Replayer, session_id: str | None, reasons: str | None) -> None:
+        self.spool = replayer.spool
+        self.sink = replayer.sink
+        self.resolver = replayer.resolver
+        self.batch_rows = replayer.batch_rows
+        self.session_id = session_id
+        self.filter = {"reasons": reasons, "agent_history": AGENT_HISTORY}
+        self.tallies: dict[Stream, _Tally] = {}
+        self.targets: dict[Stream, str | None] = {}
+        self.recovered = 0
+        self.taken = 0
+
+    # -- recovery of an interrupted replay -------------------------------------
+
+    def recover(self) -> None:
+        """Probe rows a crashed replay left in flight: delete what landed, free the rest."""
+        rows = self.spool._execute(
+            partial(_select, sql=INFLIGHT_SQL, params={"session_id": self.session_id})
+        )
+        if not rows:
+            return
+        pairs = sorted(
+            ((record_from_row(r[:-1]), r[-1]) for r in rows),
+            key=lambda p: (_stream(p[0]), p[0].seq),
+        )
+        done = _Settlement()
+        for stream, group in itertools.groupby(pairs, key=lambda p: _stream(p[0])):
+            self._recover_stream(stream, list(group), done)
+        self.spool._execute(partial(self._settle, done=done))
+        self.recovered += len(done.delete)
+
+    def _recover_stream(
+        self, stream: Stream, pairs: list[tuple[Record, int]], done: _Settlement
+    ) -> None:
+        target, error = self._target(stream)
+        landed: list[int] = []
+        unlanded: list[int] = []
+        if target is not None:
+            try:
+                for mark, part in itertools.groupby(pairs, key=lambda p: p[1]):
+                    records = [rec for rec, _ in part]
+                    n = self.sink.landed(target, mark, records)
+                    landed += [rec.id for rec in records[:n]]
+                    unlanded += [rec.id for rec in records[n:]]
+            except Exception as exc:  # noqa: BLE001 - the rows stay in flight, reported
+                error = f"probe failed: {_describe(exc)}"
+        if error is not None:
+            # Whether they landed is unknown: they stay in flight, and nothing later
+            # in their stream may move before them.
+            self._hold(
+                stream,
+                f"{len(pairs)} rows of an interrupted replay could not be "
+                f"checked against the sink: {error}",
+                done,
+            )
+            return
+        done.delete += landed
+        done.release += unlanded
+        log.warning(
+            "interrupted replay of %s %s recovered: %d of %d in-flight rows had "
+            "landed and were removed, the rest will be written again",
+            stream[0],
+            stream[1],
+            len(landed),
+            len(pairs),
+        )
+
+    # -- moving ----------------------------------------------------------------
+
+    def move(self, limit: int | None) -> None:
+        """Write batches of rows, streams spooled by session_id first, then by key."""
+        if self.session_id is not None:
+            self._move(NEXT_IN_SESSION_SQL, limit)
+        else:
+            self._move(NEXT_BY_ID_SQL, limit)
+            self._move(NEXT_BY_KEY_SQL, limit)
+
+    def _move(self, sql: str, limit: int | None) -> None:
+        after: tuple[str, int] = ("", 0)
+        while limit is None or self.taken < limit:
+            want = self.batch_rows if limit is None else min(self.batch_rows, limit - self.taken)
+            params = {
+                **self.filter,
+                "session_id": self.session_id,
+                "after_name": after[0],
+                "after_seq": after[1],
+                "limit": want,
+            }
+            mark = self.sink.mark()
+            rows = self.spool._execute(partial(_take_batch, sql=sql, params=params, mark=mark))
+            if not rows:
+                return
+            records = [record_from_row(row) for row in rows]
+            self.taken += len(records)
+            done = _Settlement()
+            for stream, group in itertools.groupby(records, key=_stream):
+                self._write_stream(stream, list(group), done)
+            self.spool._execute(partial(self._settle, done=done))
+            # Resume after the last row taken; past the end of its stream if it is held.
+            last, last_stream = records[-1], _stream(records[-1])
+            held = self.tallies[last_stream].error is not None
+            after = (last_stream[1], _MAX_SEQ if held else last.seq)
+            if len(rows) < want:
+                return
+
+    def _write_stream(self, stream: Stream, records: list[Record], done: _Settlement) -> None:
+        """Write one stream's rows of a batch in order, stopping at the first failure."""
+        tally = self._tally(stream)
+        if tally.error is not None:
+            done.release += [rec.id for rec in records]
+            return
+        target, error = self._target(stream)
+        written = 0
+        if target is not None:
+            for rec in records:
+                try:
+                    self.sink.write(target, rec)
+                except Exception as exc:  # noqa: BLE001 - any failure holds the stream
+                    error = _describe(exc)
+                    break
+                written += 1
+        done.delete += [rec.id for rec in records[:written]]
+        tally.moved += written
+        if error is None:
+            return
+        failed = records[written]
+        done.failures.append((error, time.time(), failed.id))
+        done.release += [rec.id for rec in records[written + 1 :]]
+        log.warning("replay of %s %s held at seq %d: %s", stream[0], stream[1], failed.seq, error)
+        self._hold(stream, error, done)
+
+    # -- bookkeeping -----------------------------------------------------------
+
+    def _settle(self, conn: apsw.Connection, done: _Settlement) -> None:
+        """Delete written rows, free the rest, record failures and count what is held."""
+        conn.executemany(DELETE_SQL, [(i,) for i in done.delete])
+        conn.executemany(RELEASE_SQL, [(i,) for i in done.release])
+        conn.executemany(RECORD_FAILURE_SQL, done.failures)
+        for kind, name in done.newly_held:
+            sql = COUNT_HELD_BY_ID_SQL if kind == "session_id" else COUNT_HELD_BY_KEY_SQL
+            self.tallies[(kind, name)].held = conn.execute(sql, {**self.filter, "name": name}).get
+
+    def _hold(self, stream: Stream, error: str, done: _Settlement) -> None:
+        self._tally(stream).error = error
+        done.newly_held.append(stream)
+
+    def _tally(self, stream: Stream) -> _Tally:
+        tally = self.tallies.get(stream)
+        if tally is None:
+            tally = self.tallies[stream] = _Tally(self._target(stream)[0])
+        return tally
+
+    def _target(self, stream: Stream) -> tuple[str | None, str | None]:
+        """The session a stream's rows go to, or None and why there is none."""
+        kind, name = stream
+        if kind == "session_id":
+            return name, None
+        if stream not in self.targets:
+            self.targets[stream] = self._resolve(name)
+        target = self.targets[stream]
+        if target is not None:
+            return target, None
+        if self.resolver is None:
+            return None, (
+                f"rows spooled with session_key {name!r} but no session_id need "
+                "a resolver (Replayer(..., resolver=...)) to find their session"
+            )
+        return None, f"resolver found no session for session_key {name!r}"
+
+    def _resolve(self, session_key: str) -> str | None:
+        if self.resolver is None:
+            return None
+        try:
+            return self.resolver(session_key) or None
+        except Exception as exc:  # noqa: BLE001 - reported as unresolvable
+            log.warning("resolver failed for session_key %r: %s", session_key, exc)
+            return None
+
+    def report(self) -> ReplayReport:
+        sessions = {
+            name: StreamReport(
+                session_id=t.session_id,
+                session_key=name if kind == "session_key" else None,
+                moved=t.moved,
+                held=t.held,
+                error=t.error,
+            )
+            for (kind, name), t in self.tallies.items()
+        }
+        return ReplayReport(
+            moved=sum(t.moved for t in self.tallies.values()),
+            held=sum(t.held for t in self.tallies.values()),
+            errors={name: s.error for name, s in sessions.items() if s.error is not None},
+            recovered=self.recovered,
+            sessions=sessions,
+        )
+
+
+def _select(conn: apsw.Connection, sql: str, params: dict[str, Any]) -> list[tuple[Any, ...]]:
+    return conn.execute(sql, params).fetchall()
+
+
+def _take_batch(
+    conn: apsw.Connection, sql: str, params: dict[str, Any], mark: int
+) -> list[tuple[Any, ...]]:
+    """Select the next batch and record the sink's mark on it, in one transaction."""
+    rows = conn.execute(sql, params).fetchall()
+    conn.executemany(SET_INFLIGHT_SQL, [(mark, row[0]) for row in rows])
+    return rows
+
+
+def _stream(record: Record) -> Stream:
+    if record.session_id is not None:
+        return ("session_id", record.session_id)
+    return ("session_key", record.session_key or "")
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, WalspoolError):
+        return str(exc)
+    return f"{type(exc).__name__}: {exc}"
+
+
+@contextlib.contextmanager
+def _exclusive(path: Path) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``path`` (created 0600) for the block.
+
+    flock locks belong to an open file description, so two replays in one
+    process exclude each other too; the kernel drops the lock when the process dies.
+    """
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
