@@ -13,7 +13,7 @@ import pytest
 import walspool
 from walspool.records import Record
 from walspool.replay import Replayer
-from walspool.sinks import SessionDBSink, SessionMissing, append_kwargs
+from walspool.sinks import NotAMessage, SessionDBSink, SessionMissing, append_kwargs
 
 hermes_state = pytest.importorskip("hermes_state")
 gateway_session = pytest.importorskip("gateway.session")
@@ -337,3 +337,18 @@ def test_sink_write_is_thread_safe_with_the_gateway_writing(state_db):
     other.join(30)
     users = [r["content"] for r in state_db.get_messages("s") if r["role"] == "user"]
     assert users == [str(i) for i in range(50)]
+
+
+def test_an_agent_history_spooled_whole_is_held_not_written(spool, state_db):
+    state_db.create_session("s", "cli")
+    history = {"session_id": "s", "count": 2, "messages": [USER, TOOL]}
+    spool.append("s", history, reason=walspool.AGENT_HISTORY)
+    report = Replayer(spool, SessionDBSink(state_db)).replay(reasons=[walspool.AGENT_HISTORY])
+    assert (report.moved, report.held) == (0, 1)
+    assert report.errors["s"] == (
+        "record 1 (session s, seq 1) holds a list of messages, not one message; "
+        "export it and recover it by hand"
+    )
+    assert state_db.get_messages("s") == []
+    with pytest.raises(NotAMessage):
+        SessionDBSink(state_db).write("s", record(history))

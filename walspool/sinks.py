@@ -67,6 +67,17 @@ class SessionMissing(WalspoolError):
         )
 
 
+class NotAMessage(WalspoolError):
+    """A record holds something other than one transcript message (an agent history)."""
+
+    def __init__(self, record: Record) -> None:
+        super().__init__(
+            f"record {record.id} (session {record.session_id}, seq {record.seq}) holds a list "
+            "of messages, not one message; export it and recover it by hand",
+            session_id=record.session_id,
+        )
+
+
 class SessionDBSink:
     """Writes messages into a ``hermes_state.SessionDB`` (0.19.0) or a look-alike.
 
@@ -112,9 +123,13 @@ class SessionDBSink:
         """Append one message to ``session_id``; committed when this returns.
 
         Raises ``SessionMissing`` when the session has no row and
-        ``create_missing`` is off; any other error of ``append_message`` (for
-        instance ``database is locked`` after its own retries) propagates.
+        ``create_missing`` is off (with it, the session is created, source
+        "walspool", and the write made once more), and ``NotAMessage`` for an
+        agent history spooled as one row; any other error of ``append_message``
+        (for instance ``database is locked`` after its own retries) propagates.
         """
+        if _is_history(record.message):
+            raise NotAMessage(record)
         kwargs = self._filter(append_kwargs(record))
         try:
             self.session_db.append_message(session_id=session_id, **kwargs)
@@ -210,6 +225,15 @@ def append_kwargs(record: Record) -> dict[str, Any]:
     own = message.get("timestamp") if isinstance(message, dict) else None
     kwargs["timestamp"] = _timestamp(own, record.created_at)
     return kwargs
+
+
+def _is_history(message: Any) -> bool:
+    """An agent history spooled whole: ``{"messages": [...], ...}`` and no message fields."""
+    return (
+        isinstance(message, dict)
+        and isinstance(message.get("messages"), list)
+        and not {"role", "content", "text"} & message.keys()
+    )
 
 
 def _text(value: Any) -> str:
