@@ -1,0 +1,335 @@
+"""The gateway link, on the real hermes-agent 0.19.0 SessionStore and SessionDB."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+
+import pytest
+
+import walspool
+from walspool.hermes import install
+
+hermes_state = pytest.importorskip("hermes_state")
+
+BREAK = (
+    "CREATE TRIGGER broken BEFORE INSERT ON messages BEGIN "
+    "SELECT RAISE(ABORT, 'database disk image is malformed'); END"
+)
+HEAL = "DROP TRIGGER broken"
+
+
+@pytest.fixture
+def hermes_home(tmp_path: Path, monkeypatch) -> Path:
+    home = tmp_path / "hermes"
+    home.mkdir()
+    monkeypatch.setenv("HERMES_HOME", str(home))
+    monkeypatch.setattr(hermes_state, "DEFAULT_DB_PATH", home / "state.db")
+    return home
+
+
+@pytest.fixture
+def store(hermes_home: Path):
+    from gateway.config import GatewayConfig
+    from gateway.session import SessionStore
+
+    s = SessionStore(hermes_home / "sessions", GatewayConfig(sessions_dir=hermes_home / "sessions"))
+    yield s
+    s._db.close()
+
+
+@pytest.fixture
+def spool(hermes_home: Path):
+    with walspool.Spool(hermes_home / "spool.db") as s:
+        yield s
+
+
+def sql(store, statement: str) -> None:
+    with store._db._lock:
+        store._db._conn.execute(statement)
+
+
+def contents(store, session_id: str) -> list:
+    return [m["content"] for m in store._db.get_messages(session_id)]
+
+
+def test_released_gateway_loses_all_but_200(store):
+    """The baseline this project exists for: 1,001 messages, 200 kept."""
+    store._db.create_session("s", "telegram")
+    sql(store, BREAK)
+    for i in range(1001):
+        store.append_to_transcript("s", {"role": "user", "content": f"m{i}"})
+    sql(store, HEAL)
+    store.append_to_transcript("s", {"role": "user", "content": "fin"})
+    assert contents(store, "s") == [f"m{i}" for i in range(802, 1001)] + ["fin"]  # 200 rows
+
+
+def test_outage_of_1001_messages_loses_nothing_and_keeps_order(store, spool, caplog):
+    store._db.create_session("s", "telegram")
+    install(store, spool)
+    sql(store, BREAK)
+    with caplog.at_level(logging.WARNING, logger="walspool"):
+        for i in range(1001):
+            store.append_to_transcript("s", {"role": "user", "content": f"m{i}"})
+    spooled = [r for r in caplog.records if "spooled oldest message" in r.getMessage()]
+    assert len(spooled) == 801
+    assert str(spool.path) in spooled[0].getMessage()
+    assert spool.stats().rows == 801
+    sql(store, HEAL)
+    store.append_to_transcript("s", {"role": "user", "content": "fin"})
+    assert contents(store, "s") == [f"m{i}" for i in range(1001)] + ["fin"]
+    assert spool.stats().rows == 0
+    assert "s" not in store._dirty_transcripts
+
+
+def test_sixteen_sessions_four_threads(store, spool):
+    sessions = [f"s{i}" for i in range(16)]
+    for s in sessions:
+        store._db.create_session(s, "telegram")
+    install(store, spool)
+    sql(store, BREAK)
+    per = 300
+
+    def feed(t: int) -> None:
+        for i in range(per):
+            for s in sessions[t::4]:
+                store.append_to_transcript(s, {"role": "user", "content": f"{s}-{i}"})
+
+    threads = [threading.Thread(target=feed, args=(t,)) for t in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert spool.stats().rows == 16 * (per - 200)
+    sql(store, HEAL)
+    for s in sessions:
+        store.append_to_transcript(s, {"role": "user", "content": "fin"})
+    for s in sessions:
+        assert contents(store, s) == [f"{s}-{i}" for i in range(per)] + ["fin"], s
+
+
+def test_spool_failure_falls_back_to_drop_and_warn(store, spool, caplog):
+    store._db.create_session("s", "telegram")
+    install(store, spool)
+    spool.close()  # the spool can no longer take anything
+    sql(store, BREAK)
+    with caplog.at_level(logging.WARNING, logger="walspool"):
+        for i in range(205):
+            store.append_to_transcript("s", {"role": "user", "content": f"m{i}"})
+    drops = [r for r in caplog.records if "on-disk spool unavailable" in r.getMessage()]
+    assert len(drops) == 5
+    assert len(store._dirty_transcripts["s"]) == 200
+    sql(store, HEAL)
+    store.append_to_transcript("s", {"role": "user", "content": "fin"})
+    assert contents(store, "s") == [f"m{i}" for i in range(6, 205)] + ["fin"]  # fin evicted m5
+
+
+def test_replay_failure_keeps_rows_and_live_rows_never_overtake(store, spool):
+    store._db.create_session("s", "telegram")
+    install(store, spool)
+    sql(store, BREAK)
+    for i in range(203):
+        store.append_to_transcript("s", {"role": "user", "content": f"m{i}"})
+    assert spool.stats().rows == 3
+    # the database heals for everything but the spooled rows' content
+    sql(store, HEAL)
+    sql(
+        store,
+        "CREATE TRIGGER picky BEFORE INSERT ON messages WHEN NEW.content = 'm1' "
+        "BEGIN SELECT RAISE(ABORT, 'database is locked'); END",
+    )
+    store.append_to_transcript("s", {"role": "user", "content": "live"})
+    assert contents(store, "s") == ["m0"]  # m1 failed; nothing after it was written
+    assert [r.message["content"] for r in spool.records()] == ["m1", "m2", "m3"]  # live evicted m3
+    held = next(spool.records())
+    assert held.attempts == 1 and "locked" in held.last_error
+    sql(store, "DROP TRIGGER picky")
+    store.append_to_transcript("s", {"role": "user", "content": "fin"})
+    assert contents(store, "s") == [f"m{i}" for i in range(203)] + ["live", "fin"]
+
+
+def test_sessions_are_isolated(store, spool):
+    for s in ("a", "b"):
+        store._db.create_session(s, "telegram")
+    install(store, spool)
+    sql(store, BREAK)
+    for i in range(201):
+        store.append_to_transcript("a", {"role": "user", "content": f"a{i}"})
+        store.append_to_transcript("b", {"role": "user", "content": f"b{i}"})
+    sql(store, HEAL)
+    store.append_to_transcript("a", {"role": "user", "content": "a-fin"})
+    assert contents(store, "a") == [f"a{i}" for i in range(201)] + ["a-fin"]
+    assert contents(store, "b") == []
+    assert [r.message["content"] for r in spool.records()] == ["b0"]
+
+
+def test_install_refuses_a_store_it_does_not_know(spool):
+    class NotAStore:
+        _db = object()
+
+    with pytest.raises(walspool.UnsupportedGateway, match="lacks"):
+        install(NotAStore(), spool)
+
+
+def test_install_twice_is_refused(store, spool):
+    install(store, spool)
+    with pytest.raises(walspool.UnsupportedGateway, match="already"):
+        install(store, spool)
+
+
+class _Adapter:
+    """Stands in for a platform adapter: the two calls shutdown teardown makes."""
+
+    def __init__(self) -> None:
+        self._pending_messages: dict = {}
+
+    async def cancel_background_tasks(self) -> None:
+        self._pending_messages.clear()
+
+    async def disconnect(self) -> None:
+        pass
+
+
+class _Agent:
+    def __init__(self, session_id: str, messages: list) -> None:
+        self.session_id = session_id
+        self._session_messages = messages
+
+
+def test_shutdown_flush_then_restart_recovery(hermes_home):
+    import asyncio
+
+    from gateway.config import GatewayConfig, Platform
+    from gateway.platforms.base import MessageEvent
+    from gateway.run import GatewayRunner
+    from gateway.session import SessionSource
+
+    from walspool.hermes import install_runner
+
+    config = GatewayConfig(sessions_dir=hermes_home / "sessions")
+    runner = GatewayRunner(config)
+    store = runner.session_store
+    source = SessionSource(platform=Platform.TELEGRAM, chat_id="42", user_id="u1")
+    entry = store.get_or_create_session(source)
+    key, sid = entry.session_key, entry.session_id
+    spool = walspool.Spool(hermes_home / "spool.db")
+    link = install(store, spool)
+    install_runner(runner, link)
+
+    adapter = _Adapter()
+    adapter._pending_messages[key] = MessageEvent(
+        text="pending in adapter", source=source, message_id="m-9"
+    )
+    runner._pending_messages[key] = "pending in runner"
+    agent = _Agent(
+        sid,
+        [
+            {"role": "user", "content": "saved", "_db_persisted": True},
+            {"role": "assistant", "content": "never saved"},
+        ],
+    )
+
+    async def shutdown() -> None:  # the calls GatewayRunner.stop() makes, in its order
+        await runner._finalize_shutdown_agents({key: agent})
+        await runner._bounded_adapter_teardown(adapter, Platform.TELEGRAM)
+        runner._pending_messages.clear()
+
+    asyncio.run(shutdown())
+    assert adapter._pending_messages == {} and runner._pending_messages == {}
+    rows = list(spool.records())
+    assert [(r.reason, r.session_id, r.session_key) for r in rows] == [
+        (walspool.AGENT_HISTORY, sid, None),
+        ("adapter_shutdown", sid, key),
+        ("shutdown", sid, key),
+    ]
+    assert rows[0].message["messages"] == [{"role": "assistant", "content": "never saved"}]
+    spool.close()
+    store._db.close()
+
+    # the next start: a new store on the same home recovers the slots
+    from gateway.session import SessionStore
+
+    store2 = SessionStore(hermes_home / "sessions", config)
+    with walspool.Spool(hermes_home / "spool.db") as spool2:
+        install(store2, spool2)
+        assert contents(store2, sid) == ["pending in adapter", "pending in runner"]
+        assert [r.reason for r in spool2.records()] == [walspool.AGENT_HISTORY]
+    store2._db.close()
+
+
+GATEWAY_CHILD = r"""
+import os, sys
+home = sys.argv[1]
+os.environ["HERMES_HOME"] = home
+import hermes_state, pathlib
+hermes_state.DEFAULT_DB_PATH = pathlib.Path(home) / "state.db"
+from gateway.config import GatewayConfig
+from gateway.session import SessionStore
+import walspool
+from walspool.hermes import install
+store = SessionStore(pathlib.Path(home) / "sessions",
+                     GatewayConfig(sessions_dir=pathlib.Path(home) / "sessions"))
+store._db.create_session("s", "telegram")
+install(store, walspool.Spool(pathlib.Path(home) / "spool.db"))
+with store._db._lock:
+    store._db._conn.execute(sys.argv[2])
+print("ready", flush=True)
+i = 0
+while True:
+    store.append_to_transcript("s", {"role": "user", "content": f"m{i}"})
+    print(i, flush=True)
+    i += 1
+"""
+
+
+def test_gateway_killed_during_outage_loses_nothing_it_spooled(hermes_home):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from _helpers import ROOT
+
+    proc = subprocess.Popen(
+        [sys.executable, "-c", GATEWAY_CHILD, str(hermes_home), BREAK],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    acked = -1
+    try:
+        assert proc.stdout.readline() == "ready\n"
+        for line in proc.stdout:
+            acked = int(line)
+            if acked >= 700:
+                break
+        proc.send_signal(signal.SIGKILL)
+        for line in proc.stdout:
+            acked = int(line)
+    finally:
+        proc.kill()
+        proc.wait(30)
+    assert proc.returncode == -signal.SIGKILL
+    # every message acknowledged more than 200 messages before the last was evicted
+    # to the spool; the last 200 were in memory, which a SIGKILL loses (as before)
+    must_have = acked - 200
+    db = hermes_state.SessionDB(db_path=hermes_home / "state.db")
+    with db._lock:
+        db._conn.execute(HEAL)
+    db.close()
+    from gateway.config import GatewayConfig
+    from gateway.session import SessionStore
+
+    store = SessionStore(
+        hermes_home / "sessions", GatewayConfig(sessions_dir=hermes_home / "sessions")
+    )
+    with walspool.Spool(hermes_home / "spool.db") as spool:
+        report = install(store, spool, recover=False).recover()
+        assert report.held == 0
+        got = contents(store, "s")
+        assert got == [f"m{i}" for i in range(len(got))]
+        assert len(got) >= must_have
+        assert spool.stats().rows == 0
+    store._db.close()

@@ -1,0 +1,420 @@
+"""The gateway link: walspool as the overflow and shutdown sink of hermes-agent 0.19.0.
+
+In the released gateway, ``SessionStore.append_to_transcript`` queues each message
+per session, drops the oldest past 200 while ``state.db`` refuses writes, and the
+runner and adapters clear their pending slots at shutdown. ``install`` changes
+exactly that on one live store (and, with ``install_runner``, one runner):
+
+* a message evicted at the cap is spooled (``CAP_DROP``), not dropped; if the spool
+  cannot take it, the old drop-and-warn behaviour remains;
+* a session's spooled rows are written before its in-memory rows, so ``state.db``
+  (``ORDER BY id``) holds the transcript in arrival order;
+* pending slots and unflushed agent histories are spooled before they are cleared,
+  and ``recover`` (run by ``install``) replays them at the next start.
+
+One thread at a time writes a given session (the first caller that finds the session
+idle); the others only queue and return, so the same message is never written twice
+by two threads. The store's global ``_transcript_retry_lock`` is held only to queue
+and to reserve a spooled message's place (``Spool.submit``); the fsync is waited for
+outside it, so sessions do not serialise behind each other's commits.
+
+Not guaranteed: messages still in memory when the process is killed are lost, as in
+the released gateway (only spooled rows are durable); ``rewrite_transcript`` does not
+remove a session's spooled rows.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from .errors import UnsupportedGateway, WalspoolError
+from .records import AGENT_HISTORY, CAP_DROP, SHUTDOWN, Receipt
+from .replay import Replayer, ReplayReport
+from .sinks import SessionDBSink
+from .spool import Spool
+
+log = logging.getLogger("walspool.hermes")
+
+#: What 0.19.0's SessionStore must have for the link to be correct.
+STORE_ATTRIBUTES = (
+    "_db",
+    "_transcript_retry_lock",
+    "_dirty_transcripts",
+    "_transcript_append_failures",
+    "_append_transcript_message",
+    "_MAX_PENDING_PER_SESSION",
+    "_is_fts_corruption_error",
+    "_rebuild_fts_once",
+    "peek_session_id",
+    "append_to_transcript",
+)
+#: What 0.19.0's GatewayRunner must have for ``install_runner``.
+RUNNER_ATTRIBUTES = (
+    "session_store",
+    "adapters",
+    "_pending_messages",
+    "_queued_events",
+    "_bounded_adapter_teardown",
+    "_finalize_shutdown_agents",
+)
+#: Reasons a live session drains before writing its in-memory rows.
+LIVE_REASONS = (CAP_DROP, SHUTDOWN, "adapter_shutdown", "overflow_shutdown")
+
+
+class _Session:
+    """The link's state for one session; guarded by the store's retry lock."""
+
+    __slots__ = ("writing", "inflight", "spooled")
+
+    def __init__(self) -> None:
+        self.writing = False
+        self.inflight: dict[str, Any] | None = None
+        #: The last spooled message's future; set while the spool may hold rows
+        #: that must reach state.db before this session's in-memory rows.
+        self.spooled: concurrent.futures.Future[Receipt] | None = None
+
+
+_ALREADY_SPOOLED: concurrent.futures.Future[Receipt] = concurrent.futures.Future()
+_ALREADY_SPOOLED.set_result(Receipt(0, None, 0, CAP_DROP, None, 0.0))
+
+
+class Link:
+    """A SessionStore linked to a spool; made by ``install``."""
+
+    def __init__(self, store: Any, spool: Spool) -> None:
+        self.store = store
+        self.spool = spool
+        self.replayer = Replayer(spool, SessionDBSink(store._db), resolver=store.peek_session_id)
+        self.cap = int(store._MAX_PENDING_PER_SESSION)
+        self._lock = store._transcript_retry_lock
+        self._changed = threading.Condition(self._lock)
+        self._sessions: dict[str, _Session] = {}
+        self._original_append = store.append_to_transcript
+
+    # -- the patched entry point -------------------------------------------------
+
+    def append_to_transcript(
+        self, session_id: str, message: dict[str, Any], skip_db: bool = False
+    ) -> None:
+        """Queue a message for ``state.db``; spool, never drop, what overflows the cap."""
+        store = self.store
+        if not store._db or skip_db:
+            return
+        evicted: list[tuple[concurrent.futures.Future[Receipt] | None, dict[str, Any]]] = []
+        with self._changed:
+            state = self._session(session_id)
+            store._dirty_transcripts.setdefault(session_id, []).append(dict(message))
+            while True:
+                pending = store._dirty_transcripts.get(session_id) or []
+                if len(pending) <= self.cap:
+                    break
+                if state.inflight is not None and pending[0] is state.inflight:
+                    # The oldest is being written right now; evicting it could put
+                    # it in state.db twice. Wait for that one write to end.
+                    self._changed.wait()
+                    continue
+                dropped = pending.pop(0)
+                evicted.append((self._spool_locked(session_id, dropped, state), dropped))
+            become_writer = not state.writing
+            state.writing = True
+        for future, _ in evicted:
+            self._report_eviction(session_id, future)
+        if become_writer:
+            self._write_session(session_id, state)
+
+    def _spool_locked(
+        self, session_id: str, message: dict[str, Any], state: _Session
+    ) -> concurrent.futures.Future[Receipt] | None:
+        try:
+            future = self.spool.submit(session_id, message, reason=CAP_DROP)
+        except WalspoolError as exc:
+            log.warning(
+                "Session DB transcript pending queue full for %s (cap=%d); dropping oldest "
+                "message to make room (on-disk spool unavailable: %s)",
+                session_id,
+                self.cap,
+                exc,
+            )
+            return None
+        state.spooled = future
+        return future
+
+    def _report_eviction(
+        self, session_id: str, future: concurrent.futures.Future[Receipt] | None
+    ) -> None:
+        if future is None:
+            return
+        try:
+            receipt = future.result()
+        except WalspoolError as exc:
+            log.warning(
+                "Session DB transcript pending queue full for %s (cap=%d); dropping oldest "
+                "message to make room (on-disk spool unavailable: %s)",
+                session_id,
+                self.cap,
+                exc,
+            )
+            return
+        log.warning(
+            "Session DB transcript pending queue full for %s (cap=%d); spooled oldest message "
+            "to %s (seq %d) for replay after DB recovery",
+            session_id,
+            self.cap,
+            self.spool.path,
+            receipt.seq,
+        )
+
+    # -- the session's writer ------------------------------------------------------
+
+    def _write_session(self, session_id: str, state: _Session) -> None:
+        """Write the session's spooled rows, then its queue, until done or a write fails."""
+        try:
+            while True:
+                with self._lock:
+                    spooled = state.spooled
+                if spooled is not None:
+                    if not self._drain(session_id, state, spooled):
+                        return
+                    continue
+                with self._lock:
+                    if state.spooled is not None:
+                        continue
+                    pending = self.store._dirty_transcripts.get(session_id)
+                    if not pending:
+                        self.store._dirty_transcripts.pop(session_id, None)
+                        self.store._transcript_append_failures.pop(session_id, None)
+                        return
+                    message = state.inflight = pending[0]
+                error = self._write_one(session_id, message)
+                with self._changed:
+                    state.inflight = None
+                    self._changed.notify_all()
+                    pending = self.store._dirty_transcripts.get(session_id)
+                    if error is None:
+                        if pending and pending[0] is message:
+                            pending.pop(0)
+                        continue
+                    failures = self.store._transcript_append_failures.get(session_id, 0) + 1
+                    self.store._transcript_append_failures[session_id] = failures
+                log.warning(
+                    "Session DB transcript append failed for %s (failure_count=%d, pending=%d); "
+                    "will retry: %s",
+                    session_id,
+                    failures,
+                    len(pending or ()),
+                    error,
+                )
+                return
+        finally:
+            with self._lock:
+                state.writing = False
+                if state.spooled is None and self._sessions.get(session_id) is state:
+                    del self._sessions[session_id]
+
+    def _drain(
+        self, session_id: str, state: _Session, spooled: concurrent.futures.Future[Receipt]
+    ) -> bool:
+        """Replay the session's spooled rows; True when none is left behind."""
+        concurrent.futures.wait([spooled])
+        report = self.replayer.replay(session_id=session_id, reasons=LIVE_REASONS)
+        if report.held:
+            with self._lock:
+                failures = self.store._transcript_append_failures.get(session_id, 0) + 1
+                self.store._transcript_append_failures[session_id] = failures
+            log.warning(
+                "Replay of %d spooled transcript message(s) for %s failed; keeping them in %s "
+                "and holding back %d queued message(s): %s",
+                report.held,
+                session_id,
+                self.spool.path,
+                len(self.store._dirty_transcripts.get(session_id) or ()),
+                report.errors.get(session_id, "unknown error"),
+            )
+            return False
+        with self._lock:
+            if state.spooled is spooled:
+                state.spooled = None
+        if report.moved:
+            log.info(
+                "Replayed %d spooled transcript message(s) for %s after DB recovery",
+                report.moved,
+                session_id,
+            )
+        return True
+
+    def _write_one(self, session_id: str, message: dict[str, Any]) -> Exception | None:
+        """Write one queued message as the released store does, FTS repair included."""
+        store = self.store
+        try:
+            store._append_transcript_message(session_id, message)
+            return None
+        except Exception as exc:  # noqa: BLE001 - the store's own policy: retry later
+            if not (store._is_fts_corruption_error(exc) and store._rebuild_fts_once()):
+                return exc
+        try:
+            store._append_transcript_message(session_id, message)
+            return None
+        except Exception as exc:  # noqa: BLE001
+            return exc
+
+    def _session(self, session_id: str) -> _Session:
+        state = self._sessions.get(session_id)
+        if state is None:
+            state = self._sessions[session_id] = _Session()
+        return state
+
+    # -- shutdown and startup --------------------------------------------------------
+
+    def flush_pending(self, pending: Mapping[str, Any], *, reason: str = SHUTDOWN) -> int:
+        """Spool pending slots (session key -> text or MessageEvent); return how many."""
+        return self.flush_slots(list(pending.items()), reason=reason)
+
+    def flush_slots(self, slots: list[tuple[str, Any]], *, reason: str = SHUTDOWN) -> int:
+        """Spool ``(session_key, text or event)`` pairs in order, in one transaction.
+
+        The session id is resolved now, through the store, while the gateway still
+        knows it; the key is kept too. Values that are None are skipped.
+        """
+        items = [
+            (_resolve(self.store, key), _slot_message(value), key)
+            for key, value in slots
+            if value is not None
+        ]
+        if not items:
+            return 0
+        self.spool.append_many(items, reason=reason)
+        log.info(
+            "Spooled %d pending message(s) to %s (reason=%s)", len(items), self.spool.path, reason
+        )
+        return len(items)
+
+    def flush_agent_history(self, session_id: str | None, history: list[Any]) -> bool:
+        """Spool an agent's unpersisted history as one ``AGENT_HISTORY`` row."""
+        if not history:
+            return False
+        self.spool.append(
+            session_id or "unknown",
+            {"session_id": session_id, "count": len(history), "messages": history},
+            reason=AGENT_HISTORY,
+        )
+        log.warning(
+            "Preserved %d in-memory message(s) for session %s in %s (state.db did not take "
+            "them); recover by hand after repairing state.db",
+            len(history),
+            session_id,
+            self.spool.path,
+        )
+        return True
+
+    def recover(self) -> ReplayReport:
+        """Replay everything spooled (but agent histories) into the store's ``state.db``."""
+        report = self.replayer.replay()
+        with self._lock:
+            for session_id in report.errors:
+                self._session(session_id).spooled = _ALREADY_SPOOLED
+        if report.moved or report.held:
+            log.info(
+                "Recovered %d spooled message(s) into state.db; %d held back",
+                report.moved,
+                report.held,
+            )
+        return report
+
+
+def install(store: Any, spool: Spool, *, recover: bool = True) -> Link:
+    """Link a live 0.19.0 ``SessionStore`` to ``spool``; replay what is spooled.
+
+    Raises ``UnsupportedGateway`` at once if the store is not what the link was
+    written for, rather than misbehaving later.
+    """
+    missing = [name for name in STORE_ATTRIBUTES if not hasattr(store, name)]
+    if missing:
+        raise UnsupportedGateway(
+            f"{type(store).__name__} lacks {', '.join(missing)}; walspool.hermes supports "
+            "hermes-agent 0.19.0's gateway.session.SessionStore",
+            path=spool.path,
+        )
+    if isinstance(getattr(store.append_to_transcript, "__self__", None), Link):
+        raise UnsupportedGateway("this SessionStore is linked to a spool already", path=spool.path)
+    if store._db is None:
+        raise UnsupportedGateway(
+            "the SessionStore has no state.db (store._db is None)", path=spool.path
+        )
+    link = Link(store, spool)
+    store.append_to_transcript = link.append_to_transcript
+    if recover:
+        link.recover()
+    return link
+
+
+def install_runner(runner: Any, link: Link) -> None:
+    """Spool a 0.19.0 ``GatewayRunner``'s pending slots and unflushed histories at shutdown."""
+    missing = [name for name in RUNNER_ATTRIBUTES if not hasattr(runner, name)]
+    if missing:
+        raise UnsupportedGateway(
+            f"{type(runner).__name__} lacks {', '.join(missing)}; walspool.hermes supports "
+            "hermes-agent 0.19.0's gateway.run.GatewayRunner",
+            path=link.spool.path,
+        )
+    runner._pending_messages = SpoolOnClear(runner._pending_messages, link.flush_pending, SHUTDOWN)
+    teardown = runner._bounded_adapter_teardown
+    finalize = runner._finalize_shutdown_agents
+
+    async def bounded_adapter_teardown(adapter: Any, platform: Any, **kw: Any) -> None:
+        slots = getattr(adapter, "_pending_messages", None)
+        if isinstance(slots, dict) and not isinstance(slots, SpoolOnClear):
+            adapter._pending_messages = SpoolOnClear(slots, link.flush_pending, "adapter_shutdown")
+        await teardown(adapter, platform, **kw)
+
+    async def finalize_shutdown_agents(active_agents: dict[str, Any]) -> None:
+        await finalize(active_agents)
+        for agent in list(active_agents.values()):
+            history = getattr(agent, "_session_messages", None)
+            if isinstance(history, list):
+                unsaved = [m for m in history if isinstance(m, dict) and not m.get("_db_persisted")]
+                _never_raise(link.flush_agent_history, getattr(agent, "session_id", None), unsaved)
+        queued = getattr(runner, "_queued_events", None) or {}
+        overflow = [(key, event) for key, events in list(queued.items()) for event in events]
+        _never_raise(link.flush_slots, overflow, reason="overflow_shutdown")
+
+    runner._bounded_adapter_teardown = bounded_adapter_teardown
+    runner._finalize_shutdown_agents = finalize_shutdown_agents
+
+
+class SpoolOnClear(dict):  # type: ignore[type-arg]
+    """A pending-slot dict whose ``clear()`` spools its contents first."""
+
+    def __init__(self, items: Mapping[str, Any], flush: Callable[..., int], reason: str) -> None:
+        super().__init__(items)
+        self._flush = flush
+        self._reason = reason
+
+    def clear(self) -> None:
+        if self:
+            _never_raise(self._flush, dict(self), reason=self._reason)
+        super().clear()
+
+
+def _never_raise(fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+    """Shutdown must go on: log a spool failure at ERROR instead of raising it."""
+    try:
+        return fn(*args, **kw)
+    except Exception:  # noqa: BLE001
+        log.exception("walspool could not spool at shutdown; these messages are lost")
+        return None
+
+
+def _resolve(store: Any, session_key: str) -> str | None:
+    try:
+        return store.peek_session_id(session_key)
+    except Exception:  # noqa: BLE001 - an unknown key is resolved again at replay
+        return None
+
+
+def _slot_message(value: Any) -> Any:
+    """A pending slot's value as spooled: text as ``{"text": ...}``, events as they are."""
+    return {"text": value} if isinstance(value, str) else value
