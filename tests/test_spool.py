@@ -211,29 +211,13 @@ def test_bad_options_refused(tmp_path: Path):
 
 
 def test_public_api_is_pinned():
-    assert sorted(walspool.__all__) == sorted(
-        [
-            "AGENT_HISTORY",
-            "CAP_DROP",
-            "SHUTDOWN",
-            "DiskFull",
-            "InvalidArgument",
-            "NotASpool",
-            "PayloadTooLarge",
-            "Receipt",
-            "Record",
-            "SchemaTooNew",
-            "Spool",
-            "SpoolClosed",
-            "SpoolCorrupt",
-            "SpoolFull",
-            "SpoolIOError",
-            "Stats",
-            "SymlinkRefused",
-            "UnsupportedGateway",
-            "WalspoolError",
-        ]
-    )
+    assert sorted(walspool.__all__) == sorted([
+        "AGENT_HISTORY", "CAP_DROP", "SHUTDOWN", "DiskFull", "ImportReport", "InvalidArgument",
+        "NotASpool", "PayloadTooLarge", "Receipt", "Record", "ReplayReport", "Replayer",
+        "SchemaTooNew", "SessionDBSink", "Sink", "Spool", "SpoolClosed", "SpoolCorrupt",
+        "SpoolFull", "SpoolIOError", "Stats", "SymlinkRefused", "UnsupportedGateway",
+        "WalspoolError", "import_json_spool",
+    ])  # fmt: skip
     for name in walspool.__all__:
         assert getattr(walspool, name) is not None
     assert walspool.CAP_DROP == "transcript_cap_drop"

@@ -19,7 +19,10 @@ from .errors import (
     UnsupportedGateway,
     WalspoolError,
 )
+from .jsonspool import ImportReport, import_json_spool
 from .records import AGENT_HISTORY, CAP_DROP, SHUTDOWN, Receipt, Record, Stats
+from .replay import Replayer, ReplayReport
+from .sinks import SessionDBSink, Sink
 from .spool import Spool
 
 __all__ = [
@@ -27,12 +30,17 @@ __all__ = [
     "CAP_DROP",
     "SHUTDOWN",
     "DiskFull",
+    "ImportReport",
     "InvalidArgument",
     "NotASpool",
     "PayloadTooLarge",
     "Receipt",
     "Record",
+    "ReplayReport",
+    "Replayer",
     "SchemaTooNew",
+    "SessionDBSink",
+    "Sink",
     "Spool",
     "SpoolClosed",
     "SpoolCorrupt",
@@ -42,4 +50,5 @@ __all__ = [
     "SymlinkRefused",
     "UnsupportedGateway",
     "WalspoolError",
+    "import_json_spool",
 ]
