@@ -284,8 +284,9 @@ class _Run:
         done.delete += landed
         done.release += unlanded
         log.warning(
-            "interrupted replay of %s %s recovered: %d of %d in-flight rows had "
+            "%s: interrupted replay of %s %s recovered: %d of %d in-flight rows had "
             "landed and were removed, the rest will be written again",
+            self.spool.path,
             stream[0],
             stream[1],
             len(landed),
@@ -353,7 +354,16 @@ class _Run:
         failed = records[written]
         done.failures.append((error, time.time(), failed.id))
         done.release += [rec.id for rec in records[written + 1 :]]
-        log.warning("replay of %s %s held at seq %d: %s", stream[0], stream[1], failed.seq, error)
+        # INFO, not WARNING: during an outage every replay attempt fails the same
+        # way; the caller reports held rows at the level it chooses.
+        log.info(
+            "%s: replay of %s %s held at seq %d: %s",
+            self.spool.path,
+            stream[0],
+            stream[1],
+            failed.seq,
+            error,
+        )
         self._hold(stream, error, done)
 
     # -- bookkeeping -----------------------------------------------------------
