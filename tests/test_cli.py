@@ -1,0 +1,790 @@
+"""The ``walspool`` command line, through ``main(argv)``: output, errors, exit codes.
+
+The spool is only ever opened with apsw in this process; the stdlib ``sqlite3``
+module touches the spool only in the ``sqlite3`` shell (a separate process), and
+state.db locks are held by a child process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import re
+import shutil
+import sqlite3
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+import apsw
+import pytest
+from _helpers import ROOT
+
+import walspool
+from walspool import AGENT_HISTORY, CAP_DROP, SHUTDOWN
+from walspool import _cli_output as cli_output
+from walspool.cli import COMMANDS, main
+from walspool.replay import Replayer
+
+README = (ROOT / "README.md").read_text(encoding="utf-8")
+KEY = "agent:main:telegram:dm:42"
+
+STATS_KEYS = {
+    "spool", "rows", "sessions", "bytes", "oldest", "newest", "by_reason", "failing",
+    "inflight", "db_bytes", "wal_bytes",
+}  # fmt: skip
+LS_KEYS = {
+    "session_id", "session_key", "rows", "bytes", "oldest", "newest", "max_attempts",
+    "last_error",
+}  # fmt: skip
+RECORD_KEYS = {
+    "id", "session_id", "session_key", "seq", "reason", "created_at", "attempts",
+    "last_error", "last_attempt_at", "inflight", "message",
+}  # fmt: skip
+CHECK_KEYS = {"spool", "ok", "application_id", "schema_version", "rows", "problems", "notes"}
+REPLAY_KEYS = {
+    "spool", "state_db", "dry_run", "moved", "held", "errors", "recovered", "sessions",
+}  # fmt: skip
+IMPORT_KEYS = {"spool", "directory", "imported", "skipped", "by_reason", "quarantined"}
+ISO = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z$")
+
+
+# -- helpers -------------------------------------------------------------------------
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: Any) -> tuple[int, str, str]:
+    """``main(argv)``; its exit status, stdout and stderr."""
+    capsys.readouterr()
+    rc = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def one_error_line(err: str) -> str:
+    """stderr holds exactly one line, no traceback; return it."""
+    assert err.endswith("\n") and err.count("\n") == 1, err
+    assert "Traceback" not in err
+    return err
+
+
+def section(title: str) -> str:
+    """The text of one ``## title`` section of README.md."""
+    start = README.index(f"\n## {title}\n")
+    end = README.find("\n## ", start + 1)
+    return README[start : end if end != -1 else len(README)]
+
+
+class FailingSink:
+    """A sink whose every write fails: the replay holds the row with ``last_error``."""
+
+    def mark(self) -> int:
+        return 0
+
+    def write(self, session_id: str, record: Any) -> None:
+        raise RuntimeError("state.db is locked")
+
+    def landed(self, session_id: str, mark: int, records: Any) -> int:
+        return 0
+
+
+def build_spool(path: Path) -> Path:
+    """A closed spool: session-1 (3 messages and an agent history), session-2 (2
+    messages, the first with a failed replay attempt) and a row spooled by key only."""
+    with walspool.Spool(path) as spool:
+        spool.append("session-1", {"role": "user", "content": "hello"})
+        spool.append("session-2", {"role": "user", "content": "other one"})
+        spool.append("session-1", {"role": "assistant", "content": "hi, how can I help?"})
+        spool.append("session-2", {"role": "assistant", "content": "other two"})
+        spool.append("session-1", {"role": "user", "content": "I want a refund\nplease"})
+        spool.append(None, "slot text", reason=SHUTDOWN, session_key=KEY)
+        spool.append(
+            "session-1",
+            {"session_id": "session-1", "messages": [{"role": "user", "content": "x"}]},
+            reason=AGENT_HISTORY,
+        )
+        Replayer(spool, FailingSink()).replay(session_id="session-2")
+    return path
+
+
+@pytest.fixture
+def spool_file(tmp_path: Path) -> Path:
+    return build_spool(tmp_path / "spool.db")
+
+
+def digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def patch(path: Path, *sql: str) -> None:
+    """Edit a closed spool with apsw (never the stdlib sqlite3 in this process)."""
+    conn = apsw.Connection(str(path))
+    try:
+        for statement in sql:
+            conn.execute(statement)
+    finally:
+        conn.close()
+
+
+def damaged_copy(tmp_path: Path) -> Path:
+    """A copy of a 4,000-row spool with garbage written into pages of its middle third."""
+    source = tmp_path / "big" / "spool.db"
+    with walspool.Spool(source, durability="normal") as spool:
+        spool.append_many(
+            [(f"s{i % 20}", {"role": "user", "content": "m" * 400 + str(i)}) for i in range(4000)]
+        )
+    copy = tmp_path / "damaged.db"
+    shutil.copyfile(source, copy)
+    pages = copy.stat().st_size // 4096
+    garbage = bytes(range(256)) * 4
+    with open(copy, "r+b") as f:
+        for page in range(pages // 3, 2 * pages // 3, 5):
+            f.seek(page * 4096 + 200)
+            f.write(garbage)
+    return copy
+
+
+# -- help and README -------------------------------------------------------------------
+
+
+def test_every_command_has_help_and_a_readme_entry(capsys: pytest.CaptureFixture[str]) -> None:
+    commands = section("Command line")
+    assert {name for name, *_ in COMMANDS} == {
+        "stats", "ls", "show", "replay", "export", "import-json", "check", "demo",
+    }  # fmt: skip
+    for name, fn, *_ in COMMANDS:
+        assert fn.__doc__ and fn.__doc__.strip(), name
+        with pytest.raises(SystemExit) as exit_:
+            main([name, "--help"])
+        assert exit_.value.code == 0
+        out = capsys.readouterr().out
+        assert f"usage: walspool {name}" in out
+        assert fn.__doc__.strip().splitlines()[0] in out
+        assert f"`walspool {name}" in commands, f"README's Command line lacks walspool {name}"
+    with pytest.raises(SystemExit) as exit_:
+        main(["--help"])
+    assert exit_.value.code == 0
+    overview = capsys.readouterr().out
+    assert all(name in overview for name, *_ in COMMANDS)
+
+
+def test_bad_usage_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    for argv in ([], ["stats"], ["nope"], ["replay", "spool.db"]):
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        assert exit_.value.code == 2
+        assert "usage:" in capsys.readouterr().err
+
+
+def test_json_contract_is_documented() -> None:
+    contract = section("Command line")
+    for keys in (STATS_KEYS, LS_KEYS, RECORD_KEYS, CHECK_KEYS, REPLAY_KEYS, IMPORT_KEYS):
+        for key in keys:
+            assert f'"{key}"' in contract, key
+
+
+# -- read commands ---------------------------------------------------------------------
+
+
+def test_stats(capsys: pytest.CaptureFixture[str], spool_file: Path) -> None:
+    rc, out, err = run(capsys, "stats", spool_file)
+    assert (rc, err) == (0, "")
+    assert "7 in 3 sessions" in out
+    assert "5 transcript_cap_drop" in out and "1 shutdown\n" in out
+    assert "with errors 1 row\n" in out
+    assert "WAL" in out
+
+    rc, out, err = run(capsys, "stats", spool_file, "--json")
+    assert (rc, err) == (0, "")
+    stats = json.loads(out)
+    assert set(stats) == STATS_KEYS
+    assert stats["rows"] == 7 and stats["sessions"] == 3 and stats["failing"] == 1
+    assert stats["by_reason"] == {CAP_DROP: 5, SHUTDOWN: 1, AGENT_HISTORY: 1}
+    assert ISO.match(stats["oldest"]) and ISO.match(stats["newest"])
+    assert stats["db_bytes"] > 0 and stats["inflight"] == 0
+
+
+def test_ls(capsys: pytest.CaptureFixture[str], spool_file: Path) -> None:
+    rc, out, err = run(capsys, "ls", spool_file)
+    assert (rc, err) == (0, "")
+    lines = out.splitlines()
+    assert lines[0].split()[:3] == ["SESSION", "ROWS", "BYTES"]
+    assert [line.split()[0] for line in lines[1:]] == ["session-1", "session-2", f"key:{KEY}"]
+    assert "state.db is locked" in lines[2]
+
+    rc, out, err = run(capsys, "ls", spool_file, "--json")
+    assert (rc, err) == (0, "")
+    backlog = json.loads(out)
+    assert all(set(b) == LS_KEYS for b in backlog)
+    by_name = {b["session_id"] or b["session_key"]: b for b in backlog}
+    assert by_name["session-1"]["rows"] == 4
+    assert by_name["session-2"]["max_attempts"] == 1
+    assert by_name["session-2"]["last_error"] == "RuntimeError: state.db is locked"
+    assert by_name[KEY]["session_id"] is None and by_name[KEY]["session_key"] == KEY
+
+
+def test_ls_empty_spool(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    walspool.Spool(tmp_path / "empty.db").close()
+    assert run(capsys, "ls", tmp_path / "empty.db") == (0, f"no rows in {tmp_path}/empty.db\n", "")
+    assert run(capsys, "ls", tmp_path / "empty.db", "--json") == (0, "[]\n", "")
+
+
+def test_show(capsys: pytest.CaptureFixture[str], spool_file: Path) -> None:
+    rc, out, err = run(capsys, "show", spool_file, "session-1")
+    assert (rc, err) == (0, "")
+    lines = out.splitlines()
+    assert lines[0] == f"session session-1: 4 rows in {spool_file}"
+    assert [line.split()[0] for line in lines[2:]] == ["1", "2", "3", "4"]
+    assert "user: I want a refund please" in lines[4]
+
+    rc, out, err = run(capsys, "show", spool_file, "session-2")
+    assert "RuntimeError: state.db is locked" in out.splitlines()[2]
+
+    rc, out, err = run(capsys, "show", spool_file, "session-1", "--full")
+    assert (rc, err) == (0, "")
+    assert '"content": "I want a refund\\nplease"' in out
+    assert out.count("seq ") == 4
+
+    rc, out, err = run(capsys, "show", spool_file, "session-1", "--json")
+    rows = json.loads(out)
+    assert [r["seq"] for r in rows] == [1, 2, 3, 4]
+    assert all(set(r) == RECORD_KEYS - {"message"} for r in rows)
+    rc, out, err = run(capsys, "show", spool_file, KEY, "--json", "--full")
+    (row,) = json.loads(out)
+    assert set(row) == RECORD_KEYS and row["message"] == "slot text"
+
+    rc, out, err = run(capsys, "show", spool_file, "nobody")
+    assert (rc, out) == (1, "")
+    assert "no rows for session 'nobody'" in one_error_line(err)
+
+
+def test_export(capsys: pytest.CaptureFixture[str], spool_file: Path) -> None:
+    rc, out, err = run(capsys, "export", spool_file)
+    assert (rc, err) == (0, "")
+    records = [json.loads(line) for line in out.splitlines()]
+    assert all(set(r) == RECORD_KEYS for r in records)
+    assert [(r["session_id"] or r["session_key"], r["seq"]) for r in records] == [
+        ("session-1", 1), ("session-1", 2), ("session-1", 3), ("session-1", 4),
+        ("session-2", 1), ("session-2", 2), (KEY, 1),
+    ]  # fmt: skip
+    assert records[2]["message"] == {"role": "user", "content": "I want a refund\nplease"}
+    assert records[4]["attempts"] == 1 and records[4]["last_attempt_at"] > 0
+
+    rc, out, _ = run(capsys, "export", spool_file, "--session", "session-2")
+    assert [json.loads(line)["message"]["content"] for line in out.splitlines()] == [
+        "other one", "other two",
+    ]  # fmt: skip
+    rc, out, _ = run(capsys, "export", spool_file, "--reason", SHUTDOWN, "--reason", AGENT_HISTORY)
+    assert sorted(json.loads(line)["reason"] for line in out.splitlines()) == [
+        SHUTDOWN, AGENT_HISTORY,
+    ]  # fmt: skip
+    assert run(capsys, "export", spool_file, "--json", "--session", "nobody") == (0, "", "")
+
+
+def test_export_pages_through_many_rows(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    path = tmp_path / "many.db"
+    with walspool.Spool(path, durability="normal") as spool:
+        spool.append_many([(f"s{i % 3}", {"n": i}) for i in range(1500)])
+        spool.append_many([(None, {"n": i}, "key") for i in range(600)], reason=SHUTDOWN)
+    rc, out, _ = run(capsys, "export", path)
+    records = [json.loads(line) for line in out.splitlines()]
+    assert len(records) == 2100 and len({r["id"] for r in records}) == 2100
+    for name in ("s0", "s1", "s2", "key"):
+        seqs = [r["seq"] for r in records if (r["session_id"] or r["session_key"]) == name]
+        assert seqs == list(range(1, len(seqs) + 1))
+
+
+def test_check_healthy(capsys: pytest.CaptureFixture[str], spool_file: Path) -> None:
+    rc, out, err = run(capsys, "check", spool_file)
+    assert (rc, err) == (0, "")
+    assert out.rstrip().endswith("ok") and "schema version 1" in out
+    rc, out, err = run(capsys, "check", spool_file, "--json")
+    result = json.loads(out)
+    assert set(result) == CHECK_KEYS
+    assert result["ok"] is True and result["problems"] == []
+    assert result["application_id"] == 0x5753504C and result["schema_version"] == 1
+    assert result["rows"] == 7
+
+
+def test_check_bookkeeping_problems(capsys: pytest.CaptureFixture[str], spool_file: Path) -> None:
+    patch(
+        spool_file,
+        "DELETE FROM sequences WHERE name = 'session-2'",
+        "UPDATE sequences SET next_seq = 3 WHERE name = 'session-1'",
+        "UPDATE records SET payload = '{\"role\": ' WHERE session_id = 'session-1' AND seq = 1",
+        "UPDATE records SET inflight = 7 WHERE session_id = 'session-1' AND seq = 2",
+    )
+    rc, out, err = run(capsys, "check", spool_file, "--json")
+    assert rc == 1
+    result = json.loads(out)
+    assert result["ok"] is False
+    problems = "\n".join(result["problems"])
+    assert "2 rows whose stream has no row in `sequences`" in problems
+    assert "2 rows whose seq is not below their stream's next_seq" in problems
+    assert "1 rows whose payload is not valid JSON" in problems
+    assert len(result["problems"]) == 3
+    assert "1 rows are in flight" in result["notes"][0]
+    assert "has 3 problems" in one_error_line(err)
+
+    rc, out, err = run(capsys, "export", spool_file)
+    assert rc == 1 and "not valid JSON" in one_error_line(err)
+
+
+def test_check_seq_order(capsys: pytest.CaptureFixture[str], spool_file: Path) -> None:
+    # Swap two rows' seqs, as a hand edit would: ids and seqs then disagree.
+    patch(
+        spool_file,
+        "UPDATE records SET seq = 100 WHERE session_id = 'session-1' AND seq = 1",
+        "UPDATE records SET seq = 1 WHERE session_id = 'session-1' AND seq = 2",
+        "UPDATE records SET seq = 2 WHERE session_id = 'session-1' AND seq = 100",
+    )
+    rc, out, err = run(capsys, "check", spool_file)
+    assert rc == 1
+    assert "problem: 1 rows whose seq is not above the seq of the row before them" in out
+
+
+def test_check_damaged_copy(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    copy = damaged_copy(tmp_path)
+    rc, out, err = run(capsys, "check", copy)
+    assert rc == 1
+    assert "problem: integrity_check" in out or "integrity_check failed" in out
+    assert f"spool {copy} has" in one_error_line(err)
+    rc, out, err = run(capsys, "check", copy, "--json")
+    result = json.loads(out)
+    assert result["ok"] is False and result["problems"]
+    assert rc == 1 and set(result) == CHECK_KEYS
+
+
+# -- errors ----------------------------------------------------------------------------
+
+
+def test_spool_errors(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    missing = tmp_path / "missing.db"
+    text = tmp_path / "notes.txt"
+    text.write_text("hello\n")
+    other = tmp_path / "other.db"
+    patch(other, "CREATE TABLE t (x)")
+    damaged = damaged_copy(tmp_path)
+    cases = {
+        missing: f"no spool at {missing} (no such file)",
+        text: f"{text} is not a SQLite database, so not a walspool spool",
+        other: f"{other} is a SQLite database but not a walspool spool",
+        damaged: f"spool {damaged} is damaged",
+    }
+    for command in ("stats", "ls", "export"):
+        for path, message in cases.items():
+            rc, out, err = run(capsys, command, path)
+            assert (rc, out) == (1, ""), (command, path)
+            assert one_error_line(err).startswith(f"walspool {command}: {message}")
+    assert not missing.exists()
+    rc, _, err = run(capsys, "show", missing, "s")
+    assert rc == 1 and "no spool at" in one_error_line(err)
+
+
+def test_read_commands_never_write(capsys: pytest.CaptureFixture[str], spool_file: Path) -> None:
+    before = digest(spool_file)
+    for argv in (
+        ["stats"], ["ls"], ["show", "session-1", "--full"], ["export"], ["check"],
+    ):  # fmt: skip
+        assert run(capsys, argv[0], spool_file, *argv[1:], "--json")[0] == 0
+    assert digest(spool_file) == before
+    wal = Path(f"{spool_file}-wal")
+    assert not wal.exists() or wal.stat().st_size == 0
+
+
+# -- replay ----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def state_db(tmp_path: Path) -> Path:
+    hermes_state = pytest.importorskip("hermes_state")
+    path = tmp_path / "state.db"
+    db = hermes_state.SessionDB(db_path=path)
+    db.create_session("s1", "telegram")
+    db.close()
+    return path
+
+
+def contents(state_db: Path, session_id: str) -> list[str]:
+    import hermes_state
+
+    db = hermes_state.SessionDB(db_path=state_db)
+    try:
+        return [m["content"] for m in db.get_messages(session_id)]
+    finally:
+        db.close()
+
+
+def test_replay_into_session_db(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, state_db: Path
+) -> None:
+    path = tmp_path / "spool.db"
+    with walspool.Spool(path) as spool:
+        for i in range(5):
+            spool.append("s1", {"role": "user", "content": f"s1 #{i}"})
+            spool.append("s2", {"role": "assistant", "content": f"s2 #{i}"})
+        spool.append("s1", {"session_id": "s1", "messages": []}, reason=AGENT_HISTORY)
+    exported = run(capsys, "export", path)[1]
+
+    # A dry run writes nothing and says what would happen.
+    rc, out, err = run(capsys, "replay", path, "--into", state_db, "--dry-run")
+    assert rc == 3
+    assert out.splitlines()[0] == f"would move 5 rows from {path} into {state_db}"
+    assert "s2" in out and "FOREIGN KEY" in out
+    assert "--create-missing" in one_error_line(err)
+    rc, out, _ = run(capsys, "replay", path, "--into", state_db, "--dry-run", "--json")
+    report = json.loads(out)
+    assert set(report) == REPLAY_KEYS and report["dry_run"] is True
+    assert (report["moved"], report["held"]) == (5, 5)
+    assert set(report["sessions"]["s1"]) == {"session_id", "session_key", "moved", "held", "error"}
+    rc, out, _ = run(
+        capsys, "replay", path, "--into", state_db, "--dry-run", "--create-missing", "--json"
+    )
+    assert (rc, json.loads(out)["moved"], json.loads(out)["held"]) == (0, 10, 0)
+    assert run(capsys, "export", path)[1] == exported
+    assert contents(state_db, "s1") == []
+
+    # The real replay: s1 lands in order, s2 is held with the FOREIGN KEY message.
+    rc, out, err = run(capsys, "replay", path, "--into", state_db, "--json")
+    assert rc == 3
+    report = json.loads(out)
+    assert (report["moved"], report["held"], report["dry_run"]) == (5, 5, False)
+    assert "FOREIGN KEY" in report["errors"]["s2"]
+    assert contents(state_db, "s1") == [f"s1 #{i}" for i in range(5)]
+    assert "5 rows held in 1 session; --create-missing" in one_error_line(err)
+    backlog = json.loads(run(capsys, "ls", path, "--json")[1])
+    assert {(b["session_id"], b["rows"], b["max_attempts"]) for b in backlog} == {
+        ("s1", 1, 0), ("s2", 5, 1),
+    }  # fmt: skip
+
+    # --create-missing creates s2 and moves its rows, in order.
+    rc, out, err = run(capsys, "replay", path, "--into", state_db, "--create-missing")
+    assert (rc, err) == (0, "")
+    assert out == f"moved 5 rows from {path} into {state_db}\n"
+    assert contents(state_db, "s2") == [f"s2 #{i}" for i in range(5)]
+    assert json.loads(run(capsys, "stats", path, "--json")[1])["by_reason"] == {AGENT_HISTORY: 1}
+
+
+def test_replay_one_session_and_reason(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, state_db: Path
+) -> None:
+    path = tmp_path / "spool.db"
+    with walspool.Spool(path) as spool:
+        spool.append("s1", {"role": "user", "content": "cap"})
+        spool.append("s1", {"role": "user", "content": "down"}, reason=SHUTDOWN)
+        spool.append("s2", {"role": "user", "content": "other"})
+    argv = ("replay", path, "--into", state_db, "--session", "s1", "--reason", SHUTDOWN)
+    rc, out, _ = run(capsys, *argv)
+    assert (rc, out) == (0, f"moved 1 row from {path} into {state_db}\n")
+    assert contents(state_db, "s1") == ["down"]
+    assert json.loads(run(capsys, "stats", path, "--json")[1])["rows"] == 2
+
+
+def test_replay_errors(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, spool_file: Path, state_db: Path
+) -> None:
+    text = tmp_path / "notes.txt"
+    text.write_text("hello\n")
+    before = digest(spool_file)
+    cases = {
+        tmp_path / "nope.db": "no state.db at",
+        text: "is not a SQLite database, so not a hermes state.db",
+        spool_file: "is a SQLite database but not a hermes state.db",
+        tmp_path: "is not a file",
+    }
+    for into, message in cases.items():
+        for dry in ([], ["--dry-run"]):
+            rc, out, err = run(capsys, "replay", spool_file, "--into", into, *dry)
+            assert (rc, out) == (1, ""), into
+            assert message in one_error_line(err)
+    assert not (tmp_path / "nope.db").exists()
+    assert digest(spool_file) == before
+
+    missing = tmp_path / "missing-spool.db"
+    rc, _, err = run(capsys, "replay", missing, "--into", state_db)
+    assert rc == 1 and "no spool at" in one_error_line(err)
+    assert not missing.exists()
+
+
+def test_replay_reports_a_locked_state_db(
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    spool_file: Path,
+    state_db: Path,
+) -> None:
+    monkeypatch.setattr(cli_output, "STATE_DB_WAIT_SECONDS", 0.2)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", LOCK_HOLDER, str(state_db)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "locked\n"
+        before = digest(spool_file)
+        rc, out, err = run(capsys, "replay", spool_file, "--into", state_db)
+        assert (rc, out) == (1, "")
+        assert f"state.db at {state_db} is locked by another process" in one_error_line(err)
+        assert digest(spool_file) == before
+    finally:
+        holder.communicate("", timeout=30)
+    assert holder.returncode == 0
+
+
+LOCK_HOLDER = """
+import sqlite3, sys
+conn = sqlite3.connect(sys.argv[1], isolation_level=None)
+conn.execute("BEGIN IMMEDIATE")
+print("locked", flush=True)
+sys.stdin.read()
+conn.execute("ROLLBACK")
+"""
+
+
+@pytest.mark.parametrize(
+    ("error", "expected"),
+    [
+        (sqlite3.OperationalError("database is locked"), "is locked by another process"),
+        (sqlite3.OperationalError("unable to open database file"), "check the permissions"),
+        (sqlite3.OperationalError("attempt to write a readonly database"), "check the perm"),
+        (sqlite3.DatabaseError("file is not a database"), "is damaged"),
+        (sqlite3.DatabaseError("database disk image is malformed"), "is damaged"),
+        (sqlite3.OperationalError("disk I/O error"), "OperationalError: disk I/O error"),
+    ],
+)
+def test_state_db_messages(error: sqlite3.Error, expected: str) -> None:
+    message = cli_output.state_db_message(error, Path("/h/state.db"))
+    assert expected in message and "/h/state.db" in message and "\n" not in message
+
+
+def test_replay_maps_session_db_errors(
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    spool_file: Path,
+    state_db: Path,
+) -> None:
+    import hermes_state
+
+    def locked(*args: Any, **kwargs: Any) -> None:
+        raise sqlite3.OperationalError("database is locked")
+
+    monkeypatch.setattr(hermes_state, "SessionDB", locked)
+    rc, out, err = run(capsys, "replay", spool_file, "--into", state_db)
+    assert (rc, out) == (1, "")
+    assert "is locked by another process" in one_error_line(err)
+
+
+# -- import-json, demo -----------------------------------------------------------------
+
+
+def pending_file(directory: Path, payload: Any) -> None:
+    """One file of upstream's JSON spool; a str is written as it is."""
+    text = payload if isinstance(payload, str) else json.dumps(payload, indent=2)
+    (directory / f"pending-{uuid.uuid4().hex}.json").write_text(text)
+
+
+def cap_drop_file(directory: Path, session_id: str, message: dict[str, Any], seq: int) -> None:
+    """A transcript cap drop as upstream spools it."""
+    data = {"session_id": session_id, "message": message}
+    pending_file(
+        directory,
+        {"session_key": session_id, "reason": CAP_DROP, "ts": 1000 + seq, "seq": seq, "data": data},
+    )
+
+
+def test_import_json(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    pending = tmp_path / "pending_messages"
+    pending.mkdir()
+    for i in range(3):
+        cap_drop_file(pending, "s1", {"role": "user", "content": f"m{i}"}, i)
+    path = tmp_path / "new" / "spool.db"
+    rc, out, err = run(capsys, "import-json", path, pending)
+    assert (rc, err) == (0, "")
+    assert out.splitlines() == [
+        f"imported 3 files from {pending} into {path}", f"  3 {CAP_DROP}",
+    ]  # fmt: skip
+    assert list(pending.iterdir()) == []
+    exported = [json.loads(line) for line in run(capsys, "export", path)[1].splitlines()]
+    assert [r["message"]["content"] for r in exported] == ["m0", "m1", "m2"]
+
+    pending_file(pending, "{ not json")
+    rc, out, err = run(capsys, "import-json", path, pending, "--json")
+    assert rc == 3
+    report = json.loads(out)
+    assert set(report) == IMPORT_KEYS
+    assert report["imported"] == 0 and len(report["skipped"]) == 1
+    assert "1 file left in place" in one_error_line(err)
+
+    rc, _, err = run(capsys, "import-json", path, tmp_path / "absent")
+    assert rc == 1 and "absent" in one_error_line(err)
+    text = tmp_path / "notes.txt"
+    text.write_text("hello\n")
+    rc, _, err = run(capsys, "import-json", text, pending)
+    assert rc == 1 and "not a SQLite database" in one_error_line(err)
+
+
+def test_demo_runs_run_demo(capsys: pytest.CaptureFixture[str], monkeypatch) -> None:
+    import walspool.demo
+
+    def fake(out: Any) -> int:
+        out.write("demo ran\n")
+        return 0
+
+    monkeypatch.setattr(walspool.demo, "run_demo", fake)
+    assert run(capsys, "demo") == (0, "demo ran\n", "")
+
+
+# -- progress --------------------------------------------------------------------------
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_only_on_a_terminal(
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    spool_file: Path,
+    state_db: Path,
+    tmp_path: Path,
+) -> None:
+    # Not a terminal (captured): no progress at all.
+    rc, out, err = run(capsys, "export", spool_file)
+    assert rc == 0 and err == ""
+
+    terminal = Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    assert main(["export", str(spool_file)]) == 0
+    assert terminal.getvalue().endswith("\rexport: 7/7 (100%)\n")
+    assert len(capsys.readouterr().out.splitlines()) == 7
+
+    pending = tmp_path / "pending_messages"
+    pending.mkdir()
+    cap_drop_file(pending, "s1", {"role": "user", "content": "x"}, 0)
+    terminal.truncate(0)
+    assert main(["import-json", str(tmp_path / "imported.db"), str(pending)]) == 0
+    assert terminal.getvalue().endswith("\rimport: 1/1 (100%)\n")
+
+    path = tmp_path / "replay.db"
+    with walspool.Spool(path) as spool:
+        spool.append_many([("s1", {"role": "user", "content": str(i)}) for i in range(3)])
+    terminal.seek(0)
+    terminal.truncate(0)
+    assert main(["replay", str(path), "--into", str(state_db)]) == 0
+    assert terminal.getvalue().endswith("\rreplay: 3/3 (100%)\n")
+
+
+# -- a live writer -----------------------------------------------------------------------
+
+APPENDER = """
+import json, pathlib, sys, time
+import walspool
+
+path, stop = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
+worst, n, last = 0.0, 0, {}
+with walspool.Spool(path) as spool:
+    while n < 300 or not stop.exists():
+        session = f"live-{n % 4}"
+        started = time.perf_counter()
+        receipt = spool.append(session, {"role": "user", "content": f"m{n}"})
+        worst = max(worst, time.perf_counter() - started)
+        assert receipt.seq == last.get(session, 0) + 1, (session, receipt.seq)
+        last[session] = receipt.seq
+        n += 1
+        if n == 50:
+            print("ready", flush=True)
+print(json.dumps({"appended": n, "worst": worst}), flush=True)
+"""
+
+
+def test_read_commands_while_another_process_appends(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    path = tmp_path / "live" / "spool.db"
+    stop = tmp_path / "stop"
+    child = subprocess.Popen(
+        [sys.executable, "-c", APPENDER, str(path), str(stop)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    try:
+        assert child.stdout is not None and child.stdout.readline() == "ready\n"
+        seen = 0
+        for _ in range(12):
+            rc, out, err = run(capsys, "stats", path, "--json")
+            assert (rc, err) == (0, "")
+            rows = json.loads(out)["rows"]
+            assert rows >= seen
+            seen = rows
+            rc, out, err = run(capsys, "ls", path, "--json")
+            assert (rc, err) == (0, "") and json.loads(out)
+            rc, out, err = run(capsys, "export", path)
+            assert (rc, err) == (0, "")
+            for session in ("live-0", "live-3"):
+                seqs = [
+                    r["seq"]
+                    for r in map(json.loads, out.splitlines())
+                    if r["session_id"] == session
+                ]
+                assert seqs == list(range(1, len(seqs) + 1))
+            rc, out, err = run(capsys, "show", path, "live-1", "--json")
+            assert (rc, err) == (0, "")
+        rc, out, err = run(capsys, "check", path)
+        assert (rc, err) == (0, ""), out
+    finally:
+        stop.touch()
+        out, err = child.communicate(timeout=60)
+    assert (child.returncode, err) == (0, "")
+    summary = json.loads(out.splitlines()[-1])
+    assert summary["appended"] > seen  # it kept appending while the reads ran
+    assert summary["worst"] < 5.0, summary  # a reader never made it wait out a lock
+    assert json.loads(run(capsys, "stats", path, "--json")[1])["rows"] == summary["appended"]
+
+
+# -- README: forensics with the sqlite3 shell ---------------------------------------------
+
+
+def readme_queries() -> list[str]:
+    blocks = re.findall(r"```sh\n(.*?)```", section("Forensics with sqlite3"), re.S)
+    return [
+        line
+        for block in blocks
+        for line in block.splitlines()
+        if line.startswith("sqlite3 -readonly ")
+    ]
+
+
+def test_readme_queries_run_in_the_sqlite3_shell(tmp_path: Path) -> None:
+    shell = shutil.which("sqlite3")
+    if shell is None:
+        pytest.skip("the sqlite3 shell is not installed (scripts/test installs it)")
+    queries = readme_queries()
+    assert len(queries) >= 9
+    assert all(" spool.db " in q for q in queries)
+    build_spool(tmp_path / "spool.db")
+    patch(tmp_path / "spool.db", "UPDATE records SET inflight = 3 WHERE id = 3")
+    before = digest(tmp_path / "spool.db")
+    outputs = {}
+    for query in queries:
+        done = subprocess.run(
+            ["bash", "-c", query], cwd=tmp_path, capture_output=True, text=True, timeout=60
+        )
+        assert (done.returncode, done.stderr) == (0, ""), query
+        outputs[query] = done.stdout
+        assert done.stdout.strip() or ">" in query, query
+    assert digest(tmp_path / "spool.db") == before
+    text = "\n".join(outputs.values())
+    assert "session-1" in text and "session-2" in text and KEY in text
+    assert "RuntimeError: state.db is locked" in text  # the failures view
+    assert "I want a refund" in text  # json_extract on payloads
+    assert "1465077836\n1\n" in text  # application_id, user_version
+    exported = (tmp_path / "session-1.jsonl").read_text().splitlines()
+    assert [json.loads(line).get("content") for line in exported] == [
+        "hello", "hi, how can I help?", "I want a refund\nplease", None,
+    ]  # fmt: skip
