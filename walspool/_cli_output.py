@@ -11,7 +11,7 @@ import contextlib
 import datetime
 import sqlite3
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 from urllib.parse import quote
@@ -303,7 +303,7 @@ def run_check(conn: apsw.Connection, path: Path) -> dict[str, Any]:
         problems.append(f"schema version is {version}; this walspool reads {SCHEMA_VERSION}")
     rows: int | None = None
 
-    def attempt(what: str, fn: Any) -> None:
+    def attempt(what: str, fn: Callable[[], None]) -> None:
         try:
             fn()
         except apsw.Error as exc:
