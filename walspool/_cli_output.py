@@ -345,8 +345,8 @@ def run_check(conn: apsw.Connection, path: Path) -> dict[str, Any]:
         n = conn.execute(INFLIGHT_SQL).get
         if n:
             notes.append(
-                f"{n} rows are in flight: a replay is running, or was interrupted "
-                "and the next replay checks them against state.db"
+                f"{plural(n, 'row')} in flight: out with a running replay, or left by an "
+                "interrupted or failed one; the next replay checks them against state.db first"
             )
 
     attempt("counting rows in flight", inflight)

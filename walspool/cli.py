@@ -142,7 +142,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     headers = ("SEQ", "ID", "REASON", "CREATED", "ATTEMPTS", "LAST ERROR", "MESSAGE")
     print(table(headers, [_show_line(r, inflight) for r, inflight in rows]))
     if any(inflight is not None for _, inflight in rows):
-        print("* in flight: a replay is running, or was interrupted")
+        print("* in flight: out with a replay, or left to be checked against state.db first")
     return EXIT_OK
 
 
