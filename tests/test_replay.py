@@ -116,9 +116,9 @@ def test_one_spool_transaction_per_batch_not_per_row(spool, sink):
     execute = spool._execute
     spool._execute = lambda fn: calls.append(fn) or execute(fn)
     assert Replayer(spool, sink, batch_rows=250).replay().moved == 1000
-    # the in-flight check, take + settle per batch, then one empty take to end the
-    # session_id streams and one for the session_key streams
-    assert len(calls) == 1 + 2 * 4 + 2
+    # take + settle per batch, then one empty take to end the session_id streams and
+    # one for the session_key streams (the in-flight check is a read, no transaction)
+    assert len(calls) == 2 * 4 + 2
 
 
 def test_limit_caps_the_rows_written(spool, sink):
@@ -565,3 +565,23 @@ def test_replay_while_threads_append_and_another_replayer_runs(spool, sink):
     Replayer(spool, sink).replay()
     for t in range(threads):
         assert sink.messages(f"t{t}") == [{"t": t, "i": i} for i in range(per)]
+
+
+def test_a_failed_row_stays_in_flight_and_retries_cost_no_transaction(spool, sink):
+    spool.append_many([("s", msg("s", i)) for i in range(5)])
+    sink.refuse = lambda sid, rec: OSError("down") if rec.seq == 1 else None
+    assert Replayer(spool, sink).replay().held == 5
+    assert query(spool, "SELECT seq FROM records WHERE inflight IS NOT NULL") == [(1,)]
+    calls = []
+    execute = spool._execute
+    spool._execute = lambda fn: calls.append(fn) or execute(fn)
+    replayer = Replayer(spool, sink, wait_for_bookkeeping=False)
+    reports = [replayer.replay(session_id="s") for _ in range(3)]
+    assert all(r.held == 5 and r.errors == {"s": "OSError: down"} for r in reports)
+    assert calls == []  # no transaction waited for on a failed retry
+    spool._execute = execute
+    spool._execute_later(lambda conn: None).result(10)  # the background group has committed
+    assert next(spool.records()).attempts == 4
+    sink.refuse = lambda sid, rec: None
+    assert Replayer(spool, sink).replay(session_id="s").moved == 5
+    assert sink.messages("s") == [msg("s", i) for i in range(5)]

@@ -10,9 +10,11 @@ routing key, its ``session_key``. Each batch takes three steps:
 3. one spool transaction deletes the written rows, clears ``inflight`` on the rest
    and records the failure (``attempts``, ``last_error``, ``last_attempt_at``).
 
-A crash between 1 and 3 leaves rows with ``inflight`` set. The next replay first
-asks the sink which of them landed after the recorded mark (``Sink.landed``),
-deletes those and writes the rest again. What the probe can and cannot tell apart
+A crash between 1 and 3 leaves rows with ``inflight`` set; so does a failed write,
+for the row that failed (the rows after it are freed). The next replay first asks
+the sink which in-flight rows landed after their recorded mark (``Sink.landed``),
+deletes those and writes the rest, with the same mark, before anything else of
+their stream. What the probe can and cannot tell apart
 is the sink's to document (see ``SessionDBSink``).
 """
 
@@ -73,8 +75,7 @@ SET_INFLIGHT_SQL = "UPDATE records SET inflight = ? WHERE id = ?"
 RELEASE_SQL = "UPDATE records SET inflight = NULL WHERE id = ?"
 DELETE_SQL = "DELETE FROM records WHERE id = ?"
 RECORD_FAILURE_SQL = """
-UPDATE records SET attempts = attempts + 1, last_error = ?, last_attempt_at = ?, inflight = NULL
-WHERE id = ?
+UPDATE records SET attempts = attempts + 1, last_error = ?, last_attempt_at = ? WHERE id = ?
 """
 COUNT_HELD_BY_ID_SQL = f"""
 SELECT count(*) FROM records
@@ -154,13 +155,20 @@ class Replayer:
         *,
         resolver: Resolver | None = None,
         batch_rows: int = DEFAULT_BATCH_ROWS,
+        wait_for_bookkeeping: bool = True,
     ) -> None:
+        """``wait_for_bookkeeping=False``: when a replay's only spool write is a failed
+        row's ``attempts``/``last_error``, it is committed with the writer's next group
+        instead of before ``replay`` returns, so a failed attempt costs no fsync of its
+        own (the gateway link retries on every message during an outage).
+        """
         if batch_rows < 1:
             raise InvalidArgument(f"batch_rows must be positive, not {batch_rows}", path=spool.path)
         self.spool = spool
         self.sink = sink
         self.resolver = resolver
         self.batch_rows = batch_rows
+        self.wait_for_bookkeeping = wait_for_bookkeeping
 
     def replay(
         self,
@@ -184,8 +192,9 @@ class Replayer:
         reasons_json = None if reasons is None else msgspec.json.encode(list(reasons)).decode()
         run = _Run(self, session_id, reasons_json)
         with _exclusive(Path(f"{self.spool.path}{LOCK_SUFFIX}")):
-            run.recover()
+            run.resume()
             run.move(limit)
+        run.count_held()
         report = run.report()
         if report.moved or report.held or report.recovered:
             log.info(
@@ -219,7 +228,6 @@ class _Settlement:
         self.delete: list[int] = []
         self.release: list[int] = []
         self.failures: list[tuple[str, float, int]] = []
-        self.newly_held: list[Stream] = []
 
 
 class _Run:
@@ -230,6 +238,7 @@ class _Run:
         self.sink = replayer.sink
         self.resolver = replayer.resolver
         self.batch_rows = replayer.batch_rows
+        self.wait_for_bookkeeping = replayer.wait_for_bookkeeping
         self.session_id = session_id
         self.filter = {"reasons": reasons, "agent_history": AGENT_HISTORY}
         self.tallies: dict[Stream, _Tally] = {}
@@ -237,13 +246,17 @@ class _Run:
         self.recovered = 0
         self.taken = 0
 
-    # -- recovery of an interrupted replay -------------------------------------
+    # -- rows a replay left in flight ---------------------------------------
 
-    def recover(self) -> None:
-        """Probe rows a crashed replay left in flight: delete what landed, free the rest."""
-        rows = self.spool._execute(
-            partial(_select, sql=INFLIGHT_SQL, params={"session_id": self.session_id})
-        )
+    def resume(self) -> None:
+        """Finish rows a replay left in flight: drop what landed, write the rest first.
+
+        Rows stay in flight, with their mark, until they are written or known to have
+        landed: a crashed replay's rows, and the row a failed write left behind. So a
+        failed write costs no spool transaction, and the next replay probes that row
+        before it writes it again.
+        """
+        rows = self.spool._read(INFLIGHT_SQL, {"session_id": self.session_id})
         if not rows:
             return
         pairs = sorted(
@@ -252,23 +265,22 @@ class _Run:
         )
         done = _Settlement()
         for stream, group in itertools.groupby(pairs, key=lambda p: _stream(p[0])):
-            self._recover_stream(stream, list(group), done)
-        self.spool._execute(partial(self._settle, done=done))
-        self.recovered += len(done.delete)
+            self._resume_stream(stream, list(group), done)
+        self._finish(done)
 
-    def _recover_stream(
+    def _resume_stream(
         self, stream: Stream, pairs: list[tuple[Record, int]], done: _Settlement
     ) -> None:
         target, error = self._target(stream)
         landed: list[int] = []
-        unlanded: list[int] = []
+        unlanded: list[Record] = []
         if target is not None:
             try:
                 for mark, part in itertools.groupby(pairs, key=lambda p: p[1]):
                     records = [rec for rec, _ in part]
                     n = self.sink.landed(target, mark, records)
                     landed += [rec.id for rec in records[:n]]
-                    unlanded += [rec.id for rec in records[n:]]
+                    unlanded += records[n:]
             except Exception as exc:  # noqa: BLE001 - the rows stay in flight, reported
                 error = f"probe failed: {_describe(exc)}"
         if error is not None:
@@ -278,20 +290,21 @@ class _Run:
                 stream,
                 f"{len(pairs)} rows of an interrupted replay could not be "
                 f"checked against the sink: {error}",
-                done,
             )
             return
-        done.delete += landed
-        done.release += unlanded
-        log.warning(
-            "%s: interrupted replay of %s %s recovered: %d of %d in-flight rows had "
-            "landed and were removed, the rest will be written again",
-            self.spool.path,
-            stream[0],
-            stream[1],
-            len(landed),
-            len(pairs),
-        )
+        if landed:
+            done.delete += landed
+            self.recovered += len(landed)
+            log.warning(
+                "%s: interrupted replay of %s %s recovered: %d of %d in-flight rows had "
+                "landed and were removed, the rest will be written again",
+                self.spool.path,
+                stream[0],
+                stream[1],
+                len(landed),
+                len(pairs),
+            )
+        self._write_stream(stream, unlanded, done)
 
     # -- moving ----------------------------------------------------------------
 
@@ -304,6 +317,8 @@ class _Run:
             self._move(NEXT_BY_KEY_SQL, limit)
 
     def _move(self, sql: str, limit: int | None) -> None:
+        if self.session_id is not None and self._held(("session_id", self.session_id)):
+            return
         after: tuple[str, int] = ("", 0)
         while limit is None or self.taken < limit:
             want = self.batch_rows if limit is None else min(self.batch_rows, limit - self.taken)
@@ -322,21 +337,24 @@ class _Run:
             self.taken += len(records)
             done = _Settlement()
             for stream, group in itertools.groupby(records, key=_stream):
-                self._write_stream(stream, list(group), done)
-            self.spool._execute(partial(self._settle, done=done))
+                records_of_stream = list(group)
+                if self._held(stream):
+                    done.release += [rec.id for rec in records_of_stream]
+                else:
+                    self._write_stream(stream, records_of_stream, done)
+            self._finish(done)
             # Resume after the last row taken; past the end of its stream if it is held.
             last, last_stream = records[-1], _stream(records[-1])
-            held = self.tallies[last_stream].error is not None
+            held = self._held(last_stream)
             after = (last_stream[1], _MAX_SEQ if held else last.seq)
             if len(rows) < want:
                 return
 
     def _write_stream(self, stream: Stream, records: list[Record], done: _Settlement) -> None:
         """Write one stream's rows of a batch in order, stopping at the first failure."""
-        tally = self._tally(stream)
-        if tally.error is not None:
-            done.release += [rec.id for rec in records]
+        if not records:
             return
+        tally = self._tally(stream)
         target, error = self._target(stream)
         written = 0
         if target is not None:
@@ -351,6 +369,8 @@ class _Run:
         tally.moved += written
         if error is None:
             return
+        # The failed row keeps its in-flight mark (the write may be retried by the
+        # next replay after a probe); the rows after it are freed.
         failed = records[written]
         done.failures.append((error, time.time(), failed.id))
         done.release += [rec.id for rec in records[written + 1 :]]
@@ -364,22 +384,30 @@ class _Run:
             failed.seq,
             error,
         )
-        self._hold(stream, error, done)
+        self._hold(stream, error)
 
     # -- bookkeeping -----------------------------------------------------------
 
-    def _settle(self, conn: apsw.Connection, done: _Settlement) -> None:
-        """Delete written rows, free the rest, record failures and count what is held."""
-        conn.executemany(DELETE_SQL, [(i,) for i in done.delete])
-        conn.executemany(RELEASE_SQL, [(i,) for i in done.release])
-        conn.executemany(RECORD_FAILURE_SQL, done.failures)
-        for kind, name in done.newly_held:
-            sql = COUNT_HELD_BY_ID_SQL if kind == "session_id" else COUNT_HELD_BY_KEY_SQL
-            self.tallies[(kind, name)].held = conn.execute(sql, {**self.filter, "name": name}).get
+    def _finish(self, done: _Settlement) -> None:
+        """Commit a batch's outcome: deletes and releases now, failures as configured."""
+        if done.delete or done.release or (done.failures and self.wait_for_bookkeeping):
+            self.spool._execute(partial(_settle, done=done))
+        elif done.failures:
+            self.spool._execute_later(partial(_record_failures, failures=done.failures))
 
-    def _hold(self, stream: Stream, error: str, done: _Settlement) -> None:
+    def count_held(self) -> None:
+        """Count the rows each held stream leaves behind (a read, after the writes)."""
+        for (kind, name), tally in self.tallies.items():
+            if tally.error is not None:
+                sql = COUNT_HELD_BY_ID_SQL if kind == "session_id" else COUNT_HELD_BY_KEY_SQL
+                tally.held = self.spool._read(sql, {**self.filter, "name": name})[0][0]
+
+    def _hold(self, stream: Stream, error: str) -> None:
         self._tally(stream).error = error
-        done.newly_held.append(stream)
+
+    def _held(self, stream: Stream) -> bool:
+        tally = self.tallies.get(stream)
+        return tally is not None and tally.error is not None
 
     def _tally(self, stream: Stream) -> _Tally:
         tally = self.tallies.get(stream)
@@ -433,8 +461,15 @@ class _Run:
         )
 
 
-def _select(conn: apsw.Connection, sql: str, params: dict[str, Any]) -> list[tuple[Any, ...]]:
-    return conn.execute(sql, params).fetchall()
+def _settle(conn: apsw.Connection, done: _Settlement) -> None:
+    """Delete written rows, free the rest and record failures, in one transaction."""
+    conn.executemany(DELETE_SQL, [(i,) for i in done.delete])
+    conn.executemany(RELEASE_SQL, [(i,) for i in done.release])
+    _record_failures(conn, done.failures)
+
+
+def _record_failures(conn: apsw.Connection, failures: list[tuple[str, float, int]]) -> None:
+    conn.executemany(RECORD_FAILURE_SQL, failures)
 
 
 def _take_batch(

@@ -65,6 +65,9 @@ CREATE TABLE records (
 CREATE UNIQUE INDEX records_session_key_seq_idx
     ON records (session_key, seq) WHERE session_id IS NULL;
 
+-- The rows a replay has out: found without a scan after a crash or a failed write.
+CREATE INDEX records_inflight_idx ON records (id) WHERE inflight IS NOT NULL;
+
 -- The next seq of every stream ever appended to, kept after its rows are gone so
 -- that a seq is never reused. stream is 'session_id' or 'session_key'.
 CREATE TABLE sequences (
@@ -106,6 +109,7 @@ EXPECTED_OBJECTS = {
     ("view", "backlog"),
     ("view", "failures"),
     ("index", "records_session_key_seq_idx"),
+    ("index", "records_inflight_idx"),
 }
 
 

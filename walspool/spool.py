@@ -171,11 +171,19 @@ class Spool:
             )
         return (session_id, session_key, reason, time.time(), payload.decode("utf-8"))
 
+    def flush(self) -> None:
+        """Block until everything submitted so far (``submit``, ``append_async``) is committed."""
+        self._writer.call(Operation(_nothing))
+
     # -- writing on the replayer's behalf ----------------------------------------
 
     def _execute(self, fn: Any) -> Any:
         """Run ``fn(conn)`` in the writer's next transaction; return its result."""
         return self._writer.call(Operation(fn))
+
+    def _execute_later(self, fn: Any) -> concurrent.futures.Future[Any]:
+        """Queue ``fn(conn)`` for the writer's next group; do not wait for the commit."""
+        return self._writer.submit(Operation(fn))
 
     # -- reading ---------------------------------------------------------------
 
@@ -259,6 +267,10 @@ class Spool:
 
     def __repr__(self) -> str:
         return f"Spool({str(self.path)!r}, durability={self.durability!r})"
+
+
+def _nothing(conn: apsw.Connection) -> None:
+    """An empty request: the writer commits it after everything queued before it."""
 
 
 def record_from_row(row: tuple[Any, ...]) -> Record:
