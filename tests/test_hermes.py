@@ -67,11 +67,12 @@ def test_released_gateway_loses_all_but_200(store):
 
 def test_outage_of_1001_messages_loses_nothing_and_keeps_order(store, spool, caplog):
     store._db.create_session("s", "telegram")
-    install(store, spool)
+    install(store, spool, retry_interval=0)
     sql(store, BREAK)
     with caplog.at_level(logging.WARNING, logger="walspool"):
         for i in range(1001):
             store.append_to_transcript("s", {"role": "user", "content": f"m{i}"})
+    spool.flush()
     spooled = [r for r in caplog.records if "spooled oldest message" in r.getMessage()]
     assert len(spooled) == 801
     assert str(spool.path) in spooled[0].getMessage()
@@ -87,7 +88,7 @@ def test_sixteen_sessions_four_threads(store, spool):
     sessions = [f"s{i}" for i in range(16)]
     for s in sessions:
         store._db.create_session(s, "telegram")
-    install(store, spool)
+    install(store, spool, retry_interval=0)
     sql(store, BREAK)
     per = 300
 
@@ -101,6 +102,7 @@ def test_sixteen_sessions_four_threads(store, spool):
         t.start()
     for t in threads:
         t.join(120)
+    spool.flush()
     assert spool.stats().rows == 16 * (per - 200)
     sql(store, HEAL)
     for s in sessions:
@@ -111,7 +113,7 @@ def test_sixteen_sessions_four_threads(store, spool):
 
 def test_spool_failure_falls_back_to_drop_and_warn(store, spool, caplog):
     store._db.create_session("s", "telegram")
-    install(store, spool)
+    install(store, spool, retry_interval=0)
     spool.close()  # the spool can no longer take anything
     sql(store, BREAK)
     with caplog.at_level(logging.WARNING, logger="walspool"):
@@ -127,10 +129,11 @@ def test_spool_failure_falls_back_to_drop_and_warn(store, spool, caplog):
 
 def test_replay_failure_keeps_rows_and_live_rows_never_overtake(store, spool):
     store._db.create_session("s", "telegram")
-    install(store, spool)
+    install(store, spool, retry_interval=0)
     sql(store, BREAK)
     for i in range(203):
         store.append_to_transcript("s", {"role": "user", "content": f"m{i}"})
+    spool.flush()
     assert spool.stats().rows == 3
     # the database heals for everything but the spooled rows' content
     sql(store, HEAL)
@@ -152,7 +155,7 @@ def test_replay_failure_keeps_rows_and_live_rows_never_overtake(store, spool):
 def test_sessions_are_isolated(store, spool):
     for s in ("a", "b"):
         store._db.create_session(s, "telegram")
-    install(store, spool)
+    install(store, spool, retry_interval=0)
     sql(store, BREAK)
     for i in range(201):
         store.append_to_transcript("a", {"role": "user", "content": f"a{i}"})
@@ -173,9 +176,9 @@ def test_install_refuses_a_store_it_does_not_know(spool):
 
 
 def test_install_twice_is_refused(store, spool):
-    install(store, spool)
+    install(store, spool, retry_interval=0)
     with pytest.raises(walspool.UnsupportedGateway, match="already"):
-        install(store, spool)
+        install(store, spool, retry_interval=0)
 
 
 class _Adapter:
@@ -214,7 +217,7 @@ def test_shutdown_flush_then_restart_recovery(hermes_home):
     entry = store.get_or_create_session(source)
     key, sid = entry.session_key, entry.session_id
     spool = walspool.Spool(hermes_home / "spool.db")
-    link = install(store, spool)
+    link = install(store, spool, retry_interval=0)
     install_runner(runner, link)
 
     adapter = _Adapter()
@@ -271,14 +274,24 @@ from walspool.hermes import install
 store = SessionStore(pathlib.Path(home) / "sessions",
                      GatewayConfig(sessions_dir=pathlib.Path(home) / "sessions"))
 store._db.create_session("s", "telegram")
-install(store, walspool.Spool(pathlib.Path(home) / "spool.db"))
+def say(line):  # one write per line: the writer thread prints too
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+spool = walspool.Spool(pathlib.Path(home) / "spool.db")
+submit = spool.submit
+def reporting_submit(*args, **kw):  # print each eviction once it is committed
+    future = submit(*args, **kw)
+    future.add_done_callback(lambda f: say(f"spooled {f.result().seq}"))
+    return future
+spool.submit = reporting_submit
+install(store, spool)
 with store._db._lock:
     store._db._conn.execute(sys.argv[2])
-print("ready", flush=True)
+say("ready")
 i = 0
 while True:
     store.append_to_transcript("s", {"role": "user", "content": f"m{i}"})
-    print(i, flush=True)
+    say(str(i))
     i += 1
 """
 
@@ -298,23 +311,25 @@ def test_gateway_killed_during_outage_loses_nothing_it_spooled(hermes_home):
         text=True,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
-    acked = -1
+    committed = 0
     try:
         assert proc.stdout.readline() == "ready\n"
-        for line in proc.stdout:
-            acked = int(line)
-            if acked >= 700:
-                break
+        for line in proc.stdout:  # kill once 300 evictions are committed
+            if line.startswith("spooled"):
+                committed = int(line.split()[1])
+                if committed >= 300:
+                    break
         proc.send_signal(signal.SIGKILL)
         for line in proc.stdout:
-            acked = int(line)
+            if line.startswith("spooled"):
+                committed = int(line.split()[1])
     finally:
         proc.kill()
         proc.wait(30)
     assert proc.returncode == -signal.SIGKILL
-    # every message acknowledged more than 200 messages before the last was evicted
-    # to the spool; the last 200 were in memory, which a SIGKILL loses (as before)
-    must_have = acked - 200
+    # every message whose eviction the spool committed must reach state.db; the ones
+    # still queued in memory are lost to a SIGKILL, as in the released gateway
+    must_have = committed
     db = hermes_state.SessionDB(db_path=hermes_home / "state.db")
     with db._lock:
         db._conn.execute(HEAL)
@@ -333,3 +348,30 @@ def test_gateway_killed_during_outage_loses_nothing_it_spooled(hermes_home):
         assert len(got) >= must_have
         assert spool.stats().rows == 0
     store._db.close()
+
+
+def test_retry_interval_spares_failing_writes_during_an_outage(store, spool):
+    store._db.create_session("s", "telegram")
+    link = install(store, spool, retry_interval=3600)
+    attempts = []
+    write = store._append_transcript_message
+    store._append_transcript_message = lambda sid, m: attempts.append(m) or write(sid, m)
+    real_write = link.replayer.sink.write
+    replays = []
+    link.replayer.sink.write = lambda sid, rec: replays.append(rec.seq) or real_write(sid, rec)
+    sql(store, BREAK)
+    for i in range(500):
+        store.append_to_transcript("s", {"role": "user", "content": f"m{i}"})
+    # 200 live attempts (plus the store's one retry after its FTS rebuild) fill the
+    # queue, then one replay of the first spooled row fails and the next 299 messages
+    # only queue and spool
+    assert len(attempts) == 201 and replays == [1]
+    spool.flush()
+    assert spool.stats().rows == 300
+    sql(store, HEAL)
+    store.append_to_transcript("s", {"role": "user", "content": "early"})
+    assert contents(store, "s") == []  # still inside the retry interval
+    report = link.recover()
+    assert report.moved == 301 and report.held == 0
+    assert contents(store, "s") == [f"m{i}" for i in range(500)] + ["early"]
+    assert "s" not in store._dirty_transcripts

@@ -15,8 +15,10 @@ exactly that on one live store (and, with ``install_runner``, one runner):
 One thread at a time writes a given session (the first caller that finds the session
 idle); the others only queue and return, so the same message is never written twice
 by two threads. The store's global ``_transcript_retry_lock`` is held only to queue
-and to reserve a spooled message's place (``Spool.submit``); the fsync is waited for
-outside it, so sessions do not serialise behind each other's commits.
+and to reserve a spooled message's place (``Spool.submit``). No gateway thread waits
+for the spool's fsync: an evicted message is committed by the spool's writer with
+the next group (its WARNING is logged then), typically within a millisecond; until
+then it is in memory, like the 200 messages still queued.
 
 Not guaranteed: messages still in memory when the process is killed are lost, as in
 the released gateway (only spooled rows are durable); ``rewrite_transcript`` does not
@@ -28,7 +30,9 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import threading
+import time
 from collections.abc import Callable, Mapping
+from functools import partial
 from typing import Any
 
 from .errors import UnsupportedGateway, WalspoolError
@@ -61,6 +65,10 @@ RUNNER_ATTRIBUTES = (
     "_bounded_adapter_teardown",
     "_finalize_shutdown_agents",
 )
+#: Seconds a session waits after its spooled rows failed to replay before it tries
+#: again; meanwhile its new messages only queue (and spool at the cap), so an outage
+#: costs no failing write per message.
+RETRY_INTERVAL = 1.0
 #: Reasons a live session drains before writing its in-memory rows.
 LIVE_REASONS = (CAP_DROP, SHUTDOWN, "adapter_shutdown", "overflow_shutdown")
 
@@ -68,7 +76,7 @@ LIVE_REASONS = (CAP_DROP, SHUTDOWN, "adapter_shutdown", "overflow_shutdown")
 class _Session:
     """The link's state for one session; guarded by the store's retry lock."""
 
-    __slots__ = ("writing", "inflight", "spooled")
+    __slots__ = ("writing", "inflight", "spooled", "retry_at")
 
     def __init__(self) -> None:
         self.writing = False
@@ -76,6 +84,8 @@ class _Session:
         #: The last spooled message's future; set while the spool may hold rows
         #: that must reach state.db before this session's in-memory rows.
         self.spooled: concurrent.futures.Future[Receipt] | None = None
+        #: ``time.monotonic()`` before which a failed replay is not tried again.
+        self.retry_at = 0.0
 
 
 _ALREADY_SPOOLED: concurrent.futures.Future[Receipt] = concurrent.futures.Future()
@@ -85,10 +95,16 @@ _ALREADY_SPOOLED.set_result(Receipt(0, None, 0, CAP_DROP, None, 0.0))
 class Link:
     """A SessionStore linked to a spool; made by ``install``."""
 
-    def __init__(self, store: Any, spool: Spool) -> None:
+    def __init__(self, store: Any, spool: Spool, retry_interval: float = RETRY_INTERVAL) -> None:
         self.store = store
         self.spool = spool
-        self.replayer = Replayer(spool, SessionDBSink(store._db), resolver=store.peek_session_id)
+        self.retry_interval = retry_interval
+        self.replayer = Replayer(
+            spool,
+            SessionDBSink(store._db),
+            resolver=store.peek_session_id,
+            wait_for_bookkeeping=False,
+        )
         self.cap = int(store._MAX_PENDING_PER_SESSION)
         self._lock = store._transcript_retry_lock
         self._changed = threading.Condition(self._lock)
@@ -104,7 +120,7 @@ class Link:
         store = self.store
         if not store._db or skip_db:
             return
-        evicted: list[tuple[concurrent.futures.Future[Receipt] | None, dict[str, Any]]] = []
+        evicted: list[concurrent.futures.Future[Receipt] | WalspoolError] = []
         with self._changed:
             state = self._session(session_id)
             store._dirty_transcripts.setdefault(session_id, []).append(dict(message))
@@ -117,47 +133,27 @@ class Link:
                     # it in state.db twice. Wait for that one write to end.
                     self._changed.wait()
                     continue
-                dropped = pending.pop(0)
-                evicted.append((self._spool_locked(session_id, dropped, state), dropped))
+                try:
+                    state.spooled = self.spool.submit(session_id, pending.pop(0), reason=CAP_DROP)
+                except WalspoolError as exc:
+                    evicted.append(exc)
+                else:
+                    evicted.append(state.spooled)
             become_writer = not state.writing
             state.writing = True
-        for future, _ in evicted:
-            self._report_eviction(session_id, future)
+        for eviction in evicted:
+            if isinstance(eviction, WalspoolError):
+                self._report_drop(session_id, eviction)
+            else:
+                eviction.add_done_callback(partial(self._report_eviction, session_id))
         if become_writer:
             self._write_session(session_id, state)
 
-    def _spool_locked(
-        self, session_id: str, message: dict[str, Any], state: _Session
-    ) -> concurrent.futures.Future[Receipt] | None:
-        try:
-            future = self.spool.submit(session_id, message, reason=CAP_DROP)
-        except WalspoolError as exc:
-            log.warning(
-                "Session DB transcript pending queue full for %s (cap=%d); dropping oldest "
-                "message to make room (on-disk spool unavailable: %s)",
-                session_id,
-                self.cap,
-                exc,
-            )
-            return None
-        state.spooled = future
-        return future
-
-    def _report_eviction(
-        self, session_id: str, future: concurrent.futures.Future[Receipt] | None
-    ) -> None:
-        if future is None:
-            return
-        try:
-            receipt = future.result()
-        except WalspoolError as exc:
-            log.warning(
-                "Session DB transcript pending queue full for %s (cap=%d); dropping oldest "
-                "message to make room (on-disk spool unavailable: %s)",
-                session_id,
-                self.cap,
-                exc,
-            )
+    def _report_eviction(self, session_id: str, future: concurrent.futures.Future[Receipt]) -> None:
+        """Log a spooled eviction once it is committed (or its drop, if it failed)."""
+        error = future.exception()
+        if error is not None:
+            self._report_drop(session_id, error)
             return
         log.warning(
             "Session DB transcript pending queue full for %s (cap=%d); spooled oldest message "
@@ -165,7 +161,16 @@ class Link:
             session_id,
             self.cap,
             self.spool.path,
-            receipt.seq,
+            future.result().seq,
+        )
+
+    def _report_drop(self, session_id: str, error: BaseException) -> None:
+        log.warning(
+            "Session DB transcript pending queue full for %s (cap=%d); dropping oldest "
+            "message to make room (on-disk spool unavailable: %s)",
+            session_id,
+            self.cap,
+            error,
         )
 
     # -- the session's writer ------------------------------------------------------
@@ -177,7 +182,10 @@ class Link:
                 with self._lock:
                     spooled = state.spooled
                 if spooled is not None:
+                    if time.monotonic() < state.retry_at:
+                        return
                     if not self._drain(session_id, state, spooled):
+                        state.retry_at = time.monotonic() + self.retry_interval
                         return
                     continue
                 with self._lock:
@@ -311,11 +319,31 @@ class Link:
         return True
 
     def recover(self) -> ReplayReport:
-        """Replay everything spooled (but agent histories) into the store's ``state.db``."""
-        report = self.replayer.replay()
+        """Replay everything spooled (but agent histories) into ``state.db`` now.
+
+        Ignores the retry interval. Sessions whose rows all moved write their queued
+        messages next; sessions held keep their queue until their rows move.
+        """
         with self._lock:
-            for session_id in report.errors:
-                self._session(session_id).spooled = _ALREADY_SPOOLED
+            waiting = {sid: st.spooled for sid, st in self._sessions.items() if st.spooled}
+        concurrent.futures.wait([f for f in waiting.values() if f is not None])
+        report = self.replayer.replay()
+        held = {s.session_id for s in report.sessions.values() if s.error and not s.session_key}
+        ready = []
+        with self._lock:
+            for session_id in held:
+                state = self._session(session_id)
+                state.spooled = state.spooled or _ALREADY_SPOOLED
+            for session_id, future in waiting.items():
+                state = self._sessions.get(session_id)
+                if state is None or session_id in held or state.spooled is not future:
+                    continue
+                state.spooled, state.retry_at = None, 0.0
+                if not state.writing and self.store._dirty_transcripts.get(session_id):
+                    state.writing = True
+                    ready.append((session_id, state))
+        for session_id, state in ready:
+            self._write_session(session_id, state)
         if report.moved or report.held:
             log.info(
                 "Recovered %d spooled message(s) into state.db; %d held back",
@@ -325,8 +353,14 @@ class Link:
         return report
 
 
-def install(store: Any, spool: Spool, *, recover: bool = True) -> Link:
+def install(
+    store: Any, spool: Spool, *, recover: bool = True, retry_interval: float = RETRY_INTERVAL
+) -> Link:
     """Link a live 0.19.0 ``SessionStore`` to ``spool``; replay what is spooled.
+
+    ``retry_interval``: after a session's spooled rows fail to replay, its new
+    messages queue without a write attempt for that many seconds (0: try on every
+    message, as the released store does).
 
     Raises ``UnsupportedGateway`` at once if the store is not what the link was
     written for, rather than misbehaving later.
@@ -344,7 +378,7 @@ def install(store: Any, spool: Spool, *, recover: bool = True) -> Link:
         raise UnsupportedGateway(
             "the SessionStore has no state.db (store._db is None)", path=spool.path
         )
-    link = Link(store, spool)
+    link = Link(store, spool, retry_interval)
     store.append_to_transcript = link.append_to_transcript
     if recover:
         link.recover()
