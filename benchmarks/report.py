@@ -1,0 +1,107 @@
+"""Rates and ratios of the append benchmarks, from a run or from its JSON file.
+
+    python benchmarks/report.py /tmp/bench.json
+
+prints, for each benchmark, messages per second (messages per round over the median
+round time), then each walspool/baseline ratio against its target (DESIGN.md section 6).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+#: name -> {"group", "msgs_per_round", "median_s", "msgs_per_s", extra...}; filled
+#: by the benchmarks as they run, printed by conftest at the end of the session.
+RESULTS: dict[str, dict[str, Any]] = {}
+
+#: (what, walspool benchmark, baseline benchmark, target ratio)
+RATIOS = [
+    ("1 producer: walspool / write+fsync", "test_walspool_1_producer", "test_write_fsync", 0.9),
+    (
+        "64 threads: walspool / jsonfile",
+        "test_walspool_64_threads",
+        "test_jsonfile_64_threads",
+        10.0,
+    ),
+    (
+        "64 asyncio tasks: walspool / jsonfile",
+        "test_walspool_64_async",
+        "test_jsonfile_64_async",
+        25.0,
+    ),
+    (
+        "batches of 1,000: walspool append_many / jsonfile",
+        "test_walspool_append_many",
+        "test_jsonfile_append_many",
+        50.0,
+    ),
+]
+
+
+def record(name: str, group: str, msgs_per_round: int, median_s: float, **extra: Any) -> float:
+    """Keep one benchmark's result for the end-of-run summary; return its rate."""
+    rate = msgs_per_round / median_s
+    RESULTS[name] = {
+        "group": group,
+        "msgs_per_round": msgs_per_round,
+        "median_s": median_s,
+        "msgs_per_s": rate,
+        **extra,
+    }
+    return rate
+
+
+def from_json(data: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Results from a ``--benchmark-json`` file."""
+    results = {}
+    for bench in data["benchmarks"]:
+        extra = bench.get("extra_info", {})
+        msgs = extra.get("msgs_per_round")
+        if not msgs:
+            continue
+        median = bench["stats"]["median"]
+        results[bench["name"]] = {
+            **extra,
+            "group": bench["group"],
+            "msgs_per_round": msgs,
+            "median_s": median,
+            "msgs_per_s": msgs / median,
+        }
+    return results
+
+
+def format_report(results: dict[str, dict[str, Any]]) -> str:
+    """A table of rates by group, then the ratios and whether each meets its target."""
+    lines = [
+        f"{'group':<18} {'benchmark':<28} {'msgs/round':>10} {'median s':>9} "
+        f"{'msgs/s':>9} {'msgs/commit':>11}"
+    ]
+    for name, r in sorted(results.items(), key=lambda kv: (kv[1]["group"], kv[0])):
+        per_commit = r.get("msgs_per_commit")
+        lines.append(
+            f"{r['group']:<18} {name.removeprefix('test_'):<28} {r['msgs_per_round']:>10} "
+            f"{r['median_s']:>9.3f} {r['msgs_per_s']:>9.0f} "
+            f"{'' if per_commit is None else f'{per_commit:.1f}':>11}"
+        )
+    lines.append("")
+    for what, ours, base, target in RATIOS:
+        if ours in results and base in results:
+            ratio = results[ours]["msgs_per_s"] / results[base]["msgs_per_s"]
+            verdict = "met" if ratio >= target else f"MISSED ({ratio / target:.0%} of target)"
+            lines.append(f"{what:<52} {ratio:7.2f}x  target >= {target:g}x  {verdict}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1:
+        print("usage: python benchmarks/report.py BENCH_JSON", file=sys.stderr)
+        return 2
+    with open(argv[0], encoding="utf-8") as f:
+        print(format_report(from_json(json.load(f))))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
