@@ -61,23 +61,52 @@ ON CONFLICT (stream, name) DO UPDATE SET next_seq = excluded.next_seq
 Row = tuple[str | None, str | None, str, float, str]
 
 
+class _Numbers:
+    """The next row id and next seqs this writer handed out, kept across transactions.
+
+    Valid while no other connection has committed (``PRAGMA data_version`` is
+    unchanged) and every group since was appends only; otherwise they are read again
+    from the file. Saves two lookups per session per transaction.
+    """
+
+    LIMIT = 100_000  # streams remembered before the cache starts afresh
+
+    def __init__(self) -> None:
+        self.version: int | None = None
+        self.next_id: int | None = None
+        self.next_seq: dict[tuple[str, str], int] = {}
+
+    def check(self, conn: apsw.Connection) -> None:
+        version = conn.execute("PRAGMA data_version").get
+        if version != self.version or len(self.next_seq) > self.LIMIT:
+            self.forget()
+            self.version = version
+
+    def forget(self) -> None:
+        self.version = self.next_id = None
+        self.next_seq = {}
+
+
 class _Group:
     """What one transaction has done so far: the seqs it handed out, its inserts."""
 
-    def __init__(self, conn: apsw.Connection) -> None:
+    def __init__(self, conn: apsw.Connection, numbers: _Numbers) -> None:
         self.conn = conn
-        self.next_id = conn.execute(MAX_ID_SQL).get + 1
+        self.numbers = numbers
+        self.next_id = numbers.next_id or conn.execute(MAX_ID_SQL).get + 1
         self.next_seq: dict[tuple[str, str], int] = {}
         self.inserts: list[tuple[Any, ...]] = []
+        self.operations = False
 
     def add(self, rows: Sequence[Row]) -> list[Receipt]:
         receipts = []
+        known = self.numbers.next_seq
         for session_id, session_key, reason, created_at, payload in rows:
             if session_id is not None:
                 stream = ("session_id", session_id)
             else:
                 stream = ("session_key", session_key)
-            seq = self.next_seq.get(stream)
+            seq = self.next_seq.get(stream) or known.get(stream)
             if seq is None:
                 sql = NEXT_SEQ_BY_ID_SQL if session_id is not None else NEXT_SEQ_BY_KEY_SQL
                 seq = self.conn.execute(sql, (stream[1],)).get
@@ -101,6 +130,14 @@ class _Group:
                 SAVE_NEXT_SEQ_SQL,
                 [(stream, name, nxt) for (stream, name), nxt in self.next_seq.items()],
             )
+
+    def committed(self) -> None:
+        """Keep what this group handed out for the next one, unless it ran other SQL."""
+        if self.operations:
+            self.numbers.forget()
+            return
+        self.numbers.next_id = self.next_id
+        self.numbers.next_seq.update(self.next_seq)
 
 
 class Request:
@@ -162,6 +199,7 @@ class Operation(Request):
 
     def run(self, group: _Group) -> None:
         group.flush()
+        group.operations = True
         self.result = self.fn(group.conn)
 
 
@@ -195,6 +233,7 @@ class Writer:
         self._pending: deque[tuple[Request, Any]] = deque()
         self._cond = threading.Condition(threading.Lock())
         self._commit_lock = threading.Lock()
+        self._numbers = _Numbers()
         self._closed = False
         self._stopped = False
         self._thread = threading.Thread(
@@ -313,15 +352,21 @@ class Writer:
         while True:
             try:
                 with transaction(self._conn, self._path):
-                    group = _Group(self._conn)
+                    self._numbers.check(self._conn)
+                    group = _Group(self._conn, self._numbers)
                     for request in requests:
                         request.run(group)
                     group.finish()
-                return
             except apsw.BusyError:
                 # Another process held the write lock past the busy timeout; the
                 # caller is owed a commit, not "database is locked", so wait again.
                 log.warning("spool %s: write lock busy, still waiting", self._path)
+            except BaseException:
+                self._numbers.forget()
+                raise
+            else:
+                group.committed()
+                return
 
     def _error(self, exc: BaseException, request: Request) -> BaseException:
         if isinstance(exc, WalspoolError):
