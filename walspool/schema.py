@@ -54,6 +54,7 @@ CREATE TABLE records (
     session_key TEXT,
     created_at REAL NOT NULL,
     payload TEXT NOT NULL,
+    size INTEGER NOT NULL DEFAULT 0 CHECK (size >= 0),
     attempts INTEGER NOT NULL DEFAULT 0,
     last_error TEXT,
     last_attempt_at REAL,
@@ -67,6 +68,11 @@ CREATE UNIQUE INDEX records_session_key_seq_idx
 
 -- The rows a replay has out: found without a scan after a crash or a failed write.
 CREATE INDEX records_inflight_idx ON records (id) WHERE inflight IS NOT NULL;
+
+-- Statistics without reading payloads: rows, bytes and age by reason, and the rows
+-- with an error, each from an index (size is the payload's length in bytes).
+CREATE INDEX records_reason_created_at_size_idx ON records (reason, created_at, size);
+CREATE INDEX records_last_error_idx ON records (id) WHERE last_error IS NOT NULL;
 
 -- The next seq of every stream ever appended to, kept after its rows are gone so
 -- that a seq is never reused. stream is 'session_id' or 'session_key'.
@@ -82,7 +88,7 @@ SELECT
     session_id,
     CASE WHEN session_id IS NULL THEN session_key END AS session_key,
     count(*) AS rows,
-    sum(length(CAST(payload AS BLOB))) AS bytes,
+    sum(size) AS bytes,
     strftime('%Y-%m-%dT%H:%M:%fZ', min(created_at), 'unixepoch') AS oldest,
     strftime('%Y-%m-%dT%H:%M:%fZ', max(created_at), 'unixepoch') AS newest,
     max(attempts) AS max_attempts,
@@ -110,6 +116,8 @@ EXPECTED_OBJECTS = {
     ("view", "failures"),
     ("index", "records_session_key_seq_idx"),
     ("index", "records_inflight_idx"),
+    ("index", "records_reason_created_at_size_idx"),
+    ("index", "records_last_error_idx"),
 }
 
 

@@ -42,7 +42,7 @@ WHERE session_id = :session_id AND seq > :after
 ORDER BY seq LIMIT :limit
 """
 STATS_BY_REASON_SQL = """
-SELECT reason, count(*), sum(length(CAST(payload AS BLOB))), min(created_at), max(created_at)
+SELECT reason, count(*), sum(size), min(created_at), max(created_at)
 FROM records GROUP BY reason
 """
 STATS_SESSIONS_SQL = """
@@ -169,7 +169,7 @@ class Spool:
             raise PayloadTooLarge(
                 len(payload), self.max_payload_bytes, path=str(self.path), session_id=session_id
             )
-        return (session_id, session_key, reason, time.time(), payload.decode("utf-8"))
+        return (session_id, session_key, reason, time.time(), payload.decode("utf-8"), len(payload))
 
     def flush(self) -> None:
         """Block until everything submitted so far (``submit``, ``append_async``) is committed."""

@@ -49,16 +49,16 @@ SELECT max(
 """
 MAX_ID_SQL = "SELECT coalesce(max(id), 0) FROM records"
 INSERT_RECORD_SQL = """
-INSERT INTO records (id, session_id, seq, reason, session_key, created_at, payload)
-VALUES (?, ?, ?, ?, ?, ?, ?)
+INSERT INTO records (id, session_id, seq, reason, session_key, created_at, payload, size)
+VALUES (?, ?, ?, ?, ?, ?, ?, ?)
 """
 SAVE_NEXT_SEQ_SQL = """
 INSERT INTO sequences (stream, name, next_seq) VALUES (?, ?, ?)
 ON CONFLICT (stream, name) DO UPDATE SET next_seq = excluded.next_seq
 """
 
-#: One row to append: (session_id, session_key, reason, created_at, payload).
-Row = tuple[str | None, str | None, str, float, str]
+#: One row to append: (session_id, session_key, reason, created_at, payload, size).
+Row = tuple[str | None, str | None, str, float, str, int]
 
 
 class _Numbers:
@@ -101,7 +101,7 @@ class _Group:
     def add(self, rows: Sequence[Row]) -> list[Receipt]:
         receipts = []
         known = self.numbers.next_seq
-        for session_id, session_key, reason, created_at, payload in rows:
+        for session_id, session_key, reason, created_at, payload, size in rows:
             if session_id is not None:
                 stream = ("session_id", session_id)
             else:
@@ -113,7 +113,9 @@ class _Group:
             self.next_seq[stream] = seq + 1
             row_id = self.next_id
             self.next_id += 1
-            self.inserts.append((row_id, session_id, seq, reason, session_key, created_at, payload))
+            self.inserts.append(
+                (row_id, session_id, seq, reason, session_key, created_at, payload, size)
+            )
             receipts.append(Receipt(row_id, session_id, seq, reason, session_key, created_at))
         return receipts
 
@@ -181,7 +183,7 @@ class Append(Request):
 
     @property
     def payload_bytes(self) -> int:
-        return sum(len(row[4]) for row in self.rows)
+        return sum(row[5] for row in self.rows)
 
     def run(self, group: _Group) -> None:
         receipts = group.add(self.rows)
