@@ -278,12 +278,12 @@ def say(line):  # one write per line: the writer thread prints too
     sys.stdout.write(line + "\n")
     sys.stdout.flush()
 spool = walspool.Spool(pathlib.Path(home) / "spool.db")
-submit = spool.submit
-def reporting_submit(*args, **kw):  # print each eviction once it is committed
-    future = submit(*args, **kw)
-    future.add_done_callback(lambda f: say(f"spooled {f.result().seq}"))
-    return future
-spool.submit = reporting_submit
+import logging
+class Committed(logging.Handler):  # the link's WARNING for each committed eviction
+    def emit(self, record):
+        if "spooled oldest message" in record.msg:
+            say(f"spooled {record.args[-1]}")
+logging.getLogger("walspool.hermes").addHandler(Committed())
 install(store, spool)
 with store._db._lock:
     store._db._conn.execute(sys.argv[2])
@@ -312,6 +312,8 @@ def test_gateway_killed_during_outage_loses_nothing_it_spooled(hermes_home):
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     committed = 0
+    deadline = threading.Timer(120, proc.kill)  # a hung child fails the test, not the run
+    deadline.start()
     try:
         assert proc.stdout.readline() == "ready\n"
         for line in proc.stdout:  # kill once 300 evictions are committed
@@ -324,6 +326,7 @@ def test_gateway_killed_during_outage_loses_nothing_it_spooled(hermes_home):
             if line.startswith("spooled"):
                 committed = int(line.split()[1])
     finally:
+        deadline.cancel()
         proc.kill()
         proc.wait(30)
     assert proc.returncode == -signal.SIGKILL

@@ -15,7 +15,7 @@ exactly that on one live store (and, with ``install_runner``, one runner):
 One thread at a time writes a given session (the first caller that finds the session
 idle); the others only queue and return, so the same message is never written twice
 by two threads. The store's global ``_transcript_retry_lock`` is held only to queue
-and to reserve a spooled message's place (``Spool.submit``). No gateway thread waits
+and to reserve a spooled message's place in the spool writer's queue. No gateway thread waits
 for the spool's fsync: an evicted message is committed by the spool's writer with
 the next group (its WARNING is logged then), typically within a millisecond; until
 then it is in memory, like the 200 messages still queued.
@@ -27,7 +27,6 @@ remove a session's spooled rows.
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 import threading
 import time
@@ -81,15 +80,12 @@ class _Session:
     def __init__(self) -> None:
         self.writing = False
         self.inflight: dict[str, Any] | None = None
-        #: The last spooled message's future; set while the spool may hold rows
+        #: Messages spooled since the session's spooled rows were last all written;
+        #: while not 0, they go to state.db before the session's in-memory rows.
         #: that must reach state.db before this session's in-memory rows.
-        self.spooled: concurrent.futures.Future[Receipt] | None = None
+        self.spooled = 0
         #: ``time.monotonic()`` before which a failed replay is not tried again.
         self.retry_at = 0.0
-
-
-_ALREADY_SPOOLED: concurrent.futures.Future[Receipt] = concurrent.futures.Future()
-_ALREADY_SPOOLED.set_result(Receipt(0, None, 0, CAP_DROP, None, 0.0))
 
 
 class Link:
@@ -120,7 +116,7 @@ class Link:
         store = self.store
         if not store._db or skip_db:
             return
-        evicted: list[concurrent.futures.Future[Receipt] | WalspoolError] = []
+        refused: list[WalspoolError] = []
         with self._changed:
             state = self._session(session_id)
             store._dirty_transcripts.setdefault(session_id, []).append(dict(message))
@@ -134,26 +130,27 @@ class Link:
                     self._changed.wait()
                     continue
                 try:
-                    state.spooled = self.spool.submit(session_id, pending.pop(0), reason=CAP_DROP)
+                    self.spool._submit_then(
+                        session_id,
+                        pending.pop(0),
+                        reason=CAP_DROP,
+                        then=partial(self._report_eviction, session_id),
+                    )
                 except WalspoolError as exc:
-                    evicted.append(exc)
+                    refused.append(exc)
                 else:
-                    evicted.append(state.spooled)
+                    state.spooled += 1
             become_writer = not state.writing
             state.writing = True
-        for eviction in evicted:
-            if isinstance(eviction, WalspoolError):
-                self._report_drop(session_id, eviction)
-            else:
-                eviction.add_done_callback(partial(self._report_eviction, session_id))
+        for error in refused:
+            self._report_drop(session_id, error)
         if become_writer:
             self._write_session(session_id, state)
 
-    def _report_eviction(self, session_id: str, future: concurrent.futures.Future[Receipt]) -> None:
+    def _report_eviction(self, session_id: str, outcome: Receipt | BaseException) -> None:
         """Log a spooled eviction once it is committed (or its drop, if it failed)."""
-        error = future.exception()
-        if error is not None:
-            self._report_drop(session_id, error)
+        if isinstance(outcome, BaseException):
+            self._report_drop(session_id, outcome)
             return
         log.warning(
             "Session DB transcript pending queue full for %s (cap=%d); spooled oldest message "
@@ -161,7 +158,7 @@ class Link:
             session_id,
             self.cap,
             self.spool.path,
-            future.result().seq,
+            outcome.seq,
         )
 
     def _report_drop(self, session_id: str, error: BaseException) -> None:
@@ -181,7 +178,7 @@ class Link:
             while True:
                 with self._lock:
                     spooled = state.spooled
-                if spooled is not None:
+                if spooled:
                     if time.monotonic() < state.retry_at:
                         return
                     if not self._drain(session_id, state, spooled):
@@ -189,7 +186,7 @@ class Link:
                         return
                     continue
                 with self._lock:
-                    if state.spooled is not None:
+                    if state.spooled:
                         continue
                     pending = self.store._dirty_transcripts.get(session_id)
                     if not pending:
@@ -220,14 +217,12 @@ class Link:
         finally:
             with self._lock:
                 state.writing = False
-                if state.spooled is None and self._sessions.get(session_id) is state:
+                if not state.spooled and self._sessions.get(session_id) is state:
                     del self._sessions[session_id]
 
-    def _drain(
-        self, session_id: str, state: _Session, spooled: concurrent.futures.Future[Receipt]
-    ) -> bool:
+    def _drain(self, session_id: str, state: _Session, spooled: int) -> bool:
         """Replay the session's spooled rows; True when none is left behind."""
-        concurrent.futures.wait([spooled])
+        self.spool.flush()  # the evictions counted in ``spooled`` are committed
         report = self.replayer.replay(session_id=session_id, reasons=LIVE_REASONS)
         if report.held:
             with self._lock:
@@ -244,8 +239,8 @@ class Link:
             )
             return False
         with self._lock:
-            if state.spooled is spooled:
-                state.spooled = None
+            if state.spooled == spooled:
+                state.spooled = 0
         if report.moved:
             log.info(
                 "Replayed %d spooled transcript message(s) for %s after DB recovery",
@@ -326,19 +321,19 @@ class Link:
         """
         with self._lock:
             waiting = {sid: st.spooled for sid, st in self._sessions.items() if st.spooled}
-        concurrent.futures.wait([f for f in waiting.values() if f is not None])
+        self.spool.flush()
         report = self.replayer.replay()
         held = {s.session_id for s in report.sessions.values() if s.error and not s.session_key}
         ready = []
         with self._lock:
             for session_id in held:
                 state = self._session(session_id)
-                state.spooled = state.spooled or _ALREADY_SPOOLED
-            for session_id, future in waiting.items():
+                state.spooled = state.spooled or 1
+            for session_id, spooled in waiting.items():
                 state = self._sessions.get(session_id)
-                if state is None or session_id in held or state.spooled is not future:
+                if state is None or session_id in held or state.spooled != spooled:
                     continue
-                state.spooled, state.retry_at = None, 0.0
+                state.spooled, state.retry_at = 0, 0.0
                 if not state.writing and self.store._dirty_transcripts.get(session_id):
                     state.writing = True
                     ready.append((session_id, state))

@@ -139,6 +139,16 @@ class Spool:
         row = self._row(session_id, message, reason, session_key)
         return self._writer.submit(Append((row,), single=True))
 
+    def _submit_then(self, session_id: str, message: Any, *, reason: str, then: Any) -> None:
+        """``submit`` without a future: ``then(receipt or error)`` runs on the writer
+        thread once the row is committed (or failed). Bad input raises here.
+        """
+        row = self._row(session_id, message, reason, None)
+        self._writer.notify(
+            Append((row,), single=True),
+            lambda request: then(request.error if request.error is not None else request.result),
+        )
+
     async def append_async(
         self,
         session_id: str | None,

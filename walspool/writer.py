@@ -265,6 +265,13 @@ class Writer:
             raise request.error
         return request.result
 
+    def notify(self, request: Request, callback: Callable[[Request], None]) -> None:
+        """Queue ``request`` (its place in order is taken now); after it is committed,
+        or has failed, the writer thread calls ``callback(request)``. Lighter than a
+        future; ``callback`` must be quick and must not raise.
+        """
+        self._put(request, callback)
+
     def submit(self, request: Request) -> concurrent.futures.Future[Any]:
         """Queue ``request`` (its place in order is taken now) and return a future."""
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()
@@ -410,7 +417,10 @@ def _wake(items: list[tuple[Request, Any]]) -> None:
             else:
                 waiter.set_result(request.result)
         else:
-            waiter(request)
+            try:
+                waiter(request)
+            except Exception:  # noqa: BLE001 - a caller's callback must not stop the writer
+                log.exception("callback for a committed spool request failed")
     for loop, pairs in by_loop.items():
         try:
             loop.call_soon_threadsafe(_resolve, pairs)
