@@ -8,9 +8,11 @@ order once it works again.
 from .errors import (
     DiskFull,
     InvalidArgument,
+    NotAMessage,
     NotASpool,
     PayloadTooLarge,
     SchemaTooNew,
+    SessionMissing,
     SpoolClosed,
     SpoolCorrupt,
     SpoolFull,
@@ -21,7 +23,7 @@ from .errors import (
 )
 from .jsonspool import ImportReport, import_json_spool
 from .records import AGENT_HISTORY, CAP_DROP, SHUTDOWN, Receipt, Record, Stats
-from .replay import Replayer, ReplayReport
+from .replay import Replayer, ReplayReport, StreamReport
 from .sinks import SessionDBSink, Sink
 from .spool import Spool
 
@@ -32,6 +34,7 @@ __all__ = [
     "DiskFull",
     "ImportReport",
     "InvalidArgument",
+    "NotAMessage",
     "NotASpool",
     "PayloadTooLarge",
     "Receipt",
@@ -40,6 +43,7 @@ __all__ = [
     "Replayer",
     "SchemaTooNew",
     "SessionDBSink",
+    "SessionMissing",
     "Sink",
     "Spool",
     "SpoolClosed",
@@ -47,6 +51,7 @@ __all__ = [
     "SpoolFull",
     "SpoolIOError",
     "Stats",
+    "StreamReport",
     "SymlinkRefused",
     "UnsupportedGateway",
     "WalspoolError",

@@ -7,6 +7,7 @@ about, so a log line or a caller can say exactly what failed.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 
 class WalspoolError(Exception):
@@ -93,3 +94,25 @@ class SpoolCorrupt(WalspoolError):
 
 class UnsupportedGateway(WalspoolError):
     """The gateway object is not the hermes-agent release walspool links into."""
+
+
+class SessionMissing(WalspoolError):
+    """The target session has no row in state.db, so its messages cannot be written."""
+
+    def __init__(self, session_id: str) -> None:
+        super().__init__(
+            f"session {session_id} does not exist in state.db (FOREIGN KEY constraint "
+            "failed); replay with create_missing=True to create it",
+            session_id=session_id,
+        )
+
+
+class NotAMessage(WalspoolError):
+    """A record holds something other than one transcript message (an agent history)."""
+
+    def __init__(self, record: Any) -> None:
+        super().__init__(
+            f"record {record.id} (session {record.session_id}, seq {record.seq}) holds a list "
+            "of messages, not one message; export it and recover it by hand",
+            session_id=record.session_id,
+        )

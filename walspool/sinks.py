@@ -18,7 +18,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from . import codec
-from .errors import WalspoolError
+from .errors import NotAMessage, SessionMissing
 from .records import Record
 
 log = logging.getLogger("walspool.sinks")
@@ -54,28 +54,6 @@ class Sink(Protocol):
     def write(self, session_id: str, record: Record) -> None: ...
 
     def landed(self, session_id: str, mark: int, records: Sequence[Record]) -> int: ...
-
-
-class SessionMissing(WalspoolError):
-    """The target session has no row in state.db, so its messages cannot be written."""
-
-    def __init__(self, session_id: str) -> None:
-        super().__init__(
-            f"session {session_id} does not exist in state.db (FOREIGN KEY constraint "
-            "failed); replay with create_missing=True to create it",
-            session_id=session_id,
-        )
-
-
-class NotAMessage(WalspoolError):
-    """A record holds something other than one transcript message (an agent history)."""
-
-    def __init__(self, record: Record) -> None:
-        super().__init__(
-            f"record {record.id} (session {record.session_id}, seq {record.seq}) holds a list "
-            "of messages, not one message; export it and recover it by hand",
-            session_id=record.session_id,
-        )
 
 
 class SessionDBSink:
