@@ -1,0 +1,636 @@
+"""Security: private file modes on every path that creates a file, no write outside the
+spool's directory, and SQL that takes bound parameters only.
+
+The mode tests run under ``umask 0``, the worst case: whatever walspool does not set
+explicitly comes out world-writable. Tests marked ``xfail(strict=True)`` show bugs
+found here; each names the fix.
+"""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import contextlib
+import io
+import json
+import os
+import re
+import shutil
+import stat
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import walspool
+from walspool import CAP_DROP, SHUTDOWN
+from walspool import shutdown_flush as sf
+from walspool.cli import main
+from walspool.records import Record
+from walspool.replay import Replayer
+from walspool.sinks import SessionDBSink
+
+hermes_state = pytest.importorskip("hermes_state")
+
+PACKAGE = Path(walspool.__file__).resolve().parent
+
+
+class MemorySink:
+    def __init__(self) -> None:
+        self.rows: list[tuple[str, Any]] = []
+
+    def mark(self) -> int:
+        return len(self.rows)
+
+    def write(self, session_id: str, record: Record) -> None:
+        self.rows.append((session_id, record.message))
+
+    def landed(self, session_id: str, mark: int, records: list[Record]) -> int:
+        return 0
+
+
+def mode(path: Path | str) -> int:
+    return stat.S_IMODE(os.lstat(path).st_mode)
+
+
+def modes(directory: Path) -> dict[str, int]:
+    return {p.name: mode(p) for p in directory.iterdir()}
+
+
+def run_cli(*argv: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main(list(argv))
+    return rc, out.getvalue(), err.getvalue()
+
+
+@pytest.fixture
+def umask0() -> Iterator[None]:
+    old = os.umask(0)
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
+def write_pending(directory: Path, payload: dict[str, Any]) -> Path:
+    path = directory / f"pending-{uuid.uuid4().hex}.json"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with open(fd, "w") as f:
+        json.dump(payload, f)
+    return path
+
+
+def cap_drop_file(directory: Path, session_id: str, i: int) -> Path:
+    return write_pending(
+        directory,
+        {
+            "session_key": session_id,
+            "reason": CAP_DROP,
+            "ts": 1_760_000_000 + i,
+            "seq": i,
+            "data": {"session_id": session_id, "message": {"role": "user", "content": f"j{i}"}},
+        },
+    )
+
+
+def damage(path: Path) -> None:
+    """Overwrite the first page past the header: the schema no longer reads."""
+    with open(path, "r+b") as f:
+        f.seek(100)
+        f.write(b"\xff" * 3996)
+
+
+# -- file modes -----------------------------------------------------------------------
+
+
+def test_new_spool_files_are_private_under_umask_0(tmp_path, umask0):
+    path = tmp_path / "spool" / "spool.db"
+    with walspool.Spool(path) as spool:
+        spool.append("s", {"role": "user", "content": "x"})
+        spool.append_many([("s", i) for i in range(10)])
+        spool.submit("s", "y").result(timeout=30)
+        asyncio.run(spool.append_async("s", "z"))
+        assert mode(path.parent) == 0o700
+        assert modes(path.parent) == {
+            "spool.db": 0o600,
+            "spool.db-wal": 0o600,
+            "spool.db-shm": 0o600,
+        }
+        Replayer(spool, MemorySink()).replay()
+        assert mode(f"{path}.replay-lock") == 0o600
+        assert all(m == 0o600 for m in modes(path.parent).values())
+
+
+def test_loose_modes_of_an_existing_spool_are_tightened(tmp_path, umask0):
+    path = tmp_path / "spool.db"
+    with walspool.Spool(path) as spool:
+        spool.append("s", 1)
+        for name in (path, Path(f"{path}-wal"), Path(f"{path}-shm")):
+            os.chmod(name, 0o666)
+        with walspool.Spool(path) as again:
+            again.append("s", 2)
+        assert {n: m for n, m in modes(tmp_path).items() if n.startswith("spool.db")} == {
+            "spool.db": 0o600,
+            "spool.db-wal": 0o600,
+            "spool.db-shm": 0o600,
+        }
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="bug: schema.create_private makes missing ancestors with mkdir(parents=True), "
+    "which gives every directory but the last mode 0o777 & ~umask (0777 under umask 0: "
+    "anyone may rename the spool's directory away and put their own in its place); fix: "
+    "create each missing ancestor with mode 0o700 (and chmod it, as for the last one)",
+)
+def test_every_directory_the_spool_creates_is_private(tmp_path, umask0):
+    path = tmp_path / "new" / "deeper" / "spool" / "spool.db"
+    with walspool.Spool(path):
+        pass
+    assert [mode(p) for p in (path.parents[2], path.parents[1], path.parent)] == [0o700] * 3
+
+
+def test_shutdown_flush_spool_in_a_fresh_hermes_home_is_private(tmp_path, monkeypatch, umask0):
+    home = tmp_path / "hermes"
+    monkeypatch.setenv("HERMES_HOME", str(home))
+    monkeypatch.setattr(hermes_state, "DEFAULT_DB_PATH", home / "state.db")
+    try:
+        assert sf.spool_dropped_transcript_message("s", {"role": "user", "content": "x"})
+        assert sf.flush_pending_to_file({"key": "text"}) == 1
+        sf.flush_agent_history_to_file("s", [{"role": "user", "content": "h"}])
+        assert sf.drain_transcript_spool("s", lambda m: None) == (1, 0)
+    finally:
+        sf.close_shared_spools()
+    assert mode(home) == 0o700
+    assert set(modes(home)) <= {"spool.db", "spool.db-wal", "spool.db-shm", "spool.db.replay-lock"}
+    assert all(m == 0o600 for m in modes(home).values()), modes(home)
+
+
+def test_read_commands_create_only_the_spools_own_private_files(tmp_path, umask0):
+    path = tmp_path / "spool" / "spool.db"
+    with walspool.Spool(path) as spool:
+        spool.append_many([("s", i) for i in range(5)])
+    assert set(modes(path.parent)) == {"spool.db"}  # a clean close leaves no -wal/-shm
+    for argv in (
+        ["export", str(path)],
+        ["export", str(path), "--session", "s", "--reason", CAP_DROP],
+        ["stats", str(path), "--json"],
+        ["ls", str(path)],
+        ["show", str(path), "s", "--full"],
+        ["check", str(path), "--json"],
+    ):
+        rc, out, err = run_cli(*argv)
+        assert rc == 0, err
+        found = modes(path.parent)
+        # SQLite itself may make the -wal/-shm of a WAL database to read it; nothing else
+        assert set(found) <= {"spool.db", "spool.db-wal", "spool.db-shm"}, (argv, found)
+        assert all(m == 0o600 for m in found.values()), (argv, found)
+    assert set(modes(tmp_path)) == {"spool"}
+
+
+def test_import_creates_no_file_in_the_pending_directory(tmp_path, umask0):
+    pending = tmp_path / "pending_messages"
+    pending.mkdir(mode=0o700)
+    for i in range(3):
+        cap_drop_file(pending, "s", i)
+    (pending / "pending-broken.json").write_text("{not json")
+    with walspool.Spool(tmp_path / "spool" / "spool.db") as spool:
+        report = walspool.import_json_spool(spool, pending)
+    assert report.imported == 3
+    assert os.listdir(pending) == ["pending-broken.json"]  # the lock is an flock, no file
+    assert mode(pending) == 0o700
+
+
+def _damaged_spool_with_wal(path: Path) -> dict[str, bytes]:
+    """A spool whose -wal holds committed rows, copied while its writer was open, then damaged.
+
+    The schema page is in the main file only (the rows appended after a reopen fit in
+    existing pages, so page 1 is not in the -wal): damaging it is seen at open.
+    """
+    live = path.parent / "live" / "spool.db"
+    with walspool.Spool(live) as spool:
+        spool.append("s", 0)
+    with walspool.Spool(live) as spool:
+        spool.append_many([("s", i) for i in range(1, 4)])
+        for suffix in ("", "-wal", "-shm"):
+            shutil.copyfile(f"{live}{suffix}", f"{path}{suffix}")
+            os.chmod(f"{path}{suffix}", 0o600)
+    damage(path)
+    return {suffix: Path(f"{path}{suffix}").read_bytes() for suffix in ("", "-wal")}
+
+
+def test_damaged_spool_is_moved_aside_privately(tmp_path, umask0, caplog):
+    path = tmp_path / "spool.db"
+    with walspool.Spool(path) as spool:
+        spool.append("s", 1)
+    damage(path)
+    with walspool.Spool(path) as spool:
+        spool.append("s", 2)
+        (aside,) = [p for p in tmp_path.iterdir() if ".damaged-" in p.name]
+        assert mode(aside) == 0o600
+        assert mode(path) == 0o600
+        assert [r.message for r in spool.records()] == [2]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="bug: schema._open_checked closes its connection to the damaged spool before "
+    "move_aside runs; as the last connection it checkpoints the -wal into the damaged file "
+    "and deletes the -wal and -shm, so the copy is changed and its WAL is gone, against "
+    "'renamed with its -wal/-shm, never deleted'; fix: before conn.close() on that path set "
+    "conn.config(apsw.SQLITE_DBCONFIG_NO_CKPT_ON_CLOSE, 1) (or move the files aside while the "
+    "connection is still open)",
+)
+def test_damaged_spool_is_moved_aside_with_its_wal_unchanged(tmp_path, umask0):
+    path = tmp_path / "spool.db"
+    before = _damaged_spool_with_wal(path)
+    assert len(before["-wal"]) > 32  # committed frames, not just a header
+    with walspool.Spool(path) as spool:
+        assert list(spool.records()) == []  # a fresh spool: the damaged one was moved aside
+    (aside,) = [
+        p
+        for p in tmp_path.iterdir()
+        if ".damaged-" in p.name and not p.name.endswith(("-wal", "-shm"))
+    ]
+    assert Path(f"{aside}-wal").read_bytes() == before["-wal"]
+    assert aside.read_bytes() == before[""]
+    assert mode(f"{aside}-wal") == 0o600 and mode(f"{aside}-shm") == 0o600
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="bug: schema.move_aside renames a damaged spool with the mode it had, so a "
+    "damaged 0644 file stays world-readable beside the fresh 0600 spool (tighten_modes only "
+    "runs on a spool that opened); fix: in move_aside, os.chmod each renamed file to 0o600 "
+    "(follow_symlinks=False)",
+)
+def test_a_loose_damaged_spool_is_moved_aside_as_0600(tmp_path, umask0):
+    path = tmp_path / "spool.db"
+    with walspool.Spool(path) as spool:
+        spool.append("s", 1)
+    damage(path)
+    os.chmod(path, 0o644)
+    with walspool.Spool(path):
+        pass
+    (aside,) = [p for p in tmp_path.iterdir() if ".damaged-" in p.name]
+    assert mode(aside) == 0o600
+
+
+# -- nothing written outside the spool's directory ---------------------------------------
+
+
+def tree(root: Path) -> dict[str, tuple[int, int, int]]:
+    """Every path under ``root`` (itself included) with its mtime, size and mode."""
+    found = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in [".", *dirnames, *filenames]:
+            p = Path(dirpath) / name if name != "." else Path(dirpath)
+            st = os.lstat(p)
+            found[str(p)] = (st.st_mtime_ns, st.st_size, st.st_mode)
+    return found
+
+
+def test_a_full_workload_writes_only_inside_the_spool_directory(tmp_path, monkeypatch, umask0):
+    watched = tmp_path / "watched"
+    spool_dir = watched / "spooldir"
+    spool_dir.mkdir(parents=True, mode=0o700)
+    (watched / "neighbour.txt").write_text("leave me alone")
+    (watched / "sibling").mkdir()
+    (watched / "sibling" / "spool.db").write_text("a file that is not the spool")
+    home = tmp_path / "home"
+    (home / ".hermes").mkdir(parents=True)
+    elsewhere = tmp_path / "elsewhere"
+    pending = elsewhere / "pending_messages"
+    pending.mkdir(parents=True)
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("HERMES_HOME", str(spool_dir))
+    monkeypatch.setattr(hermes_state, "DEFAULT_DB_PATH", elsewhere / "state.db")
+    state = hermes_state.SessionDB(db_path=elsewhere / "state.db")
+    state.create_session("s", "cli")
+    for i in range(3):
+        cap_drop_file(pending, "s", i)
+    before = {**tree(watched), **tree(home)}
+    path = spool_dir / "spool.db"
+
+    with walspool.Spool(path) as spool:
+        spool.append("s", {"role": "user", "content": "a"})
+        spool.append_many([("s", {"role": "user", "content": f"b{i}"}) for i in range(5)])
+        spool.submit("s", {"role": "user", "content": "c"}).result(timeout=30)
+        asyncio.run(spool.append_async("s", {"role": "user", "content": "d"}))
+        spool.append(None, "slot", session_key="k", reason=SHUTDOWN)
+        Replayer(spool, MemorySink()).replay(limit=2)
+        Replayer(spool, SessionDBSink(state), resolver=lambda key: "s").replay(limit=3)
+        walspool.import_json_spool(spool, pending)
+        spool.stats()
+    for argv in (
+        ["stats", str(path)],
+        ["ls", str(path)],
+        ["show", str(path), "s"],
+        ["export", str(path)],
+        ["check", str(path)],
+        ["replay", str(path), "--into", str(elsewhere / "state.db"), "--dry-run"],
+        ["replay", str(path), "--into", str(elsewhere / "state.db")],
+        ["import-json", str(path), str(pending)],
+    ):
+        rc, _, err = run_cli(*argv)
+        assert rc in (0, 3), (argv, err)
+    try:
+        assert sf.spool_dropped_transcript_message("s", {"role": "user", "content": "e"}) == path
+        assert sf.flush_pending_to_file({"k": "f"}) == 1
+        sf.flush_agent_history_to_file("s", [{"role": "user"}])
+        assert sf.drain_transcript_spool("s", lambda m: None) == (1, 0)
+        assert sf.recover_pending_to_db(state, session_resolver=lambda key: "s") >= 1
+    finally:
+        sf.close_shared_spools()
+    damage(path)
+    with walspool.Spool(path) as spool:  # moved aside, a fresh spool opened
+        spool.append("s", "after the damage")
+    state.close()
+
+    after = {**tree(watched), **tree(home)}
+    changed = {p for p in before.keys() | after.keys() if before.get(p) != after.get(p)} - {
+        str(spool_dir)
+    }
+    outside_spool_dir = sorted(p for p in changed if Path(p).parent != spool_dir)
+    assert outside_spool_dir == []
+    assert any(".damaged-" in p for p in changed)  # the workload did reach every path
+    assert str(spool_dir / "spool.db.replay-lock") in changed
+
+
+@pytest.mark.parametrize("suffix", ["-wal", "-shm", "-journal"])
+def test_planted_symlinks_beside_the_spool_are_never_written_through(tmp_path, suffix, umask0):
+    """A link named like the spool's own file, pointing outside: refused or replaced."""
+    spool_dir = tmp_path / "spool"
+    spool_dir.mkdir(mode=0o700)
+    path = spool_dir / "spool.db"
+    with walspool.Spool(path) as spool:
+        spool.append("s", "before")
+    target = tmp_path / "precious"
+    target.write_text("precious")
+    os.chmod(target, 0o644)
+    stamp = os.stat(target)
+    os.symlink(target, f"{path}{suffix}")
+    try:
+        with walspool.Spool(path) as spool:
+            spool.append("s", "after")
+            Replayer(spool, MemorySink()).replay()
+    except walspool.WalspoolError:
+        pass  # refusing to open is fine; writing through the link is not
+    assert target.read_text() == "precious"
+    after = os.stat(target)
+    assert (after.st_mtime_ns, after.st_mode, after.st_nlink) == (
+        stamp.st_mtime_ns,
+        stamp.st_mode,
+        stamp.st_nlink,
+    )
+
+
+def test_replay_lock_that_is_a_symlink_is_not_followed(tmp_path):
+    path = tmp_path / "spool.db"
+    target = tmp_path / "elsewhere"
+    os.symlink(target, f"{path}.replay-lock")
+    with walspool.Spool(path) as spool:
+        spool.append("s", 1)
+        with pytest.raises((OSError, walspool.WalspoolError)):
+            Replayer(spool, MemorySink()).replay()
+        assert [r.message for r in spool.records()] == [1]
+    assert not target.exists()
+
+
+# -- SQL takes bound parameters ----------------------------------------------------------
+
+SQL_WORDS = re.compile(
+    r"\b(SELECT|INSERT|UPDATE|DELETE|PRAGMA|CREATE|DROP|ALTER|WHERE|VALUES|BEGIN)\b"
+)
+EXECUTE_METHODS = {"execute", "executemany", "executescript"}
+CONSTANT_NAME = re.compile(r"^_?[A-Z][A-Z0-9_]*$")
+
+
+def _dynamic_parts(node: ast.AST) -> tuple[list[ast.AST], str] | None:
+    """The interpolated values and the literal text of a string built at run time."""
+    if isinstance(node, ast.JoinedStr):
+        values = [v.value for v in node.values if isinstance(v, ast.FormattedValue)]
+        text = "".join(
+            v.value for v in node.values if isinstance(v, ast.Constant) and isinstance(v.value, str)
+        )
+        return values, text
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mod):
+        if isinstance(node.left, ast.Constant) and isinstance(node.left.value, str):
+            right = node.right.elts if isinstance(node.right, ast.Tuple) else [node.right]
+            return list(right), node.left.value
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+        operands = [node.left, node.right]
+        texts = [
+            o.value for o in operands if isinstance(o, ast.Constant) and isinstance(o.value, str)
+        ]
+        if texts:
+            return [o for o in operands if not isinstance(o, ast.Constant)], "".join(texts)
+    if (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == "format"
+        and isinstance(node.func.value, ast.Constant)
+        and isinstance(node.func.value.value, str)
+    ):
+        return [*node.args, *(k.value for k in node.keywords)], node.func.value.value
+    return None
+
+
+class _Scan:
+    """Find SQL text built from anything but module constants, in one module's source."""
+
+    def __init__(self, source: str, filename: str) -> None:
+        self.filename = filename
+        self.tree = ast.parse(source, filename)
+        self.problems: list[str] = []
+        self.flagged: set[int] = set()
+        self.parents: dict[ast.AST, ast.AST] = {}
+        for parent in ast.walk(self.tree):
+            for child in ast.iter_child_nodes(parent):
+                self.parents[child] = parent
+
+    def run(self) -> list[str]:
+        for node in ast.walk(self.tree):
+            parts = _dynamic_parts(node)
+            if parts is not None and SQL_WORDS.search(parts[1]):
+                self._check_parts(node, parts[0])
+        for node in ast.walk(self.tree):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr in EXECUTE_METHODS
+                and node.args
+            ):
+                self._check_sql_argument(node, node.args[0])
+        return sorted(set(self.problems))
+
+    def _where(self, node: ast.AST) -> str:
+        scope = self._function(node)
+        name = scope.name if scope is not None else "<module>"
+        return f"{self.filename}:{node.lineno} in {name}"
+
+    def _function(self, node: ast.AST) -> ast.FunctionDef | ast.AsyncFunctionDef | None:
+        while node in self.parents:
+            node = self.parents[node]
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                return node
+        return None
+
+    def _check_parts(self, node: ast.AST, values: list[ast.AST]) -> None:
+        for value in values:
+            if not self._constant(value):
+                self.flagged.add(id(node))
+                self.problems.append(
+                    f"{self._where(node)}: SQL text built from `{ast.unparse(value)}`, "
+                    "not from module constants; bind it as a parameter"
+                )
+
+    def _check_sql_argument(self, call: ast.Call, arg: ast.AST, depth: int = 0) -> None:
+        if isinstance(arg, ast.Constant) or self._constant(arg):
+            return
+        if isinstance(arg, ast.IfExp):
+            self._check_sql_argument(call, arg.body, depth)
+            self._check_sql_argument(call, arg.orelse, depth)
+            return
+        parts = _dynamic_parts(arg)
+        if parts is not None:
+            if id(arg) in self.flagged:
+                return  # reported where it is built
+            for value in parts[0]:
+                if not self._constant(value):
+                    self.problems.append(
+                        f"{self._where(call)}: {call.func.attr}() SQL built from "  # type: ignore[attr-defined]
+                        f"`{ast.unparse(value)}`; bind it as a parameter"
+                    )
+            return
+        if isinstance(arg, ast.Name) and depth < 5:
+            # a local: every value assigned to it in the function must be safe too;
+            # a parameter carries a caller's SQL, which this scan checks where it is built
+            scope = self._function(call)
+            for node in ast.walk(scope) if scope is not None else ():
+                if isinstance(node, ast.Assign) and any(
+                    isinstance(t, ast.Name) and t.id == arg.id for t in node.targets
+                ):
+                    self._check_sql_argument(call, node.value, depth + 1)
+            return
+        if isinstance(arg, ast.Subscript) and self._constant(arg.value):
+            return
+        self.problems.append(
+            f"{self._where(call)}: {call.func.attr}() takes SQL from "  # type: ignore[attr-defined]
+            f"`{ast.unparse(arg)}`, which this scan cannot trace to a constant"
+        )
+
+    def _constant(self, node: ast.AST) -> bool:
+        """A module constant (UPPER_CASE), a lookup in one, a literal, or int(...)."""
+        if isinstance(node, ast.Constant):
+            return True
+        if isinstance(node, ast.Name):
+            return bool(CONSTANT_NAME.match(node.id))
+        if isinstance(node, ast.Attribute):
+            return bool(CONSTANT_NAME.match(node.attr))
+        if isinstance(node, ast.Subscript):
+            return self._constant(node.value)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+            return node.func.id == "int" and len(node.args) == 1
+        return False
+
+
+def scan_package() -> list[str]:
+    problems = []
+    for source in sorted(PACKAGE.glob("*.py")):
+        problems += _Scan(source.read_text(), f"walspool/{source.name}").run()
+    return problems
+
+
+def _constants_are_constant() -> list[str]:
+    """UPPER_CASE names are what the scan trusts: set only in a module or class body."""
+    problems = []
+    for source in sorted(PACKAGE.glob("*.py")):
+        tree = ast.parse(source.read_text())
+        bodies = [tree.body] + [c.body for c in ast.walk(tree) if isinstance(c, ast.ClassDef)]
+        top = {id(n) for body in bodies for n in body}
+        for node in ast.walk(tree):
+            targets = node.targets if isinstance(node, ast.Assign) else []
+            if isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+                targets = [node.target]
+            for t in targets:
+                if isinstance(t, ast.Name) and CONSTANT_NAME.match(t.id) and id(node) not in top:
+                    problems.append(f"walspool/{source.name}:{node.lineno} reassigns {t.id}")
+    return problems
+
+
+#: The one finding of the scan when it was written; see the xfail below.
+KNOWN_UNBOUND = {
+    "walspool/schema.py in set_max_bytes: SQL text built from `pages`",
+}
+
+
+def _without_lines(problems: list[str]) -> set[str]:
+    return {
+        re.sub(r":\d+ in ", " in ", p).split(", not from")[0].split("; bind")[0] for p in problems
+    }
+
+
+def test_the_scan_catches_sql_built_from_variables():
+    source = """
+SAFE_SQL = "SELECT * FROM records WHERE id = ?"
+COLUMNS = "id, seq"
+BUILT_SQL = f"SELECT {COLUMNS} FROM records"
+BAD_SQL = f"SELECT {columns} FROM records"  # flagged
+
+def good(conn, sql, name):
+    conn.execute(SAFE_SQL, (name,))
+    conn.execute(BUILT_SQL)
+    conn.execute(f"PRAGMA journal_size_limit = {LIMIT}")
+    conn.execute(f"PRAGMA max_page_count = {int(pages)}")
+    conn.execute(sql, {"name": name})
+    chosen = SAFE_SQL if name else BUILT_SQL
+    conn.executemany(chosen, [(1,)])
+    log.info(f"moved rows for {name}")
+
+def bad(conn, name, table, n):
+    conn.execute(f"SELECT * FROM records WHERE session_id = '{name}'")  # flagged
+    conn.execute("DELETE FROM records WHERE id = %s" % n)  # flagged
+    conn.execute("DELETE FROM {} WHERE id = 1".format(table))  # flagged
+    conn.execute("SELECT * FROM records WHERE seq > " + n)  # flagged
+    query = f"UPDATE records SET reason = '{name}'"  # flagged
+    conn.execute(query)
+    conn.executemany(make_sql(table), [])  # flagged
+"""
+    problems = _Scan(source, "example.py").run()
+    lines = source.splitlines()
+    flagged = sorted(int(p.split(":")[1].split(" ")[0]) for p in problems)
+    expected = [n for n, line in enumerate(lines, 1) if line.endswith("# flagged")]
+    assert flagged == expected, problems
+    assert any("`name`" in p and "in bad" in p for p in problems)
+    assert any("`columns`" in p and "in <module>" in p for p in problems)
+    assert any("`make_sql(table)`" in p for p in problems)
+
+
+def test_module_constants_are_never_reassigned():
+    assert _constants_are_constant() == []
+
+
+def test_sql_is_built_only_from_module_constants():
+    """Fails naming each call site whose SQL text is built from a variable.
+
+    Compared with the known finding exactly, so a new one fails here, and fixing the
+    known one fails here too, until it is taken off ``KNOWN_UNBOUND``.
+    """
+    problems = scan_package()
+    assert _without_lines(problems) == KNOWN_UNBOUND, "\n".join(problems)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="finding: schema.set_max_bytes runs f'PRAGMA max_page_count = {pages}' with pages "
+    "computed from the caller's max_bytes, unchecked (PRAGMA values cannot be bound); "
+    "a non-int max_bytes reaches the SQL text (and Spool(max_bytes='1') raises TypeError, not "
+    "InvalidArgument); fix: in Spool.__init__ require max_bytes/max_payload_bytes to be int "
+    "(not bool) and raise InvalidArgument otherwise, and write {int(pages)} in set_max_bytes",
+)
+def test_no_sql_is_built_from_variables():
+    assert scan_package() == []
