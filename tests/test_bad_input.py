@@ -217,21 +217,16 @@ def test_lookups_by_names_never_stored_find_nothing(spool, value):
     empty_or_walspool_error(lambda: [r for r in spool.records(reasons=[value])])
     if value is not None:
         empty_or_walspool_error(lambda: list(spool.records(session_id=value)))
-        report = Replayer(spool, MemorySink()).replay(session_id=value)
-        assert (report.moved, report.held) == (0, 0)
-    report = Replayer(spool, MemorySink()).replay(reasons=[value])
-    assert (report.moved, report.held) == (0, 0)
+        empty_or_walspool_error(lambda: moved_or_held(spool, session_id=value))
+    empty_or_walspool_error(lambda: moved_or_held(spool, reasons=[value]))
     assert len(snapshot(spool)) == 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=UnicodeEncodeError,
-    reason="bug: Spool.records(session_id=...) and Replayer.replay(session_id=..., reasons=...) "
-    "bind a lone-surrogate str straight to apsw, which raises UnicodeEncodeError (not a "
-    "WalspoolError); fix: check lookup names with spool._check_name's surrogate rule and raise "
-    "InvalidArgument (or return nothing), in Spool.records and replay._Run",
-)
+def moved_or_held(spool: walspool.Spool, **kw: Any) -> int:
+    report = Replayer(spool, MemorySink()).replay(**kw)
+    return report.moved + report.held
+
+
 @pytest.mark.parametrize("value", ["\ud800", "\udcff"], ids=repr)
 def test_lookups_by_lone_surrogates_find_nothing_or_say_why(spool, value):
     spool.append("s", msg(0))
@@ -242,13 +237,6 @@ def test_lookups_by_lone_surrogates_find_nothing_or_say_why(spool, value):
     assert len(snapshot(spool)) == 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: a bare str for reasons= is iterated character by character "
-    "(list('shutdown')), so replay(reasons=SHUTDOWN) silently moves nothing and "
-    "records(reasons=SHUTDOWN) finds nothing; fix: in Spool.records and Replayer.replay, "
-    "raise InvalidArgument when reasons is a str (or wrap it as [reasons])",
-)
 def test_reasons_given_as_one_string_are_not_split_into_characters(spool):
     spool.append("s", msg(0), reason=SHUTDOWN)
     try:
@@ -263,13 +251,6 @@ def test_reasons_given_as_one_string_are_not_split_into_characters(spool):
     assert moved is None or moved == 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: Spool.append_many does not check its items: ('s',) raises IndexError and "
-    "the str 'ab' is unpacked as session 'a', message 'b' and stored; fix: in "
-    "Spool.append_many, accept only tuples of length 2 or 3 and raise InvalidArgument "
-    "naming the item's index otherwise",
-)
 def test_append_many_refuses_malformed_items(spool):
     for items in ([("s",)], ["ab"], [("s", 1, None, "extra")], [None]):
         with pytest.raises(walspool.InvalidArgument):
@@ -499,14 +480,6 @@ def _not_json_row(path: Path) -> None:
     raw(path, "INSERT INTO sequences VALUES ('session_id', 'bad', 2)")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: one row whose payload is not JSON makes every replay raise "
-    "msgspec.DecodeError from replay._Run._move (record_from_row after _take_batch), leaving "
-    "the whole batch in flight, so no session drains any more; fix: decode per row and treat "
-    "a decode failure like a failed write of that row (hold its stream only, last_error "
-    "'payload is not valid JSON: ...'), in both _Run._move and _Run.resume",
-)
 def test_a_payload_that_is_not_json_holds_its_own_session_only(spool_path):
     _not_json_row(spool_path)
     sink = MemorySink()
@@ -517,12 +490,6 @@ def test_a_payload_that_is_not_json_holds_its_own_session_only(spool_path):
     assert [m for s, m in sink.rows if s == "s"] == [msg(i) for i in range(3)]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: Spool.records() raises msgspec.DecodeError, not a WalspoolError, on a row "
-    "whose payload is not JSON; fix: in spool.record_from_row, catch msgspec.DecodeError "
-    "and raise SpoolCorrupt naming the row id and `walspool check`",
-)
 def test_reading_a_payload_that_is_not_json_is_a_walspool_error(spool_path):
     _not_json_row(spool_path)
     with walspool.Spool(spool_path) as spool, pytest.raises(walspool.WalspoolError, match="JSON"):
@@ -737,15 +704,6 @@ def test_shutdown_flush_never_raises_for_unstorable_ids(home, value):
     assert all(r[1] != CAP_DROP for r in rows)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=(UnicodeEncodeError, TypeError),
-    reason="bug: shutdown_flush.drain_transcript_spool raises UnicodeEncodeError for a "
-    "lone-surrogate session id and TypeError ('Bad binding argument type') for a non-str one "
-    "(Replayer.replay binds it as is), where upstream's contract is to return (replayed, "
-    "remaining) and never raise; fix: in drain_transcript_spool return (0, 0) for a "
-    "session_id the spool could not have stored (and check lookup names in Replayer.replay)",
-)
 @pytest.mark.parametrize("value", ["\udcff", object(), ["s"]], ids=["surrogate", "object", "list"])
 def test_drain_with_an_id_no_row_can_have_returns_nothing(home, value):
     assert sf.drain_transcript_spool(value, lambda m: None) == (0, 0)
@@ -789,14 +747,6 @@ def test_cli_show_of_an_unknown_session_is_one_line_on_stderr(spool, name):
     assert err == f"walspool show: no rows for session {name!r} in {spool.path}\n"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=UnicodeEncodeError,
-    reason="bug: `walspool show SPOOL $'\\xff'` (argv bytes that are not UTF-8 arrive as "
-    "lone surrogates) escapes main() as a UnicodeEncodeError traceback from "
-    "_cli_output.iter_records; fix: reject such names in the show/export/replay --session "
-    "arguments with a one-line error (or catch UnicodeEncodeError in cli.main)",
-)
 @pytest.mark.parametrize("command", ["show", "export"])
 def test_cli_with_a_non_utf8_session_argument_is_one_line_on_stderr(spool, command):
     spool.append("s", msg(0))

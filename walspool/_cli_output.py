@@ -39,6 +39,8 @@ from .spool import (
     STATS_BY_REASON_SQL,
     STATS_FAILING_SQL,
     STATS_SESSIONS_SQL,
+    check_lookup,
+    reasons_filter,
     record_from_row,
     stats_from,
 )
@@ -183,8 +185,11 @@ def iter_records(
     with that session_key but no session_id. Rows appended meanwhile may or may not
     be seen; none is seen twice.
     """
+    path = Path(conn.filename)
+    if session is not None:
+        check_lookup(session, "session", path)
     params: dict[str, Any] = {
-        "reasons": None if reasons is None else codec.encode(list(reasons)).decode(),
+        "reasons": reasons_filter(reasons, path),
         "session": session,
         "limit": PAGE_ROWS,
     }
@@ -194,14 +199,7 @@ def iter_records(
         while True:
             rows = conn.execute(sql, {**params, "name": name, "seq": seq}).fetchall()
             for row in rows:
-                try:
-                    record = record_from_row(row[:-1])
-                except msgspec.DecodeError as exc:
-                    raise SpoolCorrupt(
-                        f"record {row[0]} in {conn.filename} has a payload that is not valid "
-                        f"JSON ({exc}); run `walspool check`",
-                    ) from exc
-                yield record, row[-1]
+                yield record_from_row(row[:-1], path), row[-1]
             if len(rows) < PAGE_ROWS:
                 break
             last = rows[-1]
@@ -210,7 +208,9 @@ def iter_records(
 
 def count_records(conn: apsw.Connection, session: str | None, reasons: Sequence[str] | None) -> int:
     """How many rows ``iter_records`` would yield now (for the progress bar)."""
-    reasons_json = None if reasons is None else codec.encode(list(reasons)).decode()
+    if session is not None:
+        check_lookup(session, "session", Path(conn.filename))
+    reasons_json = reasons_filter(reasons, Path(conn.filename))
     return int(conn.execute(COUNT_SQL, {"reasons": reasons_json, "session": session}).get)
 
 

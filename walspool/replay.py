@@ -34,10 +34,10 @@ from typing import Any
 import apsw
 import msgspec
 
-from .errors import InvalidArgument, WalspoolError
+from .errors import InvalidArgument, SpoolCorrupt, WalspoolError
 from .records import AGENT_HISTORY, Record
 from .sinks import Sink
-from .spool import RECORD_COLUMNS, Spool, record_from_row
+from .spool import RECORD_COLUMNS, Spool, check_lookup, reasons_filter, record_from_row
 
 log = logging.getLogger("walspool.replay")
 
@@ -189,10 +189,12 @@ class Replayer:
         """
         if limit is not None and limit < 0:
             raise InvalidArgument(f"limit must not be negative, not {limit}", path=self.spool.path)
-        reasons_json = None if reasons is None else msgspec.json.encode(list(reasons)).decode()
+        reasons_json = reasons_filter(reasons, self.spool.path)
+        if session_id is not None:
+            check_lookup(session_id, "session_id", self.spool.path)
         run = _Run(self, session_id, reasons_json)
         with _exclusive(Path(f"{self.spool.path}{LOCK_SUFFIX}")):
-            run.resume()
+            run.resume(limit)
             run.move(limit)
         run.count_held()
         report = run.report()
@@ -245,10 +247,12 @@ class _Run:
         self.targets: dict[Stream, str | None] = {}
         self.recovered = 0
         self.taken = 0
+        #: Rows whose payload is not JSON: each fails like a write, holding its stream.
+        self.undecodable: dict[int, str] = {}
 
     # -- rows a replay left in flight ---------------------------------------
 
-    def resume(self) -> None:
+    def resume(self, limit: int | None) -> None:
         """Finish rows a replay left in flight: drop what landed, write the rest first.
 
         Rows stay in flight, with their mark, until they are written or known to have
@@ -260,16 +264,20 @@ class _Run:
         if not rows:
             return
         pairs = sorted(
-            ((record_from_row(r[:-1]), r[-1]) for r in rows),
+            ((self._record(r[:-1]), r[-1]) for r in rows),
             key=lambda p: (_stream(p[0]), p[0].seq),
         )
         done = _Settlement()
         for stream, group in itertools.groupby(pairs, key=lambda p: _stream(p[0])):
-            self._resume_stream(stream, list(group), done)
+            self._resume_stream(stream, list(group), done, limit)
         self._finish(done)
 
     def _resume_stream(
-        self, stream: Stream, pairs: list[tuple[Record, int]], done: _Settlement
+        self,
+        stream: Stream,
+        pairs: list[tuple[Record, int]],
+        done: _Settlement,
+        limit: int | None,
     ) -> None:
         target, error = self._target(stream)
         landed: list[int] = []
@@ -304,6 +312,11 @@ class _Run:
                 len(landed),
                 len(pairs),
             )
+        if limit is not None:
+            # Rows past the limit stay in flight; nothing later of any stream moves
+            # in this call, since the limit is then used up.
+            unlanded = unlanded[: max(limit - self.taken, 0)]
+        self.taken += len(unlanded)
         self._write_stream(stream, unlanded, done)
 
     # -- moving ----------------------------------------------------------------
@@ -333,7 +346,7 @@ class _Run:
             rows = self.spool._execute(partial(_take_batch, sql=sql, params=params, mark=mark))
             if not rows:
                 return
-            records = [record_from_row(row) for row in rows]
+            records = [self._record(row) for row in rows]
             self.taken += len(records)
             done = _Settlement()
             for stream, group in itertools.groupby(records, key=_stream):
@@ -359,6 +372,9 @@ class _Run:
         written = 0
         if target is not None:
             for rec in records:
+                if rec.id in self.undecodable:
+                    error = self.undecodable[rec.id]
+                    break
                 try:
                     self.sink.write(target, rec)
                 except Exception as exc:  # noqa: BLE001 - any failure holds the stream
@@ -387,6 +403,13 @@ class _Run:
         self._hold(stream, error)
 
     # -- bookkeeping -----------------------------------------------------------
+
+    def _record(self, row: tuple[Any, ...]) -> Record:
+        try:
+            return record_from_row(row, self.spool.path)
+        except SpoolCorrupt as exc:
+            self.undecodable[row[0]] = str(exc)
+            return Record(*row[:6], None, *row[7:])
 
     def _finish(self, done: _Settlement) -> None:
         """Commit a batch's outcome: deletes and releases now, failures as configured."""

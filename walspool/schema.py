@@ -140,9 +140,15 @@ def create_private(path: Path) -> None:
     SQLite gives the ``-wal`` and ``-shm`` files the mode of the database file
     (https://www.sqlite.org/tempfiles.html), so they are 0600 too, whatever the umask.
     """
-    if not path.parent.exists():
-        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        os.chmod(path.parent, 0o700)
+    missing = []
+    parent = path.parent
+    while not parent.exists():
+        missing.append(parent)
+        parent = parent.parent
+    for directory in reversed(missing):
+        with contextlib.suppress(FileExistsError):
+            directory.mkdir(mode=0o700)
+            os.chmod(directory, 0o700)
     with contextlib.suppress(FileExistsError):
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         try:
@@ -209,8 +215,7 @@ def set_max_bytes(conn: apsw.Connection, max_bytes: int | None) -> None:
     if max_bytes is None:
         return
     page_size = conn.execute("PRAGMA page_size").get
-    pages = max(1, max_bytes // page_size)
-    conn.execute(f"PRAGMA max_page_count = {pages}")
+    conn.pragma("max_page_count", max(1, int(max_bytes) // page_size))
 
 
 def set_foreign_keys_off(conn: apsw.Connection) -> None:
@@ -273,6 +278,9 @@ def _open_checked(path: Path) -> apsw.Connection:
         | apsw.SQLITE_OPEN_URI
     )
     conn = apsw.Connection(f"file:{_uri_path(path)}", flags=flags)
+    # Until the file is known to be a healthy spool, closing must not checkpoint:
+    # that would fold a refused or damaged file's -wal into it and delete the -wal.
+    conn.config(apsw.SQLITE_DBCONFIG_NO_CKPT_ON_CLOSE, 1)
     try:
         set_busy_timeout(conn)
         set_foreign_keys_off(conn)
@@ -282,6 +290,7 @@ def _open_checked(path: Path) -> apsw.Connection:
         else:
             set_wal(conn, path)
         _cheap_check(conn)
+        conn.config(apsw.SQLITE_DBCONFIG_NO_CKPT_ON_CLOSE, 0)
     except (NotASpool, SymlinkRefused):
         conn.close()
         raise
@@ -359,12 +368,14 @@ def _cheap_check(conn: apsw.Connection) -> None:
 
 
 def move_aside(path: Path) -> Path:
-    """Rename a damaged spool and its ``-wal``/``-shm`` files; never delete them."""
+    """Rename a damaged spool and its ``-wal``/``-shm`` files (made 0600); never delete them."""
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     target = path.with_name(f"{path.name}.damaged-{stamp}-{os.getpid()}")
     for suffix in ("-wal", "-shm", ""):
         with contextlib.suppress(FileNotFoundError):
             os.rename(f"{path}{suffix}", f"{target}{suffix}")
+            if not os.path.islink(f"{target}{suffix}"):
+                os.chmod(f"{target}{suffix}", 0o600)
     return target
 
 

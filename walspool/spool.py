@@ -12,9 +12,10 @@ from types import TracebackType
 from typing import Any
 
 import apsw
+import msgspec
 
 from . import codec
-from .errors import InvalidArgument, PayloadTooLarge, SpoolClosed
+from .errors import InvalidArgument, PayloadTooLarge, SpoolClosed, SpoolCorrupt
 from .records import CAP_DROP, Receipt, Record, Stats
 from .schema import open_reader, open_writer, sqlite_error
 from .writer import Append, Operation, Row, Writer
@@ -79,8 +80,13 @@ class Spool:
             raise InvalidArgument(
                 f"durability must be 'full' or 'normal', not {durability!r}", path=path
             )
-        if max_payload_bytes <= 0 or (max_bytes is not None and max_bytes <= 0):
-            raise InvalidArgument("max_payload_bytes and max_bytes must be positive", path=path)
+        for name, value in (("max_payload_bytes", max_payload_bytes), ("max_bytes", max_bytes)):
+            if value is None and name == "max_bytes":
+                continue
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise InvalidArgument(f"{name} must be an int, not {value!r}", path=path)
+            if value <= 0:
+                raise InvalidArgument(f"{name} must be positive, not {value}", path=path)
         self.path = Path(path) if path is not None else default_path()
         self.durability = durability
         self.max_payload_bytes = max_payload_bytes
@@ -115,10 +121,7 @@ class Spool:
 
         All or nothing: either every item is committed, in order, or none is.
         """
-        rows = [
-            self._row(item[0], item[1], reason, item[2] if len(item) > 2 else None)
-            for item in items
-        ]
+        rows = [self._item_row(i, item, reason) for i, item in enumerate(items)]
         if not rows:
             return []
         return self._writer.call(Append(rows, single=False))
@@ -164,16 +167,25 @@ class Spool:
         row = self._row(session_id, message, reason, session_key)
         return await self._writer.call_async(Append((row,), single=True))
 
+    def _item_row(self, index: int, item: Any, reason: str) -> Row:
+        if not isinstance(item, tuple) or len(item) not in (2, 3):
+            raise InvalidArgument(
+                f"append_many item {index} must be a (session_id, message) or "
+                f"(session_id, message, session_key) tuple, not {type(item).__name__}",
+                path=self.path,
+            )
+        return self._row(item[0], item[1], reason, item[2] if len(item) == 3 else None)
+
     def _row(
         self, session_id: str | None, message: Any, reason: str, session_key: str | None
     ) -> Row:
         if session_id is not None:
-            _check_name(session_id, "session_id", self.path)
+            check_name(session_id, "session_id", self.path)
         if session_key is not None:
-            _check_name(session_key, "session_key", self.path)
+            check_name(session_key, "session_key", self.path)
         if session_id is None and session_key is None:
             raise InvalidArgument("a message needs a session_id or a session_key", path=self.path)
-        _check_name(reason, "reason", self.path)
+        check_name(reason, "reason", self.path)
         payload = codec.encode(message)
         if len(payload) > self.max_payload_bytes:
             raise PayloadTooLarge(
@@ -206,7 +218,9 @@ class Spool:
         transaction: rows appended or removed during the iteration may or may not
         be seen, but no row is seen twice and a session's order is kept.
         """
-        reasons_json = None if reasons is None else codec.encode(list(reasons)).decode()
+        reasons_json = reasons_filter(reasons, self.path)
+        if session_id is not None:
+            check_lookup(session_id, "session_id", self.path)
         if session_id is None:
             sql, params = RECORDS_PAGE_SQL, {"reasons": reasons_json}
         else:
@@ -218,7 +232,7 @@ class Spool:
         while True:
             rows = self._read(sql, {**params, "after": after, "limit": PAGE_ROWS})
             for row in rows:
-                yield record_from_row(row)
+                yield record_from_row(row, self.path)
             if len(rows) < PAGE_ROWS:
                 return
             after = rows[-1][0] if session_id is None else rows[-1][2]
@@ -283,8 +297,12 @@ def _nothing(conn: apsw.Connection) -> None:
     """An empty request: the writer commits it after everything queued before it."""
 
 
-def record_from_row(row: tuple[Any, ...]) -> Record:
-    """Build a Record from a row selected as ``RECORD_COLUMNS``."""
+def record_from_row(row: tuple[Any, ...], path: Path | None = None) -> Record:
+    """Build a Record from a row selected as ``RECORD_COLUMNS``.
+
+    Raises ``SpoolCorrupt`` naming the row when its payload is not JSON (only a
+    hand edit or a damaged page can do that: walspool writes JSON only).
+    """
     (
         row_id,
         session_id,
@@ -297,6 +315,15 @@ def record_from_row(row: tuple[Any, ...]) -> Record:
         last_error,
         last_attempt_at,
     ) = row
+    try:
+        message = codec.decode(payload)
+    except (msgspec.DecodeError, TypeError) as exc:
+        raise SpoolCorrupt(
+            f"row {row_id} (session {session_id}, seq {seq}) of {path or 'the spool'} has a "
+            f"payload that is not valid JSON ({exc}); export the others and delete it by hand",
+            path=path,
+            session_id=session_id,
+        ) from exc
     return Record(
         row_id,
         session_id,
@@ -304,11 +331,27 @@ def record_from_row(row: tuple[Any, ...]) -> Record:
         reason,
         session_key,
         created_at,
-        codec.decode(payload),
+        message,
         attempts,
         last_error,
         last_attempt_at,
     )
+
+
+def reasons_filter(reasons: Sequence[str] | None, path: Path) -> str | None:
+    """The ``reasons`` argument as a JSON array for ``json_each``; None means all."""
+    if reasons is None:
+        return None
+    if isinstance(reasons, str):
+        raise InvalidArgument(
+            f"reasons must be a list of reasons, not the string {reasons!r}; "
+            f"write reasons=[{reasons!r}]",
+            path=path,
+        )
+    names = list(reasons)
+    for name in names:
+        check_lookup(name, "reason", path)
+    return codec.encode(names).decode()
 
 
 def stats_from(by_reason: list[tuple[Any, ...]], sessions: int, failing: int, path: Path) -> Stats:
@@ -333,15 +376,25 @@ def _size(path: Path) -> int:
         return 0
 
 
-def _check_name(value: Any, what: str, path: Path) -> None:
-    if not isinstance(value, str):
-        raise InvalidArgument(f"{what} must be a str, not {type(value).__name__}", path=path)
+def check_name(value: Any, what: str, path: Path) -> None:
+    """Refuse a session id, session key or reason that the spool cannot store."""
+    check_lookup(value, what, path)
     if not value:
         raise InvalidArgument(f"{what} must not be empty", path=path)
     if len(value) > MAX_NAME_LENGTH:
         raise InvalidArgument(
             f"{what} is {len(value)} characters, over the limit of {MAX_NAME_LENGTH}", path=path
         )
+
+
+def check_lookup(value: Any, what: str, path: Path) -> None:
+    """Refuse a name to look up that SQLite cannot even be asked about.
+
+    An empty or overlong name simply finds nothing; a non-str or a str with a lone
+    surrogate (which UTF-8 cannot carry) is an error.
+    """
+    if not isinstance(value, str):
+        raise InvalidArgument(f"{what} must be a str, not {type(value).__name__}", path=path)
     if not value.isascii():
         try:
             value.encode("utf-8")
