@@ -82,10 +82,11 @@ INJECTED: Counter[tuple[str, str]] = Counter()
 # -- what a run did ------------------------------------------------------------
 
 
-#: Places where walspool lets a raw apsw error out, reported as bugs (see the xfail
-#: tests at the end): (module, function). The matrix counts them instead of failing,
-#: so that it keeps checking everything else.
-KNOWN_RAW = {("schema.py", "_open_checked"), ("spool.py", "close")}
+#: Places where walspool lets a raw apsw error out, reported as bugs (module,
+#: function); the matrix counts them instead of failing, so that it keeps checking
+#: everything else. Empty: the two it found (opening and closing) are fixed and
+#: pinned by the tests at the end.
+KNOWN_RAW: set[tuple[str, str]] = set()
 KNOWN_RAW_SEEN: Counter[str] = Counter()
 
 
@@ -613,15 +614,9 @@ def test_every_nth_fault_full_matrix(fault_vfs, tmp_path, name, kind):
     run_matrix(name, kind, fault_vfs, tmp_path, slow=True)
 
 
-# -- bugs found by the matrix, pinned ------------------------------------------
+# -- bugs the matrix found, pinned ------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=apsw.IOError,
-    reason="schema._open_checked creates apsw.Connection outside its try, so an I/O "
-    "error while opening escapes Spool() as a raw apsw.IOError",
-)
 def test_an_io_error_while_opening_is_a_walspool_error(fault_vfs, tmp_path):
     path = tmp_path / "spool.db"
     with installed(fault_vfs):
@@ -635,12 +630,6 @@ def test_an_io_error_while_opening_is_a_walspool_error(fault_vfs, tmp_path):
     check_spool_healthy(path)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=apsw.IOError,
-    reason="Spool.close lets an apsw error out raw, and when the reader's close raises "
-    "it never closes the write connection",
-)
 def test_close_reports_io_errors_as_walspool_errors_and_closes_everything(fault_vfs, tmp_path):
     path = tmp_path / "spool.db"
     with installed(fault_vfs):

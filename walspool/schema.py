@@ -246,9 +246,13 @@ def open_writer(path: Path, durability: str, max_bytes: int | None) -> apsw.Conn
         )
         create_private(path)
         conn = _open_checked(path)
-    set_synchronous(conn, durability)
-    set_journal_size_limit(conn)
-    set_max_bytes(conn, max_bytes)
+    try:
+        set_synchronous(conn, durability)
+        set_journal_size_limit(conn)
+        set_max_bytes(conn, max_bytes)
+    except apsw.Error as exc:
+        close_quietly(conn)
+        raise sqlite_error(exc, path) from exc
     tighten_modes(path)
     return conn
 
@@ -277,11 +281,12 @@ def _open_checked(path: Path) -> apsw.Connection:
         | apsw.SQLITE_OPEN_NOFOLLOW
         | apsw.SQLITE_OPEN_URI
     )
-    conn = apsw.Connection(f"file:{_uri_path(path)}", flags=flags)
-    # Until the file is known to be a healthy spool, closing must not checkpoint:
-    # that would fold a refused or damaged file's -wal into it and delete the -wal.
-    conn.config(apsw.SQLITE_DBCONFIG_NO_CKPT_ON_CLOSE, 1)
+    conn = None
     try:
+        conn = apsw.Connection(f"file:{_uri_path(path)}", flags=flags)
+        # Until the file is known to be a healthy spool, closing must not checkpoint:
+        # that would fold a refused or damaged file's -wal into it and delete the -wal.
+        conn.config(apsw.SQLITE_DBCONFIG_NO_CKPT_ON_CLOSE, 1)
         set_busy_timeout(conn)
         set_foreign_keys_off(conn)
         if _check_identity(conn, path, allow_empty=True):
@@ -291,16 +296,20 @@ def _open_checked(path: Path) -> apsw.Connection:
             set_wal(conn, path)
         _cheap_check(conn)
         conn.config(apsw.SQLITE_DBCONFIG_NO_CKPT_ON_CLOSE, 0)
-    except (NotASpool, SymlinkRefused):
-        conn.close()
-        raise
     except apsw.Error as exc:
-        conn.close()
+        close_quietly(conn)
         raise sqlite_error(exc, path) from exc
     except BaseException:
-        conn.close()
+        close_quietly(conn)
         raise
     return conn
+
+
+def close_quietly(conn: apsw.Connection | None) -> None:
+    """Close a connection on an error path, where the first error is the one to report."""
+    if conn is not None:
+        with contextlib.suppress(apsw.Error):
+            conn.close()
 
 
 def _uri_path(path: Path) -> str:

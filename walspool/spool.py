@@ -274,9 +274,17 @@ class Spool:
             if self._closed:
                 return
             self._closed = True
-            if self._reader is not None:
-                self._reader.close()
-        self._conn.close()
+            reader, self._reader = self._reader, None
+        errors = []
+        for conn in (reader, self._conn):  # the write connection last: it checkpoints
+            if conn is None:
+                continue
+            try:
+                conn.close()
+            except apsw.Error as exc:
+                errors.append(exc)
+        if errors:
+            raise sqlite_error(errors[0], self.path) from errors[0]
 
     def __enter__(self) -> Spool:
         return self
