@@ -1,4 +1,4 @@
-"""Rates and ratios of the append benchmarks, from a run or from its JSON file.
+"""Rates and ratios of the benchmarks, from a run or from its JSON file.
 
     python benchmarks/report.py /tmp/bench.json
 
@@ -36,6 +36,24 @@ RATIOS = [
         "test_walspool_append_many",
         "test_jsonfile_append_many",
         50.0,
+    ),
+    (
+        "gateway outage: linked / released (drops)",
+        "test_gateway_walspool",
+        "test_gateway_released",
+        0.5,
+    ),
+    (
+        "gateway outage: linked / JSON-file spool",
+        "test_gateway_walspool",
+        "test_gateway_jsonfile",
+        5.0,
+    ),
+    (
+        "replay: walspool / append_message direct",
+        "test_replay_into_sessiondb",
+        "test_append_message_direct",
+        0.8,
     ),
 ]
 
