@@ -378,3 +378,26 @@ def test_retry_interval_spares_failing_writes_during_an_outage(store, spool):
     assert report.moved == 301 and report.held == 0
     assert contents(store, "s") == [f"m{i}" for i in range(500)] + ["early"]
     assert "s" not in store._dirty_transcripts
+
+
+def test_a_spool_that_fails_during_a_drain_holds_the_session_and_the_gateway_goes_on(
+    store, spool, caplog
+):
+    store._db.create_session("s", "telegram")
+    link = install(store, spool, retry_interval=0)
+    sql(store, BREAK)
+    for i in range(201):
+        store.append_to_transcript("s", {"role": "user", "content": f"m{i}"})
+    sql(store, HEAL)
+
+    def broken(**kw):
+        raise walspool.SpoolIOError("disk gone", path=spool.path)
+
+    link.replayer.replay = broken
+    with caplog.at_level(logging.WARNING, logger="walspool"):
+        store.append_to_transcript("s", {"role": "user", "content": "live"})  # no raise
+    assert "holding back its queued messages: disk gone" in caplog.text
+    assert contents(store, "s") == []  # live rows never overtake the spooled m0
+    del link.replayer.replay
+    store.append_to_transcript("s", {"role": "user", "content": "fin"})
+    assert contents(store, "s") == [f"m{i}" for i in range(201)] + ["live", "fin"]

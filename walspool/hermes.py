@@ -222,8 +222,18 @@ class Link:
 
     def _drain(self, session_id: str, state: _Session, spooled: int) -> bool:
         """Replay the session's spooled rows; True when none is left behind."""
-        self.spool.flush()  # the evictions counted in ``spooled`` are committed
-        report = self.replayer.replay(session_id=session_id, reasons=LIVE_REASONS)
+        try:
+            self.spool.flush()  # the evictions counted in ``spooled`` are committed
+            report = self.replayer.replay(session_id=session_id, reasons=LIVE_REASONS)
+        except Exception as exc:  # noqa: BLE001 - the gateway goes on; rows stay spooled
+            log.warning(
+                "Replay of spooled transcript messages for %s failed in %s; holding back its "
+                "queued messages: %s",
+                session_id,
+                self.spool.path,
+                exc,
+            )
+            return False
         if report.held:
             with self._lock:
                 failures = self.store._transcript_append_failures.get(session_id, 0) + 1
