@@ -29,6 +29,7 @@ from walspool import AGENT_HISTORY, CAP_DROP, SHUTDOWN
 from walspool import _cli_output as cli_output
 from walspool.cli import COMMANDS, main
 from walspool.replay import Replayer
+from walspool.schema import SCHEMA_VERSION
 
 README = (ROOT / "README.md").read_text(encoding="utf-8")
 KEY = "agent:main:telegram:dm:42"
@@ -302,12 +303,12 @@ def test_export_pages_through_many_rows(capsys: pytest.CaptureFixture[str], tmp_
 def test_check_healthy(capsys: pytest.CaptureFixture[str], spool_file: Path) -> None:
     rc, out, err = run(capsys, "check", spool_file)
     assert (rc, err) == (0, "")
-    assert out.rstrip().endswith("ok") and "schema version 1" in out
+    assert out.rstrip().endswith("ok") and "schema version 2" in out
     rc, out, err = run(capsys, "check", spool_file, "--json")
     result = json.loads(out)
     assert set(result) == CHECK_KEYS
     assert result["ok"] is True and result["problems"] == []
-    assert result["application_id"] == 0x5753504C and result["schema_version"] == 1
+    assert result["application_id"] == 0x5753504C and result["schema_version"] == SCHEMA_VERSION == 2
     assert result["rows"] == 7
 
 
@@ -785,7 +786,7 @@ def test_readme_queries_run_in_the_sqlite3_shell(tmp_path: Path) -> None:
     assert "session-1" in text and "session-2" in text and KEY in text
     assert "RuntimeError: state.db is locked" in text  # the failures view
     assert "I want a refund" in text  # json_extract on payloads
-    assert "1465077836\n1\n" in text  # application_id, user_version
+    assert "1465077836\n2\n" in text  # application_id, user_version
     exported = (tmp_path / "session-1.jsonl").read_text().splitlines()
     assert [json.loads(line).get("content") for line in exported] == [
         "hello", "hi, how can I help?", "I want a refund\nplease", None,

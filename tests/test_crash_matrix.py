@@ -597,21 +597,10 @@ def test_import_killed_loses_nothing_and_duplicates_only_in_the_window(tmp_path,
 # -- found by the matrix ------------------------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "bug: commit a92de43 added records.size and two indexes to the schema without "
-        "bumping SCHEMA_VERSION or migrating, so schema._cheap_check calls a spool written "
-        "before it damaged and open_writer moves it aside: its rows are never replayed "
-        "(the gateway matrix lost 900 acknowledged messages when the change landed mid-run); "
-        "fix: SCHEMA_VERSION = 2 and an in-place v1 -> v2 migration in _open_checked "
-        "(ADD COLUMN size, fill it, create the indexes, recreate the backlog view)"
-    ),
-)
 def test_a_spool_written_before_the_size_column_keeps_its_rows(spool_path):
     with walspool.Spool(spool_path) as spool:
         spool.append("s", {"role": "user", "content": "spooled by the previous version"})
-    # The same file as the schema before a92de43 wrote it (user_version 1 either way).
+    # The same file as schema 1 wrote it (before the size column and its indexes).
     conn = apsw.Connection(str(spool_path))
     backlog = conn.execute("SELECT sql FROM sqlite_schema WHERE name = 'backlog'").get
     conn.execute(
@@ -619,6 +608,7 @@ def test_a_spool_written_before_the_size_column_keeps_its_rows(spool_path):
         "DROP INDEX records_last_error_idx; ALTER TABLE records DROP COLUMN size"
     )
     conn.execute(backlog.replace("sum(size)", "sum(length(CAST(payload AS BLOB)))"))
+    conn.execute("DROP INDEX records_inflight_idx; PRAGMA user_version = 1")
     conn.close()
     with walspool.Spool(spool_path) as spool:
         kept = [r.message["content"] for r in spool.records()]

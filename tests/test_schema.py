@@ -16,7 +16,7 @@ import pytest
 from _helpers import run_python
 
 import walspool
-from walspool.schema import APPLICATION_ID, SCHEMA_VERSION
+from walspool.schema import APPLICATION_ID, SCHEMA_VERSION, open_reader
 
 MSG = {"role": "user", "content": "hello 世界", "n": 1}
 
@@ -29,7 +29,7 @@ def test_file_identity_wal_and_strict_tables(spool, spool_path):
     spool.append("s", MSG)
     conn = apsw.Connection(str(spool_path), flags=apsw.SQLITE_OPEN_READONLY)
     assert conn.execute("PRAGMA application_id").get == APPLICATION_ID
-    assert conn.execute("PRAGMA user_version").get == SCHEMA_VERSION == 1
+    assert conn.execute("PRAGMA user_version").get == SCHEMA_VERSION == 2
     assert conn.execute("PRAGMA journal_mode").get == "wal"
     strict = {
         name: s
@@ -216,3 +216,28 @@ def test_stdlib_sqlite3_in_another_process_reads_the_spool(spool, spool_path):
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == MSG["content"]
     assert sqlite3.sqlite_version  # the stdlib module is only ever used out of process
+
+
+def test_schema_1_spool_is_upgraded_in_place(spool_path):
+    with walspool.Spool(spool_path) as spool:
+        spool.append_many([("s", {"n": i}) for i in range(3)])
+    conn = apsw.Connection(str(spool_path))  # rewrite the file as schema 1 had it
+    conn.execute(
+        "DROP VIEW backlog; DROP INDEX records_reason_created_at_size_idx; "
+        "DROP INDEX records_last_error_idx; DROP INDEX records_inflight_idx; "
+        "ALTER TABLE records DROP COLUMN size; PRAGMA user_version = 1; "
+        "CREATE VIEW backlog AS SELECT session_id, count(*) AS rows FROM records "
+        "GROUP BY session_id"
+    )
+    conn.close()
+    with pytest.raises(walspool.NotASpool, match="open it once for writing"):
+        open_reader(spool_path)
+    with walspool.Spool(spool_path) as spool:
+        assert [r.message["n"] for r in spool.records()] == [0, 1, 2]
+        assert spool.stats().bytes == 3 * len('{"n":0}')
+        assert spool.append("s", {"n": 3}).seq == 4
+    conn = apsw.Connection(str(spool_path), flags=apsw.SQLITE_OPEN_READONLY)
+    assert conn.execute("PRAGMA user_version").get == SCHEMA_VERSION == 2
+    assert conn.execute("SELECT rows, bytes FROM backlog").fetchall() == [(4, 4 * 7)]
+    conn.close()
+    assert not [p for p in spool_path.parent.iterdir() if ".damaged-" in p.name]

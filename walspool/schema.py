@@ -32,12 +32,54 @@ log = logging.getLogger("walspool.schema")
 #: ``PRAGMA application_id`` of a spool: "WSPL".
 APPLICATION_ID = 0x5753504C
 #: ``PRAGMA user_version`` of the schema this module creates.
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 DURABILITY_SYNCHRONOUS = {"full": "FULL", "normal": "NORMAL"}
 BUSY_TIMEOUT_MS = 10_000
 JOURNAL_SIZE_LIMIT = 64 * 1024 * 1024
 SQLITE_MAGIC = b"SQLite format 3\x00"
+
+# Added in schema 2 (``MIGRATE_V1_SQL`` adds them to a schema 1 file).
+INDEXES_SQL = """
+-- The rows a replay has out: found without a scan after a crash or a failed write.
+CREATE INDEX IF NOT EXISTS records_inflight_idx ON records (id) WHERE inflight IS NOT NULL;
+
+-- Statistics without reading payloads: rows, bytes and age by reason, and the rows
+-- with an error, each from an index (size is the payload's length in bytes).
+CREATE INDEX IF NOT EXISTS records_reason_created_at_size_idx
+    ON records (reason, created_at, size);
+CREATE INDEX IF NOT EXISTS records_last_error_idx ON records (id) WHERE last_error IS NOT NULL;
+"""
+
+BACKLOG_VIEW_SQL = """
+CREATE VIEW backlog AS
+SELECT
+    session_id,
+    CASE WHEN session_id IS NULL THEN session_key END AS session_key,
+    count(*) AS rows,
+    sum(size) AS bytes,
+    strftime('%Y-%m-%dT%H:%M:%fZ', min(created_at), 'unixepoch') AS oldest,
+    strftime('%Y-%m-%dT%H:%M:%fZ', max(created_at), 'unixepoch') AS newest,
+    max(attempts) AS max_attempts,
+    (SELECT h.last_error FROM records AS h
+      WHERE h.session_id IS r.session_id
+        AND (r.session_id IS NOT NULL OR h.session_key IS r.session_key)
+        AND h.last_error IS NOT NULL
+      ORDER BY h.seq LIMIT 1) AS last_error
+FROM records AS r
+GROUP BY session_id, CASE WHEN session_id IS NULL THEN session_key END;
+"""
+
+#: Schema 1 -> 2: the payload size column, its statistics indexes and the in-flight
+#: index; the backlog view sums the new column.
+MIGRATE_V1_SQL = f"""
+UPDATE records SET size = length(CAST(payload AS BLOB));
+{INDEXES_SQL}
+DROP VIEW backlog;
+{BACKLOG_VIEW_SQL}
+PRAGMA user_version = 2;
+"""
+ADD_SIZE_SQL = "ALTER TABLE records ADD COLUMN size INTEGER NOT NULL DEFAULT 0 CHECK (size >= 0)"
 
 SCHEMA_SQL = f"""
 PRAGMA application_id = {APPLICATION_ID};
@@ -66,14 +108,7 @@ CREATE TABLE records (
 CREATE UNIQUE INDEX records_session_key_seq_idx
     ON records (session_key, seq) WHERE session_id IS NULL;
 
--- The rows a replay has out: found without a scan after a crash or a failed write.
-CREATE INDEX records_inflight_idx ON records (id) WHERE inflight IS NOT NULL;
-
--- Statistics without reading payloads: rows, bytes and age by reason, and the rows
--- with an error, each from an index (size is the payload's length in bytes).
-CREATE INDEX records_reason_created_at_size_idx ON records (reason, created_at, size);
-CREATE INDEX records_last_error_idx ON records (id) WHERE last_error IS NOT NULL;
-
+{INDEXES_SQL}
 -- The next seq of every stream ever appended to, kept after its rows are gone so
 -- that a seq is never reused. stream is 'session_id' or 'session_key'.
 CREATE TABLE sequences (
@@ -83,23 +118,7 @@ CREATE TABLE sequences (
     PRIMARY KEY (stream, name)
 ) STRICT, WITHOUT ROWID;
 
-CREATE VIEW backlog AS
-SELECT
-    session_id,
-    CASE WHEN session_id IS NULL THEN session_key END AS session_key,
-    count(*) AS rows,
-    sum(size) AS bytes,
-    strftime('%Y-%m-%dT%H:%M:%fZ', min(created_at), 'unixepoch') AS oldest,
-    strftime('%Y-%m-%dT%H:%M:%fZ', max(created_at), 'unixepoch') AS newest,
-    max(attempts) AS max_attempts,
-    (SELECT h.last_error FROM records AS h
-      WHERE h.session_id IS r.session_id
-        AND (r.session_id IS NOT NULL OR h.session_key IS r.session_key)
-        AND h.last_error IS NOT NULL
-      ORDER BY h.seq LIMIT 1) AS last_error
-FROM records AS r
-GROUP BY session_id, CASE WHEN session_id IS NULL THEN session_key END;
-
+{BACKLOG_VIEW_SQL}
 CREATE VIEW failures AS
 SELECT
     id, session_id, session_key, seq, reason, attempts, last_error,
@@ -268,6 +287,14 @@ def open_reader(path: Path) -> apsw.Connection:
         conn = apsw.Connection(f"file:{_uri_path(path)}?mode=ro", flags=flags)
         set_busy_timeout(conn)
         _check_identity(conn, path, allow_empty=False)
+        version = conn.execute("PRAGMA user_version").get
+        if version < SCHEMA_VERSION:
+            conn.close()
+            raise NotASpool(
+                f"{path} has spool schema {version}; a read-only open cannot upgrade it to "
+                f"{SCHEMA_VERSION}: open it once for writing (walspool.Spool) first",
+                path=path,
+            )
     except apsw.Error as exc:
         raise sqlite_error(exc, path) from exc
     return conn
@@ -294,6 +321,7 @@ def _open_checked(path: Path) -> apsw.Connection:
             _create_schema(conn, path)
         else:
             set_wal(conn, path)
+            _migrate(conn, path)
         _cheap_check(conn)
         conn.config(apsw.SQLITE_DBCONFIG_NO_CKPT_ON_CLOSE, 0)
     except apsw.Error as exc:
@@ -353,6 +381,19 @@ def _create_schema(conn: apsw.Connection, path: Path) -> None:
     with transaction(conn, path):
         if conn.execute("SELECT count(*) FROM sqlite_schema").get == 0:
             conn.execute(SCHEMA_SQL)
+
+
+def _migrate(conn: apsw.Connection, path: Path) -> None:
+    """Bring an older spool up to ``SCHEMA_VERSION`` in place, in one transaction."""
+    if conn.execute("PRAGMA user_version").get >= SCHEMA_VERSION:
+        return
+    with transaction(conn, path):
+        if conn.execute("PRAGMA user_version").get == 1:  # another process may have won
+            columns = {row[1] for row in conn.execute("PRAGMA table_info(records)")}
+            if "size" not in columns:
+                conn.execute(ADD_SIZE_SQL)
+            conn.execute(MIGRATE_V1_SQL)
+    log.warning("upgraded spool %s to schema %d", path, SCHEMA_VERSION)
 
 
 CHEAP_CHECK_SQL = (
