@@ -308,7 +308,8 @@ def test_check_healthy(capsys: pytest.CaptureFixture[str], spool_file: Path) -> 
     result = json.loads(out)
     assert set(result) == CHECK_KEYS
     assert result["ok"] is True and result["problems"] == []
-    assert result["application_id"] == 0x5753504C and result["schema_version"] == SCHEMA_VERSION == 2
+    assert result["application_id"] == 0x5753504C
+    assert result["schema_version"] == SCHEMA_VERSION == 2
     assert result["rows"] == 7
 
 
