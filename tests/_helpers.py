@@ -5,7 +5,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+from walspool.records import Record
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -21,3 +25,33 @@ def run_python(code: str, *args: str, timeout: float = 120, **kw) -> subprocess.
         env=env,
         **kw,
     )
+
+
+class MemorySink:
+    """The ``walspool.Sink`` protocol over a list, refusing writes on demand."""
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[str, Any]] = []
+        self.refuse: Callable[[str, Record], Exception | None] = lambda sid, rec: None
+
+    def mark(self) -> int:
+        return len(self.rows)
+
+    def write(self, session_id: str, record: Record) -> None:
+        error = self.refuse(session_id, record)
+        if error is not None:
+            raise error
+        self.rows.append((session_id, record.message))
+
+    def landed(self, session_id: str, mark: int, records: list[Record]) -> int:
+        i = 0
+        for sid, message in self.rows[max(mark, 0) :]:
+            if i < len(records) and sid == session_id and message == records[i].message:
+                i += 1
+        return i
+
+    def messages(self, session_id: str) -> list[Any]:
+        return [m for s, m in self.rows if s == session_id]
+
+    def contents(self, session_id: str) -> list[str]:
+        return [m["content"] for m in self.messages(session_id)]

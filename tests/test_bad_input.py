@@ -25,12 +25,12 @@ from typing import Any
 
 import apsw
 import pytest
+from _helpers import MemorySink
 
 import walspool
 from walspool import AGENT_HISTORY, CAP_DROP, SHUTDOWN
 from walspool import shutdown_flush as sf
 from walspool.cli import main
-from walspool.records import Record
 from walspool.replay import Replayer
 from walspool.sinks import SessionDBSink
 
@@ -65,26 +65,6 @@ UNSTORABLE = [
     (object(), "must be a str, not object"),
 ]
 UNSTORABLE_IDS = [repr(v)[:20] for v, _ in UNSTORABLE]
-
-
-class MemorySink:
-    """The Sink protocol over a list."""
-
-    def __init__(self) -> None:
-        self.rows: list[tuple[str, Any]] = []
-
-    def mark(self) -> int:
-        return len(self.rows)
-
-    def write(self, session_id: str, record: Record) -> None:
-        self.rows.append((session_id, record.message))
-
-    def landed(self, session_id: str, mark: int, records: list[Record]) -> int:
-        i = 0
-        for sid, message in self.rows[max(mark, 0) :]:
-            if i < len(records) and sid == session_id and message == records[i].message:
-                i += 1
-        return i
 
 
 def msg(i: int, session: str = "s") -> dict[str, Any]:

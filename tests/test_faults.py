@@ -35,10 +35,10 @@ import apsw
 import hermes_state
 import pytest
 from _faultvfs import ERRORS, KINDS, Fault, FaultVFS, installed
+from _helpers import MemorySink
 
 import walspool
 from walspool import cli
-from walspool.records import Record
 
 #: Bound on any one wait (a future, a thread, a whole workload run).
 WAIT = 30.0
@@ -273,29 +273,6 @@ class Checkpoint(Workload):
             out.attempt(again.stats)
         finally:
             out.attempt(again.close)
-
-
-class MemorySink:
-    """The Sink protocol over a list (as in test_replay.py)."""
-
-    def __init__(self) -> None:
-        self.rows: list[tuple[str, Any]] = []
-
-    def mark(self) -> int:
-        return len(self.rows)
-
-    def write(self, session_id: str, record: Record) -> None:
-        self.rows.append((session_id, record.message))
-
-    def landed(self, session_id: str, mark: int, records: list[Record]) -> int:
-        i = 0
-        for sid, m in self.rows[mark:]:
-            if i < len(records) and sid == session_id and m == records[i].message:
-                i += 1
-        return i
-
-    def contents(self, session_id: str) -> list[str]:
-        return [m["content"] for s, m in self.rows if s == session_id]
 
 
 REPLAY_SESSIONS = ("r0", "r1", "r2")

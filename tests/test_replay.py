@@ -9,12 +9,12 @@ import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import apsw
 import pytest
+from _helpers import MemorySink
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -29,33 +29,6 @@ hermes_state = pytest.importorskip("hermes_state")
 ROOT = Path(__file__).resolve().parent.parent
 CHILD = Path(__file__).with_name("_replay_child.py")
 TIMEOUT = 60
-
-
-class MemorySink:
-    """The Sink protocol over a list, refusing writes on demand."""
-
-    def __init__(self) -> None:
-        self.rows: list[tuple[str, Any]] = []
-        self.refuse: Callable[[str, Record], Exception | None] = lambda sid, rec: None
-
-    def mark(self) -> int:
-        return len(self.rows)
-
-    def write(self, session_id: str, record: Record) -> None:
-        error = self.refuse(session_id, record)
-        if error is not None:
-            raise error
-        self.rows.append((session_id, record.message))
-
-    def landed(self, session_id: str, mark: int, records: list[Record]) -> int:
-        i = 0
-        for sid, message in self.rows[mark:]:
-            if i < len(records) and sid == session_id and message == records[i].message:
-                i += 1
-        return i
-
-    def messages(self, session_id: str) -> list[Any]:
-        return [m for s, m in self.rows if s == session_id]
 
 
 def msg(session: str, i: int) -> dict[str, Any]:

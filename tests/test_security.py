@@ -23,32 +23,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _helpers import MemorySink
 
 import walspool
 from walspool import CAP_DROP, SHUTDOWN
 from walspool import shutdown_flush as sf
 from walspool.cli import main
-from walspool.records import Record
 from walspool.replay import Replayer
 from walspool.sinks import SessionDBSink
 
 hermes_state = pytest.importorskip("hermes_state")
 
 PACKAGE = Path(walspool.__file__).resolve().parent
-
-
-class MemorySink:
-    def __init__(self) -> None:
-        self.rows: list[tuple[str, Any]] = []
-
-    def mark(self) -> int:
-        return len(self.rows)
-
-    def write(self, session_id: str, record: Record) -> None:
-        self.rows.append((session_id, record.message))
-
-    def landed(self, session_id: str, mark: int, records: list[Record]) -> int:
-        return 0
 
 
 def mode(path: Path | str) -> int:
