@@ -18,3 +18,25 @@ def spool_path(tmp_path: Path) -> Path:
 def spool(spool_path: Path):
     with walspool.Spool(spool_path) as s:
         yield s
+
+
+@pytest.fixture
+def hermes_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A fresh HERMES_HOME; hermes_state's import-time default path points into it."""
+    hermes_state = pytest.importorskip("hermes_state")
+    home = tmp_path / "hermes"
+    home.mkdir()
+    monkeypatch.setenv("HERMES_HOME", str(home))
+    monkeypatch.setattr(hermes_state, "DEFAULT_DB_PATH", home / "state.db")
+    return home
+
+
+@pytest.fixture
+def store(hermes_home: Path):
+    """A real hermes-agent 0.19.0 ``SessionStore`` (and its state.db) in ``hermes_home``."""
+    from gateway.config import GatewayConfig
+    from gateway.session import SessionStore
+
+    s = SessionStore(hermes_home / "sessions", GatewayConfig(sessions_dir=hermes_home / "sessions"))
+    yield s
+    s._db.close()

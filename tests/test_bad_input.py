@@ -597,25 +597,6 @@ def test_cli_replay_into_a_read_only_state_db_keeps_every_row(tmp_path):
 # -- the gateway link -------------------------------------------------------------------
 
 
-@pytest.fixture
-def hermes_home(tmp_path: Path, monkeypatch) -> Path:
-    home = tmp_path / "hermes"
-    home.mkdir()
-    monkeypatch.setenv("HERMES_HOME", str(home))
-    monkeypatch.setattr(hermes_state, "DEFAULT_DB_PATH", home / "state.db")
-    return home
-
-
-@pytest.fixture
-def store(hermes_home: Path):
-    from gateway.config import GatewayConfig
-    from gateway.session import SessionStore
-
-    s = SessionStore(hermes_home / "sessions", GatewayConfig(sessions_dir=hermes_home / "sessions"))
-    yield s
-    s._db.close()
-
-
 def test_gateway_link_with_hostile_session_ids(store, hermes_home, caplog):
     from walspool.hermes import install
 

@@ -21,25 +21,6 @@ HEAL = "DROP TRIGGER broken"
 
 
 @pytest.fixture
-def hermes_home(tmp_path: Path, monkeypatch) -> Path:
-    home = tmp_path / "hermes"
-    home.mkdir()
-    monkeypatch.setenv("HERMES_HOME", str(home))
-    monkeypatch.setattr(hermes_state, "DEFAULT_DB_PATH", home / "state.db")
-    return home
-
-
-@pytest.fixture
-def store(hermes_home: Path):
-    from gateway.config import GatewayConfig
-    from gateway.session import SessionStore
-
-    s = SessionStore(hermes_home / "sessions", GatewayConfig(sessions_dir=hermes_home / "sessions"))
-    yield s
-    s._db.close()
-
-
-@pytest.fixture
 def spool(hermes_home: Path):
     with walspool.Spool(hermes_home / "spool.db") as s:
         yield s
