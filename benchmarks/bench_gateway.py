@@ -60,10 +60,13 @@ def store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     s._db.close()
 
 
-def _quiet(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The store logs a WARNING per dropped or spooled message; keep them out of the timing."""
-    for name in ("gateway", "hermes_state", "walspool"):
-        monkeypatch.setattr(logging.getLogger(name), "disabled", True)
+@pytest.fixture(autouse=True)
+def quiet() -> Iterator[None]:
+    """The store logs a WARNING per dropped or spooled message; keep them (and pytest's
+    capture of them, which would hold every record in memory) out of the run."""
+    logging.disable(logging.CRITICAL)
+    yield
+    logging.disable(logging.NOTSET)
 
 
 def _feed(store: Any, messages: int) -> float:
@@ -103,7 +106,6 @@ def _measured(extra: dict[str, Any]) -> dict[str, Any]:
 
 @pytest.mark.benchmark(group="gateway")
 def test_gateway_released(benchmark: Any, store: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    _quiet(monkeypatch)
     n = MESSAGES["released"]
     _run(benchmark, "released", lambda: _feed(store, n), n)
     assert sum(len(q) for q in store._dirty_transcripts.values()) == SESSIONS * 200
@@ -113,7 +115,6 @@ def test_gateway_released(benchmark: Any, store: Any, monkeypatch: pytest.Monkey
 def test_gateway_jsonfile(
     benchmark: Any, store: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    _quiet(monkeypatch)
     n = MESSAGES["jsonfile"]
     with JsonFileSpool(tmp_path / "pending_messages") as files:
         _spool_evictions_as_files(store, files)
@@ -125,7 +126,6 @@ def test_gateway_jsonfile(
 def test_gateway_walspool(
     benchmark: Any, store: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    _quiet(monkeypatch)
     n = MESSAGES["walspool"]
     with walspool.Spool(tmp_path / "spool.db") as spool:
         install(store, spool)
