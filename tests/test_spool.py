@@ -224,3 +224,14 @@ def test_public_api_is_pinned():
     assert walspool.CAP_DROP == "transcript_cap_drop"
     assert walspool.SHUTDOWN == "shutdown"
     assert walspool.AGENT_HISTORY == "shutdown-with-unpersisted-agent-history"
+
+
+def test_readme_example_runs():
+    """The README's spool example is real code: run it as written."""
+    import re
+
+    from _helpers import ROOT
+
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    (example,) = [b for b in blocks if "walspool.Spool(" in b and "tempfile" in b]
+    exec(compile(example, "README.md", "exec"), {})
