@@ -382,3 +382,33 @@ def test_a_spool_that_fails_during_a_drain_holds_the_session_and_the_gateway_goe
     del link.replayer.replay
     store.append_to_transcript("s", {"role": "user", "content": "fin"})
     assert contents(store, "s") == [f"m{i}" for i in range(201)] + ["live", "fin"]
+
+
+def test_shutdown_during_an_outage_spools_the_in_memory_queue(hermes_home):
+    from gateway.config import GatewayConfig
+    from gateway.run import GatewayRunner
+    from gateway.session import SessionStore
+
+    from walspool.hermes import install_runner
+
+    config = GatewayConfig(sessions_dir=hermes_home / "sessions")
+    runner = GatewayRunner(config)
+    store = runner.session_store
+    store._db.create_session("s", "telegram")
+    spool = walspool.Spool(hermes_home / "spool.db")
+    install_runner(runner, install(store, spool, retry_interval=0))
+    sql(store, BREAK)
+    for i in range(250):
+        store.append_to_transcript("s", {"role": "user", "content": f"m{i}"})
+    runner._pending_messages.clear()  # what GatewayRunner.stop() does after the adapters
+    assert store._dirty_transcripts.get("s", []) == []
+    assert [r.message["content"] for r in spool.records()] == [f"m{i}" for i in range(250)]
+    spool.close()
+    sql(store, HEAL)
+    store._db.close()
+
+    store2 = SessionStore(hermes_home / "sessions", config)
+    with walspool.Spool(hermes_home / "spool.db") as spool2:
+        install(store2, spool2)
+        assert contents(store2, "s") == [f"m{i}" for i in range(250)]
+    store2._db.close()

@@ -558,3 +558,19 @@ def test_a_failed_row_stays_in_flight_and_retries_cost_no_transaction(spool, sin
     sink.refuse = lambda sid, rec: None
     assert Replayer(spool, sink).replay(session_id="s").moved == 5
     assert sink.messages("s") == [msg("s", i) for i in range(5)]
+
+
+def test_an_agent_history_asked_for_by_reason_does_not_wedge_its_session(spool, state_db):
+    state_db.create_session("s", "cli")
+    spool.append("s", msg("s", 0))
+    spool.append(
+        "s", {"session_id": "s", "count": 1, "messages": [msg("s", 9)]}, reason=AGENT_HISTORY
+    )
+    spool.append("s", msg("s", 2))
+    sink = SessionDBSink(state_db)
+    report = Replayer(spool, sink).replay(reasons=[AGENT_HISTORY])
+    assert report.held == 1 and "not one message" in report.errors["s"]
+    report = Replayer(spool, sink).replay()
+    assert (report.moved, report.held) == (2, 0)
+    assert contents(state_db, "s") == ["s-0", "s-2"]
+    assert [r.reason for r in spool.records()] == [AGENT_HISTORY]

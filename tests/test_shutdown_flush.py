@@ -201,3 +201,16 @@ def test_agent_history_is_kept_for_operators(home, caplog):
     }
     assert "Preserved 1 in-memory message(s) for session s" in caplog.text
     assert CAP_DROP not in {r.reason for r in spooled(home)}
+
+
+def test_a_home_that_cannot_hold_a_spool_never_raises(tmp_path, monkeypatch):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("HERMES_HOME", str(blocker / "hermes"))
+    try:
+        assert sf.spool_dropped_transcript_message("s", {"content": "x"}) is None
+        assert sf.drain_transcript_spool("s", lambda m: None) == (0, 0)
+        assert sf.flush_pending_to_file({"k": "x"}) == 0
+        sf.flush_agent_history_to_file("s", [{"role": "user"}])
+    finally:
+        sf.close_shared_spools()

@@ -151,3 +151,17 @@ def test_failed_request_fails_alone_in_its_group(spool_path):
         with pytest.raises(walspool.SpoolFull):
             spool.append_many([("u", {"i": 1}), ("u", big)])
         assert list(spool.records(session_id="u")) == []
+
+
+def test_a_failure_while_describing_a_failure_still_reaches_the_caller(spool_path):
+    """The writer never dies with waiters left behind, even if mapping an error fails."""
+    with walspool.Spool(spool_path, max_bytes=64 * 1024) as spool:
+
+        def broken_error(exc, request):
+            raise apsw.IOError("disk gone while asking why")
+
+        spool._writer._error = broken_error
+        with pytest.raises(walspool.WalspoolError):
+            spool.submit("s", {"pad": "z" * 200_000}).result(30)
+        assert spool._writer._thread.is_alive()
+        assert spool.append("s", {"i": 1}).seq == 1

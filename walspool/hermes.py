@@ -77,13 +77,12 @@ class _Session:
 
     __slots__ = ("writing", "inflight", "spooled", "retry_at")
 
-    def __init__(self) -> None:
+    def __init__(self, spooled: int = 0) -> None:
         self.writing = False
         self.inflight: dict[str, Any] | None = None
         #: Messages spooled since the session's spooled rows were last all written;
         #: while not 0, they go to state.db before the session's in-memory rows.
-        #: that must reach state.db before this session's in-memory rows.
-        self.spooled = 0
+        self.spooled = spooled
         #: ``time.monotonic()`` before which a failed replay is not tried again.
         self.retry_at = 0.0
 
@@ -105,7 +104,9 @@ class Link:
         self._lock = store._transcript_retry_lock
         self._changed = threading.Condition(self._lock)
         self._sessions: dict[str, _Session] = {}
-        self._original_append = store.append_to_transcript
+        #: Until a full ``recover`` has succeeded, any session may have rows in the
+        #: spool from an earlier run, so each drains before its first live write.
+        self._recovered = False
 
     # -- the patched entry point -------------------------------------------------
 
@@ -173,17 +174,27 @@ class Link:
     # -- the session's writer ------------------------------------------------------
 
     def _write_session(self, session_id: str, state: _Session) -> None:
-        """Write the session's spooled rows, then its queue, until done or a write fails."""
+        """Write the session's spooled rows, then its queue, until done or a write fails.
+
+        Whenever it decides to stop it clears ``state.writing`` under the same lock
+        hold, so a message queued meanwhile is never left without a writer. Nothing
+        it meets is raised into the gateway: an unexpected error is logged and the
+        messages stay queued or spooled.
+        """
         try:
             while True:
                 with self._lock:
                     spooled = state.spooled
+                    if spooled and time.monotonic() < state.retry_at:
+                        self._stop_writing(session_id, state)
+                        return
                 if spooled:
-                    if time.monotonic() < state.retry_at:
-                        return
-                    if not self._drain(session_id, state, spooled):
-                        state.retry_at = time.monotonic() + self.retry_interval
-                        return
+                    drained = self._drain(session_id, state, spooled)
+                    with self._lock:
+                        if not drained:
+                            state.retry_at = time.monotonic() + self.retry_interval
+                            self._stop_writing(session_id, state)
+                            return
                     continue
                 with self._lock:
                     if state.spooled:
@@ -192,6 +203,7 @@ class Link:
                     if not pending:
                         self.store._dirty_transcripts.pop(session_id, None)
                         self.store._transcript_append_failures.pop(session_id, None)
+                        self._stop_writing(session_id, state)
                         return
                     message = state.inflight = pending[0]
                 error = self._write_one(session_id, message)
@@ -205,6 +217,7 @@ class Link:
                         continue
                     failures = self.store._transcript_append_failures.get(session_id, 0) + 1
                     self.store._transcript_append_failures[session_id] = failures
+                    self._stop_writing(session_id, state)
                 log.warning(
                     "Session DB transcript append failed for %s (failure_count=%d, pending=%d); "
                     "will retry: %s",
@@ -214,11 +227,20 @@ class Link:
                     error,
                 )
                 return
-        finally:
-            with self._lock:
-                state.writing = False
-                if not state.spooled and self._sessions.get(session_id) is state:
-                    del self._sessions[session_id]
+        except Exception:  # noqa: BLE001 - the gateway must go on
+            log.exception(
+                "walspool could not write session %s; its messages stay queued", session_id
+            )
+            with self._changed:
+                state.inflight = None
+                self._changed.notify_all()
+                self._stop_writing(session_id, state)
+
+    def _stop_writing(self, session_id: str, state: _Session) -> None:
+        """Give up the session's writer role; the caller holds the lock."""
+        state.writing = False
+        if not state.spooled and self._sessions.get(session_id) is state:
+            del self._sessions[session_id]
 
     def _drain(self, session_id: str, state: _Session, spooled: int) -> bool:
         """Replay the session's spooled rows; True when none is left behind."""
@@ -277,7 +299,7 @@ class Link:
     def _session(self, session_id: str) -> _Session:
         state = self._sessions.get(session_id)
         if state is None:
-            state = self._sessions[session_id] = _Session()
+            state = self._sessions[session_id] = _Session(0 if self._recovered else 1)
         return state
 
     # -- shutdown and startup --------------------------------------------------------
@@ -323,6 +345,41 @@ class Link:
         )
         return True
 
+    def flush_queues(self) -> int:
+        """Spool every session's in-memory queue (``SHUTDOWN``), oldest first; empty it.
+
+        For a shutdown while state.db refuses writes: what the released gateway loses
+        with the process. A message being written right now stays queued (it may
+        land). Returns how many were spooled; on a spool error they stay queued.
+        """
+        with self._lock:
+            items: list[tuple[str, Any]] = []
+            for session_id, pending in list(self.store._dirty_transcripts.items()):
+                state = self._sessions.get(session_id)
+                busy = state is not None and pending and pending[0] is state.inflight
+                items += [(session_id, m) for m in pending[1 if busy else 0 :]]
+            if not items:
+                return 0
+            try:
+                # Under the lock, so no message of these sessions is queued, evicted or
+                # written meanwhile: their order in the spool is their arrival order.
+                self.spool.append_many(items, reason=SHUTDOWN)
+            except WalspoolError:
+                log.exception(
+                    "could not spool %d queued transcript message(s) at shutdown", len(items)
+                )
+                return 0
+            for session_id in {sid for sid, _ in items}:
+                pending = self.store._dirty_transcripts[session_id]
+                state = self._sessions.get(session_id)
+                busy = state is not None and pending and pending[0] is state.inflight
+                del pending[1 if busy else 0 :]
+                self._session(session_id).spooled += 1
+        log.warning(
+            "Spooled %d queued transcript message(s) to %s at shutdown", len(items), self.spool.path
+        )
+        return len(items)
+
     def recover(self) -> ReplayReport:
         """Replay everything spooled (but agent histories) into ``state.db`` now.
 
@@ -336,6 +393,7 @@ class Link:
         held = {s.session_id for s in report.sessions.values() if s.error and not s.session_key}
         ready = []
         with self._lock:
+            self._recovered = True
             for session_id in held:
                 state = self._session(session_id)
                 state.spooled = state.spooled or 1
@@ -386,7 +444,14 @@ def install(
     link = Link(store, spool, retry_interval)
     store.append_to_transcript = link.append_to_transcript
     if recover:
-        link.recover()
+        try:
+            link.recover()
+        except Exception:  # noqa: BLE001 - linked all the same; sessions drain their own
+            log.exception(
+                "could not replay %s at start; each session replays its own spooled rows "
+                "before its next write",
+                spool.path,
+            )
     return link
 
 
@@ -399,14 +464,27 @@ def install_runner(runner: Any, link: Link) -> None:
             "hermes-agent 0.19.0's gateway.run.GatewayRunner",
             path=link.spool.path,
         )
-    runner._pending_messages = SpoolOnClear(runner._pending_messages, link.flush_pending, SHUTDOWN)
+
+    def runner_cleared(slots: dict[str, Any]) -> None:
+        # GatewayRunner.stop() clears its own slots after tearing the adapters down,
+        # so the /queue overflow (each key's tail, after the adapter slot that holds
+        # its head) and the store's queues are spooled here, in that order.
+        _never_raise(link.flush_pending, slots, reason=SHUTDOWN)
+        queued = getattr(runner, "_queued_events", None) or {}
+        overflow = [(key, event) for key, events in list(queued.items()) for event in events]
+        _never_raise(link.flush_slots, overflow, reason="overflow_shutdown")
+        _never_raise(link.flush_queues)
+
+    runner._pending_messages = SpoolOnClear(runner._pending_messages, runner_cleared)
     teardown = runner._bounded_adapter_teardown
     finalize = runner._finalize_shutdown_agents
 
     async def bounded_adapter_teardown(adapter: Any, platform: Any, **kw: Any) -> None:
         slots = getattr(adapter, "_pending_messages", None)
         if isinstance(slots, dict) and not isinstance(slots, SpoolOnClear):
-            adapter._pending_messages = SpoolOnClear(slots, link.flush_pending, "adapter_shutdown")
+            adapter._pending_messages = SpoolOnClear(
+                slots, partial(link.flush_pending, reason="adapter_shutdown")
+            )
         await teardown(adapter, platform, **kw)
 
     async def finalize_shutdown_agents(active_agents: dict[str, Any]) -> None:
@@ -416,25 +494,20 @@ def install_runner(runner: Any, link: Link) -> None:
             if isinstance(history, list):
                 unsaved = [m for m in history if isinstance(m, dict) and not m.get("_db_persisted")]
                 _never_raise(link.flush_agent_history, getattr(agent, "session_id", None), unsaved)
-        queued = getattr(runner, "_queued_events", None) or {}
-        overflow = [(key, event) for key, events in list(queued.items()) for event in events]
-        _never_raise(link.flush_slots, overflow, reason="overflow_shutdown")
 
     runner._bounded_adapter_teardown = bounded_adapter_teardown
     runner._finalize_shutdown_agents = finalize_shutdown_agents
 
 
 class SpoolOnClear(dict):  # type: ignore[type-arg]
-    """A pending-slot dict whose ``clear()`` spools its contents first."""
+    """A pending-slot dict whose ``clear()`` hands its contents to ``on_clear`` first."""
 
-    def __init__(self, items: Mapping[str, Any], flush: Callable[..., int], reason: str) -> None:
+    def __init__(self, items: Mapping[str, Any], on_clear: Callable[[dict[str, Any]], Any]) -> None:
         super().__init__(items)
-        self._flush = flush
-        self._reason = reason
+        self._on_clear = on_clear
 
     def clear(self) -> None:
-        if self:
-            _never_raise(self._flush, dict(self), reason=self._reason)
+        _never_raise(self._on_clear, dict(self))
         super().clear()
 
 

@@ -34,7 +34,7 @@ from typing import Any
 import apsw
 import msgspec
 
-from .errors import InvalidArgument, SpoolCorrupt, WalspoolError
+from .errors import InvalidArgument, NotAMessage, SpoolCorrupt, WalspoolError
 from .records import AGENT_HISTORY, Record
 from .sinks import Sink
 from .spool import RECORD_COLUMNS, Spool, check_lookup, reasons_filter, record_from_row
@@ -260,6 +260,8 @@ class _Run:
         failed write costs no spool transaction, and the next replay probes that row
         before it writes it again.
         """
+        # Every reason: a stream's rows in flight are finished before anything later
+        # of it moves, whatever this replay selects.
         rows = self.spool._read(INFLIGHT_SQL, {"session_id": self.session_id})
         if not rows:
             return
@@ -370,6 +372,7 @@ class _Run:
         tally = self._tally(stream)
         target, error = self._target(stream)
         written = 0
+        retried = False  # whether the failed row goes to the sink again as it is
         if target is not None:
             for rec in records:
                 if rec.id in self.undecodable:
@@ -377,19 +380,24 @@ class _Run:
                     break
                 try:
                     self.sink.write(target, rec)
-                except Exception as exc:  # noqa: BLE001 - any failure holds the stream
+                except NotAMessage as exc:
                     error = _describe(exc)
+                    break
+                except Exception as exc:  # noqa: BLE001 - any failure holds the stream
+                    error, retried = _describe(exc), True
                     break
                 written += 1
         done.delete += [rec.id for rec in records[:written]]
         tally.moved += written
         if error is None:
             return
-        # The failed row keeps its in-flight mark (the write may be retried by the
-        # next replay after a probe); the rows after it are freed.
+        # A row whose write failed keeps its in-flight mark, so the next replay
+        # retries it (after a probe) without a spool transaction first; a row the sink
+        # was never asked to take (unresolvable, not JSON, not a message) is freed, as
+        # are the rows after it.
         failed = records[written]
         done.failures.append((error, time.time(), failed.id))
-        done.release += [rec.id for rec in records[written + 1 :]]
+        done.release += [rec.id for rec in records[written + (1 if retried else 0) :]]
         # INFO, not WARNING: during an outage every replay attempt fails the same
         # way; the caller reports held rows at the level it chooses.
         log.info(

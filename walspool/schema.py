@@ -252,7 +252,11 @@ def open_writer(path: Path, durability: str, max_bytes: int | None) -> apsw.Conn
     A spool SQLite reports as damaged is moved aside and a fresh one is opened.
     """
     refuse_symlink(path)
-    create_private(path)
+    try:
+        create_private(path)
+    except OSError as exc:
+        error = DiskFull if exc.errno in (errno.ENOSPC, errno.EFBIG) else SpoolIOError
+        raise error(f"cannot create spool {path}: {exc}", path=path) from exc
     try:
         conn = _open_checked(path)
     except SpoolCorrupt as exc:
@@ -283,20 +287,24 @@ def open_reader(path: Path) -> apsw.Connection:
         raise WalspoolError(f"no spool at {path}", path=path)
     _refuse_non_sqlite(path)
     flags = apsw.SQLITE_OPEN_READONLY | apsw.SQLITE_OPEN_URI | apsw.SQLITE_OPEN_NOFOLLOW
+    conn = None
     try:
         conn = apsw.Connection(f"file:{_uri_path(path)}?mode=ro", flags=flags)
         set_busy_timeout(conn)
         _check_identity(conn, path, allow_empty=False)
         version = conn.execute("PRAGMA user_version").get
         if version < SCHEMA_VERSION:
-            conn.close()
             raise NotASpool(
                 f"{path} has spool schema {version}; a read-only open cannot upgrade it to "
                 f"{SCHEMA_VERSION}: open it once for writing (walspool.Spool) first",
                 path=path,
             )
     except apsw.Error as exc:
+        close_quietly(conn)
         raise sqlite_error(exc, path) from exc
+    except BaseException:
+        close_quietly(conn)
+        raise
     return conn
 
 

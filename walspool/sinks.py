@@ -13,6 +13,7 @@ from __future__ import annotations
 import datetime
 import inspect
 import logging
+import math
 import sqlite3
 from collections.abc import Iterable, Sequence
 from typing import Any, Protocol, runtime_checkable
@@ -228,9 +229,12 @@ def _timestamp(value: Any, fallback: float) -> float:
     if isinstance(value, bool) or value is None:
         return fallback
     try:
-        return float(value)
+        number = float(value)
     except (TypeError, ValueError, OverflowError):
         pass
+    else:
+        if math.isfinite(number):  # NaN would become NULL, which state.db refuses
+            return number
     if isinstance(value, str):
         try:
             return datetime.datetime.fromisoformat(value).timestamp()
