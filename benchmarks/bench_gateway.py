@@ -25,6 +25,7 @@ from typing import Any
 
 import pytest
 from _jsonfile import JsonFileSpool
+from _rss import peak_rss, reset_peak_rss
 from report import record
 
 import walspool
@@ -135,13 +136,13 @@ def test_gateway_walspool(
             spool.flush()  # the last eviction is committed
             return seconds
 
-        start_rss = _reset_peak_rss()
+        start_rss = reset_peak_rss()
         _run(
             benchmark,
             "walspool",
             run,
             n,
-            peak_rss_growth_mib=lambda: (_peak_rss() - start_rss) / 2**20,
+            peak_rss_growth_mib=lambda: (peak_rss() - start_rss) / 2**20,
         )
         assert spool.stats().rows == n - SESSIONS * 200
 
@@ -174,22 +175,3 @@ def _spool_evictions_as_files(store: Any, files: JsonFileSpool) -> None:
                 pending.pop(0)
 
     store.append_to_transcript = append_to_transcript
-
-
-def _reset_peak_rss() -> int:
-    """Reset the kernel's peak-RSS mark for this process; return the current RSS."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    return _status("VmRSS")
-
-
-def _peak_rss() -> int:
-    return _status("VmHWM")
-
-
-def _status(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no {field} in /proc/self/status")

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _rss import peak_rss, reset_peak_rss
 from report import record
 
 import walspool
@@ -27,14 +28,6 @@ ROWS = 1_000_000
 BATCH = 1_000
 SESSIONS = 64
 MESSAGE = {"role": "user", "content": "x" * 450, "timestamp": 1_795_000_000.0}
-
-
-def _status(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no {field} in /proc/self/status")
 
 
 def _batches(n: int) -> Iterator[list[tuple[str, Any]]]:
@@ -48,12 +41,10 @@ def million(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     path = tmp_path_factory.mktemp("scale") / "spool.db"
     with walspool.Spool(path) as spool:
         spool.append_many(next(_batches(BATCH)))  # warm up: imports, caches, first pages
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # reset the peak-RSS mark
-        before = _status("VmRSS")
+        before = reset_peak_rss()
         for batch in _batches(ROWS - BATCH):
             spool.append_many(batch)
-        growth = _status("VmHWM") - before
+        growth = peak_rss() - before
     return {"path": path, "rss_growth": growth}
 
 

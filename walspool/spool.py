@@ -311,18 +311,7 @@ def record_from_row(row: tuple[Any, ...], path: Path | None = None) -> Record:
     Raises ``SpoolCorrupt`` naming the row when its payload is not JSON (only a
     hand edit or a damaged page can do that: walspool writes JSON only).
     """
-    (
-        row_id,
-        session_id,
-        seq,
-        reason,
-        session_key,
-        created_at,
-        payload,
-        attempts,
-        last_error,
-        last_attempt_at,
-    ) = row
+    row_id, session_id, seq, payload = row[0], row[1], row[2], row[6]
     try:
         message = codec.decode(payload)
     except (msgspec.DecodeError, TypeError) as exc:
@@ -332,18 +321,7 @@ def record_from_row(row: tuple[Any, ...], path: Path | None = None) -> Record:
             path=path,
             session_id=session_id,
         ) from exc
-    return Record(
-        row_id,
-        session_id,
-        seq,
-        reason,
-        session_key,
-        created_at,
-        message,
-        attempts,
-        last_error,
-        last_attempt_at,
-    )
+    return Record(*row[:6], message, *row[7:])
 
 
 def reasons_filter(reasons: Sequence[str] | None, path: Path) -> str | None:
