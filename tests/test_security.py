@@ -358,7 +358,7 @@ def test_replay_lock_that_is_a_symlink_is_not_followed(tmp_path):
     os.symlink(target, f"{path}.replay-lock")
     with walspool.Spool(path) as spool:
         spool.append("s", 1)
-        with pytest.raises((OSError, walspool.WalspoolError)):
+        with pytest.raises(walspool.SpoolIOError, match="replay lock"):
             Replayer(spool, MemorySink()).replay()
         assert [r.message for r in spool.records()] == [1]
     assert not target.exists()

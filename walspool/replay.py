@@ -34,7 +34,7 @@ from typing import Any
 import apsw
 import msgspec
 
-from .errors import InvalidArgument, NotAMessage, SpoolCorrupt, WalspoolError
+from .errors import InvalidArgument, NotAMessage, SpoolCorrupt, SpoolIOError, WalspoolError
 from .records import AGENT_HISTORY, Record
 from .sinks import Sink
 from .spool import RECORD_COLUMNS, Spool, check_lookup, reasons_filter, record_from_row
@@ -531,7 +531,14 @@ def _exclusive(path: Path) -> Iterator[None]:
     flock locks belong to an open file description, so two replays in one
     process exclude each other too; the kernel drops the lock when the process dies.
     """
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        raise SpoolIOError(
+            f"cannot open the replay lock {path} ({exc}); it must be a regular file "
+            "beside the spool",
+            path=path,
+        ) from exc
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield
