@@ -385,18 +385,16 @@ def _args_import(p: argparse.ArgumentParser) -> None:
 
 
 Command = Callable[[argparse.Namespace], int]
-#: name, function, adds its own arguments, reads only (and so takes --json)
-COMMANDS: tuple[
-    tuple[str, Command, Callable[[argparse.ArgumentParser], None] | None, bool], ...
-] = (
-    ("stats", cmd_stats, None, True),
-    ("ls", cmd_ls, None, True),
-    ("show", cmd_show, _args_show, True),
-    ("replay", cmd_replay, _args_replay, False),
-    ("export", cmd_export, _args_export, True),
-    ("import-json", cmd_import_json, _args_import, False),
-    ("check", cmd_check, None, True),
-    ("demo", cmd_demo, None, False),
+#: name, function, and the function that adds its own arguments
+COMMANDS: tuple[tuple[str, Command, Callable[[argparse.ArgumentParser], None] | None], ...] = (
+    ("stats", cmd_stats, None),
+    ("ls", cmd_ls, None),
+    ("show", cmd_show, _args_show),
+    ("replay", cmd_replay, _args_replay),
+    ("export", cmd_export, _args_export),
+    ("import-json", cmd_import_json, _args_import),
+    ("check", cmd_check, None),
+    ("demo", cmd_demo, None),
 )
 
 
@@ -406,7 +404,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="walspool", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name, fn, add_args, _ in COMMANDS:
+    for name, fn, add_args in COMMANDS:
         doc = inspect.cleandoc(fn.__doc__ or "")
         sub = commands.add_parser(
             name,
