@@ -315,7 +315,7 @@ class Link:
         knows it; the key is kept too. Values that are None are skipped.
         """
         items = [
-            (_resolve(self.store, key), _slot_message(value), key)
+            (_resolve(self.store, key), slot_message(value), key)
             for key, value in slots
             if value is not None
         ]
@@ -333,7 +333,7 @@ class Link:
             return False
         self.spool.append(
             session_id or "unknown",
-            {"session_id": session_id, "count": len(history), "messages": history},
+            agent_history_message(session_id, history),
             reason=AGENT_HISTORY,
         )
         log.warning(
@@ -527,6 +527,11 @@ def _resolve(store: Any, session_key: str) -> str | None:
         return None
 
 
-def _slot_message(value: Any) -> Any:
+def slot_message(value: Any) -> Any:
     """A pending slot's value as spooled: text as ``{"text": ...}``, events as they are."""
     return {"text": value} if isinstance(value, str) else value
+
+
+def agent_history_message(session_id: str | None, history: list[Any]) -> dict[str, Any]:
+    """The one row an agent's unpersisted history is spooled as (``AGENT_HISTORY``)."""
+    return {"session_id": session_id, "count": len(history), "messages": history}

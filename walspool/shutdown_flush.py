@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import InvalidArgument
+from .hermes import agent_history_message, slot_message
 from .records import AGENT_HISTORY, CAP_DROP, Record
 from .replay import Replayer
 from .sinks import SessionDBSink
@@ -127,7 +128,7 @@ def drain_transcript_spool(
 def flush_pending_to_file(pending: Mapping[str, Any], *, reason: str = "shutdown") -> int:
     """Spool pending slots (session key -> text or event); return how many were spooled."""
     items = [
-        (_attribute(value, "session_id"), {"text": value} if isinstance(value, str) else value, key)
+        (_attribute(value, "session_id"), slot_message(value), key)
         for key, value in list(pending.items())
         if value is not None
     ]
@@ -209,7 +210,7 @@ def flush_agent_history_to_file(session_id: str | None, history: list[Any]) -> N
     try:
         shared_spool().append(
             session_id or "unknown",
-            {"session_id": session_id, "count": len(history), "messages": history},
+            agent_history_message(session_id, history),
             reason=AGENT_HISTORY,
         )
     except Exception as exc:  # noqa: BLE001 - shutdown must go on
