@@ -543,28 +543,23 @@ def test_clean_workloads_touch_every_kind_they_should(fault_vfs, tmp_path):
     assert clean_counts("checkpoint", fault_vfs, tmp_path)["truncate"]
 
 
-def test_a_failed_fsync_surfaces_as_spool_io_error(fault_vfs, tmp_path):
+@pytest.mark.parametrize(
+    "kind, error, raised, says",
+    [
+        ("sync", "eio", walspool.SpoolIOError, "check the disk"),
+        ("write", "enospc", walspool.DiskFull, "free disk space"),
+    ],
+)
+def test_a_failed_write_surfaces_as_a_named_error(fault_vfs, tmp_path, kind, error, raised, says):
     path = tmp_path / "spool.db"
     with installed(fault_vfs), walspool.Spool(path) as spool:
         spool.append("s", {"a": 1})
-        fault_vfs.arm(Fault("sync", 1, "eio"))
-        with pytest.raises(walspool.SpoolIOError, match="check the disk"):
+        fault_vfs.arm(Fault(kind, 1, error))
+        with pytest.raises(raised, match=says):
             spool.append("s", {"a": 2})
         fault_vfs.disarm()
         assert spool.append("s", {"a": 3}).seq == 2
-    INJECTED[("sync", "eio")] += 1
-
-
-def test_a_full_disk_surfaces_as_disk_full(fault_vfs, tmp_path):
-    path = tmp_path / "spool.db"
-    with installed(fault_vfs), walspool.Spool(path) as spool:
-        spool.append("s", {"a": 1})
-        fault_vfs.arm(Fault("write", 1, "enospc"))
-        with pytest.raises(walspool.DiskFull, match="free disk space"):
-            spool.append("s", {"a": 2})
-        fault_vfs.disarm()
-        assert spool.append("s", {"a": 3}).seq == 2
-    INJECTED[("write", "enospc")] += 1
+    INJECTED[(kind, error)] += 1
 
 
 def test_a_busy_lock_is_waited_out_not_raised(fault_vfs, tmp_path):
