@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import queue
 import signal
 import subprocess
 import sys
 import threading
+import time
 
 import apsw
 import pytest
 from _helpers import ROOT, run_python
+from _hermes_lock_holder import write_lock_held
 
 import walspool
+import walspool.writer as walspool_writer
+from walspool.writer import Append, SpoolBusy
 
 WRITER_CHILD = r"""
 import sys, threading, walspool
@@ -165,3 +171,83 @@ def test_a_failure_while_describing_a_failure_still_reaches_the_caller(spool_pat
             spool.submit("s", {"pad": "z" * 200_000}).result(30)
         assert spool._writer._thread.is_alive()
         assert spool.append("s", {"i": 1}).seq == 1
+
+
+# -- a write lock held by another process -------------------------------------
+
+
+@pytest.fixture
+def short_busy(monkeypatch: pytest.MonkeyPatch) -> float:
+    """A busy bound short enough for a test; the production default is 10 s."""
+    monkeypatch.setattr(walspool_writer, "BUSY_RETRY_SECONDS", 0.5)
+    return 0.5
+
+
+def test_a_write_lock_held_elsewhere_fails_with_spool_busy_after_the_bound(spool_path, short_busy):
+    with walspool.Spool(spool_path) as spool, write_lock_held(spool_path):
+        started = time.monotonic()
+        future = spool.submit("s", {"i": 1})
+        with pytest.raises(SpoolBusy, match="-readonly") as caught:
+            future.result(30)
+        waited = time.monotonic() - started
+        assert short_busy <= waited < short_busy + 5
+        assert caught.value.path == str(spool_path) and caught.value.session_id == "s"
+        assert isinstance(caught.value, walspool.WalspoolError)
+        with pytest.raises(SpoolBusy):  # the blocking path is bounded the same way
+            spool.append("s", {"i": 2})
+        assert spool._writer.busy_since is not None
+    with walspool.Spool(spool_path) as spool:
+        assert spool.append("s", {"i": 3}).seq == 1  # nothing of the failed ones stayed
+        assert spool._writer.busy_since is None
+
+
+def test_waiters_wake_as_soon_as_the_lock_is_released(spool_path, monkeypatch):
+    monkeypatch.setattr(walspool_writer, "BUSY_RETRY_SECONDS", 60.0)
+    with walspool.Spool(spool_path) as spool:
+        with write_lock_held(spool_path) as holder:
+            futures = [spool.submit("s", {"i": i}) for i in range(5)]
+            holder.release()
+            assert [f.result(30).seq for f in futures] == [1, 2, 3, 4, 5]
+        assert [r.message["i"] for r in spool.records()] == [0, 1, 2, 3, 4]
+
+
+def test_notify_nowait_raises_full_instead_of_waiting(spool_path, monkeypatch):
+    monkeypatch.setattr(walspool_writer, "QUEUE_REQUESTS", 1)
+    monkeypatch.setattr(walspool_writer, "BUSY_RETRY_SECONDS", 60.0)
+    committed: list[int] = []
+    with walspool.Spool(spool_path) as spool, write_lock_held(spool_path) as holder:
+        accepted = 0
+        with pytest.raises(queue.Full):
+            # The stuck writer holds at most one group, the queue one more request.
+            for i in range(3):
+                spool._writer.notify_nowait(
+                    Append((spool._row("s", {"i": i}, walspool.CAP_DROP, None),), single=True),
+                    lambda request: committed.append(request.result.seq),
+                )
+                accepted += 1
+        assert 1 <= accepted <= 2
+        holder.release()
+        spool.flush()
+        assert committed == list(range(1, accepted + 1))
+
+
+def test_close_is_bounded_and_logs_what_was_not_committed(spool_path, monkeypatch, caplog):
+    monkeypatch.setattr(walspool_writer, "BUSY_RETRY_SECONDS", 60.0)
+    monkeypatch.setattr(walspool_writer, "CLOSE_TIMEOUT", 0.5)
+    spool = walspool.Spool(spool_path)
+    with write_lock_held(spool_path):
+        futures = [spool.submit("s", {"i": i}) for i in range(3)]
+        started = time.monotonic()
+        with caplog.at_level(logging.ERROR, logger="walspool.writer"):
+            spool.close()
+        assert time.monotonic() - started < 0.5 + walspool_writer.CLOSE_GRACE + 2
+        for future in futures:
+            with pytest.raises(walspool.SpoolClosed, match="write lock was held"):
+                future.result(0)
+        errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+        assert errors == [
+            f"spool {spool_path}: closed after waiting 0.5 s for its write lock; 3 accepted "
+            "message(s) were not committed"
+        ]
+    with walspool.Spool(spool_path) as spool:
+        assert spool.stats().rows == 0

@@ -4,10 +4,18 @@ Callers put requests on a bounded queue and wait for them. The writer takes
 everything queued, runs it in one ``BEGIN IMMEDIATE`` transaction (one fsync), and
 only after ``COMMIT`` returns does it wake the callers. A lone caller pays one commit
 per request; N concurrent callers share about one commit per N requests. A full
-queue blocks the caller that puts (backpressure), so memory stays bounded.
+queue blocks the caller that puts (backpressure), so memory stays bounded;
+``notify_nowait`` raises ``queue.Full`` instead, for callers that must not wait.
 
 If a group fails, its requests are retried one by one, so one bad request fails
 alone and the others still commit.
+
+Waits are bounded. While another connection holds the spool's write lock, a group
+waits for it at most ``BUSY_RETRY_SECONDS`` (then each of its requests fails with
+``SpoolBusy``, so every waiter wakes); ``close`` waits at most ``CLOSE_TIMEOUT`` for
+what was accepted, then fails the rest and logs at ERROR how many messages were not
+committed. Not guaranteed: a commit stuck inside the operating system (an fsync on a
+hung disk) is not interrupted; ``close`` then returns with the thread still running.
 """
 
 from __future__ import annotations
@@ -16,7 +24,9 @@ import _thread
 import asyncio
 import concurrent.futures
 import logging
+import queue
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -34,6 +44,17 @@ log = logging.getLogger("walspool.writer")
 QUEUE_REQUESTS = 4096
 #: A group stops growing at this many rows (one request is never split).
 GROUP_ROWS = 8192
+#: Seconds a group waits for a write lock held by another connection (an operator's
+#: ``sqlite3`` shell, a stopped import) before its requests fail with ``SpoolBusy``.
+BUSY_RETRY_SECONDS = 10.0
+#: Seconds ``close`` waits for accepted requests to commit before it gives up on them.
+CLOSE_TIMEOUT = 10.0
+#: Seconds ``close`` then waits for the writer to fail the rest (no SQLite wait is
+#: left by then: a busy wait ends at once, queued requests fail without a try).
+CLOSE_GRACE = 2.0
+#: Longest pause between two looks at a busy write lock; short enough that a
+#: released lock is taken at once, long enough not to spin.
+BUSY_POLL_SECONDS = 0.05
 
 # A stream's next seq: the bookkeeping row, but never below what records hold, so a
 # hand-edited or deleted bookkeeping row cannot make a seq be reused.
@@ -59,6 +80,19 @@ ON CONFLICT (stream, name) DO UPDATE SET next_seq = excluded.next_seq
 
 #: One row to append: (session_id, session_key, reason, created_at, payload, size).
 Row = tuple[str | None, str | None, str, float, str, int]
+
+
+class SpoolBusy(WalspoolError):
+    """Another connection held the spool's write lock past ``BUSY_RETRY_SECONDS``."""
+
+    def __init__(self, seconds: float, *, path: Path, session_id: str | None = None) -> None:
+        super().__init__(
+            f"spool {path}: another connection held its write lock for more than "
+            f"{seconds:g} s; close it (an sqlite3 shell must use -readonly) and retry",
+            path=path,
+            session_id=session_id,
+        )
+        self.seconds = seconds
 
 
 class _Numbers:
@@ -239,6 +273,20 @@ class Writer:
         self._numbers = _Numbers()
         self._closed = False
         self._stopped = False
+        #: Set by ``close`` once its timeout has passed: busy waits end at once and
+        #: queued requests fail without a try.
+        self._abandon = threading.Event()
+        #: ``time.monotonic()`` after which the current commit stops waiting for a
+        #: write lock held elsewhere.
+        self._busy_deadline = 0.0
+        #: When a commit first found the write lock held elsewhere; None once a commit
+        #: succeeds again.
+        self.busy_since: float | None = None
+        #: Messages accepted but failed because ``close`` gave up on them.
+        self._abandoned = 0
+        # A busy handler rather than the connection's busy timeout: its waits are
+        # bounded per group, not per statement, and ``close`` can end them.
+        conn.set_busy_handler(self._on_busy)
         self._thread = threading.Thread(
             target=self._run, name=f"walspool-writer {path}", daemon=True
         )
@@ -273,6 +321,11 @@ class Writer:
         ``callback`` must be quick and must not raise.
         """
         self._put(request, callback)
+
+    def notify_nowait(self, request: Request, callback: Callable[[Request], None]) -> None:
+        """``notify`` that never waits: raises ``queue.Full`` when the queue is full."""
+        if not self._put(request, callback, block=False):
+            raise queue.Full
 
     def submit(self, request: Request) -> concurrent.futures.Future[Any]:
         """Queue ``request`` (its place in order is taken now) and return a future."""
@@ -310,14 +363,50 @@ class Writer:
                 f"spool {self._path} is closed", path=self._path, session_id=request.session_id
             )
 
-    def close(self) -> None:
-        """Commit everything accepted so far, then stop the thread. Idempotent."""
+    def close(self, timeout: float | None = None) -> None:
+        """Commit everything accepted so far, then stop the thread. Idempotent.
+
+        Waits at most ``timeout`` seconds (``CLOSE_TIMEOUT`` by default) for the
+        accepted requests to commit. Past it (another connection holds the write lock),
+        the rest fail with ``SpoolClosed``, their waiters wake, and an ERROR says how
+        many accepted messages were not committed.
+        """
+        timeout = CLOSE_TIMEOUT if timeout is None else timeout
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-        self._thread.join()
-        with self._commit_lock:  # a caller committing on its own thread finishes first
-            pass
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            self._abandon.set()
+            self._thread.join(CLOSE_GRACE)
+        # A caller committing on its own thread finishes first (bounded the same way).
+        if self._commit_lock.acquire(timeout=timeout + CLOSE_GRACE):
+            self._commit_lock.release()
+        if self._abandon.is_set():
+            with self._cond:
+                lost = self._abandoned + sum(_messages(r) for r, _ in self._pending)
+            stuck = " (the writer thread is still stuck in a commit)"
+            log.error(
+                "spool %s: closed after waiting %g s for its write lock; %d accepted "
+                "message(s) were not committed%s",
+                self._path,
+                timeout,
+                lost,
+                stuck if self._thread.is_alive() else "",
+            )
+
+    def _on_busy(self, prior_calls: int) -> bool:
+        """SQLite's busy handler: wait a little and try again, until the commit's
+        deadline passes or ``close`` gives up (then SQLite raises ``BusyError``)."""
+        now = time.monotonic()
+        if self.busy_since is None:
+            self.busy_since = now
+        if self._abandon.is_set() or now >= self._busy_deadline:
+            return False
+        # 1, 2, 4 ... ms up to BUSY_POLL_SECONDS: a lock held for an instant (another
+        # process's commit) costs little, a long hold costs few wake-ups.
+        pause = min(BUSY_POLL_SECONDS, 0.001 * 2 ** min(prior_calls, 10), self._busy_deadline - now)
+        return not self._abandon.wait(pause)
 
     # -- the writer's side --------------------------------------------------
 
@@ -357,14 +446,19 @@ class Writer:
         try:
             self._commit(requests)
         except BaseException as exc:  # noqa: BLE001 - every failure reaches a caller
-            if len(requests) == 1:
-                requests[0].error = self._safe_error(exc, requests[0])
-                return
-            for request in requests:
-                try:
-                    self._commit([request])
-                except BaseException as one:  # noqa: BLE001
-                    request.error = self._safe_error(one, request)
+            if len(requests) == 1 or isinstance(exc, (SpoolBusy, SpoolClosed)):
+                # A busy lock or a closing spool fails the group as a whole: one by
+                # one, each request would wait for the lock again.
+                for request in requests:
+                    request.error = self._safe_error(exc, request)
+            else:
+                for request in requests:
+                    try:
+                        self._commit([request])
+                    except BaseException as one:  # noqa: BLE001
+                        request.error = self._safe_error(one, request)
+            if self._abandon.is_set():
+                self._abandoned += sum(_messages(r) for r in requests if r.error is not None)
 
     def _safe_error(self, exc: BaseException, request: Request) -> BaseException:
         """``_error``, which asks SQLite about the failure, on a disk that may fail again."""
@@ -376,7 +470,19 @@ class Writer:
             return exc
 
     def _commit(self, requests: list[Request]) -> None:
+        """Commit ``requests`` in one transaction, waiting for a write lock held
+        elsewhere at most ``BUSY_RETRY_SECONDS`` (then ``SpoolBusy``)."""
+        session_id = requests[0].session_id if requests else None
+        started = time.monotonic()
+        self._busy_deadline = started + BUSY_RETRY_SECONDS
         while True:
+            if self._abandon.is_set():
+                raise SpoolClosed(
+                    f"spool {self._path} was closed before this message was committed "
+                    "(its write lock was held elsewhere)",
+                    path=self._path,
+                    session_id=session_id,
+                )
             try:
                 with transaction(self._conn, self._path):
                     self._numbers.check(self._conn)
@@ -384,15 +490,25 @@ class Writer:
                     for request in requests:
                         request.run(group)
                     group.finish()
-            except apsw.BusyError:
-                # Another process held the write lock past the busy timeout; the
-                # caller is owed a commit, not "database is locked", so wait again.
-                log.warning("spool %s: write lock busy, still waiting", self._path)
+            except apsw.BusyError as exc:
+                self._numbers.forget()
+                if self.busy_since is None:
+                    self.busy_since = started
+                if time.monotonic() >= self._busy_deadline or self._abandon.is_set():
+                    if self._abandon.is_set():
+                        continue  # fails above, as SpoolClosed
+                    raise SpoolBusy(
+                        BUSY_RETRY_SECONDS, path=self._path, session_id=session_id
+                    ) from exc
+                # SQLite may report busy without asking the handler (a WAL snapshot
+                # or recovery in another process): look again shortly.
+                self._abandon.wait(BUSY_POLL_SECONDS)
             except BaseException:
                 self._numbers.forget()
                 raise
             else:
                 group.committed()
+                self.busy_since = None
                 return
 
     def _error(self, exc: BaseException, request: Request) -> BaseException:
@@ -421,6 +537,11 @@ class Writer:
         limit = self._conn.execute("PRAGMA max_page_count").get
         needed = request.payload_bytes // page_size + 8
         return pages + needed >= limit
+
+
+def _messages(request: Request) -> int:
+    """How many messages a request would have spooled (none for an operation)."""
+    return len(request.rows) if isinstance(request, Append) else 0
 
 
 def _wake(items: list[tuple[Request, Any]]) -> None:
