@@ -7,38 +7,75 @@ exactly that on one live store (and, with ``install_runner``, one runner):
 
 * a message evicted at the cap is spooled (``CAP_DROP``), not dropped; if the spool
   cannot take it, the old drop-and-warn behaviour remains;
-* a session's spooled rows are written before its in-memory rows, so ``state.db``
-  (``ORDER BY id``) holds the transcript in arrival order;
+* a session's spooled rows (every reason but ``AGENT_HISTORY``, in seq order) are
+  written before its in-memory rows, so ``state.db`` (``ORDER BY id``) holds the
+  transcript in arrival order;
 * pending slots and unflushed agent histories are spooled before they are cleared,
-  and ``recover`` (run by ``install``) replays them at the next start.
+  and the next ``install`` replays them, in the background;
+* a transcript rewrite (/retry, /undo, /compress: the store's ``_clear_dirty_transcript``)
+  marks the session's spooled rows superseded: kept in the spool for operators, never
+  replayed unless asked for, as the released store forgets its queue.
 
-One thread at a time writes a given session (the first caller that finds the session
-idle); the others only queue and return, so the same message is never written twice
-by two threads. The store's global ``_transcript_retry_lock`` is held only to queue
-and to reserve a spooled message's place in the spool writer's queue. No gateway thread waits
-for the spool's fsync: an evicted message is committed by the spool's writer with
-the next group (its WARNING is logged then), typically within a millisecond; until
-then it is in memory, like the 200 messages still queued.
+One writer per session. A session's writer is whoever claimed ``_Session.writer``
+under the store's ``_transcript_retry_lock``: the gateway thread whose message found
+the session idle, or the link's one background thread. Only the writer writes the
+session, clears the flag, and it makes every decision on the state it reads under
+the lock after each write or wait. A session's state object is never replaced, and
+is dropped only when nobody refers to it (no writer, no waiter, no uncommitted
+eviction, no work), so a thread that waited always wakes to the current state.
+
+Waits a gateway thread can meet because of walspool, with their bounds:
+
+* the store's lock, held only for in-memory work: never a blocking put, never I/O.
+  An eviction is handed to the spool's writer with ``notify_nowait``; when its queue
+  is full, the message stays in memory over the cap (WARNING), and past twice the cap
+  the oldest takes the old drop-and-warn path (WARNING);
+* as the session's writer, its own ``state.db`` writes (as in the released store) and
+  a drain of its spooled rows: at most ``GATEWAY_DRAIN_ROWS`` rows per call, then the
+  background thread goes on. Before a drain it waits at most ``CONFIRM_WAIT`` for its
+  own evictions to commit; a drain never waits for a replay lock held elsewhere
+  (``ReplayBusy``: retried later) and is left to the background thread while another
+  process holds the spool's write lock. A spool transaction of a drain waits at most
+  ``walspool.writer.BUSY_RETRY_SECONDS`` for that lock;
+* taking a session over from the background thread: at most ``HANDOFF_WAIT``, in
+  practice the rest of one ``state.db`` write or one drain batch of
+  ``DRAIN_CHUNK_ROWS`` rows;
+* a transcript rewrite waits for its supersede transaction (at most
+  ``BUSY_RETRY_SECONDS``); shutdown's ``flush_queues`` waits at most ``FLUSH_TIMEOUT``.
+
+Self-healing: while a session has queued or spooled work, the background thread
+retries it when its retry time passes, with no new message needed. The delay after
+the k-th failure in a row is ``retry_interval`` * 2 ** (k - 4), capped at
+``retry_interval``: 1/8, 1/4, 1/2, then every ``retry_interval``, so a healed
+``state.db`` receives everything within ``retry_interval`` plus the time the writes
+take. Meanwhile a session with spooled rows only queues its new messages (and spools
+at the cap), so an outage costs no failing write per message. ``retry_interval=0``
+turns the background thread off: each message retries at once, as the released store.
 
 Not guaranteed: messages still in memory when the process is killed are lost, as in
-the released gateway (only spooled rows are durable); ``rewrite_transcript`` does not
-remove a session's spooled rows.
+the released gateway (only spooled rows are durable). A message the store or a drain
+is writing at the moment of a rewrite may land after the rewritten transcript, as in
+the released store. An eviction the spool accepted but then failed to commit (disk
+full, its write lock held elsewhere past the bound, closed) is dropped with a WARNING.
 """
 
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any
 
-from .errors import UnsupportedGateway, WalspoolError
-from .records import AGENT_HISTORY, CAP_DROP, SHUTDOWN, Receipt
+from .errors import ReplayBusy, UnsupportedGateway, WalspoolError
+from .records import AGENT_HISTORY, CAP_DROP, SHUTDOWN
 from .replay import Replayer, ReplayReport
 from .sinks import SessionDBSink
 from .spool import Spool
+from .writer import Append, Request
 
 log = logging.getLogger("walspool.hermes")
 
@@ -49,6 +86,7 @@ STORE_ATTRIBUTES = (
     "_dirty_transcripts",
     "_transcript_append_failures",
     "_append_transcript_message",
+    "_clear_dirty_transcript",
     "_MAX_PENDING_PER_SESSION",
     "_is_fts_corruption_error",
     "_rebuild_fts_once",
@@ -64,27 +102,79 @@ RUNNER_ATTRIBUTES = (
     "_bounded_adapter_teardown",
     "_finalize_shutdown_agents",
 )
-#: Seconds a session waits after its spooled rows failed to replay before it tries
-#: again; meanwhile its new messages only queue (and spool at the cap), so an outage
-#: costs no failing write per message.
+#: Seconds: the cap of a failing session's retry delay (see the module docstring).
 RETRY_INTERVAL = 1.0
-#: Reasons a live session drains before writing its in-memory rows.
-LIVE_REASONS = (CAP_DROP, SHUTDOWN, "adapter_shutdown", "overflow_shutdown")
+#: Failures in a row until the retry delay reaches ``retry_interval``.
+RETRY_STEPS = 4
+#: Shortest delay between two background retries of one session, whatever the interval.
+MIN_RETRY_SECONDS = 0.01
+#: Spooled rows one drain step moves; the writer re-reads its session's state between
+#: steps, so a rewrite, a shutdown or a waiting gateway thread is seen this often.
+DRAIN_CHUNK_ROWS = 128
+#: Spooled rows a gateway thread drains in one ``append_to_transcript`` before it leaves
+#: the rest to the background thread (about 0.6 s of writes on the reference machine).
+GATEWAY_DRAIN_ROWS = 1024
+#: Seconds a gateway thread waits for its session's evictions to commit before a drain.
+CONFIRM_WAIT = 0.5
+#: Seconds a gateway thread waits to take its session over from the background thread.
+HANDOFF_WAIT = 2.0
+#: Seconds ``flush_queues`` waits for the spool at shutdown.
+FLUSH_TIMEOUT = 10.0
+#: Longest the background thread sleeps before it looks for work again (it is woken
+#: whenever there is some; this only bounds the life of a forgotten link's thread).
+IDLE_WAKE_SECONDS = 60.0
+#: Whether a start has anything to recover: any row but agent histories.
+ANY_REPLAYABLE_SQL = "SELECT 1 FROM records WHERE reason != ? LIMIT 1"
+
+
+class _Writer:
+    """A claim on a session's writer role: only the holder of this object may write
+    the session or give the role up (so a stale thread can never release a newer
+    writer's claim)."""
+
+    __slots__ = ("background",)
+
+    def __init__(self, background: bool) -> None:
+        #: Held by the link's background thread (a gateway thread may take it over).
+        self.background = background
 
 
 class _Session:
-    """The link's state for one session; guarded by the store's retry lock."""
+    """The link's state for one session; every field is guarded by the store's lock."""
 
-    __slots__ = ("writing", "inflight", "spooled", "retry_at")
+    __slots__ = (
+        "writer",
+        "inflight",
+        "spooled",
+        "unconfirmed",
+        "retry_at",
+        "hold_until",
+        "failures",
+        "generation",
+        "waiters",
+    )
 
     def __init__(self, spooled: int = 0) -> None:
-        self.writing = False
+        #: The current writer's claim, or None: the session has no writer.
+        self.writer: _Writer | None = None
+        #: The queued message being written to state.db right now, if any.
         self.inflight: dict[str, Any] | None = None
-        #: Messages spooled since the session's spooled rows were last all written;
-        #: while not 0, they go to state.db before the session's in-memory rows.
+        #: Evictions (and shutdown flushes) since the session's spooled rows were last
+        #: all written: while not 0 they go to state.db before its in-memory rows.
         self.spooled = spooled
-        #: ``time.monotonic()`` before which a failed replay is not tried again.
+        #: Evictions handed to the spool's writer and not yet committed (or failed).
+        self.unconfirmed = 0
+        #: ``time.monotonic()`` when the background thread retries after a failure.
         self.retry_at = 0.0
+        #: Until then, after a failed drain, new messages only queue (and spool).
+        self.hold_until = 0.0
+        #: Failed attempts in a row, for the retry delay.
+        self.failures = 0
+        #: Bumped by a transcript rewrite: what a writer learned before it is stale.
+        self.generation = 0
+        #: Threads waiting on this object (a gateway thread taking over, a writer
+        #: waiting for its evictions): it stays in ``Link._sessions`` meanwhile.
+        self.waiters = 0
 
 
 class Link:
@@ -102,56 +192,164 @@ class Link:
         )
         self.cap = int(store._MAX_PENDING_PER_SESSION)
         self._lock = store._transcript_retry_lock
-        self._changed = threading.Condition(self._lock)
+        #: Notified when a writer gives its role up, evictions commit, a recovery ends:
+        #: what waiting gateway threads (and ``wait_idle``) wait for.
+        self._settled = threading.Condition(self._lock)
+        #: Notified when the background thread has work sooner than it planned.
+        self._due = threading.Condition(self._lock)
         self._sessions: dict[str, _Session] = {}
+        #: Held by a drain step of this link (see ``_drain_step``).
+        self._draining = threading.Lock()
         #: Until a full ``recover`` has succeeded, any session may have rows in the
         #: spool from an earlier run, so each drains before its first live write.
         self._recovered = False
+        #: The start's recovery runs: sessions hold their live writes until it ends (it
+        #: may write rows spooled by session key, which precede them).
+        self._recovering = False
+        self._closed = False
+        #: When the background thread will look next (None: only when notified).
+        self._wake_at: float | None = None
+        self._thread: threading.Thread | None = None
 
-    # -- the patched entry point -------------------------------------------------
+    # -- the patched entry points --------------------------------------------------
 
     def append_to_transcript(
         self, session_id: str, message: dict[str, Any], skip_db: bool = False
     ) -> None:
-        """Queue a message for ``state.db``; spool, never drop, what overflows the cap."""
+        """Queue a message for ``state.db``; spool, never drop, what overflows the cap.
+
+        Never raises: an unexpected error is logged with the session id, and the
+        message stays queued.
+        """
         store = self.store
         if not store._db or skip_db:
             return
-        refused: list[WalspoolError] = []
-        with self._changed:
-            state = self._session(session_id)
-            store._dirty_transcripts.setdefault(session_id, []).append(dict(message))
-            while True:
-                pending = store._dirty_transcripts.get(session_id) or []
-                if len(pending) <= self.cap:
-                    break
-                if state.inflight is not None and pending[0] is state.inflight:
-                    # The oldest is being written right now; evicting it could put
-                    # it in state.db twice. Wait for that one write to end.
-                    self._changed.wait()
-                    continue
-                try:
-                    self.spool._submit_then(
-                        session_id,
-                        pending.pop(0),
-                        reason=CAP_DROP,
-                        then=partial(self._report_eviction, session_id),
-                    )
-                except WalspoolError as exc:
-                    refused.append(exc)
-                else:
-                    state.spooled += 1
-            become_writer = not state.writing
-            state.writing = True
-        for error in refused:
-            self._report_drop(session_id, error)
-        if become_writer:
-            self._write_session(session_id, state)
+        try:
+            self._append(session_id, message)
+        except Exception:  # noqa: BLE001 - the gateway must go on
+            log.exception(
+                "walspool could not handle a transcript message for session %s; "
+                "what is queued stays queued",
+                session_id,
+            )
 
-    def _report_eviction(self, session_id: str, outcome: Receipt | BaseException) -> None:
-        """Log a spooled eviction once it is committed (or its drop, if it failed)."""
-        if isinstance(outcome, BaseException):
-            self._report_drop(session_id, outcome)
+    def _append(self, session_id: str, message: dict[str, Any]) -> None:
+        copy = dict(message)
+        with self._lock:
+            state = self._session(session_id)
+            pending = self.store._dirty_transcripts.setdefault(session_id, [])
+            pending.append(copy)
+            notes = self._evict(session_id, state, pending)
+            claim = self._claim(state) or self._take_over(state)
+        try:
+            _run(notes)
+        finally:
+            if claim is not None:
+                budget = GATEWAY_DRAIN_ROWS if self.retry_interval > 0 else None
+                self._write_session(session_id, state, claim, budget=budget)
+
+    def _clear_dirty_transcript(self, session_id: str) -> None:
+        """The store's rewrite hook (/retry, /undo, /compress): forget the queue, as the
+        released store does, and mark the session's spooled rows superseded."""
+        with self._lock:
+            self.store._dirty_transcripts.pop(session_id, None)
+            self.store._transcript_append_failures.pop(session_id, None)
+            state = self._sessions.get(session_id)
+            if state is not None:
+                # A writer that wrote or drained meanwhile re-reads this and stops.
+                state.generation += 1
+                state.spooled = state.failures = 0
+                state.retry_at = state.hold_until = 0.0
+                self._forget_if_idle(session_id, state)
+            self._settled.notify_all()
+        try:
+            # The queue was just emptied, so no eviction of this session can be
+            # submitted before this runs: every row it spooled until now is
+            # superseded (the spool's writer commits in submission order).
+            superseded = self.spool._supersede(session_id)
+        except Exception:  # noqa: BLE001 - the rewrite goes on; the rows stay, reported
+            log.exception(
+                "walspool could not supersede the spooled rows of session %s in %s after "
+                "its transcript was rewritten; a replay would put them after it",
+                session_id,
+                self.spool.path,
+            )
+            return
+        if superseded:
+            log.warning(
+                "Transcript of %s rewritten: %d spooled message(s) in %s superseded (kept for "
+                "operators, not replayed)",
+                session_id,
+                superseded,
+                self.spool.path,
+            )
+
+    # -- evictions -------------------------------------------------------------------
+
+    def _evict(
+        self, session_id: str, state: _Session, pending: list[dict[str, Any]]
+    ) -> list[Callable[[], None]]:
+        """Spool the oldest queued messages past the cap; the lock is held.
+
+        Returns the WARNINGs to log once the lock is released. Never waits: a message
+        the spool's writer has no room for stays queued over the cap, and past twice
+        the cap the oldest is dropped with a WARNING, as the released store does.
+        """
+        notes: list[Callable[[], None]] = []
+        while len(pending) > self.cap:
+            if state.inflight is not None and pending[0] is state.inflight:
+                # The oldest is being written right now: evicting it could put it in
+                # state.db twice, and spooling a later one would put that one ahead
+                # of it if the write fails. The writer evicts when its write ends.
+                if len(pending) <= 2 * self.cap:
+                    break
+                pending.pop(1)
+                notes.append(partial(self._report_drop, session_id, "oldest being written"))
+                continue
+            try:
+                row = self.spool._row(session_id, pending[0], CAP_DROP, None)
+                self.spool._writer.notify_nowait(
+                    Append((row,), single=True), partial(self._eviction_done, session_id)
+                )
+            except queue.Full:
+                if len(pending) > 2 * self.cap:
+                    pending.pop(0)
+                    notes.append(partial(self._report_drop, session_id, "spool writer busy"))
+                    continue
+                notes.append(partial(self._report_kept, session_id, len(pending)))
+                break
+            except WalspoolError as exc:  # closed, too big, a session id it cannot store
+                pending.pop(0)
+                notes.append(partial(self._report_drop, session_id, str(exc)))
+                continue
+            except Exception as exc:  # noqa: BLE001 - a bad value: it stays queued
+                if len(pending) > 2 * self.cap:
+                    pending.pop(0)
+                    notes.append(partial(self._report_drop, session_id, repr(exc)))
+                    continue
+                notes.append(partial(self._report_unspoolable, session_id, exc))
+                break
+            # Off the queue only now that the spool's writer has accepted it.
+            pending.pop(0)
+            state.spooled += 1
+            state.unconfirmed += 1
+        return notes
+
+    def _eviction_done(self, session_id: str, request: Request) -> None:
+        """On the spool's writer: an eviction committed (or failed); count it, log it."""
+        with self._lock:
+            state = self._sessions.get(session_id)
+            if state is not None:  # always: ``unconfirmed`` keeps it there
+                state.unconfirmed -= 1
+                if not state.unconfirmed:
+                    self._settled.notify_all()
+                    if state.writer is None:
+                        if self._has_work(session_id, state):
+                            self._schedule(state.retry_at)
+                        else:
+                            self._forget_if_idle(session_id, state)
+        if request.error is not None:
+            self._report_drop(session_id, str(request.error))
             return
         log.warning(
             "Session DB transcript pending queue full for %s (cap=%d); spooled oldest message "
@@ -159,94 +357,229 @@ class Link:
             session_id,
             self.cap,
             self.spool.path,
-            outcome.seq,
+            request.result.seq,
         )
 
-    def _report_drop(self, session_id: str, error: BaseException) -> None:
+    def _report_drop(self, session_id: str, why: str) -> None:
         log.warning(
             "Session DB transcript pending queue full for %s (cap=%d); dropping oldest "
             "message to make room (on-disk spool unavailable: %s)",
             session_id,
             self.cap,
-            error,
+            why,
         )
+
+    def _report_kept(self, session_id: str, queued: int) -> None:
+        log.warning(
+            "Session DB transcript pending queue full for %s (cap=%d); the spool %s is busy, "
+            "so the oldest message stays in memory (%d queued; the oldest is dropped past %d)",
+            session_id,
+            self.cap,
+            self.spool.path,
+            queued,
+            2 * self.cap,
+        )
+
+    def _report_unspoolable(self, session_id: str, exc: BaseException) -> None:
+        log.error(
+            "walspool could not spool the oldest queued message of session %s; it stays in "
+            "memory: %r",
+            session_id,
+            exc,
+        )
+
+    # -- the writer role -----------------------------------------------------------
+
+    def _claim(self, state: _Session, *, background: bool = False) -> _Writer | None:
+        """Become the session's writer if it has none; the lock is held."""
+        if state.writer is not None:
+            return None
+        state.writer = _Writer(background)
+        return state.writer
+
+    def _take_over(self, state: _Session) -> _Writer | None:
+        """Wait (at most ``HANDOFF_WAIT``) for the background writer to hand the session
+        to this gateway thread, then claim it; the lock is held."""
+        if state.writer is None or not state.writer.background or self._closed:
+            return None
+        deadline = time.monotonic() + HANDOFF_WAIT
+        state.waiters += 1  # the background writer sees it at its next step
+        try:
+            while state.writer is not None and state.writer.background:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self._settled.wait(left)
+            # Decided on the state as it is now: another gateway thread may have
+            # claimed the session meanwhile; then this message is queued for it.
+            return self._claim(state)
+        finally:
+            state.waiters -= 1
+
+    def _release(self, session_id: str, state: _Session, claim: _Writer) -> None:
+        """Give the writer role up, if ``claim`` still holds it; the lock is held."""
+        if state.writer is not claim:
+            return
+        state.writer = None
+        state.inflight = None
+        if self._has_work(session_id, state):
+            self._schedule(state.retry_at)
+        else:
+            self._forget_if_idle(session_id, state)
+        self._settled.notify_all()
+
+    def _has_work(self, session_id: str, state: _Session) -> bool:
+        return bool(state.spooled or self.store._dirty_transcripts.get(session_id))
+
+    def _forget_if_idle(self, session_id: str, state: _Session) -> None:
+        """Drop a session's state once nothing refers to it; the lock is held."""
+        if (
+            state.writer is None
+            and not state.waiters
+            and not state.unconfirmed
+            and not self._has_work(session_id, state)
+            and self._sessions.get(session_id) is state
+        ):
+            del self._sessions[session_id]
+            self.store._dirty_transcripts.pop(session_id, None)
+
+    def _session(self, session_id: str) -> _Session:
+        state = self._sessions.get(session_id)
+        if state is None:
+            state = self._sessions[session_id] = _Session(0 if self._recovered else 1)
+        return state
+
+    def _failed(self, state: _Session, *, drain: bool, count: bool = True) -> None:
+        """Schedule the next attempt after a failure; the lock is held."""
+        if count:
+            state.failures += 1
+        steps = min(max(state.failures, 1), RETRY_STEPS) - RETRY_STEPS
+        delay = self.retry_interval * 2.0**steps
+        if self.retry_interval > 0:
+            delay = max(delay, MIN_RETRY_SECONDS)
+        state.retry_at = time.monotonic() + delay
+        if drain:
+            state.hold_until = state.retry_at
 
     # -- the session's writer ------------------------------------------------------
 
-    def _write_session(self, session_id: str, state: _Session) -> None:
-        """Write the session's spooled rows, then its queue, until done or a write fails.
+    def _write_session(
+        self, session_id: str, state: _Session, claim: _Writer, *, budget: int | None
+    ) -> None:
+        """Write the session's spooled rows, then its queue, as its writer.
 
-        Whenever it decides to stop it clears ``state.writing`` under the same lock
-        hold, so a message queued meanwhile is never left without a writer. Nothing
-        it meets is raised into the gateway: an unexpected error is logged and the
-        messages stay queued or spooled.
+        The caller holds ``claim``. Runs until the session has nothing left, a write
+        fails, it must wait, or ``budget`` spooled rows moved on a gateway thread; then
+        gives the role up (the background thread goes on). Every decision is made on
+        the state read under the lock after the last write or wait. Never raises: an
+        unexpected error is logged with the session id, and the messages stay queued
+        or spooled.
         """
+        moved = 0
         try:
             while True:
                 with self._lock:
-                    spooled = state.spooled
-                    if spooled and time.monotonic() < state.retry_at:
-                        self._stop_writing(session_id, state)
+                    step, notes = self._next_step(session_id, state, claim, moved, budget)
+                _run(notes)
+                if step is None:
+                    return
+                if step == "drain":
+                    done = self._drain_step(session_id, state, claim)
+                    if done is None:
                         return
-                if spooled:
-                    drained = self._drain(session_id, state, spooled)
-                    with self._lock:
-                        if not drained:
-                            state.retry_at = time.monotonic() + self.retry_interval
-                            self._stop_writing(session_id, state)
-                            return
-                    continue
-                with self._lock:
-                    if state.spooled:
-                        continue
-                    pending = self.store._dirty_transcripts.get(session_id)
-                    if not pending:
-                        self.store._dirty_transcripts.pop(session_id, None)
-                        self.store._transcript_append_failures.pop(session_id, None)
-                        self._stop_writing(session_id, state)
-                        return
-                    message = state.inflight = pending[0]
-                error = self._write_one(session_id, message)
-                with self._changed:
-                    state.inflight = None
-                    self._changed.notify_all()
-                    pending = self.store._dirty_transcripts.get(session_id)
-                    if error is None:
-                        if pending and pending[0] is message:
-                            pending.pop(0)
-                        continue
-                    failures = self.store._transcript_append_failures.get(session_id, 0) + 1
-                    self.store._transcript_append_failures[session_id] = failures
-                    self._stop_writing(session_id, state)
-                log.warning(
-                    "Session DB transcript append failed for %s (failure_count=%d, pending=%d); "
-                    "will retry: %s",
-                    session_id,
-                    failures,
-                    len(pending or ()),
-                    error,
-                )
-                return
+                    moved += done
+                elif not self._write_head(session_id, state, claim):
+                    return
         except Exception:  # noqa: BLE001 - the gateway must go on
             log.exception(
                 "walspool could not write session %s; its messages stay queued", session_id
             )
-            with self._changed:
-                state.inflight = None
-                self._changed.notify_all()
-                self._stop_writing(session_id, state)
+            with self._lock:
+                if state.writer is claim:
+                    self._failed(state, drain=False)
+                self._release(session_id, state, claim)
 
-    def _stop_writing(self, session_id: str, state: _Session) -> None:
-        """Give up the session's writer role; the caller holds the lock."""
-        state.writing = False
-        if not state.spooled and self._sessions.get(session_id) is state:
-            del self._sessions[session_id]
+    def _next_step(
+        self, session_id: str, state: _Session, claim: _Writer, moved: int, budget: int | None
+    ) -> tuple[str | None, list[Callable[[], None]]]:
+        """What the writer does next ("drain", "write"), or None after giving the role
+        up; and the WARNINGs to log. The lock is held."""
+        notes: list[Callable[[], None]] = []
+        pending = self.store._dirty_transcripts.get(session_id)
+        if pending:
+            notes = self._evict(session_id, state, pending)
+        now = time.monotonic()
+        if claim.background and state.waiters:
+            # A gateway thread with a new message for this session waits to take over.
+            self._release(session_id, state, claim)
+            return None, notes
+        if self._recovering:
+            # The start's recovery may hold rows of this session (spooled by key,
+            # resolved to it) that go first; it wakes the session when it ends.
+            self._release(session_id, state, claim)
+            return None, notes
+        if state.spooled:
+            if now < state.hold_until:
+                self._release(session_id, state, claim)
+                return None, notes
+            if budget is not None and moved >= budget:
+                state.retry_at = now  # the background thread goes on at once
+                self._release(session_id, state, claim)
+                return None, notes
+            if state.unconfirmed and not claim.background:
+                self._wait_for_evictions(state)
+            if state.unconfirmed:
+                # The drain must see those rows; their last commit wakes the session.
+                state.retry_at = now
+                self._release(session_id, state, claim)
+                return None, notes
+            if (
+                not claim.background
+                and self.retry_interval > 0
+                and self.spool._writer.busy_since is not None
+            ):
+                # Another process holds the spool's write lock: the background thread,
+                # not a gateway thread, waits for it.
+                state.retry_at = now
+                self._release(session_id, state, claim)
+                return None, notes
+            return "drain", notes
+        if not pending:
+            self.store._transcript_append_failures.pop(session_id, None)
+            state.failures = 0
+            state.retry_at = state.hold_until = 0.0
+            self._release(session_id, state, claim)
+            return None, notes
+        return "write", notes
 
-    def _drain(self, session_id: str, state: _Session, spooled: int) -> bool:
-        """Replay the session's spooled rows; True when none is left behind."""
+    def _wait_for_evictions(self, state: _Session) -> None:
+        """Wait at most ``CONFIRM_WAIT`` for the session's evictions to commit; lock held."""
+        deadline = time.monotonic() + CONFIRM_WAIT
+        state.waiters += 1
         try:
-            self.spool.flush()  # the evictions counted in ``spooled`` are committed
-            report = self.replayer.replay(session_id=session_id, reasons=LIVE_REASONS)
+            while state.unconfirmed:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                self._settled.wait(left)
+        finally:
+            state.waiters -= 1
+
+    def _drain_step(self, session_id: str, state: _Session, claim: _Writer) -> int | None:
+        """Replay one chunk of the session's spooled rows; rows moved, or None when the
+        writer gave its role up."""
+        with self._lock:
+            seen, generation = state.spooled, state.generation
+        # Drains of this link take turns here, each for one chunk, so that only
+        # another process's replay (or ``recover``) can make one skip.
+        if not self._draining.acquire(timeout=HANDOFF_WAIT):
+            return self._busy(session_id, state, claim)
+        try:
+            report = self.replayer.replay(session_id=session_id, limit=DRAIN_CHUNK_ROWS, wait=False)
+        except ReplayBusy:
+            # Another replay (the CLI, a recovery) has the spool's replay lock: never
+            # wait for it here; try again soon.
+            return self._busy(session_id, state, claim)
         except Exception as exc:  # noqa: BLE001 - the gateway goes on; rows stay spooled
             log.warning(
                 "Replay of spooled transcript messages for %s failed in %s; holding back its "
@@ -255,31 +588,88 @@ class Link:
                 self.spool.path,
                 exc,
             )
-            return False
-        if report.held:
             with self._lock:
+                self._failed(state, drain=True)
+                self._release(session_id, state, claim)
+            return None
+        finally:
+            self._draining.release()
+        with self._lock:
+            if state.generation != generation:
+                return 0  # rewritten meanwhile: the next step decides afresh
+            if report.held or session_id in report.errors:
+                self._failed(state, drain=True)
                 failures = self.store._transcript_append_failures.get(session_id, 0) + 1
                 self.store._transcript_append_failures[session_id] = failures
+                queued = len(self.store._dirty_transcripts.get(session_id) or ())
+                self._release(session_id, state, claim)
+            else:
+                state.failures = 0
+                touched = report.moved + report.recovered + getattr(report, "quarantined", 0)
+                if not touched and state.spooled == seen:
+                    # Nothing left: the rows counted in ``seen`` were all committed
+                    # before this replay looked (``unconfirmed`` was 0), so all moved.
+                    state.spooled = 0
+        if report.held or session_id in report.errors:
             log.warning(
                 "Replay of %d spooled transcript message(s) for %s failed; keeping them in %s "
                 "and holding back %d queued message(s): %s",
                 report.held,
                 session_id,
                 self.spool.path,
-                len(self.store._dirty_transcripts.get(session_id) or ()),
+                queued,
                 report.errors.get(session_id, "unknown error"),
             )
-            return False
-        with self._lock:
-            if state.spooled == spooled:
-                state.spooled = 0
+            return None
         if report.moved:
             log.info(
                 "Replayed %d spooled transcript message(s) for %s after DB recovery",
                 report.moved,
                 session_id,
             )
-        return True
+        return report.moved
+
+    def _busy(self, session_id: str, state: _Session, claim: _Writer) -> None:
+        """Give a drain up for now (another replay runs); the background thread tries
+        again after the first retry delay, and a new message may try at once."""
+        with self._lock:
+            self._failed(state, drain=False, count=False)
+            self._release(session_id, state, claim)
+        return None
+
+    def _write_head(self, session_id: str, state: _Session, claim: _Writer) -> bool:
+        """Write the head of the session's queue; True to go on, False when stopped."""
+        with self._lock:
+            pending = self.store._dirty_transcripts.get(session_id)
+            if not pending or state.spooled:
+                return True  # the next step decides again
+            message = state.inflight = pending[0]
+        error = self._write_one(session_id, message)
+        with self._lock:
+            state.inflight = None
+            pending = self.store._dirty_transcripts.get(session_id)
+            if error is None:
+                if pending and pending[0] is message:
+                    pending.pop(0)
+                state.failures = 0
+                return True
+            failures = self.store._transcript_append_failures.get(session_id, 0) + 1
+            self.store._transcript_append_failures[session_id] = failures
+            queued = len(pending or ())
+            self._failed(state, drain=False)
+            # Messages that arrived during the write waited for it to be evicted.
+            notes = self._evict(session_id, state, pending) if pending else []
+            self._release(session_id, state, claim)
+        _run(notes)
+        log.warning(
+            "Session DB transcript append failed for %s (failure_count=%d, pending=%d); "
+            "will retry: %s",
+            session_id,
+            failures,
+            queued,
+            error,
+        )
+        return False
 
     def _write_one(self, session_id: str, message: dict[str, Any]) -> Exception | None:
         """Write one queued message as the released store does, FTS repair included."""
@@ -296,11 +686,77 @@ class Link:
         except Exception as exc:  # noqa: BLE001
             return exc
 
-    def _session(self, session_id: str) -> _Session:
-        state = self._sessions.get(session_id)
-        if state is None:
-            state = self._sessions[session_id] = _Session(0 if self._recovered else 1)
-        return state
+    # -- the background thread -----------------------------------------------------
+
+    def _schedule(self, at: float) -> None:
+        """Make the background thread look at ``at`` (monotonic) or sooner; lock held."""
+        if self.retry_interval <= 0 or self._closed:
+            return
+        if self._wake_at is None or at < self._wake_at:
+            self._wake_at = at
+            self._due.notify()
+
+    def _start(self) -> None:
+        if self.retry_interval <= 0 and not self._recovering:
+            return
+        self._thread = threading.Thread(
+            target=_background,
+            args=(weakref.ref(self), self._due),
+            daemon=True,
+            name=f"walspool-link {self.spool.path}",
+        )
+        self._thread.start()
+
+    def _due_sessions(self) -> tuple[list[tuple[str, _Session, _Writer]], float | None]:
+        """Claim a session whose retry time has passed; when to look next. Lock held."""
+        now = time.monotonic()
+        claimed: list[tuple[str, _Session, _Writer]] = []
+        soonest: float | None = None
+        for session_id, state in list(self._sessions.items()):
+            if (
+                state.writer is not None
+                or state.waiters
+                or state.unconfirmed
+                or not self._has_work(session_id, state)
+            ):
+                continue
+            if state.retry_at <= now:
+                if not claimed:
+                    # One at a time: a claim held while the thread works on another
+                    # session would make a gateway thread wait for that one too.
+                    claim = self._claim(state, background=True)
+                    if claim is not None:
+                        claimed.append((session_id, state, claim))
+                elif soonest is None or state.retry_at < soonest:
+                    soonest = state.retry_at
+            elif soonest is None or state.retry_at < soonest:
+                soonest = state.retry_at
+        return claimed, soonest
+
+    def close(self) -> None:
+        """Stop the background thread (at its next look). Idempotent. The link goes on
+        spooling evictions; sessions retry on their next message."""
+        with self._lock:
+            self._closed = True
+            self._due.notify_all()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(HANDOFF_WAIT)
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait at most ``timeout`` seconds until no recovery runs and no session has
+        a writer, queued or spooled work; True if so (for tests and shutdowns)."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while self._recovering or any(
+                s.writer is not None or s.unconfirmed or self._has_work(sid, s)
+                for sid, s in self._sessions.items()
+            ):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._settled.wait(left)
+            return True
 
     # -- shutdown and startup --------------------------------------------------------
 
@@ -350,63 +806,133 @@ class Link:
 
         For a shutdown while state.db refuses writes: what the released gateway loses
         with the process. A message being written right now stays queued (it may
-        land). Returns how many were spooled; on a spool error they stay queued.
+        land). Returns how many were spooled. Waits at most ``FLUSH_TIMEOUT`` for the
+        spool; on a spool error the messages go back to their queues, and a message the
+        spool cannot take at all stays queued (both logged at ERROR).
         """
-        with self._lock:
-            items: list[tuple[str, Any]] = []
-            for session_id, pending in list(self.store._dirty_transcripts.items()):
-                state = self._sessions.get(session_id)
-                busy = state is not None and pending and pending[0] is state.inflight
-                items += [(session_id, m) for m in pending[1 if busy else 0 :]]
-            if not items:
-                return 0
-            try:
-                # Under the lock, so no message of these sessions is queued, evicted or
-                # written meanwhile: their order in the spool is their arrival order.
-                self.spool.append_many(items, reason=SHUTDOWN)
-            except WalspoolError:
-                log.exception(
-                    "could not spool %d queued transcript message(s) at shutdown", len(items)
+        deadline = time.monotonic() + FLUSH_TIMEOUT
+        committed = threading.Event()
+        while True:
+            with self._lock:
+                taken, rows, notes = self._queued_rows()
+                if not rows:
+                    _run(notes)
+                    return 0
+                request = Append(rows, single=False)
+                try:
+                    # Under the lock, so no message of these sessions is queued, evicted
+                    # or written meanwhile: the spool gets them in arrival order.
+                    self.spool._writer.notify_nowait(request, lambda _r: committed.set())
+                except queue.Full:
+                    pass
+                else:
+                    for session_id, messages in taken.items():
+                        ids = {id(m) for m in messages}
+                        pending = self.store._dirty_transcripts[session_id]
+                        pending[:] = [m for m in pending if id(m) not in ids]
+                        state = self._session(session_id)
+                        state.spooled += 1
+                        state.unconfirmed += 1
+                    break
+            if time.monotonic() >= deadline:
+                log.error(
+                    "could not spool %d queued transcript message(s) at shutdown: the spool "
+                    "%s had no room for them within %g s",
+                    len(rows),
+                    self.spool.path,
+                    FLUSH_TIMEOUT,
                 )
                 return 0
-            for session_id in {sid for sid, _ in items}:
-                pending = self.store._dirty_transcripts[session_id]
-                state = self._sessions.get(session_id)
-                busy = state is not None and pending and pending[0] is state.inflight
-                del pending[1 if busy else 0 :]
-                self._session(session_id).spooled += 1
+            self.spool.flush()  # room in the writer's queue, then try again
+        _run(notes)
+        finished = committed.wait(max(deadline - time.monotonic(), 0.0) + CONFIRM_WAIT)
+        with self._lock:
+            if finished:
+                for session_id in taken:
+                    self._sessions[session_id].unconfirmed -= 1
+                if request.error is not None:
+                    # Not in the spool: back to the front of their queues, so they stay
+                    # with the process as in the released store.
+                    for session_id, messages in taken.items():
+                        self.store._dirty_transcripts.setdefault(session_id, [])[0:0] = messages
+                self._settled.notify_all()
+        if not finished or request.error is not None:
+            log.error(
+                "could not spool %d queued transcript message(s) at shutdown to %s: %s",
+                len(rows),
+                self.spool.path,
+                request.error or f"not committed within {FLUSH_TIMEOUT:g} s",
+            )
+            return 0
         log.warning(
-            "Spooled %d queued transcript message(s) to %s at shutdown", len(items), self.spool.path
+            "Spooled %d queued transcript message(s) to %s at shutdown", len(rows), self.spool.path
         )
-        return len(items)
+        return len(rows)
+
+    def _queued_rows(
+        self,
+    ) -> tuple[dict[str, list[dict[str, Any]]], list[Any], list[Callable[[], None]]]:
+        """Every queue's messages but one being written, as spool rows; lock held."""
+        taken: dict[str, list[dict[str, Any]]] = {}
+        rows: list[Any] = []
+        notes: list[Callable[[], None]] = []
+        for session_id, pending in self.store._dirty_transcripts.items():
+            state = self._sessions.get(session_id)
+            busy = state is not None and pending and pending[0] is state.inflight
+            for message in pending[1 if busy else 0 :]:
+                try:
+                    rows.append(self.spool._row(session_id, message, SHUTDOWN, None))
+                except Exception as exc:  # noqa: BLE001 - the others are spooled all the same
+                    notes.append(partial(self._report_unspoolable, session_id, exc))
+                    continue
+                taken.setdefault(session_id, []).append(message)
+        return taken, rows, notes
 
     def recover(self) -> ReplayReport:
         """Replay everything spooled (but agent histories) into ``state.db`` now.
 
-        Ignores the retry interval. Sessions whose rows all moved write their queued
-        messages next; sessions held keep their queue until their rows move.
+        Runs on the calling thread and waits for a replay that holds the spool's
+        replay lock elsewhere; ignores the retry delays. Sessions whose rows all moved
+        write their queued messages next; sessions held keep their queue until their
+        rows move.
         """
         with self._lock:
-            waiting = {sid: st.spooled for sid, st in self._sessions.items() if st.spooled}
-        self.spool.flush()
-        report = self.replayer.replay()
+            waiting = {
+                sid: (st.spooled, st.generation) for sid, st in self._sessions.items() if st.spooled
+            }
+        try:
+            self.spool.flush()  # every eviction counted in ``waiting`` is committed
+            report = self.replayer.replay()
+        except BaseException:
+            with self._lock:
+                self._end_recovery()
+            raise
         held = {s.session_id for s in report.sessions.values() if s.error and not s.session_key}
-        ready = []
+        ready: list[tuple[str, _Session, _Writer]] = []
+        background = threading.current_thread() is self._thread
         with self._lock:
             self._recovered = True
             for session_id in held:
                 state = self._session(session_id)
                 state.spooled = state.spooled or 1
-            for session_id, spooled in waiting.items():
+            for session_id, (spooled, generation) in waiting.items():
                 state = self._sessions.get(session_id)
-                if state is None or session_id in held or state.spooled != spooled:
+                if state is None or session_id in held:
                     continue
-                state.spooled, state.retry_at = 0, 0.0
-                if not state.writing and self.store._dirty_transcripts.get(session_id):
-                    state.writing = True
-                    ready.append((session_id, state))
-        for session_id, state in ready:
-            self._write_session(session_id, state)
+                if state.spooled != spooled or state.generation != generation:
+                    continue
+                state.spooled, state.failures = 0, 0
+                state.retry_at = state.hold_until = 0.0
+                claim = None
+                if self.store._dirty_transcripts.get(session_id):
+                    claim = self._claim(state, background=background)
+                if claim is not None:
+                    ready.append((session_id, state, claim))
+                else:
+                    self._forget_if_idle(session_id, state)
+            self._end_recovery()
+        for session_id, state, claim in ready:
+            self._write_session(session_id, state, claim, budget=None)
         if report.moved or report.held:
             log.info(
                 "Recovered %d spooled message(s) into state.db; %d held back",
@@ -415,15 +941,68 @@ class Link:
             )
         return report
 
+    def _end_recovery(self) -> None:
+        """Let the sessions that waited for the start's recovery go on; lock held."""
+        if not self._recovering:
+            return
+        self._recovering = False
+        for session_id, state in self._sessions.items():
+            if self._has_work(session_id, state):
+                state.retry_at = state.hold_until = 0.0
+                self._schedule(0.0)
+        self._settled.notify_all()
+
+
+def _background(link_ref: weakref.ref[Link], due: threading.Condition) -> None:
+    """The link's one background thread: the start's recovery, then the retries of
+    every session whose retry time has passed. It holds the link only while it works,
+    so a link nobody refers to any more is collected and this thread ends."""
+    link = link_ref()
+    if link is None:
+        return
+    if link._recovering:
+        try:
+            link.recover()
+        except Exception:  # noqa: BLE001 - linked all the same; sessions drain their own
+            log.exception(
+                "could not replay %s at start; each session replays its own spooled rows "
+                "before its next write",
+                link.spool.path,
+            )
+    if link.retry_interval <= 0:
+        return
+    del link
+    while True:
+        link = link_ref()
+        if link is None:
+            return
+        with due:
+            if link._closed:
+                return
+            claimed, soonest = link._due_sessions()
+            link._wake_at = soonest
+            if not claimed:
+                timeout = IDLE_WAKE_SECONDS
+                if soonest is not None:
+                    timeout = min(max(soonest - time.monotonic(), 0.0), IDLE_WAKE_SECONDS)
+                del link
+                due.wait(timeout)
+                continue
+        for session_id, state, claim in claimed:
+            link._write_session(session_id, state, claim, budget=None)
+        del link
+
 
 def install(
     store: Any, spool: Spool, *, recover: bool = True, retry_interval: float = RETRY_INTERVAL
 ) -> Link:
     """Link a live 0.19.0 ``SessionStore`` to ``spool``; replay what is spooled.
 
-    ``retry_interval``: after a session's spooled rows fail to replay, its new
-    messages queue without a write attempt for that many seconds (0: try on every
-    message, as the released store does).
+    Returns at once: the replay of what earlier runs spooled (``recover=True``) runs
+    on the link's background thread, and each session writes its spooled rows before
+    its live ones. ``retry_interval`` caps a failing session's retry delay (see the
+    module docstring); 0 retries on every message and starts no background retries.
+    ``link.wait_idle(timeout)`` waits for the recovery and every session's work.
 
     Raises ``UnsupportedGateway`` at once if the store is not what the link was
     written for, rather than misbehaving later.
@@ -442,17 +1021,29 @@ def install(
             "the SessionStore has no state.db (store._db is None)", path=spool.path
         )
     link = Link(store, spool, retry_interval)
-    store.append_to_transcript = link.append_to_transcript
     if recover:
-        try:
-            link.recover()
-        except Exception:  # noqa: BLE001 - linked all the same; sessions drain their own
-            log.exception(
-                "could not replay %s at start; each session replays its own spooled rows "
-                "before its next write",
-                spool.path,
-            )
+        if _nothing_to_replay(spool):
+            link._recovered = True
+        else:
+            link._recovering = True
+    store.append_to_transcript = link.append_to_transcript
+    store._clear_dirty_transcript = link._clear_dirty_transcript
+    link._start()
     return link
+
+
+def _nothing_to_replay(spool: Spool) -> bool:
+    """True when the spool surely holds no row a recovery would move (one index probe)."""
+    try:
+        return not spool._read(ANY_REPLAYABLE_SQL, (AGENT_HISTORY,))
+    except Exception:  # noqa: BLE001 - then the background recovery finds out
+        return False
+
+
+def _run(notes: list[Callable[[], None]]) -> None:
+    """Log the WARNINGs gathered under the lock."""
+    for note in notes:
+        note()
 
 
 def install_runner(runner: Any, link: Link) -> None:
