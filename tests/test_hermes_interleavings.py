@@ -1,0 +1,254 @@
+"""The link's one-writer rule under forced interleavings, on the real 0.19.0 SessionStore.
+
+Threads are stepped through the link's write and wait points with events (no sleeps):
+a ``Gate`` stands in front of a write and holds it until the test lets it go, while it
+counts how many threads are inside at once, so "one writer per session" is asserted,
+not hoped for.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import walspool
+from walspool.hermes import Link, install
+
+pytest.importorskip("hermes_state")
+
+BREAK = (
+    "CREATE TRIGGER broken BEFORE INSERT ON messages BEGIN "
+    "SELECT RAISE(ABORT, 'database disk image is malformed'); END"
+)
+HEAL = "DROP TRIGGER broken"
+#: Bound on every wait for a stepped thread.
+STEP = 30.0
+
+
+class Gate:
+    """Wraps a write function: counts writers inside it and holds the armed call.
+
+    ``arm()`` makes the next call stop at the gate (``entered`` is set) until
+    ``open()``; ``inside`` and ``most`` count concurrent calls.
+    """
+
+    def __init__(self, write: Callable[..., Any]) -> None:
+        self.write = write
+        self.lock = threading.Lock()
+        self.inside = 0
+        self.most = 0
+        self.calls = 0
+        self.armed = False
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def arm(self) -> None:
+        self.entered.clear()
+        self.release.clear()
+        self.armed = True
+
+    def open(self) -> None:
+        self.release.set()
+
+    def __call__(self, *args: Any, **kw: Any) -> Any:
+        with self.lock:
+            self.inside += 1
+            self.most = max(self.most, self.inside)
+            self.calls += 1
+            hold, self.armed = self.armed, False
+        try:
+            if hold:
+                self.entered.set()
+                assert self.release.wait(STEP), "the test never opened the gate"
+            return self.write(*args, **kw)
+        finally:
+            with self.lock:
+                self.inside -= 1
+
+
+@pytest.fixture
+def spool(hermes_home: Path):
+    with walspool.Spool(hermes_home / "spool.db") as s:
+        yield s
+
+
+def sql(store: Any, statement: str) -> None:
+    with store._db._lock:
+        store._db._conn.execute(statement)
+
+
+def contents(store: Any, session_id: str) -> list[Any]:
+    return [m["content"] for m in store._db.get_messages(session_id)]
+
+
+def msg(content: str) -> dict[str, str]:
+    return {"role": "user", "content": content}
+
+
+def in_thread(fn: Callable[[], Any]) -> threading.Thread:
+    thread = threading.Thread(target=fn, daemon=True)
+    thread.start()
+    return thread
+
+
+def joined(thread: threading.Thread, timeout: float = STEP) -> bool:
+    thread.join(timeout)
+    return not thread.is_alive()
+
+
+def gate_live_writes(store: Any) -> Gate:
+    gate = Gate(store._append_transcript_message)
+    store._append_transcript_message = gate
+    return gate
+
+
+def gate_drain_writes(link: Link) -> Gate:
+    gate = Gate(link.replayer.sink.write)
+    link.replayer.sink.write = gate
+    return gate
+
+
+def test_a_write_that_fails_while_others_queue_leaves_exactly_one_writer(store, spool):
+    """The issue's duplicate: a failed write, with appenders arriving meanwhile."""
+    store._db.create_session("s", "telegram")
+    install(store, spool, retry_interval=0)
+    sql(store, BREAK)
+    for i in range(200):
+        store.append_to_transcript("s", msg(f"m{i}"))
+    sql(store, HEAL)
+    gate = gate_live_writes(store)
+    gate.arm()
+    # A: m200 evicts m0, drains it, then stops in the write of m1.
+    a = in_thread(lambda: store.append_to_transcript("s", msg("m200")))
+    assert gate.entered.wait(STEP)
+    # B and C arrive while the head is in flight: over the cap, they return at once.
+    b = in_thread(lambda: store.append_to_transcript("s", msg("b")))
+    assert joined(b)
+    c = in_thread(lambda: store.append_to_transcript("s", msg("c")))
+    assert joined(c)
+    assert len(store._dirty_transcripts["s"]) == 202  # nothing evicted under the write
+    sql(store, BREAK)
+    gate.open()  # m1's write fails on the broken database
+    assert joined(a)
+    spool.flush()
+    assert [r.message["content"] for r in spool.records()] == ["m1", "m2"]
+    assert len(store._dirty_transcripts["s"]) == 200
+    sql(store, HEAL)
+    store.append_to_transcript("s", msg("fin"))
+    assert contents(store, "s") == [f"m{i}" for i in range(201)] + ["b", "c", "fin"]
+    assert gate.most == 1 and spool.stats().rows == 0
+
+
+def test_a_waiter_wakes_to_the_current_state_after_a_reset(store, spool):
+    """A gateway thread waits to take a session over from the background thread; the
+    session's state is reset by a rewrite meanwhile; it decides on what it finds."""
+    store._db.create_session("s", "telegram")
+    link = install(store, spool, retry_interval=0.05)
+    sql(store, BREAK)
+    store.append_to_transcript("s", msg("old"))  # fails: the background retries it
+    gate = gate_live_writes(store)
+    gate.arm()
+    sql(store, HEAL)
+    assert gate.entered.wait(STEP)  # the background thread is writing "old"
+    assert link._sessions["s"].writer.background
+    waiting = threading.Event()
+    take_over = link._take_over
+
+    def announce(state: Any) -> Any:
+        waiting.set()  # the store's lock is held until the wait releases it
+        return take_over(state)
+
+    link._take_over = announce
+    g = in_thread(lambda: store.append_to_transcript("s", msg("new")))
+    assert waiting.wait(STEP)
+    # The rewrite takes the store's lock only once g waits: it resets the state g waits on.
+    assert store.rewrite_transcript("s", [msg("rewritten")])
+    assert store._dirty_transcripts.get("s") is None
+    gate.open()  # "old" lands (it was in flight, as in the released store)
+    assert joined(g)
+    store.append_to_transcript("s", msg("after"))
+    assert link.wait_idle(STEP)
+    assert contents(store, "s") == ["rewritten", "old", "after"]
+    assert gate.most == 1
+    assert "s" not in link._sessions  # nothing left behind for the session
+
+
+def test_heal_during_a_drain(store, spool):
+    store._db.create_session("s", "telegram")
+    link = install(store, spool, retry_interval=0)
+    sql(store, BREAK)
+    for i in range(210):
+        store.append_to_transcript("s", msg(f"m{i}"))
+    spool.flush()
+    assert spool.stats().rows == 10
+    drains = gate_drain_writes(link)
+    drains.arm()
+    a = in_thread(lambda: store.append_to_transcript("s", msg("m210")))  # its drain stops
+    assert drains.entered.wait(STEP)
+    sql(store, HEAL)  # heals while the drain's first write is held
+    # More messages meanwhile: they queue and evict behind the drain, never write.
+    for i in range(211, 215):
+        store.append_to_transcript("s", msg(f"m{i}"))
+    drains.open()
+    assert joined(a)
+    assert link.wait_idle(STEP)
+    assert contents(store, "s") == [f"m{i}" for i in range(215)]
+    assert drains.most == 1 and spool.stats().rows == 0
+
+
+def test_shutdown_during_a_drain(store, spool):
+    store._db.create_session("s", "telegram")
+    link = install(store, spool, retry_interval=0)
+    sql(store, BREAK)
+    for i in range(260):
+        store.append_to_transcript("s", msg(f"m{i}"))
+    sql(store, HEAL)
+    drains = gate_drain_writes(link)
+    drains.arm()
+    a = in_thread(lambda: store.append_to_transcript("s", msg("m260")))
+    assert drains.entered.wait(STEP)  # the drain of m0.. holds its first write
+    # Shutdown spools the in-memory queue at once: it does not wait for the drain.
+    flusher = in_thread(link.flush_queues)
+    assert joined(flusher)
+    assert store._dirty_transcripts.get("s", []) == []
+    drains.open()
+    assert joined(a)
+    assert link.wait_idle(STEP)
+    # The drain took the flushed rows too, after the evicted ones: arrival order.
+    assert contents(store, "s") == [f"m{i}" for i in range(261)]
+    assert drains.most == 1 and spool.stats().rows == 0
+
+
+def test_shutdown_during_a_drain_then_restart(hermes_home, store, spool):
+    """The same shutdown, but the process stops while the drain's state.db is broken:
+    the next start replays evicted and flushed rows in arrival order."""
+    from gateway.config import GatewayConfig
+    from gateway.session import SessionStore
+
+    store._db.create_session("s", "telegram")
+    link = install(store, spool, retry_interval=0)
+    sql(store, BREAK)
+    for i in range(230):
+        store.append_to_transcript("s", msg(f"m{i}"))
+    drains = gate_drain_writes(link)
+    drains.arm()
+    a = in_thread(lambda: store.append_to_transcript("s", msg("m230")))
+    assert drains.entered.wait(STEP)
+    assert link.flush_queues() == 200
+    drains.open()  # the held write fails: state.db is still broken
+    assert joined(a)
+    sql(store, HEAL)
+    spool.close()
+    store._db.close()
+    store2 = SessionStore(
+        hermes_home / "sessions", GatewayConfig(sessions_dir=hermes_home / "sessions")
+    )
+    with walspool.Spool(hermes_home / "spool.db") as spool2:
+        assert install(store2, spool2).wait_idle(STEP)
+        assert contents(store2, "s") == [f"m{i}" for i in range(231)]
+        assert spool2.stats().rows == 0
+    store2._db.close()
