@@ -47,6 +47,9 @@ from pathlib import Path
 from typing import Any
 
 EVENT, _, COUNT = os.environ.get("WALSPOOL_CRASH", "none:0").partition(":")
+#: ``WALSPOOL_SAME_TS=1``: messages come as the gateway writes agent turns: every four
+#: in a row share one role and one whole-second timestamp (only their content differs).
+SAME_TS = os.environ.get("WALSPOOL_SAME_TS") == "1"
 TARGET = int(COUNT or 0)
 PAD = "x" * 400
 
@@ -75,6 +78,9 @@ def hit(event: str) -> None:
 
 
 def message(run: int, t: int, i: int) -> dict[str, Any]:
+    if SAME_TS:
+        turn = float(1_700_000_000 + run * 10_000 + i // 4)
+        return {"role": "tool", "content": f"{run}:{t}:{i}", "pad": PAD, "timestamp": turn}
     return {"role": "user", "content": f"{run}:{t}:{i}", "pad": PAD}
 
 
@@ -129,9 +135,9 @@ def hook_spool(spool: Any) -> None:
 def hook_sink(sink: Any) -> None:
     write = sink.write
 
-    def crashing_write(session_id: str, record: Any) -> None:
+    def crashing_write(session_id: str, record: Any, ticket: Any) -> None:
         hit("before_write")
-        write(session_id, record)
+        write(session_id, record, ticket)
         content = record.message.get("content", "") if isinstance(record.message, dict) else ""
         run, i = parse(content)
         say(f"W {session_id} {run} {i}")

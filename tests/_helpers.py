@@ -28,27 +28,26 @@ def run_python(code: str, *args: str, timeout: float = 120, **kw) -> subprocess.
 
 
 class MemorySink:
-    """The ``walspool.Sink`` protocol over a list, refusing writes on demand."""
+    """The ``walspool.Sink`` protocol over a list, refusing writes on demand.
+
+    Like ``SessionDBSink`` it records each write's ticket with the row, so
+    ``landed`` is exact.
+    """
 
     def __init__(self) -> None:
         self.rows: list[tuple[str, Any]] = []
+        self.tickets: set[tuple[str, int, int]] = set()
         self.refuse: Callable[[str, Record], Exception | None] = lambda sid, rec: None
 
-    def mark(self) -> int:
-        return len(self.rows)
-
-    def write(self, session_id: str, record: Record) -> None:
+    def write(self, session_id: str, record: Record, ticket: tuple[str, int, int]) -> None:
         error = self.refuse(session_id, record)
         if error is not None:
             raise error
         self.rows.append((session_id, record.message))
+        self.tickets.add(ticket)
 
-    def landed(self, session_id: str, mark: int, records: list[Record]) -> int:
-        i = 0
-        for sid, message in self.rows[max(mark, 0) :]:
-            if i < len(records) and sid == session_id and message == records[i].message:
-                i += 1
-        return i
+    def landed(self, tickets: list[tuple[str, int, int]]) -> set[tuple[str, int, int]]:
+        return {t for t in tickets if t in self.tickets}
 
     def messages(self, session_id: str) -> list[Any]:
         return [m for s, m in self.rows if s == session_id]

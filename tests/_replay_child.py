@@ -39,11 +39,11 @@ def die() -> None:
 class CrashingSink(SessionDBSink):
     writes = 0
 
-    def write(self, session_id: str, record: Record) -> None:
+    def write(self, session_id: str, record: Record, ticket: tuple[str, int, int]) -> None:
         self.writes += 1
         if POINT == "before_write" and self.writes == N:
             die()
-        super().write(session_id, record)
+        super().write(session_id, record, ticket)
         if POINT == "after_commit" and self.writes == N:
             die()
 

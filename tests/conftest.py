@@ -40,3 +40,12 @@ def store(hermes_home: Path):
     s = SessionStore(hermes_home / "sessions", GatewayConfig(sessions_dir=hermes_home / "sessions"))
     yield s
     s._db.close()
+
+
+@pytest.fixture
+def session_db(tmp_path: Path):
+    """A real hermes-agent 0.19.0 ``SessionDB`` on ``tmp_path / "state.db"``."""
+    hermes_state = pytest.importorskip("hermes_state")
+    db = hermes_state.SessionDB(db_path=tmp_path / "state.db")
+    yield db
+    db.close()

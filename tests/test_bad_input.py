@@ -31,7 +31,7 @@ import walspool
 from walspool import AGENT_HISTORY, CAP_DROP, SHUTDOWN
 from walspool import shutdown_flush as sf
 from walspool.cli import main
-from walspool.replay import Replayer
+from walspool.replay import NEXT_TICKET_SQL, Replayer
 from walspool.sinks import SessionDBSink
 
 hermes_state = pytest.importorskip("hermes_state")
@@ -396,14 +396,15 @@ def test_records_row_inserted_out_of_id_order(spool_path):
     assert [m for s, m in sink.rows if s == "s"] == [msg(i) for i in range(4)]  # seq order
 
 
-@pytest.mark.parametrize("mark", [0, -1, 2**62, "current"])
+@pytest.mark.parametrize("mark", [0, -1, 2**62, "next"])
 def test_inflight_set_by_hand_never_duplicates(spool_path, state_db, mark):
     """In-flight marks on rows no replay had out: each row still lands exactly once."""
     state_db.create_session("s", "cli")
     state_db.create_session("t", "cli")
     state_db.append_message("s", "user", "already there", timestamp=1.0)
     filled(spool_path)
-    value = SessionDBSink(state_db).mark() if mark == "current" else mark
+    # "next": the ticket number the replay itself gives its first row.
+    value = raw(spool_path, NEXT_TICKET_SQL)[0][0] if mark == "next" else mark
     raw(spool_path, "UPDATE records SET inflight = ? WHERE seq IN (1, 3)", (value,))
     rc, result = check(spool_path)
     assert rc == 0 and "3 rows in flight" in result["notes"][0]
@@ -454,20 +455,23 @@ def _not_json_row(path: Path) -> None:
     raw(
         path,
         "INSERT INTO records (session_id, seq, reason, created_at, payload) "
-        "VALUES ('bad', 1, ?, 0, 'not json')",
-        (CAP_DROP,),
+        "VALUES ('bad', 1, ?, 0, 'not json'), ('bad', 2, ?, 0, '{\"content\": \"after\"}')",
+        (CAP_DROP, CAP_DROP),
     )
-    raw(path, "INSERT INTO sequences VALUES ('session_id', 'bad', 2)")
+    raw(path, "INSERT INTO sequences VALUES ('session_id', 'bad', 3)")
 
 
-def test_a_payload_that_is_not_json_holds_its_own_session_only(spool_path):
+def test_a_payload_that_is_not_json_is_quarantined_and_its_session_goes_on(spool_path):
     _not_json_row(spool_path)
     sink = MemorySink()
     with walspool.Spool(spool_path) as spool:
         report = Replayer(spool, sink).replay()
-        assert (report.moved, report.held) == (4, 1)
-        assert "JSON" in report.errors["bad"]
+        assert (report.moved, report.held, report.quarantined) == (5, 0, 1)
+        assert report.sessions["bad"].quarantined == 1
     assert [m for s, m in sink.rows if s == "s"] == [msg(i) for i in range(3)]
+    assert sink.contents("bad") == ["after"]
+    kept = raw(spool_path, "SELECT session_id, status, last_error FROM records")
+    assert len(kept) == 1 and kept[0][:2] == ("bad", "quarantined") and "JSON" in kept[0][2]
 
 
 def test_reading_a_payload_that_is_not_json_is_a_walspool_error(spool_path):

@@ -36,19 +36,20 @@ KEY = "agent:main:telegram:dm:42"
 
 STATS_KEYS = {
     "spool", "rows", "sessions", "bytes", "oldest", "newest", "by_reason", "failing",
-    "inflight", "db_bytes", "wal_bytes",
+    "inflight", "db_bytes", "wal_bytes", "quarantined", "superseded",
 }  # fmt: skip
 LS_KEYS = {
     "session_id", "session_key", "rows", "bytes", "oldest", "newest", "max_attempts",
-    "last_error",
+    "last_error", "quarantined", "superseded",
 }  # fmt: skip
 RECORD_KEYS = {
     "id", "session_id", "session_key", "seq", "reason", "created_at", "attempts",
-    "last_error", "last_attempt_at", "inflight", "message",
+    "last_error", "last_attempt_at", "inflight", "status", "message",
 }  # fmt: skip
 CHECK_KEYS = {"spool", "ok", "application_id", "schema_version", "rows", "problems", "notes"}
 REPLAY_KEYS = {
     "spool", "state_db", "dry_run", "moved", "held", "errors", "recovered", "sessions",
+    "quarantined",
 }  # fmt: skip
 IMPORT_KEYS = {"spool", "directory", "imported", "skipped", "by_reason", "quarantined"}
 ISO = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z$")
@@ -80,16 +81,14 @@ def section(title: str) -> str:
 
 
 class FailingSink:
-    """A sink whose every write fails: the replay holds the row with ``last_error``."""
+    """A sink whose every write fails: the replay holds the row with ``last_error``,
+    in flight (the sink can tell nothing landed)."""
 
-    def mark(self) -> int:
-        return 0
-
-    def write(self, session_id: str, record: Any) -> None:
+    def write(self, session_id: str, record: Any, ticket: Any) -> None:
         raise RuntimeError("state.db is locked")
 
-    def landed(self, session_id: str, mark: int, records: Any) -> int:
-        return 0
+    def landed(self, tickets: Any) -> set[Any]:
+        return set()
 
 
 def build_spool(path: Path) -> Path:
@@ -303,13 +302,13 @@ def test_export_pages_through_many_rows(capsys: pytest.CaptureFixture[str], tmp_
 def test_check_healthy(capsys: pytest.CaptureFixture[str], spool_file: Path) -> None:
     rc, out, err = run(capsys, "check", spool_file)
     assert (rc, err) == (0, "")
-    assert out.rstrip().endswith("ok") and "schema version 2" in out
+    assert out.rstrip().endswith("ok") and "schema version 3" in out
     rc, out, err = run(capsys, "check", spool_file, "--json")
     result = json.loads(out)
     assert set(result) == CHECK_KEYS
     assert result["ok"] is True and result["problems"] == []
     assert result["application_id"] == 0x5753504C
-    assert result["schema_version"] == SCHEMA_VERSION == 2
+    assert result["schema_version"] == SCHEMA_VERSION == 3
     assert result["rows"] == 7
 
 
@@ -443,7 +442,9 @@ def test_replay_into_session_db(
     report = json.loads(out)
     assert set(report) == REPLAY_KEYS and report["dry_run"] is True
     assert (report["moved"], report["held"]) == (5, 5)
-    assert set(report["sessions"]["s1"]) == {"session_id", "session_key", "moved", "held", "error"}
+    assert set(report["sessions"]["s1"]) == {
+        "session_id", "session_key", "moved", "held", "error", "quarantined"
+    }  # fmt: skip
     rc, out, _ = run(
         capsys, "replay", path, "--into", state_db, "--dry-run", "--create-missing", "--json"
     )
@@ -787,7 +788,7 @@ def test_readme_queries_run_in_the_sqlite3_shell(tmp_path: Path) -> None:
     assert "session-1" in text and "session-2" in text and KEY in text
     assert "RuntimeError: state.db is locked" in text  # the failures view
     assert "I want a refund" in text  # json_extract on payloads
-    assert "1465077836\n2\n" in text  # application_id, user_version
+    assert "1465077836\n3\n" in text  # application_id, user_version
     exported = (tmp_path / "session-1.jsonl").read_text().splitlines()
     assert [json.loads(line).get("content") for line in exported] == [
         "hello", "hi, how can I help?", "I want a refund\nplease", None,

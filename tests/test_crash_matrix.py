@@ -38,6 +38,7 @@ from typing import Any
 import apsw
 import pytest
 from _helpers import ROOT
+from _old_schemas import DOWNGRADE_TO_V1_SQL, make_v2_spool
 
 import walspool
 from walspool import CAP_DROP, SHUTDOWN
@@ -90,10 +91,13 @@ class Outcome:
         return [line.split()[1:] for line in self.lines if line.startswith(kind + " ")]
 
 
-def run_worker(*args: Any, crash: str | None = None, kill_after: int | None = None) -> Outcome:
+def run_worker(
+    *args: Any, crash: str | None = None, kill_after: int | None = None, same_ts: bool = False
+) -> Outcome:
     """Run the worker to its end, or until it kills itself (``crash``) or the parent
-    kills it after ``kill_after`` lines following its "ready" line."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    kills it after ``kill_after`` lines following its "ready" line. ``same_ts``: its
+    messages come in turns sharing one role and whole-second timestamp."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "WALSPOOL_SAME_TS": "1" if same_ts else "0"}
     env.pop("WALSPOOL_CRASH", None)
     if crash is not None:
         env["WALSPOOL_CRASH"] = crash
@@ -332,15 +336,19 @@ PREFILL_SESSIONS, PREFILL_EACH = 6, 400
 REPLAY_APPENDERS = 2  # sessions r<t>-<k>, k < 2
 
 
-def prefill(spool_path: Path, ledger: Ledger) -> None:
-    """Rows every replay starts from: six sessions interleaved, some with their own time."""
+def prefill(spool_path: Path, ledger: Ledger, same_ts: bool = False) -> None:
+    """Rows every replay starts from: six sessions interleaved, some with their own time
+    (``same_ts``: all, in turns of eight sharing one role and whole second)."""
     with walspool.Spool(spool_path) as spool:
         items = []
         for i in range(PREFILL_EACH):
             for k in range(PREFILL_SESSIONS):
                 t = 100 + k
                 message = {"role": "assistant" if i % 2 else "user", "content": f"0:{t}:{i}"}
-                if i % 3 == 0:
+                if same_ts:
+                    message = {"role": "tool", "content": f"0:{t}:{i}"}
+                    message["timestamp"] = 1_700_000_000 + i // 8
+                elif i % 3 == 0:
                     message["timestamp"] = 1_700_000_000 + i * 7 + k
                 items.append((f"p{k}", message))
         for receipt, (session, message) in zip(spool.append_many(items), items, strict=True):
@@ -350,10 +358,17 @@ def prefill(spool_path: Path, ledger: Ledger) -> None:
 
 
 @pytest.mark.parametrize(
-    "kills, seed",
-    [pytest.param(8, 2, id="quick"), pytest.param(60, 12, id="full", marks=pytest.mark.slow)],
+    "kills, seed, same_ts",
+    [
+        pytest.param(8, 2, False, id="quick"),
+        pytest.param(8, 5, True, id="quick-same-ts"),
+        pytest.param(60, 12, False, id="full", marks=pytest.mark.slow),
+        pytest.param(60, 15, True, id="full-same-ts", marks=pytest.mark.slow),
+    ],
 )
-def test_replay_killed_moves_everything_exactly_once(tmp_path, kills, seed):
+def test_replay_killed_moves_everything_exactly_once(tmp_path, kills, seed, same_ts):
+    """``same_ts``: every row of a turn has the same role and whole-second timestamp,
+    the traffic a guess from (role, timestamp) gets wrong."""
     PLANNED["replay"] += kills
     rng = random.Random(seed)
     spool_path, state_db = tmp_path / "spool" / "spool.db", tmp_path / "state.db"
@@ -361,7 +376,7 @@ def test_replay_killed_moves_everything_exactly_once(tmp_path, kills, seed):
     sessions += [f"r{t}-{k}" for t in range(REPLAY_APPENDERS) for k in range(2)]
     create_sessions(state_db, sessions)
     ledger = Ledger()
-    prefill(spool_path, ledger)
+    prefill(spool_path, ledger, same_ts)
     points = [
         "before_write",
         "after_write",
@@ -393,6 +408,7 @@ def test_replay_killed_moves_everything_exactly_once(tmp_path, kills, seed):
             2,
             crash=crash,
             kill_after=kill_after,
+            same_ts=same_ts,
         )
         expect_kill("replay", outcome, crash or f"random after {kill_after}")
         ledger.add(outcome)
@@ -415,10 +431,15 @@ GATEWAY_THREADS = 2  # sessions g<t>-<k>, k < 2, fed by thread t
 
 
 @pytest.mark.parametrize(
-    "kills, seed",
-    [pytest.param(7, 3, id="quick"), pytest.param(50, 13, id="full", marks=pytest.mark.slow)],
+    "kills, seed, same_ts",
+    [
+        pytest.param(7, 3, False, id="quick"),
+        pytest.param(7, 6, True, id="quick-same-ts"),
+        pytest.param(50, 13, False, id="full", marks=pytest.mark.slow),
+        pytest.param(50, 16, True, id="full-same-ts", marks=pytest.mark.slow),
+    ],
 )
-def test_gateway_killed_while_outages_come_and_go(tmp_path, kills, seed):
+def test_gateway_killed_while_outages_come_and_go(tmp_path, kills, seed, same_ts):
     PLANNED["gateway"] += kills
     rng = random.Random(seed)
     home = tmp_path / "hermes"
@@ -460,6 +481,7 @@ def test_gateway_killed_while_outages_come_and_go(tmp_path, kills, seed):
             start,
             crash=crash,
             kill_after=kill_after,
+            same_ts=same_ts,
         )
         expect_kill("gateway", outcome, crash or f"random after {kill_after}")
         ledger.add(outcome, keep=tmp_path / "runs")
@@ -598,17 +620,10 @@ def test_import_killed_loses_nothing_and_duplicates_only_in_the_window(tmp_path,
 
 
 def test_a_spool_written_before_the_size_column_keeps_its_rows(spool_path):
-    with walspool.Spool(spool_path) as spool:
-        spool.append("s", {"role": "user", "content": "spooled by the previous version"})
-    # The same file as schema 1 wrote it (before the size column and its indexes).
+    # The file as schema 1 wrote it (before the size column and its indexes).
+    make_v2_spool(spool_path, [("s", 1, '{"content": "spooled by the previous version"}', None)])
     conn = apsw.Connection(str(spool_path))
-    backlog = conn.execute("SELECT sql FROM sqlite_schema WHERE name = 'backlog'").get
-    conn.execute(
-        "DROP VIEW backlog; DROP INDEX records_reason_created_at_size_idx; "
-        "DROP INDEX records_last_error_idx; ALTER TABLE records DROP COLUMN size"
-    )
-    conn.execute(backlog.replace("sum(size)", "sum(length(CAST(payload AS BLOB)))"))
-    conn.execute("DROP INDEX records_inflight_idx; PRAGMA user_version = 1")
+    conn.execute(DOWNGRADE_TO_V1_SQL)
     conn.close()
     with walspool.Spool(spool_path) as spool:
         kept = [r.message["content"] for r in spool.records()]

@@ -74,13 +74,11 @@ class ModelSink:
 
     def __init__(self) -> None:
         self.rows: list[tuple[str, Any]] = []
+        self.tickets: set[tuple[str, int, int]] = set()
         self.failure: tuple[str, Any] = ("none", None)
         self.writes = 0
 
-    def mark(self) -> int:
-        return len(self.rows)
-
-    def write(self, session_id: str, record: Record) -> None:
+    def write(self, session_id: str, record: Record, ticket: tuple[str, int, int]) -> None:
         self.writes += 1
         kind, arg = self.failure
         if kind == "refuse_session" and session_id == arg:
@@ -90,15 +88,12 @@ class ModelSink:
         if kind == "crash_before" and self.writes == arg:
             raise Crash
         self.rows.append((session_id, record.message))
+        self.tickets.add(ticket)
         if kind == "crash_after" and self.writes == arg:
             raise Crash
 
-    def landed(self, session_id: str, mark: int, records: list[Record]) -> int:
-        i = 0
-        for sid, message in self.rows[mark:]:
-            if i < len(records) and sid == session_id and message == records[i].message:
-                i += 1
-        return i
+    def landed(self, tickets: list[tuple[str, int, int]]) -> set[tuple[str, int, int]]:
+        return {t for t in tickets if t in self.tickets}
 
 
 def stream_of(session_id: str | None, session_key: str | None) -> tuple[str, str]:

@@ -250,18 +250,28 @@ class Crash(BaseException):
     """Stands in for the process dying: nothing after it runs."""
 
 
-def set_inflight(spool: walspool.Spool, mark: int) -> None:
-    spool._execute(lambda conn: conn.execute("UPDATE records SET inflight = ?", (mark,)))
+def test_recovery_removes_what_landed_and_writes_the_rest_among_identical_rows(spool, sink):
+    """Five identical messages, a crash after two landed, the same message written by
+    another writer meanwhile: recovery finds exactly the two by their tickets."""
+    same = {"role": "user", "content": "ok", "timestamp": 1700000000.0}
+    spool.append_many([("s", same)] * 5)
+    write = sink.write
 
+    def write_then_die(session_id: str, record: Record, ticket: Any) -> None:
+        write(session_id, record, ticket)
+        sink.rows.append(("s", same))  # another writer, same message, same second
+        if record.seq == 2:
+            raise Crash
 
-def test_recovery_removes_what_landed_and_writes_the_rest(spool, sink):
-    spool.append_many([("s", msg("s", i)) for i in range(5)])
-    sink.rows.append(("s", msg("s", 0)))  # written before the crashed replay's mark
-    set_inflight(spool, sink.mark())
-    sink.rows += [("s", msg("s", 0)), ("other", "x"), ("s", msg("s", 1))]
+    sink.write = write_then_die  # type: ignore[method-assign]
+    with pytest.raises(Crash):
+        Replayer(spool, sink).replay()
+    sink.write = write  # type: ignore[method-assign]
+    assert query(spool, "SELECT count(*) FROM records WHERE inflight IS NOT NULL") == [(5,)]
     report = Replayer(spool, sink).replay()
     assert (report.recovered, report.moved) == (2, 3)
-    assert sink.messages("s") == [msg("s", 0)] + [msg("s", i) for i in range(5)]
+    assert len(sink.tickets) == 5  # each spooled row written exactly once
+    assert sink.messages("s") == [same] * 7  # 5 spooled + 2 from the other writer
 
 
 def test_a_failing_probe_keeps_the_stream_in_flight(spool, sink):
@@ -271,7 +281,7 @@ def test_a_failing_probe_keeps_the_stream_in_flight(spool, sink):
     )
     spool.append("s", msg("s", 1))
 
-    def landed(session_id: str, mark: int, records: list[Record]) -> int:
+    def landed(tickets: list[Any]) -> set[Any]:
         raise TimeoutError("state.db unreachable")
 
     sink.landed = landed  # type: ignore[method-assign]
@@ -280,8 +290,7 @@ def test_a_failing_probe_keeps_the_stream_in_flight(spool, sink):
     assert report.held == 2
     assert report.errors["s"] == (
         "1 rows of an interrupted replay could not be checked "
-        "against the sink: probe failed: TimeoutError: state.db "
-        "unreachable"
+        "against the sink: TimeoutError: state.db unreachable"
     )
     assert query(spool, "SELECT seq, inflight FROM records ORDER BY seq") == [(1, 0), (2, None)]
 
@@ -290,8 +299,8 @@ def test_an_interrupted_replay_in_process_is_recovered(spool, sink):
     spool.append_many([("s", msg("s", i)) for i in range(6)])
     write = sink.write
 
-    def write_then_die(session_id: str, record: Record) -> None:
-        write(session_id, record)
+    def write_then_die(session_id: str, record: Record, ticket: Any) -> None:
+        write(session_id, record, ticket)
         if record.seq == 3:
             raise Crash
 
@@ -569,7 +578,9 @@ def test_an_agent_history_asked_for_by_reason_does_not_wedge_its_session(spool, 
     spool.append("s", msg("s", 2))
     sink = SessionDBSink(state_db)
     report = Replayer(spool, sink).replay(reasons=[AGENT_HISTORY])
-    assert report.held == 1 and "not one message" in report.errors["s"]
+    assert (report.held, report.quarantined) == (0, 1)
+    (kept,) = [r for r in spool.records() if r.status is not None]
+    assert kept.reason == AGENT_HISTORY and "not one message" in kept.last_error
     report = Replayer(spool, sink).replay()
     assert (report.moved, report.held) == (2, 0)
     assert contents(state_db, "s") == ["s-0", "s-2"]

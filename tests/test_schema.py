@@ -14,6 +14,7 @@ from pathlib import Path
 import apsw
 import pytest
 from _helpers import run_python
+from _old_schemas import DOWNGRADE_TO_V1_SQL, make_v2_spool
 
 import walspool
 from walspool.schema import APPLICATION_ID, SCHEMA_VERSION, open_reader
@@ -29,16 +30,18 @@ def test_file_identity_wal_and_strict_tables(spool, spool_path):
     spool.append("s", MSG)
     conn = apsw.Connection(str(spool_path), flags=apsw.SQLITE_OPEN_READONLY)
     assert conn.execute("PRAGMA application_id").get == APPLICATION_ID
-    assert conn.execute("PRAGMA user_version").get == SCHEMA_VERSION == 2
+    assert conn.execute("PRAGMA user_version").get == SCHEMA_VERSION == 3
     assert conn.execute("PRAGMA journal_mode").get == "wal"
     strict = {
         name: s
         for _, name, _, _, _, s in conn.execute("PRAGMA table_list")
-        if name in ("records", "sequences")
+        if name in ("records", "sequences", "spool_meta")
     }
-    assert strict == {"records": 1, "sequences": 1}
+    assert strict == {"records": 1, "sequences": 1, "spool_meta": 1}
     names = {r[0] for r in conn.execute("SELECT name FROM sqlite_schema")}
-    assert {"records", "sequences", "backlog", "failures"} <= names
+    assert {"records", "sequences", "spool_meta", "backlog", "failures"} <= names
+    uid = conn.execute("SELECT value FROM spool_meta WHERE name = 'uid'").get
+    assert len(uid) == 32 and int(uid, 16) >= 0
     assert not any("fts" in n.lower() for n in names)
     assert conn.execute("SELECT count(*) FROM sqlite_schema WHERE type='trigger'").get == 0
     conn.close()
@@ -219,16 +222,9 @@ def test_stdlib_sqlite3_in_another_process_reads_the_spool(spool, spool_path):
 
 
 def test_schema_1_spool_is_upgraded_in_place(spool_path):
-    with walspool.Spool(spool_path) as spool:
-        spool.append_many([("s", {"n": i}) for i in range(3)])
+    make_v2_spool(spool_path, [("s", i + 1, f'{{"n":{i}}}', None) for i in range(3)])
     conn = apsw.Connection(str(spool_path))  # rewrite the file as schema 1 had it
-    conn.execute(
-        "DROP VIEW backlog; DROP INDEX records_reason_created_at_size_idx; "
-        "DROP INDEX records_last_error_idx; DROP INDEX records_inflight_idx; "
-        "ALTER TABLE records DROP COLUMN size; PRAGMA user_version = 1; "
-        "CREATE VIEW backlog AS SELECT session_id, count(*) AS rows FROM records "
-        "GROUP BY session_id"
-    )
+    conn.execute(DOWNGRADE_TO_V1_SQL)
     conn.close()
     with pytest.raises(walspool.NotASpool, match="open it once for writing"):
         open_reader(spool_path)
@@ -237,7 +233,44 @@ def test_schema_1_spool_is_upgraded_in_place(spool_path):
         assert spool.stats().bytes == 3 * len('{"n":0}')
         assert spool.append("s", {"n": 3}).seq == 4
     conn = apsw.Connection(str(spool_path), flags=apsw.SQLITE_OPEN_READONLY)
-    assert conn.execute("PRAGMA user_version").get == SCHEMA_VERSION == 2
+    assert conn.execute("PRAGMA user_version").get == SCHEMA_VERSION == 3
     assert conn.execute("SELECT rows, bytes FROM backlog").fetchall() == [(4, 4 * 7)]
     conn.close()
     assert not [p for p in spool_path.parent.iterdir() if ".damaged-" in p.name]
+
+
+def test_schema_2_spool_with_rows_in_flight_is_upgraded_and_never_guessed(
+    spool_path, session_db, caplog
+):
+    """Schema 2 marked rows in flight with state.db's max id, which cannot say exactly
+    whether a row landed: the upgrade quarantines those rows (kept, named, replayable
+    by hand), and every other row replays as usual, its session going on."""
+    session_db.create_session("s", "cli")
+    make_v2_spool(
+        spool_path,
+        [
+            ("s", 1, '{"role": "user", "content": "maybe landed"}', 7),
+            ("s", 2, '{"role": "user", "content": "next"}', None),
+            ("t", 1, '{"role": "user", "content": "other"}', None),
+        ],
+    )
+    with caplog.at_level(logging.WARNING, logger="walspool.schema"):
+        spool = walspool.Spool(spool_path)
+    assert "1 row(s) were in flight under schema 2 and are quarantined" in caplog.text
+    with spool:
+        session_db.create_session("t", "cli")
+        report = walspool.Replayer(spool, walspool.SessionDBSink(session_db)).replay()
+        assert (report.moved, report.held, report.quarantined) == (2, 0, 0)
+        kept = list(spool.records())
+        assert [(r.seq, r.status, r.message["content"]) for r in kept] == [
+            (1, "quarantined", "maybe landed")
+        ]
+        assert "upgraded from schema 2" in kept[0].last_error
+        assert spool.append("s", {"role": "user", "content": "new"}).seq == 3
+        # The operator checked state.db: it is not there, so they replay it by hand.
+        report = walspool.Replayer(spool, walspool.SessionDBSink(session_db)).replay(
+            quarantined=True
+        )
+        assert report.moved == 2 and list(spool.records()) == []
+    contents = [m["content"] for m in session_db.get_messages("s")]
+    assert contents == ["next", "maybe landed", "new"]

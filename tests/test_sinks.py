@@ -65,6 +65,10 @@ MULTIMODAL = {
 MESSAGES = [USER, ASSISTANT, TOOL, MULTIMODAL]
 
 
+#: A ticket as a replay gives one: (spool uid, ticket number, spool row id).
+TICKET = ("spool-uid", 1, 1)
+
+
 def record(message: Any, created_at: float = T0 + 100, rid: int = 1, seq: int = 1) -> Record:
     return Record(rid, "s", seq, walspool.CAP_DROP, None, created_at, message, 0, None)
 
@@ -221,7 +225,7 @@ def test_only_keywords_the_installed_append_message_accepts(spool):
     spool.append("s", ASSISTANT)
     spool.append("s", USER)
     sink = SessionDBSink(db)
-    assert sink.mark() == 0
+    assert sink.landed([("spool", 1, 1)]) is None  # no ticket records: cannot tell
     assert Replayer(spool, sink).replay().moved == 2
     assert db.rows[0]["tool_calls"] == ASSISTANT["tool_calls"]
     assert [(r["role"], r["timestamp"]) for r in db.rows] == [("assistant", T0 + 1), ("user", T0)]
@@ -235,7 +239,7 @@ def test_append_message_with_var_keywords_gets_everything():
             seen.update(kwargs)
             return 1
 
-    SessionDBSink(Open()).write("s", record(ASSISTANT))
+    SessionDBSink(Open()).write("s", record(ASSISTANT), TICKET)
     assert seen["codex_message_items"] == ASSISTANT["codex_message_items"]
     assert seen["api_content"] is None and seen["timestamp"] == T0 + 1
 
@@ -243,7 +247,7 @@ def test_append_message_with_var_keywords_gets_everything():
 def test_missing_session_raises_a_clear_error_and_writes_nothing(state_db):
     sink = SessionDBSink(state_db)
     with pytest.raises(SessionMissing) as info:
-        sink.write("nope", record(USER))
+        sink.write("nope", record(USER), TICKET)
     assert str(info.value) == (
         "session nope does not exist in state.db (FOREIGN KEY constraint failed); "
         "replay with create_missing=True to create it"
@@ -254,53 +258,92 @@ def test_missing_session_raises_a_clear_error_and_writes_nothing(state_db):
 
 def test_create_missing_creates_the_session_once(state_db):
     sink = SessionDBSink(state_db, create_missing=True)
-    sink.write("new", record(USER))
-    sink.write("new", record(TOOL))
+    sink.write("new", record(USER), ("u", 1, 1))
+    sink.write("new", record(TOOL), ("u", 2, 2))
+    assert sink.landed([("u", 1, 1), ("u", 2, 2)]) == {("u", 1, 1), ("u", 2, 2)}
     assert [r["role"] for r in state_db.get_messages("new")] == ["user", "tool"]
     assert state_db.get_session("new")["source"] == "walspool"
 
 
 def test_create_missing_leaves_an_existing_session_alone(state_db):
     state_db.create_session("s", "telegram")
-    SessionDBSink(state_db, create_missing=True).write("s", record(USER))
+    SessionDBSink(state_db, create_missing=True).write("s", record(USER), TICKET)
     assert state_db.get_session("s")["source"] == "telegram"
 
 
-def test_landed_counts_the_prefix_written_after_the_mark(state_db):
+def test_landed_is_exact_among_identical_rows_of_other_writers(state_db):
+    """Same role, content and whole-second timestamp, written by the sink and by the
+    gateway in between: only the tickets the sink wrote are found."""
     state_db.create_session("s", "cli")
     sink = SessionDBSink(state_db)
-    records = [
-        record({"role": "user", "content": str(i), "timestamp": T0 + i}, rid=i, seq=i)
-        for i in range(1, 6)
-    ]
-    sink.write("s", records[0])  # landed before the mark: not counted
-    mark = sink.mark()
-    assert sink.landed("s", mark, records[1:]) == 0
-    sink.write("s", records[1])
-    state_db.append_message("s", "assistant", "another writer", timestamp=T0 + 50)
-    sink.write("s", records[2])
-    assert sink.landed("s", mark, records[1:]) == 2
-    assert sink.landed("s", mark, records[2:]) == 1  # a subsequence, not a window
+    same = {"role": "user", "content": "ok", "timestamp": T0}
+    tickets = [("u", n, n) for n in range(1, 5)]
+    assert sink.landed(tickets) == set()
+    sink.write("s", record(same, rid=1, seq=1), tickets[0])
+    state_db.append_message("s", "user", "ok", timestamp=T0)  # the gateway, same second
+    sink.write("s", record(same, rid=2, seq=2), tickets[1])
+    state_db.append_message("s", "user", "ok", timestamp=T0)
+    assert sink.landed(tickets) == set(tickets[:2])
+    assert sink.landed([("other spool", 1, 1)]) == set()
+    # The same number on another row (a hand edit) is not taken for this row.
+    assert sink.landed([("u", 1, 99)]) == set()
+    assert len(state_db.get_messages("s")) == 4
 
 
-def test_landed_tells_equal_content_apart_by_timestamp(state_db):
+def test_a_rewrite_of_the_transcript_does_not_unland_a_row(state_db):
+    """/retry, /undo and /compress replace the session's rows: a row that landed is
+    still known to have landed, so it is never written twice."""
     state_db.create_session("s", "cli")
     sink = SessionDBSink(state_db)
-    same = [
-        record({"role": "user", "content": "ok"}, created_at=T0 + i, rid=i, seq=i) for i in range(3)
-    ]
-    mark = sink.mark()
-    sink.write("s", same[0])
-    assert sink.landed("s", mark, same) == 1
+    sink.write("s", record(USER), TICKET)
+    state_db.replace_messages("s", [{"role": "user", "content": "rewritten", "timestamp": T0}])
+    assert sink.landed([TICKET]) == {TICKET}
 
 
-def test_landed_cannot_tell_a_foreign_row_with_the_same_role_and_timestamp(state_db):
-    """The documented limit: another writer's row equal in (role, timestamp)."""
+def test_a_failed_write_records_no_ticket(state_db):
     state_db.create_session("s", "cli")
     sink = SessionDBSink(state_db)
-    mark = sink.mark()
-    state_db.append_message("s", "user", "someone else's", timestamp=T0)
-    assert sink.landed("s", mark, [record({"role": "user", "timestamp": T0})]) == 1
+    sink.write("s", record(USER), ("u", 1, 1))
+    with state_db._lock:
+        state_db._conn.execute(
+            "CREATE TRIGGER broken BEFORE INSERT ON messages "
+            "BEGIN SELECT RAISE(ABORT, 'database disk image is malformed'); END"
+        )
+    with pytest.raises(Exception, match="malformed"):
+        sink.write("s", record(TOOL), ("u", 2, 2))
+    assert sink.landed([("u", 1, 1), ("u", 2, 2)]) == {("u", 1, 1)}
+
+
+def test_only_the_replaying_thread_records_tickets(state_db):
+    """The gateway's own writes through the same SessionDB, concurrently: none of
+    them records a ticket, and every replayed write records its own."""
+    state_db.create_session("s", "cli")
+    sink = SessionDBSink(state_db)
+    sink.write("s", record(USER, rid=1, seq=1), ("u", 1, 1))  # sets up the trigger
+    other = threading.Thread(
+        target=lambda: [state_db.append_message("s", "assistant", str(i)) for i in range(200)]
+    )
+    other.start()
+    tickets = [("u", n, n) for n in range(2, 202)]
+    for ticket in tickets:
+        sink.write("s", record(USER, rid=ticket[2], seq=ticket[1]), ticket)
+    other.join(30)
+    with state_db._lock:
+        recorded = state_db._conn.execute("SELECT count(*) FROM walspool_landed").fetchone()[0]
+    assert sink.landed(tickets) == set(tickets)
+    assert recorded == len(tickets) + 1
+
+
+def test_ticket_records_are_pruned_in_a_later_write(state_db):
+    state_db.create_session("s", "cli")
+    sink = SessionDBSink(state_db)
+    for n in range(1, 6):
+        sink.write("s", record(USER, rid=n, seq=n), ("u", n, n))
+    sink.forget("u", below=6, keep=[2])  # rows 1, 3, 4, 5 have left the spool
+    sink.write("s", record(USER, rid=6, seq=6), ("u", 6, 6))
+    with state_db._lock:
+        left = state_db._conn.execute("SELECT ticket FROM walspool_landed ORDER BY 1").fetchall()
+    assert [tuple(row) for row in left] == [(2,), (6,)]
 
 
 def test_locked_state_db_holds_the_row_and_the_next_replay_moves_it(spool, state_db, tmp_path):
@@ -333,22 +376,25 @@ def test_sink_write_is_thread_safe_with_the_gateway_writing(state_db):
     )
     other.start()
     for i in range(50):
-        sink.write("s", record({"role": "user", "content": str(i)}, created_at=T0 + i))
+        message = record({"role": "user", "content": str(i)}, created_at=T0 + i)
+        sink.write("s", message, ("u", i + 1, i + 1))
     other.join(30)
     users = [r["content"] for r in state_db.get_messages("s") if r["role"] == "user"]
     assert users == [str(i) for i in range(50)]
 
 
-def test_an_agent_history_spooled_whole_is_held_not_written(spool, state_db):
+def test_an_agent_history_spooled_whole_is_quarantined_not_written(spool, state_db):
     state_db.create_session("s", "cli")
     history = {"session_id": "s", "count": 2, "messages": [USER, TOOL]}
     spool.append("s", history, reason=walspool.AGENT_HISTORY)
     report = Replayer(spool, SessionDBSink(state_db)).replay(reasons=[walspool.AGENT_HISTORY])
-    assert (report.moved, report.held) == (0, 1)
-    assert report.errors["s"] == (
+    assert (report.moved, report.held, report.quarantined) == (0, 0, 1)
+    (kept,) = spool.records()
+    assert kept.status == walspool.QUARANTINED
+    assert kept.last_error == (
         "record 1 (session s, seq 1) holds a list of messages, not one message; "
         "export it and recover it by hand"
     )
     assert state_db.get_messages("s") == []
     with pytest.raises(NotAMessage):
-        SessionDBSink(state_db).write("s", record(history))
+        SessionDBSink(state_db).write("s", record(history), TICKET)

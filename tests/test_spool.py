@@ -212,9 +212,9 @@ def test_bad_options_refused(tmp_path: Path):
 
 def test_public_api_is_pinned():
     assert sorted(walspool.__all__) == sorted([
-        "AGENT_HISTORY", "CAP_DROP", "SHUTDOWN", "DiskFull", "ImportReport",
-        "InvalidArgument", "NotAMessage", "NotASpool", "PayloadTooLarge", "Receipt", "Record",
-        "ReplayReport", "Replayer", "SchemaTooNew", "SessionDBSink", "SessionMissing", "Sink",
+        "AGENT_HISTORY", "CAP_DROP", "QUARANTINED", "SHUTDOWN", "SUPERSEDED", "DiskFull",
+        "ImportReport", "InvalidArgument", "NotAMessage", "NotASpool", "PayloadTooLarge",
+        "Receipt", "Record", "ReplayBusy", "ReplayReport", "Replayer", "SchemaTooNew", "SessionDBSink", "SessionMissing", "Sink",
         "Spool", "SpoolClosed", "SpoolCorrupt", "SpoolFull", "SpoolIOError", "Stats",
         "StreamReport", "SymlinkRefused", "UnsupportedGateway", "WalspoolError",
         "import_json_spool",

@@ -11,6 +11,7 @@ from .errors import (
     NotAMessage,
     NotASpool,
     PayloadTooLarge,
+    ReplayBusy,
     SchemaTooNew,
     SessionMissing,
     SpoolClosed,
@@ -22,7 +23,16 @@ from .errors import (
     WalspoolError,
 )
 from .jsonspool import ImportReport, import_json_spool
-from .records import AGENT_HISTORY, CAP_DROP, SHUTDOWN, Receipt, Record, Stats
+from .records import (
+    AGENT_HISTORY,
+    CAP_DROP,
+    QUARANTINED,
+    SHUTDOWN,
+    SUPERSEDED,
+    Receipt,
+    Record,
+    Stats,
+)
 from .replay import Replayer, ReplayReport, StreamReport
 from .sinks import SessionDBSink, Sink
 from .spool import Spool
@@ -30,7 +40,9 @@ from .spool import Spool
 __all__ = [
     "AGENT_HISTORY",
     "CAP_DROP",
+    "QUARANTINED",
     "SHUTDOWN",
+    "SUPERSEDED",
     "DiskFull",
     "ImportReport",
     "InvalidArgument",
@@ -40,6 +52,7 @@ __all__ = [
     "Receipt",
     "Record",
     "ReplayReport",
+    "ReplayBusy",
     "Replayer",
     "SchemaTooNew",
     "SessionDBSink",

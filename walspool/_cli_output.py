@@ -11,7 +11,7 @@ import contextlib
 import datetime
 import sqlite3
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 from urllib.parse import quote
@@ -21,7 +21,7 @@ import msgspec
 
 from . import codec
 from .errors import NotASpool, SpoolCorrupt, WalspoolError
-from .records import AGENT_HISTORY, Record
+from .records import AGENT_HISTORY, QUARANTINED, SUPERSEDED, Record
 from .replay import REASON_FILTER, ReplayReport, StreamReport
 from .schema import (
     APPLICATION_ID,
@@ -32,7 +32,7 @@ from .schema import (
     open_reader,
     sqlite_error,
 )
-from .sinks import SessionMissing, Sink
+from .sinks import SessionMissing, Sink, Ticket
 from .spool import (
     PAGE_ROWS,
     RECORD_COLUMNS,
@@ -112,8 +112,10 @@ def spool_error(exc: apsw.Error, path: Path) -> WalspoolError:
 # -- stats, ls, show, export -------------------------------------------------------
 
 INFLIGHT_SQL = "SELECT count(*) FROM records WHERE inflight IS NOT NULL"
+STATUS_COUNT_SQL = "SELECT status, count(*) FROM records WHERE status IS NOT NULL GROUP BY status"
 BACKLOG_SQL = """
-SELECT session_id, session_key, rows, bytes, oldest, newest, max_attempts, last_error
+SELECT session_id, session_key, rows, bytes, oldest, newest, max_attempts, last_error,
+       quarantined, superseded
 FROM backlog ORDER BY oldest, session_id, session_key
 """
 BACKLOG_KEYS = (
@@ -125,6 +127,8 @@ BACKLOG_KEYS = (
     "newest",
     "max_attempts",
     "last_error",
+    "quarantined",
+    "superseded",
 )
 _ROW = f"SELECT {RECORD_COLUMNS}, inflight FROM records"
 _BY_REASON = "(:reasons IS NULL OR reason IN (SELECT value FROM json_each(:reasons)))"
@@ -155,6 +159,7 @@ def read_stats(conn: apsw.Connection, path: Path) -> dict[str, Any]:
         sessions = conn.execute(STATS_SESSIONS_SQL).get
         failing = conn.execute(STATS_FAILING_SQL).get
         inflight = conn.execute(INFLIGHT_SQL).get
+        by_status = dict(conn.execute(STATUS_COUNT_SQL).fetchall())
     s = stats_from(by_reason, sessions, failing, path)
     return {
         "spool": str(path),
@@ -168,6 +173,8 @@ def read_stats(conn: apsw.Connection, path: Path) -> dict[str, Any]:
         "inflight": inflight,
         "db_bytes": s.db_bytes,
         "wal_bytes": s.wal_bytes,
+        "quarantined": by_status.get(QUARANTINED, 0),
+        "superseded": by_status.get(SUPERSEDED, 0),
     }
 
 
@@ -227,6 +234,7 @@ def record_json(record: Record, inflight: int | None, *, message: bool = True) -
         "last_error": record.last_error,
         "last_attempt_at": record.last_attempt_at,
         "inflight": inflight is not None,
+        "status": record.status,
     }
     if message:
         out["message"] = record.message
@@ -466,12 +474,24 @@ GROUP BY 1, 2 ORDER BY 1, 2
 """
 
 
+def statuses(quarantined: bool, superseded: bool) -> str:
+    """The row statuses a replay takes besides replayable rows, as ``REASON_FILTER``
+    wants them."""
+    chosen = [QUARANTINED] * quarantined + [SUPERSEDED] * superseded
+    return codec.encode(chosen).decode()
+
+
 def replay_streams(
-    conn: apsw.Connection, session: str | None, reasons: Sequence[str] | None
+    conn: apsw.Connection, session: str | None, reasons: Sequence[str] | None, statuses: str
 ) -> list[tuple[str | None, str | None, int]]:
     """``(session_id, session_key, rows)`` of each stream a replay would take."""
     reasons_json = None if reasons is None else codec.encode(list(reasons)).decode()
-    params = {"reasons": reasons_json, "agent_history": AGENT_HISTORY, "session": session}
+    params = {
+        "reasons": reasons_json,
+        "agent_history": AGENT_HISTORY,
+        "session": session,
+        "statuses": statuses,
+    }
     return conn.execute(STREAMS_SQL, params).fetchall()
 
 
@@ -512,16 +532,18 @@ class ProgressSink:
         self.total = total
         self.done = 0
 
-    def mark(self) -> int:
-        return self.sink.mark()
-
-    def write(self, session_id: str, record: Record) -> None:
-        self.sink.write(session_id, record)
+    def write(self, session_id: str, record: Record, ticket: Ticket) -> None:
+        self.sink.write(session_id, record, ticket)
         self.done += 1
         self.progress(self.done, self.total)
 
-    def landed(self, session_id: str, mark: int, records: Sequence[Record]) -> int:
-        return self.sink.landed(session_id, mark, records)
+    def landed(self, tickets: Sequence[Ticket]) -> Collection[Ticket] | None:
+        return self.sink.landed(tickets)
+
+    def forget(self, spool: str, below: int, keep: Sequence[int]) -> None:
+        forget = getattr(self.sink, "forget", None)
+        if forget is not None:
+            forget(spool, below, keep)
 
     def __repr__(self) -> str:
         return repr(self.sink)

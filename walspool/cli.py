@@ -45,10 +45,11 @@ from ._cli_output import (
     size,
     spool_error,
     state_db_message,
+    statuses,
     table,
 )
 from .errors import SpoolCorrupt, WalspoolError
-from .records import AGENT_HISTORY, Record
+from .records import AGENT_HISTORY, QUARANTINED, SUPERSEDED, Record
 from .replay import Replayer, ReplayReport
 
 EXIT_OK = 0
@@ -78,6 +79,8 @@ def cmd_stats(args: argparse.Namespace) -> int:
         *(("", r) for r in reasons[1:]),
         ("with errors", plural(stats["failing"], "row")),
         ("in flight", plural(stats["inflight"], "row")),
+        ("quarantined", plural(stats["quarantined"], "row")),
+        ("superseded", plural(stats["superseded"], "row")),
         ("files", f"db {size(stats['db_bytes'])}, WAL {size(stats['wal_bytes'])}"),
     ]
     print("\n".join(f"{k:<12}{v}" for k, v in lines))
@@ -134,6 +137,7 @@ def cmd_show(args: argparse.Namespace) -> int:
             print(
                 f"\nseq {r.seq}  id {r.id}  {r.reason}  {iso(r.created_at)}  "
                 f"attempts {r.attempts}{'  in flight' if inflight is not None else ''}"
+                f"{'  ' + r.status if r.status else ''}"
             )
             if r.last_error is not None:
                 print(f"last error ({iso(r.last_attempt_at)}): {r.last_error}")
@@ -143,11 +147,20 @@ def cmd_show(args: argparse.Namespace) -> int:
     print(table(headers, [_show_line(r, inflight) for r, inflight in rows]))
     if any(inflight is not None for _, inflight in rows):
         print("* in flight: out with a replay, or left to be checked against state.db first")
+    if any(r.status == QUARANTINED for r, _ in rows):
+        print("Q quarantined: kept, not replayed; replay --quarantined once the cause is fixed")
+    if any(r.status == SUPERSEDED for r, _ in rows):
+        print("S superseded by a transcript rewrite: kept, not replayed unless --superseded")
     return EXIT_OK
 
 
+#: The mark after ``attempts`` in ``show`` for a row of each status.
+STATUS_MARKS = {QUARANTINED: "Q", SUPERSEDED: "S"}
+
+
 def _show_line(r: Record, inflight: int | None) -> tuple[Any, ...]:
-    attempts = f"{r.attempts}{'*' if inflight is not None else ''}"
+    mark = "*" if inflight is not None else STATUS_MARKS.get(r.status or "", "")
+    attempts = f"{r.attempts}{mark}"
     return (
         r.seq,
         r.id,
@@ -163,12 +176,16 @@ def cmd_replay(args: argparse.Namespace) -> int:
     """Move spooled rows into the gateway's state.db, in drop order, exactly once.
 
     Writes through hermes' SessionDB and reports what moved and what was held, and
-    why; a failing row holds back the later rows of its session only. Agent histories
-    move only when asked for with --reason. --dry-run writes nothing: it reports what
+    why; a failing row holds back the later rows of its session only, but a row
+    state.db refuses for its content is quarantined and its session goes on.
+    Quarantined and superseded rows move only with --quarantined or --superseded,
+    agent histories only when asked for with --reason. --dry-run writes nothing: it reports what
     would move, judging by which sessions exist in state.db. Exit 3 when rows are held.
     """
     with reading(args.spool) as conn:
-        streams = replay_streams(conn, args.session, args.reason)
+        streams = replay_streams(
+            conn, args.session, args.reason, statuses(args.quarantined, args.superseded)
+        )
     if args.dry_run:
         state = open_state_db(args.into, write=False)
         try:
@@ -208,7 +225,12 @@ def _replay(args: argparse.Namespace, total: int) -> ReplayReport:
         with Spool(args.spool) as spool:
             sink = SessionDBSink(db, create_missing=args.create_missing)
             counted = ProgressSink(sink, progress, total)
-            return Replayer(spool, counted).replay(session_id=args.session, reasons=args.reason)
+            return Replayer(spool, counted).replay(
+                session_id=args.session,
+                reasons=args.reason,
+                quarantined=args.quarantined,
+                superseded=args.superseded,
+            )
     finally:
         progress.close()
         db.close()
@@ -223,6 +245,11 @@ def _print_replay(args: argparse.Namespace, report: ReplayReport) -> None:
     print(f"{moved} {plural(report.moved, 'row')} from {args.spool} into {args.into}")
     if report.recovered:
         print(f"recovered {plural(report.recovered, 'row')} an interrupted replay had written")
+    if report.quarantined:
+        print(
+            f"quarantined {plural(report.quarantined, 'row')} state.db refused for its "
+            "content (see `walspool show`; replay again with --quarantined once fixed)"
+        )
     if report.held:
         print(f"{held} {plural(report.held, 'row')} in {plural(len(report.errors), 'session')}:")
         rows = [(name, report.sessions[name].held, error) for name, error in report.errors.items()]
@@ -367,6 +394,16 @@ def _args_replay(p: argparse.ArgumentParser) -> None:
         "--create-missing",
         action="store_true",
         help="create sessions missing from state.db instead of holding their rows",
+    )
+    p.add_argument(
+        "--quarantined",
+        action="store_true",
+        help="also replay quarantined rows (after fixing what made state.db refuse them)",
+    )
+    p.add_argument(
+        "--superseded",
+        action="store_true",
+        help="also replay rows a transcript rewrite superseded",
     )
 
 

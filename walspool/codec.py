@@ -14,13 +14,21 @@ The rule, applied once when a message is appended:
   them); lone UTF-16 surrogates as U+FFFD, as state.db itself scrubs them; and
   whatever is left as ``repr(value)``.
 
+One field is read, not just converted: a message's ``timestamp`` (a dict key or an
+object's attribute) that is a datetime is stored as epoch seconds, a naive one read
+once in the appending process's zone, so no later reader, in whatever zone, has to
+guess it (``with_epoch_timestamp``).
+
 Reading a record gives back the JSON form, so a converted value does not come back
-as its original type. Encoding never raises for a value within the size limit.
+as its original type. Encoding never raises: a value whose conversion itself fails
+(an attribute or ``__iter__`` that raises, say) is stored as its ``repr()``, or as
+``"<unrepresentable TYPE>"`` when even that fails.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import enum
 from collections.abc import Mapping
 from typing import Any
@@ -38,7 +46,40 @@ def encode(message: Any) -> bytes:
     try:
         return _encoder.encode(message)
     except Exception:  # noqa: BLE001 - the slow path below handles any value
+        pass
+    try:
         return _encoder.encode(_plain(message, 0, set()))
+    except Exception:  # noqa: BLE001 - a value whose own code raises: keep what it says
+        return _encoder.encode(_safe_repr(message))
+
+
+def with_epoch_timestamp(message: Any) -> Any:
+    """``message`` with a datetime ``timestamp`` replaced by its epoch seconds.
+
+    A dict is copied (the caller's stays as it was); an object becomes its JSON
+    form, a dict, with the number in place. Anything else comes back unchanged.
+    """
+    if isinstance(message, dict):
+        stamp = message.get("timestamp")
+    elif isinstance(message, (str, bytes, int, float, list, tuple)) or message is None:
+        return message
+    else:
+        try:
+            stamp = getattr(message, "timestamp", None)
+        except Exception:  # noqa: BLE001 - an attribute that raises is not a time
+            return message
+    if not isinstance(stamp, datetime.datetime):
+        return message
+    try:
+        epoch = stamp.timestamp()  # a naive datetime is local time, read here once
+    except (OverflowError, OSError, ValueError):
+        return message
+    if isinstance(message, dict):
+        return {**message, "timestamp": epoch}
+    plain = decode(encode(message))
+    if isinstance(plain, dict):
+        plain["timestamp"] = epoch
+    return plain
 
 
 def decode(payload: str | bytes) -> Any:

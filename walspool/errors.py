@@ -92,6 +92,10 @@ class SpoolCorrupt(WalspoolError):
     """SQLite reports the spool as damaged."""
 
 
+class ReplayBusy(WalspoolError):
+    """Another replay of the spool is running and the caller asked not to wait for it."""
+
+
 class UnsupportedGateway(WalspoolError):
     """The gateway object is not the hermes-agent release walspool links into."""
 

@@ -16,6 +16,14 @@ SHUTDOWN = "shutdown"
 #: An agent's history that was never flushed; for operators, not replayed by default.
 AGENT_HISTORY = "shutdown-with-unpersisted-agent-history"
 
+#: ``Record.status`` of a row kept for operators because the sink refused its
+#: content, or because whether its write landed cannot be known; replayed only when
+#: asked for (``replay(quarantined=True)``, ``walspool replay --quarantined``).
+QUARANTINED = "quarantined"
+#: ``Record.status`` of a row the gateway's transcript rewrite (/retry, /undo,
+#: /compress) made obsolete; replayed only when asked for (``superseded=True``).
+SUPERSEDED = "superseded"
+
 
 class Receipt(msgspec.Struct, frozen=True):
     """Proof that one message is committed to the spool."""
@@ -41,6 +49,8 @@ class Record(msgspec.Struct, frozen=True):
     attempts: int
     last_error: str | None
     last_attempt_at: float | None = None
+    #: None for a replayable row, else ``QUARANTINED`` or ``SUPERSEDED``.
+    status: str | None = None
 
 
 class Stats(msgspec.Struct, frozen=True):

@@ -3,19 +3,32 @@
 A row belongs to a stream: its ``session_id``, or, for a row spooled with only a
 routing key, its ``session_key``. Each batch takes three steps:
 
-1. one spool transaction selects the next rows and records the sink's ``mark()``
-   in their ``inflight`` column;
+1. one spool transaction selects the next rows and stamps each with a ticket, the
+   pair (the spool's random ``uid``, a number from the spool's ``next_ticket``
+   counter), kept in its ``inflight`` column;
 2. the sink writes them, one commit each, in seq order, a stream stopping at its
-   first failure;
-3. one spool transaction deletes the written rows, clears ``inflight`` on the rest
-   and records the failure (``attempts``, ``last_error``, ``last_attempt_at``).
+   first failure. The sink records the ticket in the same transaction as the
+   message (``SessionDBSink``: a marker row in state.db);
+3. one spool transaction deletes the written rows and records failures.
 
-A crash between 1 and 3 leaves rows with ``inflight`` set; so does a failed write,
-for the row that failed (the rows after it are freed). The next replay first asks
-the sink which in-flight rows landed after their recorded mark (``Sink.landed``),
-deletes those and writes the rest, with the same mark, before anything else of
-their stream. What the probe can and cannot tell apart
-is the sink's to document (see ``SessionDBSink``).
+Why this is exactly once. A ticket is never given to two rows: the uid tells spools
+apart and the counter only grows, in the same transaction that stamps the rows.
+The sink's marker commits if and only if the message does. So after a crash between
+1 and 3, "did this row land?" is a lookup of its ticket (``Sink.landed``), not a
+comparison with look-alike rows: the next replay deletes the rows whose ticket is
+found and writes the others, with the same ticket, before anything later of their
+stream. A write that raised keeps its row in flight too (unless the sink, asked at
+once, finds its ticket: then it landed after all), so its retry is probed first.
+
+A sink that cannot look tickets up (``landed`` returns None) trusts its own raise:
+a failed row is freed at once; a row left in flight by a crash, whose fate nobody
+can know, is quarantined (kept, flagged for an operator), never guessed.
+
+A row the sink refuses for its content (``rejects_content``), a payload that is not
+JSON and a whole agent history are quarantined: kept with their error, visible to
+operators, replayed only when asked for (``quarantined=True``), and their stream
+goes on. Any other failure (locked, I/O, missing session) holds the stream: order
+over progress.
 """
 
 from __future__ import annotations
@@ -34,9 +47,15 @@ from typing import Any
 import apsw
 import msgspec
 
-from .errors import InvalidArgument, NotAMessage, SpoolCorrupt, SpoolIOError, WalspoolError
-from .records import AGENT_HISTORY, Record
-from .sinks import Sink
+from .errors import (
+    InvalidArgument,
+    ReplayBusy,
+    SpoolCorrupt,
+    SpoolIOError,
+    WalspoolError,
+)
+from .records import AGENT_HISTORY, QUARANTINED, SUPERSEDED, Record
+from .sinks import Sink, rejects_content
 from .spool import RECORD_COLUMNS, Spool, check_lookup, reasons_filter, record_from_row
 
 log = logging.getLogger("walspool.replay")
@@ -47,9 +66,11 @@ DEFAULT_BATCH_ROWS = 512
 LOCK_SUFFIX = ".replay-lock"
 _MAX_SEQ = 2**63 - 1
 
-#: Which rows a replay takes: the asked-for reasons, or every reason but agent history.
+#: Which rows a replay takes: the asked-for reasons, or every reason but agent history;
+#: replayable rows, and quarantined or superseded ones only when asked for.
 REASON_FILTER = """(CASE WHEN :reasons IS NULL THEN reason != :agent_history
-     ELSE reason IN (SELECT value FROM json_each(:reasons)) END)"""
+     ELSE reason IN (SELECT value FROM json_each(:reasons)) END)
+     AND (status IS NULL OR status IN (SELECT value FROM json_each(:statuses)))"""
 NEXT_BY_ID_SQL = f"""
 SELECT {RECORD_COLUMNS} FROM records
 WHERE session_id IS NOT NULL AND (session_id, seq) > (:after_name, :after_seq)
@@ -72,18 +93,31 @@ SELECT {RECORD_COLUMNS}, inflight FROM records
 WHERE inflight IS NOT NULL AND (:session_id IS NULL OR session_id = :session_id)
 """
 SET_INFLIGHT_SQL = "UPDATE records SET inflight = ? WHERE id = ?"
+NEXT_TICKET_SQL = "SELECT value FROM spool_meta WHERE name = 'next_ticket'"
+SAVE_NEXT_TICKET_SQL = "UPDATE spool_meta SET value = ? WHERE name = 'next_ticket'"
+OLDER_TICKETS_SQL = "SELECT inflight FROM records WHERE inflight IS NOT NULL AND inflight < ?"
 RELEASE_SQL = "UPDATE records SET inflight = NULL WHERE id = ?"
 DELETE_SQL = "DELETE FROM records WHERE id = ?"
 RECORD_FAILURE_SQL = """
 UPDATE records SET attempts = attempts + 1, last_error = ?, last_attempt_at = ? WHERE id = ?
 """
+QUARANTINE_SQL = """
+UPDATE records SET status = 'quarantined', inflight = NULL, attempts = attempts + 1,
+    last_error = ?, last_attempt_at = ?
+WHERE id = ?
+"""
+#: Why a row left in flight is quarantined when the sink cannot look tickets up.
+UNKNOWN_LANDING = (
+    "a replay was interrupted with this row out, and the sink cannot tell whether it "
+    "landed; check the target, then replay it with --quarantined if it is missing"
+)
 COUNT_HELD_BY_ID_SQL = f"""
 SELECT count(*) FROM records
-WHERE session_id = :name AND (inflight IS NOT NULL OR {REASON_FILTER})
+WHERE session_id = :name AND (inflight IS NOT NULL OR ({REASON_FILTER}))
 """
 COUNT_HELD_BY_KEY_SQL = f"""
 SELECT count(*) FROM records
-WHERE session_id IS NULL AND session_key = :name AND (inflight IS NOT NULL OR {REASON_FILTER})
+WHERE session_id IS NULL AND session_key = :name AND (inflight IS NOT NULL OR ({REASON_FILTER}))
 """
 
 #: ("session_id" | "session_key", name): the order a row moves in, as in ``sequences``.
@@ -103,6 +137,7 @@ class StreamReport(msgspec.Struct, frozen=True):
     moved: int
     held: int
     error: str | None = None
+    quarantined: int = 0
 
 
 class ReplayReport(msgspec.Struct, frozen=True):
@@ -114,7 +149,9 @@ class ReplayReport(msgspec.Struct, frozen=True):
     stream's name (its session_id, or its session_key for rows spooled without
     one). ``recovered``: rows a crashed replay had written but not removed, found
     in the sink and removed now (not counted in ``moved``). ``sessions``: per
-    stream detail, keyed like ``errors``.
+    stream detail, keyed like ``errors``. ``quarantined``: rows this call set
+    aside (content the sink refused, or a landing nobody can know), with their
+    error in the spool; their streams went on.
     """
 
     moved: int
@@ -122,6 +159,7 @@ class ReplayReport(msgspec.Struct, frozen=True):
     errors: dict[str, str] = msgspec.field(default_factory=dict)
     recovered: int = 0
     sessions: dict[str, StreamReport] = msgspec.field(default_factory=dict)
+    quarantined: int = 0
 
 
 class Replayer:
@@ -129,23 +167,26 @@ class Replayer:
 
     Guarantees:
 
-    * Per stream, rows reach the sink in seq order. A row whose write fails stays
-      in the spool with ``attempts`` + 1, ``last_error`` and ``last_attempt_at``,
-      and holds back the later rows of its stream only; other streams go on.
-    * A row leaves the spool only after the sink's write committed.
-    * A crash anywhere (before a write, after a write but before the spool
-      delete, during the delete) neither loses nor duplicates a message, within
-      what the sink's ``landed`` probe can tell apart: the next replay probes
-      the rows left in flight first.
+    * Per stream, rows reach the sink in seq order. A row whose write fails for the
+      database's state stays in the spool with ``attempts`` + 1, ``last_error`` and
+      ``last_attempt_at``, and holds back the later rows of its stream only; other
+      streams go on. A row the sink refuses for its content is quarantined and its
+      stream goes on.
+    * A row leaves the spool only after the sink's write committed, as the sink's
+      ticket lookup shows.
+    * A crash anywhere (before a write, after a write but before the spool delete,
+      during the delete) neither loses nor duplicates a message: the next replay
+      looks up the tickets of the rows left in flight first (see the module
+      docstring).
     * Replays of one spool take turns (an ``flock`` on ``<spool>.replay-lock``,
-      released by the kernel if the process dies), so two replayers never
-      write the same row; appends go on meanwhile, in any process.
+      released by the kernel if the process dies), so two replayers never write
+      the same row; appends go on meanwhile, in any process.
 
     Not guaranteed: order between different streams (rows spooled by
     ``session_key`` are written after those spooled by ``session_id``, whatever
-    session the key resolves to); that rows appended during a replay are taken
-    by it; that a write which raised did not land (the next replay writes it
-    again, so a sink must raise only for writes that did not commit).
+    session the key resolves to); that rows appended during a replay are taken by
+    it; exactness for a copy of a spool (a copy keeps the spool's uid: replay only
+    one of the two) or for a target whose ticket records were deleted by hand.
     """
 
     def __init__(
@@ -160,7 +201,7 @@ class Replayer:
         """``wait_for_bookkeeping=False``: when a replay's only spool write is a failed
         row's ``attempts``/``last_error``, it is committed with the writer's next group
         instead of before ``replay`` returns, so a failed attempt costs no fsync of its
-        own (the gateway link retries on every message during an outage).
+        own (the gateway link retries while state.db is down).
         """
         if batch_rows < 1:
             raise InvalidArgument(f"batch_rows must be positive, not {batch_rows}", path=spool.path)
@@ -175,37 +216,47 @@ class Replayer:
         session_id: str | None = None,
         reasons: Sequence[str] | None = None,
         limit: int | None = None,
+        *,
+        quarantined: bool = False,
+        superseded: bool = False,
+        wait: bool = True,
     ) -> ReplayReport:
         """Move rows to the sink; return what moved, what stayed and why.
 
         ``session_id`` limits the replay to rows spooled with that session id
         (rows spooled by routing key only are then left alone). ``reasons``
         chooses rows by reason; by default every reason except
-        ``AGENT_HISTORY``. ``limit`` caps the rows written by this call.
+        ``AGENT_HISTORY``. ``quarantined`` and ``superseded`` also take rows of
+        that status (an operator fixed the cause, or wants a rewritten session's
+        old rows after all), in seq order with the rest. ``limit`` caps the rows
+        written by this call.
 
-        Blocks while another replay of the same spool runs; call it off the
-        event loop. Errors of the spool, and ``sink.mark()`` errors, propagate;
-        rows then left in flight are probed by the next replay.
+        Blocks while another replay of the same spool runs, or with
+        ``wait=False`` raises ``ReplayBusy`` at once; call it off the event loop.
+        Errors of the spool propagate; rows then left in flight are looked up by
+        the next replay.
         """
         if limit is not None and limit < 0:
             raise InvalidArgument(f"limit must not be negative, not {limit}", path=self.spool.path)
         reasons_json = reasons_filter(reasons, self.spool.path)
         if session_id is not None:
             check_lookup(session_id, "session_id", self.spool.path)
-        run = _Run(self, session_id, reasons_json)
-        with _exclusive(Path(f"{self.spool.path}{LOCK_SUFFIX}")):
+        statuses = [QUARANTINED] * quarantined + [SUPERSEDED] * superseded
+        run = _Run(self, session_id, reasons_json, msgspec.json.encode(statuses).decode())
+        with _exclusive(Path(f"{self.spool.path}{LOCK_SUFFIX}"), wait):
             run.resume(limit)
             run.move(limit)
         run.count_held()
         report = run.report()
-        if report.moved or report.held or report.recovered:
+        if report.moved or report.held or report.recovered or report.quarantined:
             log.info(
-                "replayed %d rows from %s into %r; %d held in %d streams",
+                "replayed %d rows from %s into %r; %d held in %d streams, %d quarantined",
                 report.moved,
                 self.spool.path,
                 self.sink,
                 report.held,
                 len(report.errors),
+                report.quarantined,
             )
         return report
 
@@ -214,13 +265,14 @@ class Replayer:
 
 
 class _Tally:
-    __slots__ = ("session_id", "moved", "held", "error")
+    __slots__ = ("session_id", "moved", "held", "error", "quarantined")
 
     def __init__(self, session_id: str | None) -> None:
         self.session_id = session_id
         self.moved = 0
         self.held = 0
         self.error: str | None = None
+        self.quarantined = 0
 
 
 class _Settlement:
@@ -230,89 +282,93 @@ class _Settlement:
         self.delete: list[int] = []
         self.release: list[int] = []
         self.failures: list[tuple[str, float, int]] = []
+        self.quarantine: list[tuple[str, float, int]] = []
+
+
+#: A row a replay has out, with its ticket number.
+Taken = tuple[Record, int]
 
 
 class _Run:
     """The state of one ``replay`` call."""
 
-    def __init__(self, replayer: Replayer, session_id: str | None, reasons: str | None) -> None:
+    def __init__(
+        self, replayer: Replayer, session_id: str | None, reasons: str | None, statuses: str
+    ) -> None:
         self.spool = replayer.spool
         self.sink = replayer.sink
         self.resolver = replayer.resolver
         self.batch_rows = replayer.batch_rows
         self.wait_for_bookkeeping = replayer.wait_for_bookkeeping
         self.session_id = session_id
-        self.filter = {"reasons": reasons, "agent_history": AGENT_HISTORY}
+        self.filter = {"reasons": reasons, "agent_history": AGENT_HISTORY, "statuses": statuses}
+        self.uid = self.spool.uid
         self.tallies: dict[Stream, _Tally] = {}
         self.targets: dict[Stream, str | None] = {}
         self.recovered = 0
         self.taken = 0
-        #: Rows whose payload is not JSON: each fails like a write, holding its stream.
+        #: Rows whose payload is not JSON: each is quarantined when its turn comes.
         self.undecodable: dict[int, str] = {}
+        #: Failed rows of a sink that cannot look tickets up: freed, not left in flight.
+        self._untracked: list[int] = []
 
     # -- rows a replay left in flight ---------------------------------------
 
     def resume(self, limit: int | None) -> None:
         """Finish rows a replay left in flight: drop what landed, write the rest first.
 
-        Rows stay in flight, with their mark, until they are written or known to have
-        landed: a crashed replay's rows, and the row a failed write left behind. So a
-        failed write costs no spool transaction, and the next replay probes that row
-        before it writes it again.
+        Rows stay in flight, with their ticket, until they are written or known to
+        have landed: a crashed replay's rows, and a row whose write failed. So a
+        failed write costs no spool transaction, and the next replay looks its
+        ticket up before it writes it again.
         """
-        # Every reason: a stream's rows in flight are finished before anything later
-        # of it moves, whatever this replay selects.
+        # Every reason and status: a stream's rows in flight are finished before
+        # anything later of it moves, whatever this replay selects.
         rows = self.spool._read(INFLIGHT_SQL, {"session_id": self.session_id})
         if not rows:
             return
-        pairs = sorted(
+        taken = sorted(
             ((self._record(r[:-1]), r[-1]) for r in rows),
-            key=lambda p: (_stream(p[0]), p[0].seq),
+            key=lambda t: (_stream(t[0]), t[0].seq),
         )
         done = _Settlement()
-        for stream, group in itertools.groupby(pairs, key=lambda p: _stream(p[0])):
+        for stream, group in itertools.groupby(taken, key=lambda t: _stream(t[0])):
             self._resume_stream(stream, list(group), done, limit)
         self._finish(done)
 
     def _resume_stream(
-        self,
-        stream: Stream,
-        pairs: list[tuple[Record, int]],
-        done: _Settlement,
-        limit: int | None,
+        self, stream: Stream, taken: list[Taken], done: _Settlement, limit: int | None
     ) -> None:
-        target, error = self._target(stream)
-        landed: list[int] = []
-        unlanded: list[Record] = []
-        if target is not None:
-            try:
-                for mark, part in itertools.groupby(pairs, key=lambda p: p[1]):
-                    records = [rec for rec, _ in part]
-                    n = self.sink.landed(target, mark, records)
-                    landed += [rec.id for rec in records[:n]]
-                    unlanded += records[n:]
-            except Exception as exc:  # noqa: BLE001 - the rows stay in flight, reported
-                error = f"probe failed: {_describe(exc)}"
-        if error is not None:
-            # Whether they landed is unknown: they stay in flight, and nothing later
-            # in their stream may move before them.
+        try:
+            found = self.sink.landed([(self.uid, ticket, rec.id) for rec, ticket in taken])
+        except Exception as exc:  # noqa: BLE001 - the rows stay in flight, reported
+            # Whether they landed is unknown for now: they stay in flight, and
+            # nothing later in their stream may move before them.
             self._hold(
                 stream,
-                f"{len(pairs)} rows of an interrupted replay could not be "
-                f"checked against the sink: {error}",
+                f"{len(taken)} rows of an interrupted replay could not be checked "
+                f"against the sink: {_describe(exc)}",
             )
             return
+        if found is None:
+            # Nobody can know whether these landed: set them aside for an operator
+            # rather than guess either way; the stream goes on.
+            for rec, _ in taken:
+                self._quarantine(stream, rec, UNKNOWN_LANDING, done)
+            return
+        landed = [rec.id for rec, ticket in taken if (self.uid, ticket, rec.id) in found]
+        unlanded = [(rec, t) for rec, t in taken if (self.uid, t, rec.id) not in found]
         if landed:
             done.delete += landed
             self.recovered += len(landed)
             log.warning(
                 "%s: interrupted replay of %s %s recovered: %d of %d in-flight rows had "
-                "landed and were removed, the rest will be written again",
+                "landed and were removed, the rest will be written",
                 self.spool.path,
                 stream[0],
                 stream[1],
                 len(landed),
-                len(pairs),
+                len(taken),
             )
         if limit is not None:
             # Rows past the limit stay in flight; nothing later of any stream moves
@@ -344,60 +400,86 @@ class _Run:
                 "after_seq": after[1],
                 "limit": want,
             }
-            mark = self.sink.mark()
-            rows = self.spool._execute(partial(_take_batch, sql=sql, params=params, mark=mark))
+            rows, older = self.spool._execute(partial(_take_batch, sql=sql, params=params))
             if not rows:
                 return
-            records = [self._record(row) for row in rows]
-            self.taken += len(records)
+            taken = [(self._record(row), ticket) for row, ticket in rows]
+            self._let_sink_forget(below=taken[0][1], keep=older)
+            self.taken += len(taken)
             done = _Settlement()
-            for stream, group in itertools.groupby(records, key=_stream):
-                records_of_stream = list(group)
+            for stream, group in itertools.groupby(taken, key=lambda t: _stream(t[0])):
+                of_stream = list(group)
                 if self._held(stream):
-                    done.release += [rec.id for rec in records_of_stream]
+                    done.release += [rec.id for rec, _ in of_stream]
                 else:
-                    self._write_stream(stream, records_of_stream, done)
+                    self._write_stream(stream, of_stream, done)
             self._finish(done)
             # Resume after the last row taken; past the end of its stream if it is held.
-            last, last_stream = records[-1], _stream(records[-1])
-            held = self._held(last_stream)
-            after = (last_stream[1], _MAX_SEQ if held else last.seq)
+            last = taken[-1][0]
+            last_stream = _stream(last)
+            after = (last_stream[1], _MAX_SEQ if self._held(last_stream) else last.seq)
             if len(rows) < want:
                 return
 
-    def _write_stream(self, stream: Stream, records: list[Record], done: _Settlement) -> None:
-        """Write one stream's rows of a batch in order, stopping at the first failure."""
-        if not records:
+    def _let_sink_forget(self, below: int, keep: list[int]) -> None:
+        """Tell the sink which ticket records it may drop: every earlier batch is
+        settled, so tickets under this batch's first are done with, but for the
+        rows still in flight (``keep``). A record left behind costs a little room,
+        never a wrong answer: its ticket is never given out again."""
+        forget = getattr(self.sink, "forget", None)
+        if forget is not None:
+            forget(self.uid, below, keep)
+
+    def _write_stream(self, stream: Stream, taken: list[Taken], done: _Settlement) -> None:
+        """Write one stream's rows of a batch in order, stopping at the first held row."""
+        if not taken:
             return
         tally = self._tally(stream)
         target, error = self._target(stream)
-        written = 0
-        retried = False  # whether the failed row goes to the sink again as it is
-        if target is not None:
-            for rec in records:
-                if rec.id in self.undecodable:
-                    error = self.undecodable[rec.id]
-                    break
-                try:
-                    self.sink.write(target, rec)
-                except NotAMessage as exc:
-                    error = _describe(exc)
-                    break
-                except Exception as exc:  # noqa: BLE001 - any failure holds the stream
-                    error, retried = _describe(exc), True
-                    break
-                written += 1
-        done.delete += [rec.id for rec in records[:written]]
-        tally.moved += written
-        if error is None:
+        if target is None:
+            # Nothing was asked of the sink: the rows are freed and the stream held.
+            self._fail(stream, taken[0][0], error or "no target session", done)
+            done.release += [rec.id for rec, _ in taken]
             return
-        # A row whose write failed keeps its in-flight mark, so the next replay
-        # retries it (after a probe) without a spool transaction first; a row the sink
-        # was never asked to take (unresolvable, not JSON, not a message) is freed, as
-        # are the rows after it.
-        failed = records[written]
-        done.failures.append((error, time.time(), failed.id))
-        done.release += [rec.id for rec in records[written + (1 if retried else 0) :]]
+        for i, (rec, ticket) in enumerate(taken):
+            if rec.id in self.undecodable:
+                self._quarantine(stream, rec, self.undecodable[rec.id], done)
+                continue
+            try:
+                self.sink.write(target, rec, (self.uid, ticket, rec.id))
+            except Exception as exc:  # noqa: BLE001 - sorted below: quarantine or hold
+                if rejects_content(exc):
+                    self._quarantine(stream, rec, _describe(exc), done)
+                    continue
+                if self._landed_after_all(rec, ticket):
+                    done.delete.append(rec.id)
+                    tally.moved += 1
+                    continue
+                self._fail(stream, rec, _describe(exc), done)
+                done.release += [later.id for later, _ in taken[i + 1 :]]
+                return
+            done.delete.append(rec.id)
+            tally.moved += 1
+
+    def _landed_after_all(self, rec: Record, ticket: int) -> bool:
+        """After a write raised: did it commit anyway? Decides the row's in-flight mark.
+
+        Found: it landed (the sink raised after its commit). Not found: the row stays
+        in flight, so its retry looks it up first. The sink cannot tell (None): its
+        raise is trusted and the row is freed by ``_fail``'s caller.
+        """
+        try:
+            found = self.sink.landed([(self.uid, ticket, rec.id)])
+        except Exception:  # noqa: BLE001 - unknown for now: stays in flight, looked up later
+            return False
+        if found is None:
+            self._untracked.append(rec.id)
+            return False
+        return (self.uid, ticket, rec.id) in found
+
+    def _fail(self, stream: Stream, rec: Record, error: str, done: _Settlement) -> None:
+        """Record a failed row and hold its stream; the caller frees the later rows."""
+        done.failures.append((error, time.time(), rec.id))
         # INFO, not WARNING: during an outage every replay attempt fails the same
         # way; the caller reports held rows at the level it chooses.
         log.info(
@@ -405,10 +487,23 @@ class _Run:
             self.spool.path,
             stream[0],
             stream[1],
-            failed.seq,
+            rec.seq,
             error,
         )
         self._hold(stream, error)
+
+    def _quarantine(self, stream: Stream, rec: Record, error: str, done: _Settlement) -> None:
+        done.quarantine.append((error, time.time(), rec.id))
+        self._tally(stream).quarantined += 1
+        log.warning(
+            "%s: quarantined row %d (%s %s, seq %d), its stream goes on: %s",
+            self.spool.path,
+            rec.id,
+            stream[0],
+            _printable(stream[1]),
+            rec.seq,
+            error,
+        )
 
     # -- bookkeeping -----------------------------------------------------------
 
@@ -420,8 +515,16 @@ class _Run:
             return Record(*row[:6], None, *row[7:])
 
     def _finish(self, done: _Settlement) -> None:
-        """Commit a batch's outcome: deletes and releases now, failures as configured."""
-        if done.delete or done.release or (done.failures and self.wait_for_bookkeeping):
+        """Commit a batch's outcome: deletes, releases and quarantines now, failures
+        as configured."""
+        done.release += self._untracked
+        self._untracked = []
+        if (
+            done.delete
+            or done.release
+            or done.quarantine
+            or (done.failures and self.wait_for_bookkeeping)
+        ):
             self.spool._execute(partial(_settle, done=done))
         elif done.failures:
             self.spool._execute_later(partial(_record_failures, failures=done.failures))
@@ -480,6 +583,7 @@ class _Run:
                 moved=t.moved,
                 held=t.held,
                 error=t.error,
+                quarantined=t.quarantined,
             )
             for (kind, name), t in self.tallies.items()
         }
@@ -489,13 +593,16 @@ class _Run:
             errors={name: s.error for name, s in sessions.items() if s.error is not None},
             recovered=self.recovered,
             sessions=sessions,
+            quarantined=sum(t.quarantined for t in self.tallies.values()),
         )
 
 
 def _settle(conn: apsw.Connection, done: _Settlement) -> None:
-    """Delete written rows, free the rest and record failures, in one transaction."""
+    """Delete written rows, free the rest, record failures and quarantines, in one
+    transaction."""
     conn.executemany(DELETE_SQL, [(i,) for i in done.delete])
     conn.executemany(RELEASE_SQL, [(i,) for i in done.release])
+    conn.executemany(QUARANTINE_SQL, done.quarantine)
     _record_failures(conn, done.failures)
 
 
@@ -504,12 +611,22 @@ def _record_failures(conn: apsw.Connection, failures: list[tuple[str, float, int
 
 
 def _take_batch(
-    conn: apsw.Connection, sql: str, params: dict[str, Any], mark: int
-) -> list[tuple[Any, ...]]:
-    """Select the next batch and record the sink's mark on it, in one transaction."""
+    conn: apsw.Connection, sql: str, params: dict[str, Any]
+) -> tuple[list[tuple[tuple[Any, ...], int]], list[int]]:
+    """Select the next batch and give each row its ticket, in one transaction.
+
+    Also returns the tickets of rows still in flight from before (failed writes),
+    whose records the sink must keep.
+    """
     rows = conn.execute(sql, params).fetchall()
-    conn.executemany(SET_INFLIGHT_SQL, [(mark, row[0]) for row in rows])
-    return rows
+    if not rows:
+        return [], []
+    first = conn.execute(NEXT_TICKET_SQL).get
+    taken = [(row, first + i) for i, row in enumerate(rows)]
+    conn.executemany(SET_INFLIGHT_SQL, [(ticket, row[0]) for row, ticket in taken])
+    conn.execute(SAVE_NEXT_TICKET_SQL, (first + len(rows),))
+    older = [row[0] for row in conn.execute(OLDER_TICKETS_SQL, (first,))]
+    return taken, older
 
 
 def _stream(record: Record) -> Stream:
@@ -524,12 +641,19 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
+def _printable(text: str) -> str:
+    """A name from the spool as it may appear in a log line: escaped, bounded."""
+    shown = text if len(text) <= 200 else f"{text[:200]}..."
+    return shown.encode("unicode_escape").decode("ascii")
+
+
 @contextlib.contextmanager
-def _exclusive(path: Path) -> Iterator[None]:
+def _exclusive(path: Path, wait: bool = True) -> Iterator[None]:
     """Hold an exclusive ``flock`` on ``path`` (created 0600) for the block.
 
     flock locks belong to an open file description, so two replays in one
     process exclude each other too; the kernel drops the lock when the process dies.
+    ``wait=False``: raise ``ReplayBusy`` at once if another holder has it.
     """
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
@@ -540,7 +664,14 @@ def _exclusive(path: Path) -> Iterator[None]:
             path=path,
         ) from exc
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ReplayBusy(
+                f"another replay of {str(path)[: -len(LOCK_SUFFIX)]} is running; try again "
+                "when it ends",
+                path=path,
+            ) from None
         yield
     finally:
         os.close(fd)

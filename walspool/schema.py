@@ -32,7 +32,7 @@ log = logging.getLogger("walspool.schema")
 #: ``PRAGMA application_id`` of a spool: "WSPL".
 APPLICATION_ID = 0x5753504C
 #: ``PRAGMA user_version`` of the schema this module creates.
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 DURABILITY_SYNCHRONOUS = {"full": "FULL", "normal": "NORMAL"}
 BUSY_TIMEOUT_MS = 10_000
@@ -65,9 +65,21 @@ SELECT
       WHERE h.session_id IS r.session_id
         AND (r.session_id IS NOT NULL OR h.session_key IS r.session_key)
         AND h.last_error IS NOT NULL
-      ORDER BY h.seq LIMIT 1) AS last_error
+      ORDER BY h.seq LIMIT 1) AS last_error,
+    count(*) FILTER (WHERE status = 'quarantined') AS quarantined,
+    count(*) FILTER (WHERE status = 'superseded') AS superseded
 FROM records AS r
 GROUP BY session_id, CASE WHEN session_id IS NULL THEN session_key END;
+"""
+FAILURES_VIEW_SQL = """
+CREATE VIEW failures AS
+SELECT
+    id, session_id, session_key, seq, reason, attempts, last_error,
+    strftime('%Y-%m-%dT%H:%M:%fZ', last_attempt_at, 'unixepoch') AS last_attempt,
+    strftime('%Y-%m-%dT%H:%M:%fZ', created_at, 'unixepoch') AS created,
+    status
+FROM records
+WHERE last_error IS NOT NULL;
 """
 
 #: Schema 1 -> 2: the payload size column, its statistics indexes and the in-flight
@@ -75,11 +87,49 @@ GROUP BY session_id, CASE WHEN session_id IS NULL THEN session_key END;
 MIGRATE_V1_SQL = f"""
 UPDATE records SET size = length(CAST(payload AS BLOB));
 {INDEXES_SQL}
-DROP VIEW backlog;
-{BACKLOG_VIEW_SQL}
 PRAGMA user_version = 2;
 """
 ADD_SIZE_SQL = "ALTER TABLE records ADD COLUMN size INTEGER NOT NULL DEFAULT 0 CHECK (size >= 0)"
+
+#: Why a row a replay had out under schema 2 is quarantined by the upgrade: schema 2
+#: recorded no ticket, so whether its write reached state.db cannot be known exactly.
+UNKNOWN_LANDING_ERROR = (
+    "in flight when the spool was upgraded from schema 2: whether it reached state.db "
+    "is unknown; check state.db, then replay it with --quarantined if it is missing"
+)
+SPOOL_META_SQL = """
+-- The spool's identity and its replay ticket counter. A replay stamps each row it
+-- has out with a ticket (uid, number) that no other row of any spool ever gets; the
+-- sink records the ticket in the same transaction as the message, so "did this row
+-- land?" is a lookup, never a guess.
+CREATE TABLE spool_meta (
+    name TEXT PRIMARY KEY,
+    value ANY NOT NULL
+) STRICT, WITHOUT ROWID;
+INSERT INTO spool_meta (name, value) VALUES
+    ('uid', lower(hex(randomblob(16)))),
+    ('next_ticket', 1);
+"""
+STATUS_INDEX_SQL = """
+-- Rows set aside (quarantined, superseded) are few: counted from a small index.
+CREATE INDEX records_status_idx ON records (status) WHERE status IS NOT NULL;
+"""
+#: Schema 2 -> 3: the status column (quarantined, superseded), the spool's identity
+#: and ticket counter, and the views that show both.
+MIGRATE_V2_SQL = f"""
+ALTER TABLE records ADD COLUMN status TEXT
+    CHECK (status IN ('quarantined', 'superseded'));
+{STATUS_INDEX_SQL}
+{SPOOL_META_SQL}
+UPDATE records
+   SET status = 'quarantined', inflight = NULL, last_error = :unknown
+ WHERE inflight IS NOT NULL;
+DROP VIEW backlog;
+{BACKLOG_VIEW_SQL}
+DROP VIEW failures;
+{FAILURES_VIEW_SQL}
+PRAGMA user_version = 3;
+"""
 
 SCHEMA_SQL = f"""
 PRAGMA application_id = {APPLICATION_ID};
@@ -87,7 +137,11 @@ PRAGMA user_version = {SCHEMA_VERSION};
 
 -- One row per spooled message. A row belongs to the stream of its session_id, or,
 -- when only the routing key is known, to the stream of its session_key; seq orders
--- a stream. inflight holds the sink's mark while a replay has the row out.
+-- a stream. inflight holds the row's replay ticket number (see spool_meta) from the
+-- moment a replay takes it until the replay knows whether its write landed. status:
+-- NULL (replayable), 'quarantined' (the sink refused its content, or whether it landed
+-- cannot be known) or 'superseded' (the gateway rewrote the transcript); either is
+-- kept for operators and replayed only when asked for.
 CREATE TABLE records (
     id INTEGER PRIMARY KEY,
     session_id TEXT,
@@ -101,6 +155,7 @@ CREATE TABLE records (
     last_error TEXT,
     last_attempt_at REAL,
     inflight INTEGER,
+    status TEXT CHECK (status IN ('quarantined', 'superseded')),
     UNIQUE (session_id, seq),
     CHECK (session_id IS NOT NULL OR session_key IS NOT NULL)
 ) STRICT;
@@ -109,6 +164,7 @@ CREATE UNIQUE INDEX records_session_key_seq_idx
     ON records (session_key, seq) WHERE session_id IS NULL;
 
 {INDEXES_SQL}
+{STATUS_INDEX_SQL}
 -- The next seq of every stream ever appended to, kept after its rows are gone so
 -- that a seq is never reused. stream is 'session_id' or 'session_key'.
 CREATE TABLE sequences (
@@ -118,25 +174,22 @@ CREATE TABLE sequences (
     PRIMARY KEY (stream, name)
 ) STRICT, WITHOUT ROWID;
 
+{SPOOL_META_SQL}
 {BACKLOG_VIEW_SQL}
-CREATE VIEW failures AS
-SELECT
-    id, session_id, session_key, seq, reason, attempts, last_error,
-    strftime('%Y-%m-%dT%H:%M:%fZ', last_attempt_at, 'unixepoch') AS last_attempt,
-    strftime('%Y-%m-%dT%H:%M:%fZ', created_at, 'unixepoch') AS created
-FROM records
-WHERE last_error IS NOT NULL;
+{FAILURES_VIEW_SQL}
 """
 
 EXPECTED_OBJECTS = {
     ("table", "records"),
     ("table", "sequences"),
+    ("table", "spool_meta"),
     ("view", "backlog"),
     ("view", "failures"),
     ("index", "records_session_key_seq_idx"),
     ("index", "records_inflight_idx"),
     ("index", "records_reason_created_at_size_idx"),
     ("index", "records_last_error_idx"),
+    ("index", "records_status_idx"),
 }
 
 
@@ -393,21 +446,37 @@ def _create_schema(conn: apsw.Connection, path: Path) -> None:
 
 def _migrate(conn: apsw.Connection, path: Path) -> None:
     """Bring an older spool up to ``SCHEMA_VERSION`` in place, in one transaction."""
-    if conn.execute("PRAGMA user_version").get >= SCHEMA_VERSION:
+    found = conn.execute("PRAGMA user_version").get
+    if found >= SCHEMA_VERSION:
         return
     with transaction(conn, path):
-        if conn.execute("PRAGMA user_version").get == 1:  # another process may have won
+        version = conn.execute("PRAGMA user_version").get  # another process may have won
+        if version == 1:
             columns = {row[1] for row in conn.execute("PRAGMA table_info(records)")}
             if "size" not in columns:
                 conn.execute(ADD_SIZE_SQL)
             conn.execute(MIGRATE_V1_SQL)
-    log.warning("upgraded spool %s to schema %d", path, SCHEMA_VERSION)
+            version = 2
+        if version == 2:
+            quarantined = conn.execute(
+                "SELECT count(*) FROM records WHERE inflight IS NOT NULL"
+            ).get
+            conn.execute(MIGRATE_V2_SQL, {"unknown": UNKNOWN_LANDING_ERROR})
+            if quarantined:
+                log.warning(
+                    "%s: %d row(s) were in flight under schema 2 and are quarantined: "
+                    "whether they reached state.db is unknown (see `walspool show`)",
+                    path,
+                    quarantined,
+                )
+    log.warning("upgraded spool %s from schema %d to %d", path, found, SCHEMA_VERSION)
 
 
 CHEAP_CHECK_SQL = (
     "SELECT max(id) FROM records",
     "SELECT 1 FROM records ORDER BY session_id, seq LIMIT 1",
     "SELECT 1 FROM sequences LIMIT 1",
+    "SELECT value FROM spool_meta WHERE name = 'uid'",
 )
 
 

@@ -23,7 +23,7 @@ from .errors import InvalidArgument
 from .hermes import agent_history_message, slot_message
 from .records import AGENT_HISTORY, CAP_DROP, Record
 from .replay import Replayer
-from .sinks import SessionDBSink
+from .sinks import SessionDBSink, Ticket
 from .spool import Spool
 
 log = logging.getLogger("walspool.shutdown_flush")
@@ -86,10 +86,11 @@ def drain_transcript_spool(
     """Replay one session's cap-dropped messages through ``replay``, in drop order.
 
     Each row is removed only after ``replay(message)`` returned; the first failure
-    stops the drain and keeps that row and the later ones. Returns ``(replayed,
-    remaining)``. ``replay`` cannot be asked what already landed, so a process
-    killed between a ``replay`` call and the row's removal replays that one
-    message again on the next drain (at least once, as upstream).
+    stops the drain and keeps that row and the later ones, but a message refused for
+    its content is quarantined (kept, for an operator) and the drain goes on.
+    Returns ``(replayed, remaining)``. ``replay`` cannot be asked what already
+    landed, so a message whose process was killed between its ``replay`` call and
+    its row's removal is quarantined at the next drain rather than written twice.
     """
     try:
         spool = shared_spool()
@@ -227,19 +228,20 @@ def flush_agent_history_to_file(session_id: str | None, history: list[Any]) -> N
 
 
 class _CallbackSink:
-    """A sink that hands each message to a callable; it cannot probe for landings."""
+    """A sink that hands each message to a callable; it cannot look tickets up.
+
+    So a raise of ``replay`` is trusted to mean nothing was written, and a row a
+    killed process left in flight is quarantined rather than replayed twice.
+    """
 
     def __init__(self, replay: Callable[[dict[str, Any]], Any]) -> None:
         self.replay = replay
 
-    def mark(self) -> int:
-        return 0
-
-    def write(self, session_id: str, record: Record) -> None:
+    def write(self, session_id: str, record: Record, ticket: Ticket) -> None:
         self.replay(record.message)
 
-    def landed(self, session_id: str, mark: int, records: Sequence[Record]) -> int:
-        return 0
+    def landed(self, tickets: Sequence[Ticket]) -> None:
+        return None
 
 
 def _session_id_of(resolver: Callable[..., Any]) -> Callable[[str], str | None]:

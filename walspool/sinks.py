@@ -2,20 +2,22 @@
 
 A sink's write is usually not idempotent (``SessionDB.append_message`` writes a
 second row when called twice), so the replayer cannot simply retry after a crash.
-Instead every sink offers a probe: before a batch is written the replayer takes the
-sink's high-water ``mark()`` and records it on the rows it has out; after a crash it
-asks ``landed(session_id, mark, records)`` how many of those rows the sink already
-holds, deletes that many and writes the rest.
+Instead it gives each row it has out a ticket that no other row ever gets, and the
+sink records the ticket in the same transaction as the message. After a crash the
+replayer asks ``landed(tickets)`` which of them the sink holds: an exact answer,
+never a guess from look-alike rows.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import inspect
 import logging
 import math
 import sqlite3
-from collections.abc import Iterable, Sequence
+import threading
+from collections.abc import Collection, Iterator, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from . import codec
@@ -32,74 +34,148 @@ ASSISTANT_ONLY = (
     "codex_reasoning_items",
     "codex_message_items",
 )
+#: ``append_message`` keywords bound to TEXT columns: a value SQLite cannot bind
+#: there (a dict, a list, an integer beyond 64 bits) is written as its JSON text.
+TEXT_KEYWORDS = (
+    "role",
+    "tool_name",
+    "tool_call_id",
+    "platform_message_id",
+    "reasoning",
+    "reasoning_content",
+)
 #: ``source`` of a session that ``create_missing=True`` creates.
 CREATED_SOURCE = "walspool"
 
-MARK_SQL = "SELECT coalesce(max(id), 0) FROM messages"
-LANDED_SQL = "SELECT role, timestamp FROM messages WHERE session_id = ? AND id > ? ORDER BY id"
+#: A replay ticket: (the spool's uid, a number no other row of that spool gets, the
+#: spool row's id). The row id keeps the answer exact even if an operator copies an
+#: in-flight number onto another row by hand.
+Ticket = tuple[str, int, int]
+
+#: In state.db: one row per replayed message whose spool row may still exist, written
+#: by a TEMP trigger in the same transaction as the message row.
+LANDED_TABLE = "walspool_landed"
+LANDED_TABLE_EXISTS_SQL = "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?"
+CREATE_LANDED_TABLE_SQL = f"""
+CREATE TABLE IF NOT EXISTS {LANDED_TABLE} (
+    spool TEXT NOT NULL,
+    ticket INTEGER NOT NULL,
+    record_id INTEGER NOT NULL,
+    message_id INTEGER NOT NULL,
+    landed_at REAL NOT NULL,
+    PRIMARY KEY (spool, ticket, record_id)
+) WITHOUT ROWID
+"""
+# A TEMP trigger lives on one connection only: it fires for inserts made through
+# SessionDB's own connection, and the functions it calls read the inserting thread's
+# ticket, so only the insert walspool asked for, on the thread that asked, records
+# one. The DELETE prunes the records of rows a replay has finished (below the current
+# batch's first ticket and not still in flight), in the same transaction.
+TICKET_TRIGGER_SQL = f"""
+CREATE TEMP TRIGGER IF NOT EXISTS walspool_ticket_on_insert
+AFTER INSERT ON main.messages
+WHEN walspool_ticket(1) IS NOT NULL
+BEGIN
+    INSERT INTO {LANDED_TABLE} (spool, ticket, record_id, message_id, landed_at)
+    VALUES (walspool_ticket(0), walspool_ticket(1), walspool_ticket(2), new.id,
+            (julianday('now') - 2440587.5) * 86400.0);
+    DELETE FROM {LANDED_TABLE}
+     WHERE spool = walspool_ticket(0)
+       AND ticket < walspool_ticket(3)
+       AND ticket NOT IN (SELECT value FROM json_each(walspool_ticket(4)));
+END
+"""
+LANDED_SQL = f"""
+SELECT ticket, record_id FROM {LANDED_TABLE}
+WHERE spool = ? AND ticket IN (SELECT value FROM json_each(?))
+"""
+
+#: The ticket of the write this thread is making: (spool, number, record id, prune
+#: below, prune keep as a JSON array); empty when it is not replaying.
+_thread = threading.local()
+
+
+def _ticket_part(i: int) -> Any:
+    """SQL ``walspool_ticket(i)``: part ``i`` of the calling thread's ticket, or NULL."""
+    parts = getattr(_thread, "parts", None)
+    return None if parts is None else parts[i]
 
 
 @runtime_checkable
 class Sink(Protocol):
-    """Where replayed messages go: a write, and a probe for writes a crash cut short.
+    """Where replayed messages go: a write that records its ticket, and a lookup.
 
-    ``mark()`` returns an opaque high-water mark such that anything written after
-    it can be found by ``landed``. ``write`` commits one message durably before it
-    returns, or raises and writes nothing. ``landed`` returns how many of
-    ``records`` (one session's rows, in seq order, written in that order after
-    ``mark`` was taken, the writing stopping at the first failure) the sink holds.
+    ``write`` commits one message durably before it returns, or raises; if it
+    raises, ``landed`` tells whether it committed all the same. ``landed`` returns
+    exactly the given tickets whose writes committed, or None when the sink cannot
+    tell (then a raise must mean nothing was written). A sink may also offer
+    ``forget(spool, below, keep)``: the replayer no longer needs the records of
+    that spool's tickets under ``below``, except those in ``keep``.
     """
 
-    def mark(self) -> int: ...
+    def write(self, session_id: str, record: Record, ticket: Ticket) -> None: ...
 
-    def write(self, session_id: str, record: Record) -> None: ...
+    def landed(self, tickets: Sequence[Ticket]) -> Collection[Ticket] | None: ...
 
-    def landed(self, session_id: str, mark: int, records: Sequence[Record]) -> int: ...
+
+def rejects_content(exc: BaseException) -> bool:
+    """Whether a failed write was refused for the message itself, not the database.
+
+    Content: a value the driver cannot bind or convert (``InterfaceError``,
+    ``ProgrammingError`` about a parameter, ``OverflowError``, ``UnicodeError``,
+    ``RecursionError``), a value too big (``DataError``), a NOT NULL or CHECK
+    constraint or a datatype mismatch, and a record that is not one message
+    (``NotAMessage``). Everything else (locked, busy, I/O, full, malformed, a
+    missing session, a closed database, and anything unknown, a ``TypeError`` from
+    a sink's own bug included) is the database's state, which holds the session:
+    order over progress, and nothing set aside by mistake.
+    """
+    if isinstance(exc, NotAMessage):
+        return True
+    if isinstance(exc, (sqlite3.InterfaceError, sqlite3.DataError)):
+        return True
+    if isinstance(exc, sqlite3.ProgrammingError):
+        return "binding parameter" in str(exc) or "not supported" in str(exc)
+    if isinstance(exc, sqlite3.IntegrityError):
+        text = str(exc)
+        return any(
+            what in text
+            for what in ("NOT NULL constraint", "CHECK constraint", "datatype mismatch")
+        )
+    if isinstance(exc, sqlite3.Error):
+        return False
+    return isinstance(exc, (OverflowError, UnicodeError, RecursionError))
 
 
 class SessionDBSink:
-    """Writes messages into a ``hermes_state.SessionDB`` (0.19.0) or a look-alike.
+    """Writes messages into a ``hermes_state.SessionDB`` (0.19.0 and later).
 
     A message is mapped to ``append_message`` keywords exactly as the gateway's own
-    ``SessionStore._append_transcript_message`` does (see ``append_kwargs``), and
-    only keywords the installed ``append_message`` accepts are passed.
+    ``SessionStore._append_transcript_message`` does (see ``append_kwargs``), made
+    bindable (see ``bindable``), and only keywords the installed ``append_message``
+    accepts are passed.
 
-    The probe matches ``(role, timestamp)``. Each message is written with an
-    explicit float timestamp (its own ``timestamp``, else the time it was spooled),
-    so a landed row carries a value the replayer knows in advance. ``landed`` walks
-    the session's rows with ``id`` greater than the mark, in id order, and matches
-    the in-flight records against them as a subsequence, so rows other writers
-    added to the session meanwhile are skipped.
+    Landings are exact: the sink keeps a ``walspool_landed`` table in state.db and
+    a TEMP trigger on ``SessionDB``'s own connection that, inside the transaction
+    ``append_message`` runs, records the ticket of the row being replayed (read
+    from the writing thread). The ticket record commits if and only if the message
+    does, and rewrites of the transcript do not touch it, so ``landed`` is a lookup.
 
-    What the probe cannot tell apart: a row another writer added to the same
-    session after the mark with the same role and the same timestamp as an
-    in-flight record that never landed; that record is then taken as landed and
-    leaves the spool without being written. Timestamps are floats with sub-
-    microsecond resolution, so this needs the same message written twice, or two
-    messages stamped with one explicit timestamp. A row that landed and was then
-    deleted from state.db (a transcript rewrite) before recovery is not seen, and
-    is written again. A look-alike without ``_conn``/``_lock`` is probed through
-    ``get_messages`` with a mark of 0 (all of the session's rows), and one whose
-    ``append_message`` takes no ``timestamp`` is probed on role alone; both widen
-    the ambiguity above.
+    A look-alike without ``SessionDB``'s private ``_conn`` (a ``sqlite3``
+    connection) and ``_lock`` cannot record tickets: ``landed`` then answers None
+    ("cannot tell"), and the replayer quarantines the rows a crash left in flight
+    instead of guessing.
     """
 
     def __init__(self, session_db: Any, *, create_missing: bool = False) -> None:
         self.session_db = session_db
         self.create_missing = create_missing
         self._accepted = _accepted_keywords(session_db.append_message)
-        self._keyed_by_timestamp = self._accepted is None or "timestamp" in self._accepted
+        self._prepared: Any = None
+        self._prune: tuple[str, int, str] | None = None
 
-    def mark(self) -> int:
-        """The largest ``messages.id`` now: every later write gets a larger id."""
-        conn, lock = _private_connection(self.session_db)
-        if conn is None or lock is None:
-            return 0
-        with lock:
-            return int(conn.execute(MARK_SQL).fetchone()[0])
-
-    def write(self, session_id: str, record: Record) -> None:
-        """Append one message to ``session_id``; committed when this returns.
+    def write(self, session_id: str, record: Record, ticket: Ticket) -> None:
+        """Append one message to ``session_id`` with its ticket; committed on return.
 
         Raises ``SessionMissing`` when the session has no row and
         ``create_missing`` is off (with it, the session is created, source
@@ -109,9 +185,11 @@ class SessionDBSink:
         """
         if _is_history(record.message):
             raise NotAMessage(record)
-        kwargs = self._filter(append_kwargs(record))
+        kwargs = self._filter(bindable(append_kwargs(record)))
+        tracked = self._prepare()
         try:
-            self.session_db.append_message(session_id=session_id, **kwargs)
+            with self._ticket(ticket if tracked else None):
+                self.session_db.append_message(session_id=session_id, **kwargs)
         except sqlite3.IntegrityError as exc:
             if "FOREIGN KEY" not in str(exc):
                 raise
@@ -124,37 +202,101 @@ class SessionDBSink:
         log.warning("creating missing session %s in state.db for replayed messages", session_id)
         create = getattr(self.session_db, "ensure_session", None) or self.session_db.create_session
         create(session_id, source=CREATED_SOURCE)
-        self.session_db.append_message(session_id=session_id, **kwargs)
+        with self._ticket(ticket if tracked else None):
+            self.session_db.append_message(session_id=session_id, **kwargs)
 
-    def landed(self, session_id: str, mark: int, records: Sequence[Record]) -> int:
-        """How many of ``records`` (a prefix, in order) are in the session after ``mark``."""
-        wanted = [self._key(append_kwargs(r)) for r in records]
-        return _match_prefix(wanted, (self._key(row) for row in self._rows_after(session_id, mark)))
+    def landed(self, tickets: Sequence[Ticket]) -> set[Ticket] | None:
+        """The given tickets whose messages are committed in state.db (exact)."""
+        conn, lock = _private_connection(self.session_db)
+        if conn is None or lock is None:
+            return None
+        wanted = set(tickets)
+        by_spool: dict[str, list[int]] = {}
+        for spool, number, _ in wanted:
+            by_spool.setdefault(spool, []).append(number)
+        found: set[Ticket] = set()
+        with lock:
+            if not conn.execute(LANDED_TABLE_EXISTS_SQL, (LANDED_TABLE,)).fetchone():
+                return found  # no ticket was ever recorded in this state.db
+            for spool, numbers in by_spool.items():
+                rows = conn.execute(LANDED_SQL, (spool, codec.encode(numbers).decode()))
+                found.update((spool, number, record_id) for number, record_id in rows)
+        return found & wanted
+
+    def forget(self, spool: str, below: int, keep: Sequence[int]) -> None:
+        """Prune, in the next write's transaction, ``spool``'s ticket records under
+        ``below`` other than ``keep``: their rows have left the spool."""
+        self._prune = (spool, below, codec.encode(sorted(keep)).decode())
+
+    @contextlib.contextmanager
+    def _ticket(self, ticket: Ticket | None) -> Iterator[None]:
+        """Make ``ticket`` the one this thread's next inserts record."""
+        if ticket is None:
+            yield
+            return
+        prune = self._prune if self._prune is not None and self._prune[0] == ticket[0] else None
+        _thread.parts = (*ticket, *(prune[1:] if prune else (None, "[]")))
+        try:
+            yield
+        finally:
+            _thread.parts = None
+        if prune is not None and self._prune is prune:
+            self._prune = None
+
+    def _prepare(self) -> bool:
+        """Set up ticket recording on SessionDB's connection; False for a look-alike."""
+        conn, lock = _private_connection(self.session_db)
+        if conn is None or lock is None:
+            return False
+        if conn is self._prepared:
+            return True
+        with lock:
+            exists = conn.execute(LANDED_TABLE_EXISTS_SQL, (LANDED_TABLE,)).fetchone()
+        if not exists:
+            self.session_db._execute_write(lambda c: c.execute(CREATE_LANDED_TABLE_SQL))
+        with lock:
+            conn.create_function("walspool_ticket", 1, _ticket_part)
+            conn.execute(TICKET_TRIGGER_SQL)
+        self._prepared = conn
+        return True
 
     def _filter(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         if self._accepted is None:
             return kwargs
         return {k: v for k, v in kwargs.items() if k in self._accepted}
 
-    def _key(self, row: Any) -> tuple[Any, ...]:
-        if self._keyed_by_timestamp:
-            return (row["role"], float(row["timestamp"]))
-        return (row["role"],)
-
-    def _rows_after(self, session_id: str, mark: int) -> list[Any]:
-        conn, lock = _private_connection(self.session_db)
-        if conn is not None and lock is not None:
-            with lock:
-                rows = conn.execute(LANDED_SQL, (session_id, mark)).fetchall()
-            return [{"role": r[0], "timestamp": r[1]} for r in rows]
-        try:
-            rows = self.session_db.get_messages(session_id, include_inactive=True)
-        except TypeError:
-            rows = self.session_db.get_messages(session_id)
-        return [r for r in rows if not isinstance(r.get("id"), int) or r["id"] > mark]
-
     def __repr__(self) -> str:
         return f"SessionDBSink({self.session_db!r}, create_missing={self.create_missing})"
+
+
+def bindable(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``append_message`` keywords with every value SQLite can bind where it goes.
+
+    As the gateway makes values bindable: a dict or list in a TEXT column becomes
+    its JSON text, an integer outside 64 bits becomes its decimal text (in
+    ``content`` too; a list or dict ``content`` is left to ``SessionDB``, which
+    stores it as tagged JSON).
+    """
+    out = dict(kwargs)
+    for name in TEXT_KEYWORDS:
+        if name in out:
+            out[name] = _bindable_text(out[name])
+    content = out.get("content")
+    if isinstance(content, int) and not isinstance(content, bool) and not _fits(content):
+        out["content"] = str(content)
+    return out
+
+
+def _bindable_text(value: Any) -> Any:
+    if value is None or isinstance(value, (str, float, bool)):
+        return value
+    if isinstance(value, int):
+        return value if _fits(value) else str(value)
+    return codec.encode(value).decode("utf-8")
+
+
+def _fits(value: int) -> bool:
+    return -(2**63) <= value < 2**63
 
 
 def append_kwargs(record: Record) -> dict[str, Any]:
@@ -242,17 +384,6 @@ def _timestamp(value: Any, fallback: float) -> float:
             pass
     log.debug("ignoring message timestamp %r; using the spool time", value)
     return fallback
-
-
-def _match_prefix(wanted: Sequence[tuple[Any, ...]], found: Iterable[tuple[Any, ...]]) -> int:
-    """Length of the longest prefix of ``wanted`` that occurs in ``found`` as a subsequence."""
-    i = 0
-    for key in found:
-        if i == len(wanted):
-            break
-        if key == wanted[i]:
-            i += 1
-    return i
 
 
 def _accepted_keywords(fn: Any) -> frozenset[str] | None:

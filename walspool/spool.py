@@ -16,7 +16,7 @@ import msgspec
 
 from . import codec
 from .errors import InvalidArgument, PayloadTooLarge, SpoolClosed, SpoolCorrupt
-from .records import CAP_DROP, Receipt, Record, Stats
+from .records import AGENT_HISTORY, CAP_DROP, Receipt, Record, Stats
 from .schema import open_reader, open_writer, sqlite_error
 from .writer import Append, Operation, Row, Writer
 
@@ -29,7 +29,7 @@ PAGE_ROWS = 512
 
 RECORD_COLUMNS = (
     "id, session_id, seq, reason, session_key, created_at, payload, attempts, last_error, "
-    "last_attempt_at"
+    "last_attempt_at, status"
 )
 RECORDS_PAGE_SQL = f"""
 SELECT {RECORD_COLUMNS} FROM records
@@ -51,6 +51,13 @@ SELECT (SELECT count(DISTINCT session_id) FROM records)
      + (SELECT count(DISTINCT session_key) FROM records WHERE session_id IS NULL)
 """
 STATS_FAILING_SQL = "SELECT count(*) FROM records WHERE last_error IS NOT NULL"
+UID_SQL = "SELECT value FROM spool_meta WHERE name = 'uid'"
+#: A rewrite makes a session's replayable rows obsolete: every reason but agent
+#: history, and not the rows a replay has out (it finishes those).
+SUPERSEDE_SQL = """
+UPDATE records SET status = 'superseded'
+WHERE session_id = ? AND status IS NULL AND inflight IS NULL AND reason != ?
+"""
 
 
 def default_path() -> Path:
@@ -96,6 +103,7 @@ class Spool:
         self._reader: apsw.Connection | None = None
         self._reader_lock = threading.Lock()
         self._closed = False
+        self._uid: str | None = None
 
     # -- appending -----------------------------------------------------------
 
@@ -186,7 +194,7 @@ class Spool:
         if session_id is None and session_key is None:
             raise InvalidArgument("a message needs a session_id or a session_key", path=self.path)
         check_name(reason, "reason", self.path)
-        payload = codec.encode(message)
+        payload = codec.encode(codec.with_epoch_timestamp(message))
         if len(payload) > self.max_payload_bytes:
             raise PayloadTooLarge(
                 len(payload), self.max_payload_bytes, path=str(self.path), session_id=session_id
@@ -206,6 +214,28 @@ class Spool:
     def _execute_later(self, fn: Any) -> concurrent.futures.Future[Any]:
         """Queue ``fn(conn)`` for the writer's next group; do not wait for the commit."""
         return self._writer.submit(Operation(fn))
+
+    def _supersede(self, session_id: str) -> int:
+        """Mark ``session_id``'s replayable rows superseded (kept, not replayed); count them.
+
+        For a transcript rewrite (/retry, /undo, /compress): the gateway replaced the
+        session's transcript, so rows spooled before it would land out of place.
+        Rows a replay has out at this moment are left to it.
+        """
+        check_lookup(session_id, "session_id", self.path)
+
+        def supersede(conn: apsw.Connection) -> int:
+            conn.execute(SUPERSEDE_SQL, (session_id, AGENT_HISTORY))
+            return conn.changes()
+
+        return self._execute(supersede)
+
+    @property
+    def uid(self) -> str:
+        """The spool's identity, random and fixed when the file was created."""
+        if self._uid is None:
+            self._uid = str(self._read(UID_SQL, ())[0][0])
+        return self._uid
 
     # -- reading ---------------------------------------------------------------
 
