@@ -236,7 +236,8 @@ def test_shutdown_flush_then_restart_recovery(hermes_home):
 
     store2 = SessionStore(hermes_home / "sessions", config)
     with walspool.Spool(hermes_home / "spool.db") as spool2:
-        install(store2, spool2)
+        link2 = install(store2, spool2)  # recovers in the background
+        assert link2.wait_idle(30)
         assert contents(store2, sid) == ["pending in adapter", "pending in runner"]
         assert [r.reason for r in spool2.records()] == [walspool.AGENT_HISTORY]
     store2._db.close()
@@ -342,8 +343,8 @@ def test_retry_interval_spares_failing_writes_during_an_outage(store, spool):
     store._append_transcript_message = lambda sid, m: attempts.append(m) or write(sid, m)
     real_write = link.replayer.sink.write
     replays = []
-    link.replayer.sink.write = lambda sid, rec, ticket: (
-        replays.append(rec.seq) or real_write(sid, rec, ticket)
+    link.replayer.sink.write = lambda sid, rec, *a: (
+        replays.append(rec.seq) or real_write(sid, rec, *a)
     )
     sql(store, BREAK)
     for i in range(500):
@@ -411,6 +412,6 @@ def test_shutdown_during_an_outage_spools_the_in_memory_queue(hermes_home):
 
     store2 = SessionStore(hermes_home / "sessions", config)
     with walspool.Spool(hermes_home / "spool.db") as spool2:
-        install(store2, spool2)
+        assert install(store2, spool2).wait_idle(30)  # recovers in the background
         assert contents(store2, "s") == [f"m{i}" for i in range(250)]
     store2._db.close()
