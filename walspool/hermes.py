@@ -68,11 +68,14 @@ import time
 import weakref
 from collections.abc import Callable, Mapping
 from functools import partial
+from pathlib import Path
 from typing import Any
+
+import apsw
 
 from .errors import ReplayBusy, UnsupportedGateway, WalspoolError
 from .records import AGENT_HISTORY, CAP_DROP, SHUTDOWN
-from .replay import Replayer, ReplayReport
+from .replay import LOCK_SUFFIX, Replayer, ReplayReport, _exclusive
 from .sinks import SessionDBSink
 from .spool import Spool
 from .writer import Append, Request
@@ -116,6 +119,8 @@ DRAIN_CHUNK_ROWS = 128
 GATEWAY_DRAIN_ROWS = 1024
 #: Seconds a gateway thread waits for its session's evictions to commit before a drain.
 CONFIRM_WAIT = 0.5
+#: How often that wait looks whether the spool's write lock is held elsewhere.
+BUSY_LOOK_SECONDS = 0.01
 #: Seconds a gateway thread waits to take its session over from the background thread.
 HANDOFF_WAIT = 2.0
 #: Seconds ``flush_queues`` waits for the spool at shutdown.
@@ -123,6 +128,12 @@ FLUSH_TIMEOUT = 10.0
 #: Longest the background thread sleeps before it looks for work again (it is woken
 #: whenever there is some; this only bounds the life of a forgotten link's thread).
 IDLE_WAKE_SECONDS = 60.0
+#: A rewrite's supersede when no replay runs: rows in flight are leftovers of failed
+#: drains (their write did not land), so they are superseded too.
+SUPERSEDE_ALL_SQL = """
+UPDATE records SET status = 'superseded', inflight = NULL
+WHERE session_id = ? AND status IS NULL AND reason != ?
+"""
 #: Whether a start has anything to recover: any row but agent histories.
 ANY_REPLAYABLE_SQL = "SELECT 1 FROM records WHERE reason != ? LIMIT 1"
 
@@ -266,7 +277,7 @@ class Link:
             # The queue was just emptied, so no eviction of this session can be
             # submitted before this runs: every row it spooled until now is
             # superseded (the spool's writer commits in submission order).
-            superseded = self.spool._supersede(session_id)
+            superseded = self._supersede(session_id)
         except Exception:  # noqa: BLE001 - the rewrite goes on; the rows stay, reported
             log.exception(
                 "walspool could not supersede the spooled rows of session %s in %s after "
@@ -283,6 +294,24 @@ class Link:
                 superseded,
                 self.spool.path,
             )
+
+    def _supersede(self, session_id: str) -> int:
+        """Supersede the session's replayable rows, those a failed drain left in flight too.
+
+        ``Spool._supersede`` leaves rows in flight to the replay that has them out. A
+        row this link's failed drain left in flight has no replay: with the replay lock
+        taken (not waited for) and this link's drains held off, every in-flight row of
+        the session is such a leftover, and it is superseded with the rest.
+        """
+        if self._draining.acquire(timeout=HANDOFF_WAIT):
+            try:
+                with _exclusive(Path(f"{self.spool.path}{LOCK_SUFFIX}"), wait=False):
+                    return self.spool._execute(partial(_supersede_all, session_id=session_id))
+            except ReplayBusy:
+                pass  # another replay has rows out: leave those to it
+            finally:
+                self._draining.release()
+        return self.spool._supersede(session_id)
 
     # -- evictions -------------------------------------------------------------------
 
@@ -553,15 +582,17 @@ class Link:
         return "write", notes
 
     def _wait_for_evictions(self, state: _Session) -> None:
-        """Wait at most ``CONFIRM_WAIT`` for the session's evictions to commit; lock held."""
+        """Wait at most ``CONFIRM_WAIT`` for the session's evictions to commit, and not
+        at all once the spool's writer finds its write lock held elsewhere; lock held."""
         deadline = time.monotonic() + CONFIRM_WAIT
         state.waiters += 1
         try:
-            while state.unconfirmed:
+            while state.unconfirmed and self.spool._writer.busy_since is None:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return
-                self._settled.wait(left)
+                # A commit notifies; a busy write lock does not, so look again soon.
+                self._settled.wait(min(left, BUSY_LOOK_SECONDS))
         finally:
             state.waiters -= 1
 
@@ -1038,6 +1069,12 @@ def _nothing_to_replay(spool: Spool) -> bool:
         return not spool._read(ANY_REPLAYABLE_SQL, (AGENT_HISTORY,))
     except Exception:  # noqa: BLE001 - then the background recovery finds out
         return False
+
+
+def _supersede_all(conn: apsw.Connection, session_id: str) -> int:
+    """Mark all of a session's replayable rows superseded, freeing those in flight."""
+    conn.execute(SUPERSEDE_ALL_SQL, (session_id, AGENT_HISTORY))
+    return conn.changes()
 
 
 def _run(notes: list[Callable[[], None]]) -> None:

@@ -1,0 +1,417 @@
+"""The gateway link under faults and waits, on the real hermes-agent 0.19.0 SessionStore.
+
+Self-healing after an outage with no new message, the retry backoff and its cap, a
+spool whose write lock another process holds, a replay lock held by another process
+and a real concurrent ``walspool replay``, the background recovery at ``install``,
+every replayable reason in the live drain, bad values, and transcript rewrites.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from _helpers import ROOT
+from _hermes_lock_holder import write_lock_held
+from _hermes_replay_lock import replay_lock_held
+
+import walspool
+import walspool.hermes as hermes
+import walspool.writer as writer
+from walspool.errors import ReplayBusy
+from walspool.hermes import Link, install
+
+pytest.importorskip("hermes_state")
+
+BREAK = (
+    "CREATE TRIGGER broken BEFORE INSERT ON messages BEGIN "
+    "SELECT RAISE(ABORT, 'database disk image is malformed'); END"
+)
+HEAL = "DROP TRIGGER broken"
+#: An outage of session "a" only; other sessions write as usual.
+BREAK_A = (
+    "CREATE TRIGGER broken BEFORE INSERT ON messages WHEN NEW.session_id = 'a' BEGIN "
+    "SELECT RAISE(ABORT, 'database disk image is malformed'); END"
+)
+#: What a gateway thread may wait in one append_to_transcript in these tests: the
+#: store's lock, in-memory work, a write to a healthy state.db.
+APPEND_BOUND = 0.25
+WAIT = 30.0
+
+
+@pytest.fixture
+def spool(hermes_home: Path) -> Iterator[walspool.Spool]:
+    with walspool.Spool(hermes_home / "spool.db") as s:
+        yield s
+
+
+def sql(store: Any, statement: str) -> None:
+    with store._db._lock:
+        store._db._conn.execute(statement)
+
+
+def contents(store: Any, session_id: str) -> list[Any]:
+    return [m["content"] for m in store._db.get_messages(session_id)]
+
+
+def msg(content: str) -> dict[str, str]:
+    return {"role": "user", "content": content}
+
+
+def timed_append(store: Any, session_id: str, content: str) -> float:
+    started = time.monotonic()
+    store.append_to_transcript(session_id, msg(content))
+    return time.monotonic() - started
+
+
+def settle(link: Link, predicate: Callable[[], bool], timeout: float = WAIT) -> bool:
+    """Wait on the link's condition (notified at each release and commit) for ``predicate``."""
+    with link._settled:
+        return link._settled.wait_for(predicate, timeout)
+
+
+# -- self-healing ----------------------------------------------------------------------
+
+
+def test_a_healed_database_receives_everything_with_no_new_message(store, spool):
+    """The issue's case: 206 messages during an outage, heal, and nothing else."""
+    store._db.create_session("s", "telegram")
+    link = install(store, spool, retry_interval=0.5)
+    sql(store, BREAK)
+    for i in range(206):
+        store.append_to_transcript("s", msg(f"m{i}"))
+    assert contents(store, "s") == []
+    healed = time.monotonic()
+    sql(store, HEAL)
+    assert link.wait_idle(link.retry_interval + 5.0)
+    assert time.monotonic() - healed < link.retry_interval + 5.0
+    assert contents(store, "s") == [f"m{i}" for i in range(206)]
+    assert spool.stats().rows == 0 and "s" not in store._dirty_transcripts
+
+
+def test_retries_back_off_up_to_the_retry_interval(store, spool):
+    store._db.create_session("s", "telegram")
+    attempts: list[float] = []
+    enough = threading.Event()
+    write = store._append_transcript_message
+
+    def counting(session_id: str, message: dict[str, Any]) -> None:
+        attempts.append(time.monotonic())
+        if len(attempts) >= 8:
+            enough.set()
+        write(session_id, message)
+
+    store._append_transcript_message = counting
+    interval = 0.4
+    link = install(store, spool, retry_interval=interval)
+    sql(store, BREAK)
+    store.append_to_transcript("s", msg("m0"))  # fails twice (the store's FTS rebuild retry)
+    assert enough.wait(WAIT)
+    link.close()
+    gaps = [b - a for a, b in zip(attempts[1:], attempts[2:], strict=False)]
+    expected = [interval / 8, interval / 4, interval / 2, interval, interval, interval]
+    for gap, want in zip(gaps, expected, strict=False):
+        assert want * 0.9 <= gap < want + 1.0, (gaps, expected)
+
+
+def test_a_retry_interval_of_zero_starts_no_background_retries(store, spool):
+    store._db.create_session("s", "telegram")
+    link = install(store, spool, retry_interval=0)
+    assert link._thread is None
+
+
+# -- a spool locked by another process ---------------------------------------------------
+
+
+def test_a_locked_spool_never_makes_a_gateway_thread_wait(store, spool, monkeypatch):
+    monkeypatch.setattr(writer, "BUSY_RETRY_SECONDS", 60.0)
+    for s in ("a", "h"):
+        store._db.create_session(s, "telegram")
+    link = install(store, spool, retry_interval=0.2)
+    sql(store, BREAK_A)
+    with write_lock_held(spool.path) as holder:
+        waits = [timed_append(store, "a", f"a{i}") for i in range(260)]
+        assert max(waits) < APPEND_BOUND, max(waits)
+        # A healthy session writes as usual while the spool is locked.
+        assert timed_append(store, "h", "hello") < APPEND_BOUND
+        assert contents(store, "h") == ["hello"]
+        assert spool.stats().rows == 0  # the 60 evictions wait in the writer's queue
+        holder.release()
+    sql(store, "DROP TRIGGER broken")
+    assert link.wait_idle(WAIT)
+    assert contents(store, "a") == [f"a{i}" for i in range(260)]
+    assert spool.stats().rows == 0
+
+
+def test_a_full_spool_queue_keeps_messages_in_memory_then_drops_with_a_warning(
+    store, spool, monkeypatch, caplog
+):
+    monkeypatch.setattr(writer, "QUEUE_REQUESTS", 4)
+    monkeypatch.setattr(writer, "BUSY_RETRY_SECONDS", 60.0)
+    store._db.create_session("a", "telegram")
+    link = install(store, spool, retry_interval=0.2)
+    sql(store, BREAK)
+    with write_lock_held(spool.path) as holder:
+        with caplog.at_level(logging.WARNING, logger="walspool.hermes"):
+            waits = [timed_append(store, "a", f"a{i}") for i in range(420)]
+        assert max(waits) < APPEND_BOUND, max(waits)
+        kept = [r.getMessage() for r in caplog.records if "stays in memory" in r.getMessage()]
+        dropped = [r.getMessage() for r in caplog.records if "spool writer busy" in r.getMessage()]
+        assert kept and f"the spool {spool.path} is busy" in kept[0]
+        assert dropped and "dropping oldest message" in dropped[0]
+        queued = len(store._dirty_transcripts["a"])
+        assert queued == 400  # twice the cap, never more
+        holder.release()
+    sql(store, HEAL)
+    assert link.wait_idle(WAIT)
+    got = contents(store, "a")
+    # what was neither spooled nor kept was dropped, oldest first; the rest is in order
+    assert got == sorted(got, key=lambda c: int(c[1:])) and got[-400:] == [
+        f"a{i}" for i in range(20, 420)
+    ]
+    assert len(got) == 420 - len(dropped)
+
+
+def test_a_lock_held_past_the_bound_takes_the_drop_path_and_the_gateway_goes_on(
+    store, spool, monkeypatch, caplog
+):
+    monkeypatch.setattr(writer, "BUSY_RETRY_SECONDS", 0.3)
+    store._db.create_session("a", "telegram")
+    link = install(store, spool, retry_interval=0.2)
+    sql(store, BREAK)
+    with write_lock_held(spool.path), caplog.at_level(logging.WARNING, logger="walspool"):
+        waits = [timed_append(store, "a", f"a{i}") for i in range(205)]
+        assert max(waits) < APPEND_BOUND
+        # the writer gives up after the bound: every eviction's callback runs
+        assert settle(link, lambda: link._sessions["a"].unconfirmed == 0)
+    drops = [r.getMessage() for r in caplog.records if "dropping oldest" in r.getMessage()]
+    assert len(drops) == 5 and "held its write lock for more than 0.3 s" in drops[0]
+    sql(store, HEAL)
+    assert link.wait_idle(WAIT)
+    assert contents(store, "a") == [f"a{i}" for i in range(5, 205)]
+
+
+def test_shutdown_flush_with_a_locked_spool_is_bounded(store, spool, monkeypatch, caplog):
+    monkeypatch.setattr(writer, "BUSY_RETRY_SECONDS", 60.0)
+    monkeypatch.setattr(hermes, "FLUSH_TIMEOUT", 0.5)
+    store._db.create_session("a", "telegram")
+    link = install(store, spool, retry_interval=0)
+    sql(store, BREAK)
+    for i in range(50):
+        store.append_to_transcript("a", msg(f"a{i}"))
+    with write_lock_held(spool.path) as holder:
+        started = time.monotonic()
+        with caplog.at_level(logging.ERROR, logger="walspool.hermes"):
+            assert link.flush_queues() == 0
+        assert time.monotonic() - started < 0.5 + hermes.CONFIRM_WAIT + 1.0
+        assert "not committed within 0.5 s" in caplog.text
+        holder.release()
+    spool.flush()  # accepted before the timeout: committed once the lock is free
+    assert [r.message["content"] for r in spool.records()] == [f"a{i}" for i in range(50)]
+
+
+# -- replays elsewhere -----------------------------------------------------------------
+
+
+def test_a_replay_lock_held_elsewhere_never_blocks_a_drain(store, spool):
+    store._db.create_session("s", "telegram")
+    link = install(store, spool, retry_interval=0.2)
+    sql(store, BREAK)
+    for i in range(210):
+        store.append_to_transcript("s", msg(f"m{i}"))
+    sql(store, HEAL)
+    with replay_lock_held(spool.path) as holder:
+        assert timed_append(store, "s", "live") < APPEND_BOUND
+        assert contents(store, "s") == []  # live rows never overtake the spooled ones
+        holder.release()
+    assert link.wait_idle(WAIT)  # the background thread drains it, no new message
+    assert contents(store, "s") == [f"m{i}" for i in range(210)] + ["live"]
+
+
+def test_a_concurrent_cli_replay_never_blocks_the_gateway(hermes_home, store, spool):
+    """A real ``walspool replay`` of 4,200 rows runs while the gateway appends to a
+    session whose spooled rows it would drain: the drains skip, nothing waits."""
+    sessions = [f"o{k}" for k in range(3)]
+    for s in ["s", *sessions]:
+        store._db.create_session(s, "telegram")
+    spool.append_many([(s, msg(f"{s}-{i}")) for s in sessions for i in range(1400)])
+    link = install(store, spool, recover=False, retry_interval=0)
+    sql(store, BREAK_A.replace("'a'", "'s'"))
+    for i in range(210):
+        store.append_to_transcript("s", msg(f"m{i}"))
+    busy = []
+    replay = link.replayer.replay
+
+    def noting(*args: Any, **kw: Any) -> Any:
+        try:
+            return replay(*args, **kw)
+        except ReplayBusy:
+            busy.append(time.monotonic())
+            raise
+
+    link.replayer.replay = noting
+    cli = subprocess.Popen(
+        [
+            str(Path(sys.executable).parent / "walspool"),  # the installed command
+            "replay",
+            str(spool.path),
+            "--into",
+            str(hermes_home / "state.db"),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    waits = []
+    i = 210
+    while cli.poll() is None and i < 20_000:
+        waits.append(timed_append(store, "s", f"m{i}"))
+        i += 1
+    assert cli.wait(WAIT) in (0, 3), cli.stderr.read() if cli.stderr else ""
+    assert busy, "the CLI replay never overlapped a drain"
+    # each append waited for its eviction's commit, never for the replay's lock
+    assert max(waits) < 1.0, max(waits)
+    sql(store, "DROP TRIGGER broken")
+    store.append_to_transcript("s", msg("fin"))
+    assert contents(store, "s") == [f"m{k}" for k in range(i)] + ["fin"]
+    for s in sessions:
+        assert contents(store, s) == [f"{s}-{k}" for k in range(1400)]  # each exactly once
+    assert spool.stats().rows == 0
+
+
+def test_install_returns_at_once_and_recovers_in_the_background(store, spool):
+    store._db.create_session("s", "telegram")
+    spool.append_many([("s", msg(f"old{i}")) for i in range(300)])
+    with replay_lock_held(spool.path) as holder:  # the recovery must wait for it
+        started = time.monotonic()
+        link = install(store, spool, retry_interval=0.2)
+        assert time.monotonic() - started < APPEND_BOUND
+        assert timed_append(store, "s", "live") < APPEND_BOUND
+        assert contents(store, "s") == []  # live rows wait for the recovery
+        assert link._recovering
+        holder.release()
+    assert link.wait_idle(WAIT)
+    assert contents(store, "s") == [f"old{i}" for i in range(300)] + ["live"]
+
+
+def test_the_live_drain_replays_every_replayable_reason_in_seq_order(store, spool):
+    store._db.create_session("s", "telegram")
+    reasons = [walspool.CAP_DROP, "adapter_shutdown", "imported-upstream", walspool.SHUTDOWN]
+    for i in range(12):
+        spool.append("s", msg(f"r{i}"), reason=reasons[i % len(reasons)])
+        if i == 5:
+            spool.append("s", {"count": 1, "messages": [msg("h")]}, reason=walspool.AGENT_HISTORY)
+    install(store, spool, recover=False, retry_interval=0)
+    store.append_to_transcript("s", msg("live"))
+    assert contents(store, "s") == [f"r{i}" for i in range(12)] + ["live"]
+    assert [r.reason for r in spool.records()] == [walspool.AGENT_HISTORY]
+
+
+# -- bad values and unexpected errors ----------------------------------------------------
+
+
+class Hostile:
+    """An object in a message whose every attribute access raises."""
+
+    def __getattribute__(self, name: str) -> Any:
+        raise RuntimeError(f"no {name} for you")
+
+
+def test_a_hostile_value_never_escapes_and_is_not_lost(store, spool):
+    store._db.create_session("s", "telegram")
+    install(store, spool, retry_interval=0)
+    sql(store, BREAK)
+    hostile = {"role": "assistant", "content": "hostile", "tool_calls": [Hostile()]}
+    store.append_to_transcript("s", hostile)  # no raise
+    for i in range(200):
+        store.append_to_transcript("s", msg(f"m{i}"))  # evicts the hostile one
+    spool.flush()
+    assert spool.stats().rows == 1
+    sql(store, HEAL)
+    store.append_to_transcript("s", msg("fin"))
+    got = contents(store, "s")
+    kept = list(spool.records())
+    # its text reached state.db (in the form the spool could keep), or it is kept in
+    # the spool for operators; the others follow in order
+    landed = [c for c in got if "hostile" in str(c)]
+    assert len(landed) + len(kept) == 1
+    assert [c for c in got if c not in landed] == [f"m{i}" for i in range(200)] + ["fin"]
+
+
+def test_an_unexpected_error_is_logged_with_the_session_and_the_message_stays(store, spool, caplog):
+    store._db.create_session("s", "telegram")
+    install(store, spool, retry_interval=0)
+    sql(store, BREAK)
+    for i in range(200):
+        store.append_to_transcript("s", msg(f"m{i}"))
+
+    def boom(*args: Any) -> Any:
+        raise RuntimeError("boom")
+
+    spool._row = boom
+    with caplog.at_level(logging.ERROR, logger="walspool.hermes"):
+        store.append_to_transcript("s", msg("m200"))  # no raise
+    assert "oldest queued message of session s; it stays in memory" in caplog.text
+    assert len(store._dirty_transcripts["s"]) == 201
+    del spool._row
+    sql(store, HEAL)
+    store.append_to_transcript("s", msg("fin"))
+    assert contents(store, "s") == [f"m{i}" for i in range(201)] + ["fin"]
+
+
+def test_an_unexpected_error_in_the_writer_is_logged_and_the_message_stays(store, spool, caplog):
+    store._db.create_session("t", "telegram")
+    install(store, spool, retry_interval=0)
+    sql(store, BREAK)
+
+    def boom(*args: Any) -> Any:
+        raise RuntimeError("boom")
+
+    store._is_fts_corruption_error = boom  # raises inside the session's writer
+    with caplog.at_level(logging.ERROR, logger="walspool.hermes"):
+        store.append_to_transcript("t", msg("t0"))  # no raise
+    assert "could not write session t; its messages stay queued" in caplog.text
+    assert store._dirty_transcripts["t"] == [msg("t0")]
+    del store._is_fts_corruption_error
+    sql(store, HEAL)
+    store.append_to_transcript("t", msg("fin"))
+    assert contents(store, "t") == ["t0", "fin"]
+
+
+# -- transcript rewrites -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["rewrite", "rewind"])
+def test_a_rewrite_supersedes_the_spooled_rows(store, spool, how, caplog):
+    store._db.create_session("s", "telegram")
+    link = install(store, spool, retry_interval=0)
+    store.append_to_transcript("s", msg("before"))
+    sql(store, BREAK)
+    for i in range(205):
+        store.append_to_transcript("s", msg(f"m{i}"))
+    sql(store, HEAL)
+    with caplog.at_level(logging.WARNING, logger="walspool.hermes"):
+        if how == "rewrite":  # /retry, /compress
+            assert store.rewrite_transcript("s", [msg("rewritten")])
+            expected = ["rewritten"]
+        else:  # /undo
+            assert store.rewind_session("s", 1) is not None
+            expected = []
+    assert "5 spooled message(s)" in caplog.text and "superseded" in caplog.text
+    assert store._dirty_transcripts.get("s") is None
+    store.append_to_transcript("s", msg("next"))
+    assert link.wait_idle(WAIT)
+    assert [m["content"] for m in store._db.get_messages("s")] == expected + ["next"]
+    kept = list(spool.records())
+    assert [r.message["content"] for r in kept] == [f"m{i}" for i in range(5)]
+    assert {r.status for r in kept} == {"superseded"}
+    assert walspool.Replayer(spool, walspool.SessionDBSink(store._db)).replay().moved == 0
