@@ -8,12 +8,13 @@ import shutil
 import sqlite3
 import stat
 import subprocess
+import sys
 import threading
 from pathlib import Path
 
 import apsw
 import pytest
-from _helpers import run_python
+from _helpers import ROOT, run_python
 from _old_schemas import DOWNGRADE_TO_V1_SQL, make_v2_spool
 
 import walspool
@@ -274,3 +275,95 @@ def test_schema_2_spool_with_rows_in_flight_is_upgraded_and_never_guessed(
         assert report.moved == 2 and list(spool.records()) == []
     contents = [m["content"] for m in session_db.get_messages("s")]
     assert contents == ["next", "maybe landed", "new"]
+
+
+# -- moving a damaged spool aside only when nobody else has it open ---------------------
+
+APPENDER = """
+import sys, walspool
+spool = walspool.Spool(sys.argv[1])
+n = 0
+for line in sys.stdin:
+    if line.strip() == "close":
+        break
+    n += 1
+    spool.append("a", {"role": "user", "content": f"a{n}"})
+    print(f"acked a{n}", flush=True)
+spool.close()
+print("closed", flush=True)
+"""
+
+
+def damage_spool_meta(path: Path) -> None:
+    """Overwrite the page of ``spool_meta`` in the main file: a table an appending
+    process never touches, but an opening process checks."""
+    conn = apsw.Connection(str(path), flags=apsw.SQLITE_OPEN_READONLY)
+    root = conn.execute("SELECT rootpage FROM sqlite_schema WHERE name = 'spool_meta'").get
+    page_size = conn.execute("PRAGMA page_size").get
+    conn.close()
+    with open(path, "r+b") as f:
+        f.seek((root - 1) * page_size)
+        f.write(b"\xa5" * page_size)
+
+
+def test_a_damaged_spool_open_in_another_process_is_not_moved_aside(spool_path):
+    """Process A appends; the file is damaged where only an opener looks; process B
+    (this one) opens it: B must not rename the file from under A, or A's acknowledged
+    appends would land in a file the next start never opens."""
+    with walspool.Spool(spool_path) as spool:
+        spool.append("a", {"role": "user", "content": "a0"})
+    proc = subprocess.Popen(
+        [sys.executable, "-c", APPENDER, str(spool_path)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    try:
+        assert proc.stdin is not None and proc.stdout is not None
+        proc.stdin.write("append\n")
+        proc.stdin.flush()
+        assert proc.stdout.readline() == "acked a1\n"  # A has the spool open
+        damage_spool_meta(spool_path)
+        with pytest.raises(walspool.SpoolCorrupt, match="another process has it open"):
+            walspool.Spool(spool_path)
+        assert not [p for p in spool_path.parent.iterdir() if ".damaged-" in p.name]
+        proc.stdin.write("append\n")
+        proc.stdin.flush()
+        assert proc.stdout.readline() == "acked a2\n"
+        proc.stdin.write("close\n")
+        proc.stdin.flush()
+        assert proc.stdout.readline() == "closed\n"
+        assert proc.wait(30) == 0
+    finally:
+        proc.kill()
+    # Every acknowledged append is in the file at the spool's path.
+    conn = apsw.Connection(str(spool_path), flags=apsw.SQLITE_OPEN_READONLY)
+    rows = conn.execute("SELECT json_extract(payload, '$.content') FROM records ORDER BY seq")
+    assert [r[0] for r in rows] == ["a0", "a1", "a2"]
+    conn.close()
+    # Now nobody has it open: the next opener moves it aside and starts afresh.
+    with walspool.Spool(spool_path) as spool:
+        assert spool.stats().rows == 0
+    (aside,) = [p for p in spool_path.parent.iterdir() if p.name.endswith(tuple("0123456789"))]
+    assert ".damaged-" in aside.name
+
+
+def test_a_spool_whose_path_names_another_file_refuses_appends(spool_path):
+    with walspool.Spool(spool_path) as spool:
+        spool.append("s", MSG)
+        moved = spool_path.with_name("moved.db")
+        for suffix in ("", "-wal", "-shm"):  # an operator's `mv spool.db* ...`
+            os.rename(f"{spool_path}{suffix}", f"{moved}{suffix}")
+        with walspool.Spool(spool_path) as fresh:  # a new file at the path
+            fresh.append("s", MSG)
+        for attempt in (
+            lambda: spool.append("s", MSG),
+            lambda: spool.append_many([("s", MSG)]),
+            lambda: spool.submit("s", MSG),
+        ):
+            with pytest.raises(walspool.SpoolReplaced, match="no longer names the file"):
+                attempt()
+    conn = apsw.Connection(str(moved), flags=apsw.SQLITE_OPEN_READONLY)
+    assert conn.execute("SELECT count(*) FROM records").get == 1
+    conn.close()

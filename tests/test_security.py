@@ -104,6 +104,7 @@ def test_new_spool_files_are_private_under_umask_0(tmp_path, umask0):
             "spool.db": 0o600,
             "spool.db-wal": 0o600,
             "spool.db-shm": 0o600,
+            "spool.db.open-lock": 0o600,
         }
         Replayer(spool, MemorySink()).replay()
         assert mode(f"{path}.replay-lock") == 0o600
@@ -122,6 +123,7 @@ def test_loose_modes_of_an_existing_spool_are_tightened(tmp_path, umask0):
             "spool.db": 0o600,
             "spool.db-wal": 0o600,
             "spool.db-shm": 0o600,
+            "spool.db.open-lock": 0o600,
         }
 
 
@@ -144,7 +146,9 @@ def test_shutdown_flush_spool_in_a_fresh_hermes_home_is_private(tmp_path, monkey
     finally:
         sf.close_shared_spools()
     assert mode(home) == 0o700
-    assert set(modes(home)) <= {"spool.db", "spool.db-wal", "spool.db-shm", "spool.db.replay-lock"}
+    assert set(modes(home)) <= {
+        "spool.db", "spool.db-wal", "spool.db-shm", "spool.db.replay-lock", "spool.db.open-lock"
+    }  # fmt: skip
     assert all(m == 0o600 for m in modes(home).values()), modes(home)
 
 
@@ -152,7 +156,8 @@ def test_read_commands_create_only_the_spools_own_private_files(tmp_path, umask0
     path = tmp_path / "spool" / "spool.db"
     with walspool.Spool(path) as spool:
         spool.append_many([("s", i) for i in range(5)])
-    assert set(modes(path.parent)) == {"spool.db"}  # a clean close leaves no -wal/-shm
+    # A clean close leaves no -wal/-shm; the open lock stays (another process may hold it).
+    assert set(modes(path.parent)) == {"spool.db", "spool.db.open-lock"}
     for argv in (
         ["export", str(path)],
         ["export", str(path), "--session", "s", "--reason", CAP_DROP],
@@ -165,7 +170,8 @@ def test_read_commands_create_only_the_spools_own_private_files(tmp_path, umask0
         assert rc == 0, err
         found = modes(path.parent)
         # SQLite itself may make the -wal/-shm of a WAL database to read it; nothing else
-        assert set(found) <= {"spool.db", "spool.db-wal", "spool.db-shm"}, (argv, found)
+        expected = {"spool.db", "spool.db-wal", "spool.db-shm", "spool.db.open-lock"}
+        assert set(found) <= expected, (argv, found)
         assert all(m == 0o600 for m in found.values()), (argv, found)
     assert set(modes(tmp_path)) == {"spool"}
 

@@ -215,7 +215,8 @@ def test_public_api_is_pinned():
         "AGENT_HISTORY", "CAP_DROP", "QUARANTINED", "SHUTDOWN", "SUPERSEDED", "DiskFull",
         "ImportReport", "InvalidArgument", "NotAMessage", "NotASpool", "PayloadTooLarge",
         "Receipt", "Record", "ReplayBusy", "ReplayReport", "Replayer", "SchemaTooNew", "SessionDBSink", "SessionMissing", "Sink",
-        "Spool", "SpoolClosed", "SpoolCorrupt", "SpoolFull", "SpoolIOError", "Stats",
+        "Spool", "SpoolClosed", "SpoolCorrupt", "SpoolFull", "SpoolIOError", "SpoolReplaced",
+        "Stats",
         "StreamReport", "SymlinkRefused", "UnsupportedGateway", "WalspoolError",
         "import_json_spool",
     ])  # fmt: skip

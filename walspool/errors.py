@@ -92,6 +92,10 @@ class SpoolCorrupt(WalspoolError):
     """SQLite reports the spool as damaged."""
 
 
+class SpoolReplaced(WalspoolError):
+    """The spool's path no longer names the file this ``Spool`` opened."""
+
+
 class ReplayBusy(WalspoolError):
     """Another replay of the spool is running and the caller asked not to wait for it."""
 

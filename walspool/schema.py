@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import logging
 import os
 import time
@@ -38,6 +39,10 @@ DURABILITY_SYNCHRONOUS = {"full": "FULL", "normal": "NORMAL"}
 BUSY_TIMEOUT_MS = 10_000
 JOURNAL_SIZE_LIMIT = 64 * 1024 * 1024
 SQLITE_MAGIC = b"SQLite format 3\x00"
+#: Beside the spool; every open ``Spool`` holds a shared ``flock`` on it.
+OPEN_LOCK_SUFFIX = ".open-lock"
+#: Seconds an opener waits for a process that is moving a damaged spool aside.
+OPEN_LOCK_WAIT = 30.0
 
 # Added in schema 2 (``MIGRATE_V1_SQL`` adds them to a schema 1 file).
 INDEXES_SQL = """
@@ -298,11 +303,16 @@ def set_foreign_keys_off(conn: apsw.Connection) -> None:
 # -- opening -----------------------------------------------------------------
 
 
-def open_writer(path: Path, durability: str, max_bytes: int | None) -> apsw.Connection:
+def open_writer(path: Path, durability: str, max_bytes: int | None) -> tuple[apsw.Connection, int]:
     """Open (creating if needed) the spool for writing, checked and set up.
 
-    A file that is not a spool, or of a newer schema, raises and is left unchanged.
-    A spool SQLite reports as damaged is moved aside and a fresh one is opened.
+    Returns the connection and the descriptor of the spool's open lock, held shared
+    for as long as the spool is open (close it after the connection). A file that is
+    not a spool, or of a newer schema, raises and is left unchanged. A spool SQLite
+    reports as damaged is moved aside and a fresh one opened, but only by a process
+    that can take the open lock exclusively, which proves that no other process has
+    the spool open (its appends would otherwise go on into the renamed file); if
+    one has, this raises ``SpoolCorrupt`` and changes nothing.
     """
     refuse_symlink(path)
     try:
@@ -310,18 +320,40 @@ def open_writer(path: Path, durability: str, max_bytes: int | None) -> apsw.Conn
     except OSError as exc:
         error = DiskFull if exc.errno in (errno.ENOSPC, errno.EFBIG) else SpoolIOError
         raise error(f"cannot create spool {path}: {exc}", path=path) from exc
+    # Someone else's file is refused before a lock file is made beside it.
+    _refuse_non_sqlite(path)
+    lock = hold_open_lock(path)
+    try:
+        return _open_locked(path, durability, max_bytes, lock), lock
+    except BaseException:
+        os.close(lock)
+        raise
+
+
+def _open_locked(path: Path, durability: str, max_bytes: int | None, lock: int) -> apsw.Connection:
     try:
         conn = _open_checked(path)
     except SpoolCorrupt as exc:
-        moved = move_aside(path)
-        log.error(
-            "spool %s is damaged (%s); moved it aside to %s and opened a fresh spool",
-            path,
-            exc.__cause__ or exc,
-            moved,
-        )
-        create_private(path)
-        conn = _open_checked(path)
+        if not _lock_alone(lock):
+            raise SpoolCorrupt(
+                f"spool {path} is damaged ({exc.__cause__ or exc}) and another process has "
+                "it open, so it cannot be moved aside now; stop the other walspool users "
+                f"of it (the gateway, a replay) and open it again, or run `walspool check "
+                f"{path}`",
+                path=path,
+            ) from exc
+        try:
+            moved = move_aside(path)
+            log.error(
+                "spool %s is damaged (%s); moved it aside to %s and opened a fresh spool",
+                path,
+                exc.__cause__ or exc,
+                moved,
+            )
+            create_private(path)
+            conn = _open_checked(path)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_SH)  # back to sharing it with later openers
     try:
         set_synchronous(conn, durability)
         set_journal_size_limit(conn)
@@ -331,6 +363,48 @@ def open_writer(path: Path, durability: str, max_bytes: int | None) -> apsw.Conn
         raise sqlite_error(exc, path) from exc
     tighten_modes(path)
     return conn
+
+
+def hold_open_lock(path: Path) -> int:
+    """Open ``<spool>.open-lock`` (0600, never through a symlink) and hold it shared.
+
+    Every open ``Spool`` holds it, so a process that gets it exclusively knows it is
+    the spool's only user. Waits at most ``OPEN_LOCK_WAIT`` seconds for a process
+    that is moving a damaged spool aside. The kernel drops it when the process dies.
+    """
+    lock_path = Path(f"{path}{OPEN_LOCK_SUFFIX}")
+    try:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        raise SpoolIOError(
+            f"cannot open the spool's open lock {lock_path} ({exc}); it must be a regular "
+            "file beside the spool",
+            path=path,
+        ) from exc
+    deadline = time.monotonic() + OPEN_LOCK_WAIT
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            return fd
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                os.close(fd)
+                raise SpoolIOError(
+                    f"spool {path} stayed locked for {OPEN_LOCK_WAIT:g} s by a process "
+                    f"moving it aside ({lock_path}); try again",
+                    path=path,
+                ) from None
+            time.sleep(0.01)
+
+
+def _lock_alone(fd: int) -> bool:
+    """Turn our shared open lock exclusive if no other process holds it."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        # A failed conversion may have dropped our shared lock: the caller raises.
+        return False
+    return True
 
 
 def open_reader(path: Path) -> apsw.Connection:

@@ -15,9 +15,9 @@ import apsw
 import msgspec
 
 from . import codec
-from .errors import InvalidArgument, PayloadTooLarge, SpoolClosed, SpoolCorrupt
+from .errors import InvalidArgument, PayloadTooLarge, SpoolClosed, SpoolCorrupt, SpoolReplaced
 from .records import AGENT_HISTORY, CAP_DROP, Receipt, Record, Stats
-from .schema import open_reader, open_writer, sqlite_error
+from .schema import close_quietly, open_reader, open_writer, sqlite_error
 from .writer import Append, Operation, Row, Writer
 
 DEFAULT_MAX_PAYLOAD_BYTES = 64 * 1024 * 1024
@@ -98,8 +98,14 @@ class Spool:
         self.durability = durability
         self.max_payload_bytes = max_payload_bytes
         self.max_bytes = max_bytes
-        self._conn = open_writer(self.path, durability, max_bytes)
-        self._writer = Writer(self._conn, self.path, max_bytes)
+        self._conn, self._open_lock = open_writer(self.path, durability, max_bytes)
+        try:
+            self._identity = _file_identity(self.path)
+            self._writer = Writer(self._conn, self.path, max_bytes)
+        except BaseException:
+            close_quietly(self._conn)
+            os.close(self._open_lock)
+            raise
         self._reader: apsw.Connection | None = None
         self._reader_lock = threading.Lock()
         self._closed = False
@@ -116,6 +122,7 @@ class Spool:
         session_key: str | None = None,
     ) -> Receipt:
         """Spool one message; return once it is committed."""
+        self._check_path()
         row = self._row(session_id, message, reason, session_key)
         return self._writer.call(Append((row,), single=True))
 
@@ -129,6 +136,7 @@ class Spool:
 
         All or nothing: either every item is committed, in order, or none is.
         """
+        self._check_path()
         rows = [self._item_row(i, item, reason) for i, item in enumerate(items)]
         if not rows:
             return []
@@ -147,6 +155,7 @@ class Spool:
         A bad argument or an oversized message raises here; a storage failure
         (disk full, spool full, I/O error) arrives through the future.
         """
+        self._check_path()
         row = self._row(session_id, message, reason, session_key)
         return self._writer.submit(Append((row,), single=True))
 
@@ -154,6 +163,7 @@ class Spool:
         """``submit`` without a future: ``then(receipt or error)`` runs on the writer
         thread once the row is committed (or failed). Bad input raises here.
         """
+        self._check_path()
         row = self._row(session_id, message, reason, None)
         self._writer.notify(
             Append((row,), single=True),
@@ -172,8 +182,24 @@ class Spool:
 
         Cancelling the awaiting task does not take the message back.
         """
+        self._check_path()
         row = self._row(session_id, message, reason, session_key)
         return await self._writer.call_async(Append((row,), single=True))
+
+    def _check_path(self) -> None:
+        """Refuse to append once the spool's path names another file (or none).
+
+        An operator's ``mv``, or a move-aside by a process that did not honour the
+        open lock, would otherwise leave acknowledged appends in a file the next
+        start does not open.
+        """
+        if _file_identity(self.path) != self._identity:
+            raise SpoolReplaced(
+                f"spool {self.path} no longer names the file this Spool opened (it was "
+                "moved, replaced or deleted); nothing more is appended to it: open the "
+                "spool again, and look for the old file beside it",
+                path=self.path,
+            )
 
     def _item_row(self, index: int, item: Any, reason: str) -> Row:
         if not isinstance(item, tuple) or len(item) not in (2, 3):
@@ -313,6 +339,7 @@ class Spool:
                 conn.close()
             except apsw.Error as exc:
                 errors.append(exc)
+        os.close(self._open_lock)  # after the last connection: others may now move it
         if errors:
             raise sqlite_error(errors[0], self.path) from errors[0]
 
@@ -329,6 +356,16 @@ class Spool:
 
     def __repr__(self) -> str:
         return f"Spool({str(self.path)!r}, durability={self.durability!r})"
+
+
+def _file_identity(path: Path) -> tuple[int, int] | None:
+    """(device, inode) of what ``path`` names now, not following a symlink; None if
+    nothing."""
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino)
 
 
 def _nothing(conn: apsw.Connection) -> None:
