@@ -331,3 +331,25 @@ def test_one_bad_message_never_blocks_its_session_in_the_linked_gateway(store, s
     link.recover()
     contents = [m["content"] for m in store._db.get_messages("s")]
     assert [c for c in contents if c.startswith("m")] == [f"m{i}" for i in range(400)]
+
+
+def test_a_write_failing_halfway_through_a_turn_in_the_linked_gateway(tmp_path, store, spool):
+    """The same turn through the gateway link: A and B spooled by an earlier run, the
+    session's next live message C drains them; B fails on a lock another process
+    holds. Once the lock is gone the link retries by itself: A, B, C, each once."""
+    from walspool.hermes import install
+
+    store._db.create_session("s", "telegram")
+    quick_to_give_up(store._db)
+    spool.append_many([("s", tool("A")), ("s", tool("B"))])
+    link = install(store, spool, recover=False, retry_interval=0.2)
+    sink = LockAfterFirstWrite(link.replayer.sink, tmp_path / "hermes" / "state.db")
+    link.replayer.sink = sink
+    try:
+        store.append_to_transcript("s", tool("C"))
+        assert [c for _, c, _ in rows(store._db, "s")] == ["A"]  # B held, C waits behind
+    finally:
+        sink.release()
+    assert link.wait_idle(30)
+    assert rows(store._db, "s") == [("tool", c, TURN) for c in "ABC"]
+    assert list(spool.records()) == []
