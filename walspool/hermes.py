@@ -246,12 +246,36 @@ class Link:
 
     def _append(self, session_id: str, message: dict[str, Any]) -> None:
         copy = dict(message)
-        with self._lock:
-            state = self._session(session_id)
-            pending = self.store._dirty_transcripts.setdefault(session_id, [])
-            pending.append(copy)
-            notes = self._evict(session_id, state, pending)
-            claim = self._claim(state) or self._take_over(state)
+        notes: list[Callable[[], None]] = []
+        claim: _Writer | None = None
+        queued = False
+        # Past twice the cap (messages arriving faster than the spool or one state.db
+        # write takes them), wait at most this long, then drop the oldest with a WARNING.
+        deadline = time.monotonic() + HANDOFF_WAIT
+        while True:
+            with self._lock:
+                # Looked up again after every wait: a rewrite may have emptied the
+                # queue, and an idle session's state may have been dropped.
+                state = self._session(session_id)
+                pending = self.store._dirty_transcripts.setdefault(session_id, [])
+                if not queued:
+                    pending.append(copy)
+                    queued = True
+                late = time.monotonic() >= deadline
+                notes += self._evict(session_id, state, pending, drops=late)
+                if len(pending) <= 2 * self.cap or late:
+                    claim = self._claim(state) or self._take_over(state)
+                    break
+                if pending[0] is state.inflight:
+                    self._wait_for_head(state, deadline)
+                    continue
+            # The spool writer's queue is full: wait for room, outside the store's lock,
+            # unless another process holds the spool's write lock (no room soon).
+            writer = self.spool._writer
+            if writer.busy_since is not None:
+                deadline = 0.0
+            else:
+                writer.wait_for_room(max(deadline - time.monotonic(), 0.0))
         try:
             _run(notes)
         finally:
@@ -316,21 +340,28 @@ class Link:
     # -- evictions -------------------------------------------------------------------
 
     def _evict(
-        self, session_id: str, state: _Session, pending: list[dict[str, Any]]
+        self,
+        session_id: str,
+        state: _Session,
+        pending: list[dict[str, Any]],
+        *,
+        drops: bool = True,
     ) -> list[Callable[[], None]]:
         """Spool the oldest queued messages past the cap; the lock is held.
 
         Returns the WARNINGs to log once the lock is released. Never waits: a message
-        the spool's writer has no room for stays queued over the cap, and past twice
-        the cap the oldest is dropped with a WARNING, as the released store does.
+        the spool's writer has no room for stays queued over the cap. With ``drops``,
+        past twice the cap the oldest (the second oldest while the oldest is being
+        written) is dropped with a WARNING, as the released store drops at the cap.
         """
         notes: list[Callable[[], None]] = []
         while len(pending) > self.cap:
+            over = len(pending) > 2 * self.cap
             if state.inflight is not None and pending[0] is state.inflight:
                 # The oldest is being written right now: evicting it could put it in
                 # state.db twice, and spooling a later one would put that one ahead
                 # of it if the write fails. The writer evicts when its write ends.
-                if len(pending) <= 2 * self.cap:
+                if not (over and drops):
                     break
                 pending.pop(1)
                 notes.append(partial(self._report_drop, session_id, "oldest being written"))
@@ -341,18 +372,19 @@ class Link:
                     Append((row,), single=True), partial(self._eviction_done, session_id)
                 )
             except queue.Full:
-                if len(pending) > 2 * self.cap:
+                if over and drops:
                     pending.pop(0)
                     notes.append(partial(self._report_drop, session_id, "spool writer busy"))
                     continue
-                notes.append(partial(self._report_kept, session_id, len(pending)))
+                if not over:
+                    notes.append(partial(self._report_kept, session_id, len(pending)))
                 break
             except WalspoolError as exc:  # closed, too big, a session id it cannot store
                 pending.pop(0)
                 notes.append(partial(self._report_drop, session_id, str(exc)))
                 continue
             except Exception as exc:  # noqa: BLE001 - a bad value: it stays queued
-                if len(pending) > 2 * self.cap:
+                if over and drops:
                     pending.pop(0)
                     notes.append(partial(self._report_drop, session_id, repr(exc)))
                     continue
@@ -363,6 +395,16 @@ class Link:
             state.spooled += 1
             state.unconfirmed += 1
         return notes
+
+    def _wait_for_head(self, state: _Session, deadline: float) -> None:
+        """Wait until the write of the queue's head ends (or ``deadline``); lock held."""
+        state.waiters += 1
+        try:
+            left = deadline - time.monotonic()
+            if left > 0:
+                self._settled.wait(left)
+        finally:
+            state.waiters -= 1
 
     def _eviction_done(self, session_id: str, request: Request) -> None:
         """On the spool's writer: an eviction committed (or failed); count it, log it."""
@@ -678,6 +720,8 @@ class Link:
         error = self._write_one(session_id, message)
         with self._lock:
             state.inflight = None
+            if state.waiters:
+                self._settled.notify_all()  # appenders held back by this write
             pending = self.store._dirty_transcripts.get(session_id)
             if error is None:
                 if pending and pending[0] is message:

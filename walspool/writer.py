@@ -327,6 +327,20 @@ class Writer:
         if not self._put(request, callback, block=False):
             raise queue.Full
 
+    def wait_for_room(self, timeout: float) -> bool:
+        """Wait at most ``timeout`` s until the queue has room, the spool is closed, or a
+        commit finds the write lock held elsewhere (no room soon); True if there is room."""
+        with self._cond:
+            self._cond.wait_for(
+                lambda: (
+                    self._closed
+                    or self.busy_since is not None
+                    or len(self._pending) < QUEUE_REQUESTS
+                ),
+                timeout,
+            )
+            return len(self._pending) < QUEUE_REQUESTS
+
     def submit(self, request: Request) -> concurrent.futures.Future[Any]:
         """Queue ``request`` (its place in order is taken now) and return a future."""
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()
@@ -401,6 +415,8 @@ class Writer:
         now = time.monotonic()
         if self.busy_since is None:
             self.busy_since = now
+            with self._cond:  # producers waiting for room: none comes soon
+                self._cond.notify_all()
         if self._abandon.is_set() or now >= self._busy_deadline:
             return False
         # 1, 2, 4 ... ms up to BUSY_POLL_SECONDS: a lock held for an instant (another
