@@ -18,30 +18,37 @@ exactly that on one live store (and, with ``install_runner``, one runner):
 
 One writer per session. A session's writer is whoever claimed ``_Session.writer``
 under the store's ``_transcript_retry_lock``: the gateway thread whose message found
-the session idle, or the link's one background thread. Only the writer writes the
-session, clears the flag, and it makes every decision on the state it reads under
-the lock after each write or wait. A session's state object is never replaced, and
-is dropped only when nobody refers to it (no writer, no waiter, no uncommitted
-eviction, no work), so a thread that waited always wakes to the current state.
+the session idle, or the link's one background thread. Only the holder of the claim
+writes the session or gives the claim up, and it makes every decision on the state it
+reads under the lock after each write or wait. A session's state object is never
+replaced, and is dropped only when nobody refers to it (no writer, no waiter, no
+uncommitted eviction, no work); a thread that waited without a claim looks its
+session up again, so every thread wakes to the current state.
 
 Waits a gateway thread can meet because of walspool, with their bounds:
 
 * the store's lock, held only for in-memory work: never a blocking put, never I/O.
   An eviction is handed to the spool's writer with ``notify_nowait``; when its queue
-  is full, the message stays in memory over the cap (WARNING), and past twice the cap
-  the oldest takes the old drop-and-warn path (WARNING);
+  is full, or the oldest message is being written right now, the message stays in
+  memory over the cap (WARNING when the spool is the reason);
+* past twice the cap only (messages arriving faster than the spool or one state.db
+  write takes them): at most ``HANDOFF_WAIT`` for room in the spool writer's queue or
+  for that write to end, and no wait at all while another process holds the spool's
+  write lock; then the oldest takes the old drop-and-warn path (WARNING);
 * as the session's writer, its own ``state.db`` writes (as in the released store) and
   a drain of its spooled rows: at most ``GATEWAY_DRAIN_ROWS`` rows per call, then the
   background thread goes on. Before a drain it waits at most ``CONFIRM_WAIT`` for its
-  own evictions to commit; a drain never waits for a replay lock held elsewhere
-  (``ReplayBusy``: retried later) and is left to the background thread while another
-  process holds the spool's write lock. A spool transaction of a drain waits at most
-  ``walspool.writer.BUSY_RETRY_SECONDS`` for that lock;
+  own evictions to commit, and at most ``HANDOFF_WAIT`` for this link's drain of
+  another session to finish its batch; a drain never waits for a replay lock held
+  elsewhere (``ReplayBusy``: retried later) and is left to the background thread
+  while another process holds the spool's write lock. A spool transaction of a
+  drain waits at most ``walspool.writer.BUSY_RETRY_SECONDS`` for that lock;
 * taking a session over from the background thread: at most ``HANDOFF_WAIT``, in
   practice the rest of one ``state.db`` write or one drain batch of
   ``DRAIN_CHUNK_ROWS`` rows;
-* a transcript rewrite waits for its supersede transaction (at most
-  ``BUSY_RETRY_SECONDS``); shutdown's ``flush_queues`` waits at most ``FLUSH_TIMEOUT``.
+* a transcript rewrite: at most ``HANDOFF_WAIT`` for a drain batch of this link,
+  then its supersede transaction (at most ``BUSY_RETRY_SECONDS``); shutdown's
+  ``flush_queues`` waits at most ``FLUSH_TIMEOUT`` (plus ``CONFIRM_WAIT``).
 
 Self-healing: while a session has queued or spooled work, the background thread
 retries it when its retry time passes, with no new message needed. The delay after
