@@ -12,11 +12,20 @@ Each thread owns its sessions, so every session sees its messages in order. The
 rate counts messages handed to ``append_to_transcript`` per second, until the last
 evicted message is committed to its spool. Peak RSS growth is measured over the
 walspool run (``/proc/self/clear_refs`` resets the peak first).
+
+The latency cases time every ``append_to_transcript`` call (p50, p99, max) in the
+same 8-thread, 64-session outage, for the released store, the linked store, and the
+linked store while another process holds the spool's write lock the whole time (an
+operator's ``sqlite3 spool.db`` in a transaction): what the link adds to a gateway
+thread, and that a locked spool does not make it wait.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -38,6 +47,16 @@ SESSIONS = 64
 #: Messages per run: the linked store and the ceiling run the issue's 200,000; the
 #: JSON-file path is slow enough that 20,000 give a steady rate.
 MESSAGES = {"released": 200_000, "walspool": 200_000, "jsonfile": 20_000}
+#: Messages per latency run (each call is timed).
+LATENCY_MESSAGES = 64_000
+#: A second process that holds a spool's write lock until its stdin closes.
+LOCK_HOLDER = r"""
+import sys, apsw
+conn = apsw.Connection(sys.argv[1])
+conn.execute("BEGIN IMMEDIATE")
+print("locked", flush=True)
+sys.stdin.read()
+"""
 BREAK = (
     "CREATE TRIGGER broken BEFORE INSERT ON messages BEGIN "
     "SELECT RAISE(ABORT, 'database disk image is malformed'); END"
@@ -175,3 +194,92 @@ def _spool_evictions_as_files(store: Any, files: JsonFileSpool) -> None:
                 pending.pop(0)
 
     store.append_to_transcript = append_to_transcript
+
+
+def _feed_timed(store: Any, messages: int) -> tuple[float, list[int]]:
+    """``_feed``, timing every call; returns seconds and the calls' nanoseconds."""
+    per_thread = messages // THREADS
+    barrier = threading.Barrier(THREADS + 1)
+    timings = [[0] * per_thread for _ in range(THREADS)]
+
+    def work(t: int) -> None:
+        mine = [f"s{n}" for n in range(t, SESSIONS, THREADS)]
+        spent = timings[t]
+        clock = time.perf_counter_ns
+        barrier.wait()
+        for i in range(per_thread):
+            session = mine[i % len(mine)]
+            started = clock()
+            store.append_to_transcript(session, {"role": "user", "content": f"{i} {PAD}"})
+            spent[i] = clock() - started
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(THREADS)]
+    for thread in threads:
+        thread.start()
+    barrier.wait()
+    started = time.perf_counter()
+    for thread in threads:
+        thread.join()
+    return time.perf_counter() - started, [ns for spent in timings for ns in spent]
+
+
+def _latency(benchmark: Any, name: str, store: Any) -> dict[str, float]:
+    """Run the timed feed once; record and print p50/p99/max in microseconds."""
+    timings: list[int] = []
+
+    def run() -> float:
+        seconds, spent = _feed_timed(store, LATENCY_MESSAGES)
+        timings.extend(spent)
+        return seconds
+
+    seconds = benchmark.pedantic(run, rounds=1, iterations=1)
+    timings.sort()
+    figures = {
+        "p50_us": timings[len(timings) // 2] / 1000,
+        "p99_us": timings[int(len(timings) * 0.99)] / 1000,
+        "max_us": timings[-1] / 1000,
+    }
+    rate = record(f"test_latency_{name}", "gateway latency", LATENCY_MESSAGES, seconds, **figures)
+    benchmark.extra_info.update(msgs_per_round=LATENCY_MESSAGES, msgs_per_s=rate, **figures)
+    print(
+        f"\nappend_to_transcript latency, {name}: p50 {figures['p50_us']:.0f} us, "
+        f"p99 {figures['p99_us']:.0f} us, max {figures['max_us'] / 1000:.1f} ms"
+    )
+    return figures
+
+
+@pytest.mark.benchmark(group="gateway latency")
+def test_latency_released(benchmark: Any, store: Any) -> None:
+    _latency(benchmark, "released", store)
+
+
+@pytest.mark.benchmark(group="gateway latency")
+def test_latency_walspool(benchmark: Any, store: Any, tmp_path: Path) -> None:
+    with walspool.Spool(tmp_path / "spool.db") as spool:
+        install(store, spool)
+        _latency(benchmark, "walspool", store)
+
+
+@pytest.mark.benchmark(group="gateway latency")
+def test_latency_walspool_spool_locked(benchmark: Any, store: Any, tmp_path: Path) -> None:
+    """The spool's write lock is held by another process for the whole run: evictions
+    wait in the spool writer's queue, then stay in memory, then take the drop path;
+    no gateway thread waits for the lock."""
+    spool = walspool.Spool(tmp_path / "spool.db")
+    install(store, spool)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", LOCK_HOLDER, str(spool.path)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ},
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "locked\n"
+        figures = _latency(benchmark, "walspool_spool_locked", store)
+        assert figures["max_us"] < 2_000_000  # never the spool's 10 s busy bound
+    finally:
+        assert holder.stdin is not None
+        holder.stdin.close()
+        holder.wait(60)
+        spool.close()
