@@ -49,6 +49,14 @@ Not guaranteed:
   second ``import_json_spool``, but a running upstream gateway does not take that
   lock and may replay the same files into ``state.db``: stop it first.
 
+With ``source_key`` (the gateway's drop-in uses it), the import is exactly once
+instead: each row's message carries its file's name under that key, and a journal
+file (``.walspool-import``) in the directory marks an import in progress. A run that
+finds the journal (the last one was killed) first collects the file names its rows
+carry (one scan of the spool) and removes those files without appending them again.
+That assumes the rows are still in the spool, which holds when nothing replays them
+between the interrupted import and the next (the drop-in imports first at startup).
+
 Files left in place, each logged at WARNING with its name and why: unreadable ones
 (not a regular file, a symbolic link, permission denied), ones that are not JSON or
 not a JSON object, ones missing the fields above, and ones the spool refuses (a name
@@ -84,6 +92,8 @@ FILE_PATTERN = "pending-*.json"
 QUARANTINE_PATTERN = "*.json.bad"
 #: Files committed per transaction by default; also the most a crash can duplicate.
 DEFAULT_BATCH_FILES = 256
+#: Marks an import in progress (``source_key`` imports); removed when it ends.
+JOURNAL_NAME = ".walspool-import"
 #: Sort value of a payload with no ``seq`` (a slot head), as upstream sorts it.
 MISSING_SEQ = -1
 #: Session id of an agent history that names no session, as the gateway link uses.
@@ -129,12 +139,15 @@ def import_json_spool(
     *,
     progress: Progress | None = None,
     batch_files: int = DEFAULT_BATCH_FILES,
+    source_key: str | None = None,
 ) -> ImportReport:
     """Move upstream's ``pending-*.json`` files from ``directory`` into ``spool``.
 
     ``progress(done, total)`` is called with 0 first, then as files are imported or
-    skipped. Raises ``WalspoolError`` when the directory is missing, unreadable or
-    being imported by another process; a spool error (``SpoolFull``, ``DiskFull``)
+    skipped. ``source_key``: keep each file's name in its message under this key and
+    import exactly once across crashes (see the module docstring). Raises
+    ``WalspoolError`` when the directory is missing, unreadable or being imported
+    by another process; a spool error (``SpoolFull``, ``DiskFull``)
     propagates, and the files not yet committed stay for the next run.
     """
     if batch_files < 1:
@@ -143,7 +156,7 @@ def import_json_spool(
     dir_fd = _open_directory(path)
     try:
         _lock_directory(dir_fd, path)
-        return _Import(spool, path, dir_fd, progress, batch_files).run()
+        return _Import(spool, path, dir_fd, progress, batch_files, source_key).run()
     finally:
         os.close(dir_fd)
 
@@ -158,7 +171,12 @@ class _Import:
         dir_fd: int,
         progress: Progress | None,
         batch_files: int,
+        source_key: str | None = None,
     ) -> None:
+        self.source_key = source_key
+        #: Files an interrupted import committed but did not remove (``source_key``).
+        self.already: set[str] = set()
+        self.journal = False
         self.spool = spool
         self.path = path
         self.dir_fd = dir_fd
@@ -173,10 +191,18 @@ class _Import:
         names, quarantined = self._list()
         self.total = len(names)
         self._report_progress()
+        if self.source_key is not None and names:
+            self._begin_journal()
         batch: list[_Item] = []
         for name in self._in_drop_order(names):
             item = self._item(name)
             if item is None:
+                continue
+            if name in self.already:
+                if batch:
+                    self._commit(batch)
+                    batch = []
+                self._finish_committed(item)
                 continue
             if batch and (item.reason != batch[0].reason or len(batch) >= self.batch_files):
                 self._commit(batch)
@@ -184,6 +210,8 @@ class _Import:
             batch.append(item)
         if batch:
             self._commit(batch)
+        if self.journal:
+            self._end_journal()
         if quarantined:
             log.warning(
                 "Left %d quarantined file(s) (%s) in %s alone; inspect them by hand",
@@ -229,10 +257,65 @@ class _Import:
 
     def _item(self, name: str) -> _Item | None:
         try:
-            return _item_from(_read_payload(self.dir_fd, name), name)
+            item = _item_from(_read_payload(self.dir_fd, name), name)
         except _Refused as exc:
             self._skip(name, str(exc))
             return None
+        if self.source_key is not None and isinstance(item.message, dict):
+            item = item._replace(message={**item.message, self.source_key: name})
+        return item
+
+    # -- exactly once (source_key) ---------------------------------------------------
+
+    def _begin_journal(self) -> None:
+        """Find what an interrupted import committed, then mark this one in progress."""
+        try:
+            os.stat(JOURNAL_NAME, dir_fd=self.dir_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            pass
+        else:
+            self.already = self._committed_names()
+            log.warning(
+                "%s: an earlier import was interrupted; %d of its file(s) are already in %s "
+                "and are removed without importing them again",
+                self.path,
+                len(self.already),
+                self.spool.path,
+            )
+        fd = os.open(
+            JOURNAL_NAME,
+            os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
+            0o600,
+            dir_fd=self.dir_fd,
+        )
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.fsync(self.dir_fd)
+        self.journal = True
+
+    def _committed_names(self) -> set[str]:
+        sql = (
+            "SELECT json_extract(payload, :path) FROM records "
+            "WHERE json_valid(payload) AND json_extract(payload, :path) IS NOT NULL"
+        )
+        rows = self.spool._read(sql, {"path": f'$."{self.source_key}"'})
+        return {row[0] for row in rows if isinstance(row[0], str)}
+
+    def _finish_committed(self, item: _Item) -> None:
+        """A file an interrupted import committed: remove it, count it as imported."""
+        self._remove([item.name])
+        self.by_reason[item.reason] += 1
+        self.done += 1
+        self._report_progress()
+
+    def _end_journal(self) -> None:
+        try:
+            os.unlink(JOURNAL_NAME, dir_fd=self.dir_fd)
+            os.fsync(self.dir_fd)
+        except OSError as exc:
+            log.debug("cannot remove %s in %s: %s", JOURNAL_NAME, self.path, exc)
 
     # -- writing -------------------------------------------------------------------
 

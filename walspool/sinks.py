@@ -6,6 +6,11 @@ Instead it gives each row it has out a ticket that no other row ever gets, and t
 sink records the ticket in the same transaction as the message. After a crash the
 replayer asks ``landed(tickets)`` which of them the sink holds: an exact answer,
 never a guess from look-alike rows.
+
+Mapping: a gateway that has its own row mapping (``transcript_append_kwargs`` in
+``gateway.session_transcript``, upstream 0.20+) maps every transcript message with
+it, so fields walspool does not know travel as the live writer writes them; on
+0.19.0, walspool's copy of that gateway's mapping is used.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import logging
 import math
 import sqlite3
 import threading
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from . import codec
@@ -44,6 +49,11 @@ TEXT_KEYWORDS = (
     "reasoning",
     "reasoning_content",
 )
+#: Fields newer gateways store with a row (0.20+); passed when the message has them and
+#: the installed ``append_message`` takes them (0.19.0's does not).
+NEWER_FIELDS = ("display_kind", "display_metadata")
+#: A message's durable identity on newer gateways (``agent.message_metadata.MESSAGE_UID``).
+MESSAGE_UID = "message_uid"
 #: ``source`` of a session that ``create_missing=True`` creates.
 CREATED_SOURCE = "walspool"
 
@@ -118,6 +128,16 @@ class Sink(Protocol):
     def landed(self, tickets: Sequence[Ticket]) -> Collection[Ticket] | None: ...
 
 
+class RowRejected(ValueError):
+    """A write the gateway's own rule says failed for the message itself.
+
+    Raised from a sink (chained to the original error) where the installed gateway
+    classifies more errors as the row's fault than ``rejects_content`` does by
+    itself (upstream's ``is_row_rejection``: a ``TypeError``, ``ValueError`` or
+    ``AttributeError`` raised while building or binding the row).
+    """
+
+
 def rejects_content(exc: BaseException) -> bool:
     """Whether a failed write was refused for the message itself, not the database.
 
@@ -128,9 +148,10 @@ def rejects_content(exc: BaseException) -> bool:
     (``NotAMessage``). Everything else (locked, busy, I/O, full, malformed, a
     missing session, a closed database, and anything unknown, a ``TypeError`` from
     a sink's own bug included) is the database's state, which holds the session:
-    order over progress, and nothing set aside by mistake.
+    order over progress, and nothing set aside by mistake. A sink that follows a
+    newer gateway's wider rule says so by raising ``RowRejected``.
     """
-    if isinstance(exc, NotAMessage):
+    if isinstance(exc, (NotAMessage, RowRejected)):
         return True
     if isinstance(exc, (sqlite3.InterfaceError, sqlite3.DataError)):
         return True
@@ -147,29 +168,92 @@ def rejects_content(exc: BaseException) -> bool:
     return isinstance(exc, (OverflowError, UnicodeError, RecursionError))
 
 
+#: The installed gateway's own row mapping: ``(session_id, message, *, fallback_ts)``
+#: to ``append_message`` keywords (``gateway.session_transcript.transcript_append_kwargs``).
+GatewayMapping = Callable[..., dict[str, Any]]
+
+
+class _Default:
+    """Marks "use the installed gateway's mapping, if it has one"."""
+
+
+INSTALLED = _Default()
+
+
+def gateway_mapping() -> GatewayMapping | None:
+    """The installed gateway's ``transcript_append_kwargs`` (0.20+), else None (0.19.0)."""
+    try:
+        from gateway.session_transcript import transcript_append_kwargs
+    except Exception:  # noqa: BLE001 - absent (0.19.0) or broken: walspool's mapping
+        return None
+    return transcript_append_kwargs if callable(transcript_append_kwargs) else None
+
+
+def is_row_rejection(exc: BaseException) -> bool:
+    """Upstream's rule (``gateway/shutdown_flush.is_row_rejection``, 0.20+) for a row
+    the database refused for its own values, so no retry can write it.
+
+    A value SQLite cannot bind (``InterfaceError``/``ProgrammingError`` about a
+    binding parameter), or a ``TypeError``, ``ValueError``, ``AttributeError`` or
+    ``OverflowError`` raised before the write; any other SQLite error (locked, I/O,
+    corruption, constraints) is retryable.
+    """
+    if isinstance(exc, sqlite3.Error):
+        return (
+            isinstance(exc, (sqlite3.InterfaceError, sqlite3.ProgrammingError))
+            and "binding parameter" in str(exc).lower()
+        )
+    return isinstance(exc, (TypeError, ValueError, AttributeError, OverflowError))
+
+
+def as_rejection(exc: BaseException) -> RowRejected | None:
+    """``exc`` as a ``RowRejected`` when the newer gateway's rule blames the row and
+    ``rejects_content`` does not already; else None (raise ``exc`` unchanged)."""
+    if rejects_content(exc) or not is_row_rejection(exc):
+        return None
+    return RowRejected(f"{type(exc).__name__}: {exc}")
+
+
 class SessionDBSink:
     """Writes messages into a ``hermes_state.SessionDB`` (0.19.0 and later).
 
-    A message is mapped to ``append_message`` keywords exactly as the gateway's own
-    ``SessionStore._append_transcript_message`` does (see ``append_kwargs``), made
-    bindable (see ``bindable``), and only keywords the installed ``append_message``
-    accepts are passed.
+    A message is mapped to ``append_message`` keywords as the installed gateway
+    maps it (see ``append_kwargs``): with the gateway's own
+    ``transcript_append_kwargs`` where it has one (0.20+), else as 0.19.0's
+    ``SessionStore._append_transcript_message`` does; then made bindable (see
+    ``bindable``), and only keywords the installed ``append_message`` accepts are
+    passed. With the gateway's mapping, errors that gateway blames on the row
+    (``is_row_rejection``) are raised as ``RowRejected``, so the row is quarantined
+    as upstream quarantines it, and its session goes on.
 
     Landings are exact: the sink keeps a ``walspool_landed`` table in state.db and
     a TEMP trigger on ``SessionDB``'s own connection that, inside the transaction
     ``append_message`` runs, records the ticket of the row being replayed (read
     from the writing thread). The ticket record commits if and only if the message
     does, and rewrites of the transcript do not touch it, so ``landed`` is a lookup.
+    This holds for 0.19.0's ``SessionDB`` and for 0.22's (also in rollback-journal
+    mode): both insert through ``_execute_write`` on ``_conn``, reopened after a
+    ``close()`` (the trigger is set up again on a new connection).
 
     A look-alike without ``SessionDB``'s private ``_conn`` (a ``sqlite3``
     connection) and ``_lock`` cannot record tickets: ``landed`` then answers None
     ("cannot tell"), and the replayer quarantines the rows a crash left in flight
-    instead of guessing.
+    instead of guessing. A real ``SessionDB`` whose connection is closed right now
+    makes ``landed`` raise instead: the rows stay in flight for the next replay.
     """
 
-    def __init__(self, session_db: Any, *, create_missing: bool = False) -> None:
+    def __init__(
+        self,
+        session_db: Any,
+        *,
+        create_missing: bool = False,
+        mapping: GatewayMapping | None | _Default = INSTALLED,
+    ) -> None:
+        """``mapping``: the gateway's row mapping to use; by default the installed
+        gateway's, if it has one; None for walspool's 0.19.0 mapping."""
         self.session_db = session_db
         self.create_missing = create_missing
+        self.mapping = gateway_mapping() if isinstance(mapping, _Default) else mapping
         self._accepted = _accepted_keywords(session_db.append_message)
         self._prepared: Any = None
         self._prune: tuple[str, int, str] | None = None
@@ -179,22 +263,26 @@ class SessionDBSink:
 
         Raises ``SessionMissing`` when the session has no row and
         ``create_missing`` is off (with it, the session is created, source
-        "walspool", and the write made once more), and ``NotAMessage`` for an
-        agent history spooled as one row; any other error of ``append_message``
-        (for instance ``database is locked`` after its own retries) propagates.
+        "walspool", and the write made once more), ``NotAMessage`` for an agent
+        history spooled as one row, and ``RowRejected`` for a row the gateway's
+        own rule refuses; any other error of ``append_message`` (for instance
+        ``database is locked`` after its own retries) propagates.
         """
         if _is_history(record.message):
             raise NotAMessage(record)
-        kwargs = self._filter(bindable(append_kwargs(record)))
+        try:
+            kwargs = self._filter(bindable(append_kwargs(record, self.mapping)))
+        except Exception as exc:
+            if self.mapping is None:
+                raise
+            raise RowRejected(f"the gateway cannot map this message: {exc!r}") from exc
         tracked = self._prepare()
         try:
-            with self._ticket(ticket if tracked else None):
-                self.session_db.append_message(session_id=session_id, **kwargs)
-        except sqlite3.IntegrityError as exc:
-            if "FOREIGN KEY" not in str(exc):
-                raise
+            with self.tracking(ticket if tracked else None):
+                self._append(session_id, kwargs)
+        except SessionMissing:
             if not self.create_missing:
-                raise SessionMissing(session_id) from exc
+                raise
         else:
             return
         # The failed insert wrote nothing, so creating the session and writing
@@ -202,13 +290,31 @@ class SessionDBSink:
         log.warning("creating missing session %s in state.db for replayed messages", session_id)
         create = getattr(self.session_db, "ensure_session", None) or self.session_db.create_session
         create(session_id, source=CREATED_SOURCE)
-        with self._ticket(ticket if tracked else None):
+        with self.tracking(ticket if tracked else None):
+            self._append(session_id, kwargs)
+
+    def _append(self, session_id: str, kwargs: dict[str, Any]) -> None:
+        """One ``append_message``, its errors named: a missing session, a refused row."""
+        try:
             self.session_db.append_message(session_id=session_id, **kwargs)
+        except sqlite3.IntegrityError as exc:
+            if "FOREIGN KEY" in str(exc):
+                raise SessionMissing(session_id) from exc
+            raise
+        except Exception as exc:
+            rejected = as_rejection(exc) if self.mapping is not None else None
+            if rejected is None:
+                raise
+            raise rejected from exc
 
     def landed(self, tickets: Sequence[Ticket]) -> set[Ticket] | None:
         """The given tickets whose messages are committed in state.db (exact)."""
         conn, lock = _private_connection(self.session_db)
         if conn is None or lock is None:
+            if _is_closed_session_db(self.session_db):
+                raise SessionDBClosed(
+                    f"{self.session_db!r} has no open connection; its rows stay in flight"
+                )
             return None
         wanted = set(tickets)
         by_spool: dict[str, list[int]] = {}
@@ -229,8 +335,13 @@ class SessionDBSink:
         self._prune = (spool, below, codec.encode(sorted(keep)).decode())
 
     @contextlib.contextmanager
-    def _ticket(self, ticket: Ticket | None) -> Iterator[None]:
-        """Make ``ticket`` the one this thread's next inserts record."""
+    def tracking(self, ticket: Ticket | None) -> Iterator[None]:
+        """Make ``ticket`` the one this thread's inserts through ``session_db``'s
+        connection record, for the block (after ``prepare()`` returned True).
+
+        Whoever inserts the message (this sink, or the gateway's own write path
+        called on this thread) records the ticket in the same transaction.
+        """
         if ticket is None:
             yield
             return
@@ -243,8 +354,11 @@ class SessionDBSink:
         if prune is not None and self._prune is prune:
             self._prune = None
 
-    def _prepare(self) -> bool:
+    def prepare(self) -> bool:
         """Set up ticket recording on SessionDB's connection; False for a look-alike."""
+        return self._prepare()
+
+    def _prepare(self) -> bool:
         conn, lock = _private_connection(self.session_db)
         if conn is None or lock is None:
             return False
@@ -267,6 +381,10 @@ class SessionDBSink:
 
     def __repr__(self) -> str:
         return f"SessionDBSink({self.session_db!r}, create_missing={self.create_missing})"
+
+
+class SessionDBClosed(Exception):
+    """A real ``SessionDB`` whose connection is closed: landings cannot be checked now."""
 
 
 def bindable(kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -299,10 +417,14 @@ def _fits(value: int) -> bool:
     return -(2**63) <= value < 2**63
 
 
-def append_kwargs(record: Record) -> dict[str, Any]:
+def append_kwargs(record: Record, mapping: GatewayMapping | None = None) -> dict[str, Any]:
     """The ``append_message`` keywords for a spooled record, as the gateway maps them.
 
-    A dict is a transcript message, mapped as 0.19.0's
+    With ``mapping`` (the gateway's ``transcript_append_kwargs``), a transcript
+    message is mapped by it, so every field that gateway stores travels (0.22:
+    ``display_kind``, ``display_metadata``, ``api_content``); the message's own
+    ``message_uid`` is kept, and ``timestamp`` is normalised as below. Without it,
+    a dict is a transcript message, mapped as 0.19.0's
     ``SessionStore._append_transcript_message`` does: ``role`` (default
     "unknown"), ``content``, ``tool_name``, ``tool_calls``, ``tool_call_id``, the
     reasoning and codex fields only for assistant rows, ``platform_message_id``
@@ -312,16 +434,26 @@ def append_kwargs(record: Record) -> dict[str, Any]:
     runner's pending slot) become a user message of that text; any other value
     becomes a user message of its JSON text. ``timestamp`` is always a float: the
     message's own (a number, numeric text, or ISO 8601 text, which is how the spool
-    stores a datetime), else the time the record was spooled.
+    stores a datetime), else the time the record was spooled. Newer fields
+    (``display_kind``, ``display_metadata``, ``message_uid``) are added only when the
+    message has them (the sink passes them only where ``append_message`` takes them).
     """
     message = record.message
-    if isinstance(message, dict) and (
+    transcript = isinstance(message, dict) and (
         "role" in message or "content" in message or "text" not in message
-    ):
+    )
+    kwargs: dict[str, Any]
+    if transcript and mapping is not None:
+        kwargs = dict(mapping("", message, fallback_ts=record.created_at))
+        kwargs.pop("session_id", None)
+        uid = message.get(MESSAGE_UID)
+        if isinstance(uid, str) and uid and MESSAGE_UID not in kwargs:
+            kwargs[MESSAGE_UID] = uid
+    elif transcript:
         role = message.get("role", "unknown")
         assistant = role == "assistant"
         api_content = message.get("api_content")
-        kwargs: dict[str, Any] = {
+        kwargs = {
             "role": role,
             "content": message.get("content"),
             "tool_name": message.get("tool_name"),
@@ -332,6 +464,12 @@ def append_kwargs(record: Record) -> dict[str, Any]:
             "observed": bool(message.get("observed")),
             "api_content": api_content if isinstance(api_content, str) else None,
         }
+        for name in NEWER_FIELDS:
+            if message.get(name) is not None:
+                kwargs[name] = message[name]
+        uid = message.get(MESSAGE_UID)
+        if isinstance(uid, str) and uid:
+            kwargs[MESSAGE_UID] = uid
     elif isinstance(message, dict):
         pmid = message.get("platform_message_id") or message.get("message_id")
         kwargs = {
@@ -398,6 +536,17 @@ def _accepted_keywords(fn: Any) -> frozenset[str] | None:
         p.name
         for p in params
         if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    )
+
+
+def _is_closed_session_db(session_db: Any) -> bool:
+    """A real ``SessionDB`` (it has ``_conn``, ``_lock`` and ``_execute_write``) whose
+    connection is closed right now (0.22 reopens it at its next write)."""
+    return (
+        hasattr(session_db, "_conn")
+        and getattr(session_db, "_conn", None) is None
+        and hasattr(getattr(session_db, "_lock", None), "__enter__")
+        and callable(getattr(session_db, "_execute_write", None))
     )
 
 
