@@ -125,7 +125,7 @@ DRAIN_CHUNK_ROWS = 128
 #: the rest to the background thread (about 0.6 s of writes on the reference machine).
 GATEWAY_DRAIN_ROWS = 1024
 #: Seconds a gateway thread waits for its session's evictions to commit before a drain.
-CONFIRM_WAIT = 0.5
+CONFIRM_WAIT = 0.25
 #: How often that wait looks whether the spool's write lock is held elsewhere.
 BUSY_LOOK_SECONDS = 0.01
 #: Seconds a gateway thread waits to take its session over from the background thread.
@@ -277,9 +277,10 @@ class Link:
                     self._wait_for_head(state, deadline)
                     continue
             # The spool writer's queue is full: wait for room, outside the store's lock,
-            # unless another process holds the spool's write lock (no room soon).
+            # unless another process holds the spool's write lock (no room soon), or
+            # there is room and the oldest message itself cannot be spooled.
             writer = self.spool._writer
-            if writer.busy_since is not None:
+            if writer.busy_since is not None or writer.has_room():
                 deadline = 0.0
             else:
                 writer.wait_for_room(max(deadline - time.monotonic(), 0.0))
@@ -888,9 +889,10 @@ class Link:
 
         For a shutdown while state.db refuses writes: what the released gateway loses
         with the process. A message being written right now stays queued (it may
-        land). Returns how many were spooled. Waits at most ``FLUSH_TIMEOUT`` for the
-        spool; on a spool error the messages go back to their queues, and a message the
-        spool cannot take at all stays queued (both logged at ERROR).
+        land). Returns how many were spooled. Waits at most ``FLUSH_TIMEOUT`` for room
+        in the spool and for the commit; on a spool error the messages go back to the
+        front of their queues, and a message the spool cannot take at all stays queued
+        (both logged at ERROR).
         """
         deadline = time.monotonic() + FLUSH_TIMEOUT
         committed = threading.Event()
@@ -904,7 +906,9 @@ class Link:
                 try:
                     # Under the lock, so no message of these sessions is queued, evicted
                     # or written meanwhile: the spool gets them in arrival order.
-                    self.spool._writer.notify_nowait(request, lambda _r: committed.set())
+                    self.spool._writer.notify_nowait(
+                        request, partial(self._flushed, taken, committed)
+                    )
                 except queue.Full:
                     pass
                 else:
@@ -925,31 +929,47 @@ class Link:
                     FLUSH_TIMEOUT,
                 )
                 return 0
-            self.spool.flush()  # room in the writer's queue, then try again
+            self.spool._writer.wait_for_room(max(deadline - time.monotonic(), 0.0))
         _run(notes)
-        finished = committed.wait(max(deadline - time.monotonic(), 0.0) + CONFIRM_WAIT)
-        with self._lock:
-            if finished:
-                for session_id in taken:
-                    self._sessions[session_id].unconfirmed -= 1
-                if request.error is not None:
-                    # Not in the spool: back to the front of their queues, so they stay
-                    # with the process as in the released store.
-                    for session_id, messages in taken.items():
-                        self.store._dirty_transcripts.setdefault(session_id, [])[0:0] = messages
-                self._settled.notify_all()
-        if not finished or request.error is not None:
+        if not committed.wait(max(deadline - time.monotonic(), 0.0) + CONFIRM_WAIT):
             log.error(
-                "could not spool %d queued transcript message(s) at shutdown to %s: %s",
+                "%d queued transcript message(s) were handed to %s at shutdown but not "
+                "committed within %g s; they are spooled if the spool commits them later",
                 len(rows),
                 self.spool.path,
-                request.error or f"not committed within {FLUSH_TIMEOUT:g} s",
+                FLUSH_TIMEOUT,
+            )
+            return 0
+        if request.error is not None:
+            log.error(
+                "could not spool %d queued transcript message(s) at shutdown to %s; they "
+                "stay queued: %s",
+                len(rows),
+                self.spool.path,
+                request.error,
             )
             return 0
         log.warning(
             "Spooled %d queued transcript message(s) to %s at shutdown", len(rows), self.spool.path
         )
         return len(rows)
+
+    def _flushed(
+        self, taken: dict[str, list[dict[str, Any]]], committed: threading.Event, request: Request
+    ) -> None:
+        """On the spool's writer: a shutdown flush committed (or failed)."""
+        with self._lock:
+            for session_id, messages in taken.items():
+                state = self._sessions[session_id]  # ``unconfirmed`` keeps it there
+                state.unconfirmed -= 1
+                if request.error is not None:
+                    # Not in the spool: back to the front of their queue, so they stay
+                    # with the process as in the released store.
+                    self.store._dirty_transcripts.setdefault(session_id, [])[0:0] = messages
+                if state.writer is None and self._has_work(session_id, state):
+                    self._schedule(state.retry_at)
+            self._settled.notify_all()
+        committed.set()
 
     def _queued_rows(
         self,

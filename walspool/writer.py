@@ -327,6 +327,11 @@ class Writer:
         if not self._put(request, callback, block=False):
             raise queue.Full
 
+    def has_room(self) -> bool:
+        """Whether a ``notify_nowait`` now would find room in the queue."""
+        with self._cond:
+            return len(self._pending) < QUEUE_REQUESTS
+
     def wait_for_room(self, timeout: float) -> bool:
         """Wait at most ``timeout`` s until the queue has room, the spool is closed, or a
         commit finds the write lock held elsewhere (no room soon); True if there is room."""
