@@ -415,3 +415,20 @@ def test_a_rewrite_supersedes_the_spooled_rows(store, spool, how, caplog):
     assert [r.message["content"] for r in kept] == [f"m{i}" for i in range(5)]
     assert {r.status for r in kept} == {"superseded"}
     assert walspool.Replayer(spool, walspool.SessionDBSink(store._db)).replay().moved == 0
+
+
+def test_one_background_thread_retries_every_session(store, spool):
+    sessions = [f"s{k}" for k in range(20)]
+    for s in sessions:
+        store._db.create_session(s, "telegram")
+    link = install(store, spool, retry_interval=0.1)
+    sql(store, BREAK)
+    for s in sessions:
+        for i in range(205):
+            store.append_to_transcript(s, msg(f"{s}-{i}"))
+    mine = [t for t in threading.enumerate() if t.name == f"walspool-link {spool.path}"]
+    assert mine == [link._thread]
+    sql(store, HEAL)
+    assert link.wait_idle(WAIT)  # all 20 healed by that one thread, no new message
+    for s in sessions:
+        assert contents(store, s) == [f"{s}-{i}" for i in range(205)]
