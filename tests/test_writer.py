@@ -251,3 +251,20 @@ def test_close_is_bounded_and_logs_what_was_not_committed(spool_path, monkeypatc
         ]
     with walspool.Spool(spool_path) as spool:
         assert spool.stats().rows == 0
+
+
+def test_a_producer_waiting_for_room_wakes_when_the_lock_is_found_held(spool_path, monkeypatch):
+    """``wait_for_room`` returns once a commit meets a busy write lock (no room soon),
+    not at its timeout."""
+    monkeypatch.setattr(walspool_writer, "QUEUE_REQUESTS", 1)
+    monkeypatch.setattr(walspool_writer, "BUSY_RETRY_SECONDS", 60.0)
+    with walspool.Spool(spool_path) as spool, write_lock_held(spool_path) as holder:
+        writer = spool._writer
+        futures = [spool.submit("s", {"i": 0})]
+        while writer.has_room():  # the stuck writer holds one group, the queue one more
+            futures.append(spool.submit("s", {"i": len(futures)}))
+        started = time.monotonic()
+        writer.wait_for_room(30)
+        assert time.monotonic() - started < 10 and writer.busy_since is not None
+        holder.release()
+        assert [f.result(30).seq for f in futures] == list(range(1, len(futures) + 1))
