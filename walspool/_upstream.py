@@ -96,6 +96,8 @@ class DrainSink:
 
     def write(self, session_id: str, record: Record, ticket: Ticket) -> None:
         track = self._tracker()
+        # Outside the try: a state.db that cannot be prepared holds the row, whatever
+        # the error's type (never a rejection of the row).
         tracked = track is not None and track.prepare()
         try:
             if track is not None and tracked:

@@ -360,6 +360,16 @@ class SessionDBSink:
 
     def _prepare(self) -> bool:
         conn, lock = _private_connection(self.session_db)
+        if conn is None and _is_closed_session_db(self.session_db):
+            # Writing now would land untracked: let SessionDB reopen its writer first
+            # (0.22 does so in ``_execute_write``), or hold the row.
+            try:
+                self.session_db._execute_write(lambda c: None)
+            except Exception as exc:  # noqa: BLE001 - named below: nothing was written
+                raise SessionDBClosed(f"{self.session_db!r} is closed: {exc}") from exc
+            conn, lock = _private_connection(self.session_db)
+            if conn is None:
+                raise SessionDBClosed(f"{self.session_db!r} is closed")
         if conn is None or lock is None:
             return False
         if conn is self._prepared:

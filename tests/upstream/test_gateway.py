@@ -1,0 +1,292 @@
+"""walspool.shutdown_flush as the newer gateway's module, on its real store and database."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import logging
+import re
+import types
+from pathlib import Path
+from typing import Any
+
+from _fork import break_db, heal_db, upstream_module
+
+import walspool
+from walspool import shutdown_flush as wsf
+
+
+def spooled(home: Path, **kw: Any) -> list[walspool.Record]:
+    with walspool.Spool(home / "spool.db") as spool:
+        return list(spool.records(**kw))
+
+
+def contents(db: Any, session_id: str) -> list[Any]:
+    return [m["content"] for m in db.get_messages(session_id)]
+
+
+def runner_for(store: Any) -> Any:
+    return types.SimpleNamespace(session_store=store, config=store.config)
+
+
+def _public(module: Any) -> dict[str, Any]:
+    return {
+        name: value
+        for name, value in vars(module).items()
+        if not name.startswith("_")
+        and not inspect.ismodule(value)
+        and (not callable(value) or getattr(value, "__module__", None) == module.__name__)
+        and not (isinstance(value, type) or name in {"annotations", "logger"})
+    }
+
+
+def _shape(fn: Any) -> list[tuple[str, Any, Any]]:
+    return [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values()]
+
+
+def test_every_public_name_of_the_fork_module_with_its_signature() -> None:
+    theirs = _public(upstream_module())
+    assert set(theirs) == {
+        "AGENT_HISTORY_REASON",
+        "QUARANTINE_SUFFIX",
+        "TRANSCRIPT_CAP_DROP_REASON",
+        "drain_transcript_spool",
+        "flush_agent_history_to_file",
+        "flush_overflow_to_file",
+        "flush_pending_to_file",
+        "is_row_rejection",
+        "recover_gateway_pending",
+        "recover_pending_spool",
+        "recover_pending_to_db",
+        "spool_dropped_transcript_message",
+    }
+    assert set(wsf.__all__) == set(theirs)
+    for name, value in theirs.items():
+        ours = getattr(wsf, name)
+        if callable(value):
+            assert _shape(ours) == _shape(value), name
+        else:
+            assert ours == value, name
+
+
+def test_is_row_rejection_agrees_with_the_fork() -> None:
+    import sqlite3
+
+    theirs = upstream_module().is_row_rejection
+    for exc in (
+        sqlite3.InterfaceError("Error binding parameter 2: type 'dict' is not supported"),
+        sqlite3.ProgrammingError("Error binding parameter 1"),
+        sqlite3.InterfaceError("no more rows available"),
+        sqlite3.OperationalError("database is locked"),
+        sqlite3.DatabaseError("database disk image is malformed"),
+        sqlite3.IntegrityError("FOREIGN KEY constraint failed"),
+        TypeError("x"),
+        ValueError("x"),
+        AttributeError("x"),
+        OverflowError("Python int too large to convert to SQLite INTEGER"),
+        RuntimeError("no owning session store"),
+        KeyError("x"),
+    ):
+        assert wsf.is_row_rejection(exc) == theirs(exc), exc
+
+
+def test_every_name_the_gateway_imports_from_the_module_exists() -> None:
+    import gateway
+
+    root = Path(gateway.__file__).parent
+    pattern = re.compile(r"from gateway\.shutdown_flush import (\([^)]*\)|[^\n]+)")
+    imported = {
+        name.strip()
+        for path in root.rglob("*.py")
+        if path.name != "shutdown_flush.py"
+        for match in pattern.finditer(path.read_text(encoding="utf-8"))
+        for name in match.group(1).strip("()").split(",")
+        if name.strip()
+    }
+    imported = {name.split(" as ")[0].strip() for name in imported}
+    assert {"recover_gateway_pending", "flush_overflow_to_file"} <= imported
+    assert imported <= set(wsf.__all__)
+
+
+def test_transient_outage_spools_and_drains_in_order_when_the_database_heals(home, store):
+    db = store._db
+    db.create_session("s1", "telegram")
+    db.create_session("s2", "telegram")
+    break_db(db)
+    sent = {sid: [f"{sid}-{i}" for i in range(230)] for sid in ("s1", "s2")}
+    for i in range(230):
+        for sid in sent:
+            store.append_to_transcript(sid, {"role": "user", "content": sent[sid][i]})
+    assert contents(db, "s1") == []
+    assert len(spooled(home, session_id="s1")) >= 30  # cap evictions and a stalled backlog
+    heal_db(db)
+    for sid in sent:
+        store.append_to_transcript(sid, {"role": "user", "content": f"{sid}-last"})
+        assert contents(db, sid) == [*sent[sid], f"{sid}-last"]
+    assert spooled(home) == []
+    assert not (home / "pending_messages").exists()
+
+
+def test_restart_recovery_marks_held_back_sessions_so_live_rows_never_overtake(home, store):
+    db = store._db
+    db.create_session("s1", "telegram")
+    db.create_session("s2", "telegram")
+    for i in range(3):
+        wsf.spool_dropped_transcript_message("s1", {"role": "user", "content": f"old{i}"})
+    wsf.spool_dropped_transcript_message("s2", {"role": "user", "content": "other"})
+    break_db(db, session_id="s1")  # s1 alone cannot take writes
+    assert wsf.recover_pending_spool(db) == (1, {"s1"})
+    assert wsf.recover_gateway_pending(runner_for(store)) == 0
+    assert "s1" in store._spooled_drop_sessions
+    assert contents(db, "s2") == ["other"]
+    heal_db(db)
+    store.append_to_transcript("s1", {"role": "user", "content": "live"})
+    assert contents(db, "s1") == ["old0", "old1", "old2", "live"]
+    assert spooled(home) == []
+
+
+def test_a_row_refused_for_its_content_is_quarantined_and_its_session_goes_on(home, store):
+    db = store._db
+    db.create_session("s1", "telegram")
+    wsf.spool_dropped_transcript_message("s1", {"role": "user", "content": 2**70})
+    for i in range(20):
+        wsf.spool_dropped_transcript_message("s1", {"role": "user", "content": f"after{i}"})
+    store.mark_spooled_drop_sessions({"s1"})
+    store.append_to_transcript("s1", {"role": "user", "content": "live"})
+    assert contents(db, "s1") == [*(f"after{i}" for i in range(20)), "live"]
+    (bad,) = spooled(home)
+    assert (bad.status, bad.message["content"]) == (walspool.QUARANTINED, 2**70)
+    assert "OverflowError" in bad.last_error
+
+
+def test_recovery_writes_what_the_gateway_itself_writes(home, store, tmp_path):
+    """New fields travel (display_kind, display_metadata, api_content, message_uid), and a
+    dict in a TEXT column becomes its JSON text, as the gateway's own mapping does."""
+    import hermes_state
+    from gateway.session_transcript import transcript_append_kwargs
+
+    messages = [
+        {
+            "role": "user",
+            "content": "[background task finished]",
+            "display_kind": "internal_notification",
+            "display_metadata": {"task": "t1", "ok": True},
+            "api_content": "[note] finished",
+            "timestamp": 1_750_000_000.5,
+        },
+        {"role": "tool", "content": "{}", "tool_name": {"odd": "name"}, "tool_call_id": "c1"},
+        {"role": "assistant", "content": "ok", "reasoning": "because", "message_uid": "uid-1"},
+    ]
+    direct = hermes_state.SessionDB(db_path=tmp_path / "direct.db")
+    direct.create_session("s1", "telegram")
+    for message in messages:
+        direct.append_message(**transcript_append_kwargs("s1", dict(message), fallback_ts=7.0))
+    store._db.create_session("s1", "telegram")
+    for message in messages:
+        wsf.spool_dropped_transcript_message("s1", message)
+    assert wsf.recover_pending_to_db(store._db) == 3
+
+    def rows(db: Any) -> list[dict[str, Any]]:
+        skip = {"id", "timestamp", "message_uid", "display_identity", "display_order"}
+        return [{k: v for k, v in r.items() if k not in skip} for r in db.get_messages("s1")]
+
+    assert rows(store._db) == rows(direct)
+    got = store._db.get_messages("s1")
+    assert got[0]["display_kind"] == "internal_notification"
+    assert got[0]["timestamp"] == 1_750_000_000.5
+    assert got[1]["tool_name"] == json.dumps({"odd": "name"})
+    assert got[2]["message_uid"] == "uid-1"
+    direct.close()
+
+
+def test_shutdown_slots_and_queue_overflow_recover_head_first(home, store):
+    from gateway.config import Platform
+    from gateway.platforms.base import MessageEvent
+    from gateway.session import SessionSource
+
+    db = store._db
+    db.create_session("s1", "telegram")
+    source = SessionSource(platform=Platform.TELEGRAM, chat_id="9")
+    head = MessageEvent(text="head", message_id="m1", source=source)
+    tail = [MessageEvent(text=f"tail{i}", message_id=f"m{i + 2}", source=source) for i in range(3)]
+    assert wsf.flush_pending_to_file({"agent:main:telegram:dm:9": head}, reason="adapter_shutdown")
+    assert wsf.flush_overflow_to_file({"agent:main:telegram:dm:9": tail, "empty": []}) == 3
+    assert wsf.flush_pending_to_file({"agent:main:telegram:dm:8": "runner slot"}) == 1
+    resolved = []
+
+    def resolver(key: str, *, not_after: float | None = None) -> tuple[str, Any] | None:
+        resolved.append((key, not_after))
+        return ("s1", db) if key.endswith(":9") else None
+
+    recovered, held = wsf.recover_pending_spool(db, session_resolver=resolver)
+    assert (recovered, held) == (4, set())
+    assert contents(db, "s1") == ["head", "tail0", "tail1", "tail2"]
+    assert all(isinstance(ts, float) for _, ts in resolved)
+    (left,) = spooled(home)
+    assert (left.session_key, left.message) == ("agent:main:telegram:dm:8", {"text": "runner slot"})
+
+
+def test_agent_histories_are_kept_for_operators(home, store):
+    store._db.create_session("s1", "telegram")
+    wsf.flush_agent_history_to_file("s1", [{"role": "user", "content": "unsaved"}])
+    assert wsf.recover_gateway_pending(runner_for(store)) == 0
+    (row,) = spooled(home)
+    assert row.reason == wsf.AGENT_HISTORY_REASON
+    assert contents(store._db, "s1") == []
+
+
+def test_files_the_upstream_module_left_are_imported_once_in_order(home, store, caplog):
+    theirs = upstream_module()
+    db = store._db
+    db.create_session("s1", "telegram")
+    for i in range(3):
+        assert theirs.spool_dropped_transcript_message("s1", {"role": "user", "content": f"j{i}"})
+    assert theirs.flush_pending_to_file({"agent:main:telegram:dm:1": "slot"}) == 1
+    theirs.flush_agent_history_to_file("s1", [{"role": "user", "content": "h"}])
+    flush_dir = home / "pending_messages"
+    (flush_dir / "pending-quarantined.json.bad").write_text("{}")
+    with caplog.at_level(logging.WARNING, logger="walspool"):
+        recovered = wsf.recover_pending_to_db(
+            db, session_resolver=lambda key, not_after=None: ("s1", db)
+        )
+    assert recovered == 4
+    assert contents(db, "s1") == ["j0", "j1", "j2", "slot"]
+    assert sorted(p.name for p in flush_dir.iterdir()) == ["pending-quarantined.json.bad"]
+    assert "1 quarantined file(s) left alone" in caplog.text
+    assert [r.reason for r in spooled(home)] == [wsf.AGENT_HISTORY_REASON]
+    assert wsf.recover_pending_to_db(db) == 0
+    assert len(contents(db, "s1")) == 4
+
+
+def test_an_interrupted_import_is_not_imported_twice(home, store, monkeypatch):
+    from walspool import jsonspool
+
+    theirs = upstream_module()
+    db = store._db
+    db.create_session("s1", "telegram")
+    for i in range(4):
+        theirs.spool_dropped_transcript_message("s1", {"role": "user", "content": f"j{i}"})
+    # The first import commits its rows, then "dies" before removing any file.
+    with monkeypatch.context() as patched:
+        patched.setattr(jsonspool._Import, "_remove", lambda self, names: None)
+        patched.setattr(jsonspool._Import, "_end_journal", lambda self: None)
+        wsf._import_leftover_files(wsf.shared_spool())
+    assert len(spooled(home)) == 4
+    assert wsf.recover_pending_to_db(db) == 4
+    assert contents(db, "s1") == ["j0", "j1", "j2", "j3"]
+    assert list((home / "pending_messages").iterdir()) == []
+
+
+def test_the_ticket_trigger_is_exact_on_the_fork_in_rollback_mode(home, store):
+    db = store._db
+    with db._lock:
+        assert db._conn.execute("PRAGMA journal_mode").fetchone()[0] in {"delete", "wal"}
+    db.create_session("s1", "telegram")
+    sink = walspool.SessionDBSink(db)
+    rec = walspool.Record(1, "s1", 1, walspool.CAP_DROP, None, 5.0, {"role": "user"}, 0, None)
+    sink.write("s1", rec, ("u", 1, 1))
+    db.append_message("s1", role="user")  # the gateway's own write records nothing
+    assert sink.landed([("u", 1, 1), ("u", 2, 2)]) == {("u", 1, 1)}
+    db.close()  # 0.22 reopens its connection at the next write
+    sink.write("s1", rec, ("u", 3, 3))
+    assert sink.landed([("u", 1, 1), ("u", 3, 3)]) == {("u", 1, 1), ("u", 3, 3)}
