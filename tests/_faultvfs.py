@@ -14,6 +14,10 @@ and threads. While armed with a ``Fault(kind, n, error)``, the ``n``-th operatio
 Not covered: the WAL index (``-shm``), which apsw maps in C below the Python
 layer, so its locks and maps cannot be failed from here.
 
+``opened`` lists ``(path, mode)`` for every file the shim opened, the mode read just
+after the real VFS opened (and maybe created) it: what the file system showed other
+users at that moment.
+
 Use ``installed(vfs)`` to make the shim SQLite's default VFS for a block, so code
 that opens ``apsw.Connection(path)`` without a ``vfs=`` argument goes through it.
 """
@@ -22,6 +26,8 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import os
+import stat
 import threading
 from collections import Counter
 from collections.abc import Iterator
@@ -81,6 +87,7 @@ class FaultVFS(apsw.VFS):
         self.fault: Fault | None = None
         self.counting = False
         self.injected: list[Fault] = []
+        self.opened: list[tuple[str, int]] = []
         self._lock = threading.Lock()
         super().__init__(self.vfs_name, base)
 
@@ -126,6 +133,14 @@ class FaultFile(apsw.VFSFile):
     ) -> None:
         self._vfs = vfs
         super().__init__(vfs.base_name, name, flags)
+        path = name.filename() if isinstance(name, apsw.URIFilename) else name
+        if path:
+            try:
+                mode = stat.S_IMODE(os.stat(path).st_mode)
+            except FileNotFoundError:  # opened and already unlinked (a temp file)
+                return
+            with vfs._lock:
+                vfs.opened.append((path, mode))
 
     def xRead(self, amount: int, offset: int) -> bytes:
         self._vfs.tick("read")
