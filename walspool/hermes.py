@@ -651,6 +651,12 @@ class Link:
         writer gave its role up."""
         with self._lock:
             seen, generation = state.spooled, state.generation
+            if self.spool._closed:
+                # Nothing to drain from (the spool's owner closed it); the rows wait
+                # for the next start's recovery, and the queue behind them.
+                self._failed(state, drain=True)
+                self._release(session_id, state, claim)
+                return None
         # Drains of this link take turns here, each for one chunk, so that only
         # another process's replay (or ``recover``) can make one skip.
         if not self._draining.acquire(timeout=HANDOFF_WAIT):
@@ -1079,8 +1085,8 @@ def _background(link_ref: weakref.ref[Link], due: threading.Condition) -> None:
         if link is None:
             return
         with due:
-            if link._closed:
-                return
+            if link._closed or link.spool._closed:
+                return  # a closed spool can take and give back nothing any more
             claimed, soonest = link._due_sessions()
             link._wake_at = soonest
             if not claimed:
