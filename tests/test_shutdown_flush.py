@@ -214,3 +214,85 @@ def test_a_home_that_cannot_hold_a_spool_never_raises(tmp_path, monkeypatch):
         sf.flush_agent_history_to_file("s", [{"role": "user"}])
     finally:
         sf.close_shared_spools()
+
+
+def test_queue_overflow_is_spooled_after_its_head_in_order(home, db):
+    assert sf.flush_pending_to_file({"k": "head"}, reason="adapter_shutdown") == 1
+    assert sf.flush_overflow_to_file({"k": ["t0", None, "t1"], "": ["x"], "e": []}) == 2
+    assert sf.flush_overflow_to_file({}) == 0
+    assert [(r.session_key, r.message) for r in spooled(home)] == [
+        ("k", {"text": "head"}),
+        ("k", {"text": "t0"}),
+        ("k", {"text": "t1"}),
+    ]
+    assert sf.recover_pending_to_db(db, session_resolver=lambda key: "sess-1") == 3
+    assert [m["content"] for m in db.get_messages("sess-1")] == ["head", "t0", "t1"]
+
+
+def test_recover_pending_spool_reports_the_sessions_it_held_back(home, db):
+    sf.spool_dropped_transcript_message("missing", {"role": "user", "content": "x"})
+    sf.spool_dropped_transcript_message("sess-2", {"role": "user", "content": "ok"})
+    assert sf.recover_pending_spool(db) == (1, {"missing"})
+
+
+def test_a_resolver_answer_without_a_store_keeps_the_rows(home, db):
+    sf.flush_pending_to_file({"k": "slot"})
+    calls = []
+
+    def resolver(key, *, not_after=None):
+        calls.append(not_after)
+        return ("sess-1", None)  # upstream: no owning store means "preserve"
+
+    assert sf.recover_pending_spool(db, session_resolver=resolver) == (0, set())
+    assert len(calls) == 1 and isinstance(calls[0], float)
+    assert [r.session_key for r in spooled(home)] == ["k"]
+
+
+def test_constants_and_row_rejection_as_upstream():
+    import sqlite3
+
+    assert (sf.TRANSCRIPT_CAP_DROP_REASON, sf.AGENT_HISTORY_REASON) == (CAP_DROP, AGENT_HISTORY)
+    assert sf.QUARANTINE_SUFFIX == ".bad"
+    assert sf.is_row_rejection(OverflowError("too big"))
+    assert sf.is_row_rejection(sqlite3.InterfaceError("Error binding parameter 1"))
+    assert not sf.is_row_rejection(sqlite3.OperationalError("database is locked"))
+    assert not sf.is_row_rejection(RuntimeError("no owning session store"))
+
+
+def test_a_content_rejection_in_the_drain_is_quarantined_and_the_drain_goes_on(home):
+    for content in ("a", "bad", "b"):
+        sf.spool_dropped_transcript_message("s", {"content": content})
+    seen = []
+
+    def replay(message):
+        if message["content"] == "bad":
+            raise ValueError("cannot bind")
+        seen.append(message["content"])
+
+    assert sf.drain_transcript_spool("s", replay) == (2, 0)
+    assert seen == ["a", "b"]
+    (bad,) = spooled(home)
+    assert bad.status == walspool.QUARANTINED and "ValueError" in bad.last_error
+
+
+def test_leftover_json_files_are_imported_at_recovery_once(home, db, caplog):
+    import json
+
+    flush_dir = home / "pending_messages"
+    flush_dir.mkdir(parents=True)
+    for i in range(2):
+        payload = {
+            "session_key": "sess-1",
+            "reason": CAP_DROP,
+            "ts": 100,
+            "seq": i,
+            "data": {"session_id": "sess-1", "message": {"role": "user", "content": f"j{i}"}},
+        }
+        (flush_dir / f"pending-{i}.json").write_text(json.dumps(payload))
+    (flush_dir / "pending-x.json.bad").write_text("{}")
+    with caplog.at_level(logging.WARNING, logger="walspool"):
+        assert sf.recover_pending_to_db(db) == 2
+    assert [m["content"] for m in db.get_messages("sess-1")] == ["j0", "j1"]
+    assert sorted(p.name for p in flush_dir.iterdir()) == ["pending-x.json.bad"]
+    assert "Imported 2 pending-message file(s)" in caplog.text
+    assert sf.recover_pending_to_db(db) == 0

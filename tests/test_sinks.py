@@ -398,3 +398,56 @@ def test_an_agent_history_spooled_whole_is_quarantined_not_written(spool, state_
     assert state_db.get_messages("s") == []
     with pytest.raises(NotAMessage):
         SessionDBSink(state_db).write("s", record(history), TICKET)
+
+
+def test_the_gateways_own_mapping_is_used_where_it_has_one():
+    seen: list[tuple[str, dict[str, Any], Any]] = []
+
+    def transcript_append_kwargs(session_id, message, *, fallback_ts=None):
+        seen.append((session_id, message, fallback_ts))
+        return {"session_id": session_id, "role": message["role"], "display_kind": "x"}
+
+    message = {"role": "user", "content": "hi", "message_uid": "u-1", "timestamp": "bad"}
+    kwargs = append_kwargs(record(message), transcript_append_kwargs)
+    assert seen == [("", message, T0 + 100)]
+    assert kwargs == {
+        "role": "user",
+        "display_kind": "x",
+        "message_uid": "u-1",
+        "timestamp": T0 + 100,  # normalised as on 0.19.0: an unusable time falls back
+    }
+    # Slot payloads keep walspool's mapping: the gateway maps transcript rows only.
+    assert append_kwargs(record({"text": "slot"}), transcript_append_kwargs)["content"] == "slot"
+
+
+def test_newer_fields_travel_only_where_the_message_has_them():
+    kwargs = append_kwargs(
+        record({"role": "user", "display_kind": "internal_notification", "message_uid": "u"})
+    )
+    assert (kwargs["display_kind"], kwargs["message_uid"]) == ("internal_notification", "u")
+    assert "display_metadata" not in kwargs
+    assert (
+        not {"display_kind", "display_metadata", "message_uid"} & append_kwargs(record(USER)).keys()
+    )
+
+
+def test_on_0_19_the_installed_gateway_has_no_mapping_of_its_own(state_db):
+    from walspool.sinks import gateway_mapping
+
+    assert gateway_mapping() is None
+    assert SessionDBSink(state_db).mapping is None
+
+
+def test_a_row_the_newer_gateway_blames_is_a_content_rejection(state_db):
+    from walspool.sinks import RowRejected, rejects_content
+
+    state_db.create_session("s", "telegram")
+
+    def mapping(session_id, message, *, fallback_ts=None):
+        raise TypeError("unhashable")
+
+    sink = SessionDBSink(state_db, mapping=mapping)
+    with pytest.raises(RowRejected) as info:
+        sink.write("s", record(USER), TICKET)
+    assert rejects_content(info.value) and isinstance(info.value.__cause__, TypeError)
+    assert state_db.get_messages("s") == []
