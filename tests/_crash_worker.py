@@ -270,6 +270,34 @@ def set_db_state(store: Any, broken: bool) -> None:
         store._db._conn.execute(BREAK if broken else HEAL)
 
 
+def report_evictions(spool: Any) -> None:
+    """Print ``S`` for each row the link hands to the spool's writer, once committed.
+
+    The link spools an eviction with ``Writer.notify_nowait`` (never a blocking call
+    under the store's lock); the callback runs after the commit, or with ``error`` set.
+    """
+    import msgspec
+
+    writer = spool._writer
+
+    def reporting(put: Any) -> Any:
+        def put_reporting(request: Any, callback: Any, *args: Any, **kw: Any) -> Any:
+            def done(r: Any) -> None:
+                if r.error is None:
+                    for row in getattr(r, "rows", ()):
+                        session_id, payload = row[0], msgspec.json.decode(row[4])
+                        run_, i = parse(payload["content"])
+                        say(f"S {session_id} {run_} {i}")
+                callback(r)
+
+            return put(request, done, *args, **kw)
+
+        return put_reporting
+
+    writer.notify_nowait = reporting(writer.notify_nowait)
+    writer.notify = reporting(writer.notify)
+
+
 def main_gateway(home: str, run: str, threads: str, phase: str, start: str) -> None:
     import walspool
     from walspool.hermes import install
@@ -278,20 +306,7 @@ def main_gateway(home: str, run: str, threads: str, phase: str, start: str) -> N
     store = gateway_store(home_path)
     spool = walspool.Spool(home_path / "spool.db")
     hook_spool(spool)
-    submit = spool.submit
-
-    def reporting_submit(session_id: str, msg: Any, **kw: Any) -> Any:
-        future = submit(session_id, msg, **kw)
-
-        def done(f: Any) -> None:
-            if f.exception() is None:
-                run_, i = parse(msg["content"])
-                say(f"S {session_id} {run_} {i}")
-
-        future.add_done_callback(done)
-        return future
-
-    spool.submit = reporting_submit
+    report_evictions(spool)
     live_write = store._append_transcript_message
 
     def reporting_write(session_id: str, msg: dict[str, Any]) -> None:
