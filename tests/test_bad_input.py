@@ -736,3 +736,21 @@ def test_cli_with_a_non_utf8_session_argument_is_one_line_on_stderr(spool, comma
     )
     rc, _, err = run_cli(*argv)
     assert rc == 1 and err.count("\n") == 1 and err.startswith(f"walspool {command}: ")
+
+
+# -- message timestamps ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("ts", ["nan", "NaN", "inf", "-inf", "Infinity", "1e999", "-1e999"])
+def test_a_non_finite_message_timestamp_falls_back_to_the_spool_time(spool, state_db, ts):
+    """``float()`` reads these strings as NaN or an infinity: the message is written
+    with the time it was spooled, as a timestamp that is not a time at all would be
+    (a NaN would reach state.db as NULL and the row would be refused)."""
+    state_db.create_session("s", "cli")
+    spool.append("s", {"role": "user", "content": "odd time", "timestamp": ts})
+    spool.append("s", {"role": "user", "content": "own time", "timestamp": 1_700_000_000.5})
+    spooled_at = {r.message["content"]: r.created_at for r in spool.records()}
+    report = Replayer(spool, SessionDBSink(state_db)).replay()
+    assert (report.moved, report.held, report.quarantined) == (2, 0, 0), report.errors
+    landed = [(m["content"], m["timestamp"]) for m in state_db.get_messages("s")]
+    assert landed == [("odd time", spooled_at["odd time"]), ("own time", 1_700_000_000.5)]
