@@ -7,6 +7,7 @@ import threading
 from pathlib import Path
 
 import pytest
+from _helpers import run_python
 
 import walspool
 from walspool import CAP_DROP, SHUTDOWN
@@ -60,6 +61,34 @@ def test_seq_never_reused_after_rows_are_removed(spool):
         spool.append("a", MSG)
     spool._execute(lambda conn: conn.execute("DELETE FROM records"))
     assert spool.append("a", MSG).seq == 4
+
+
+#: Appends to one session and one key-only stream of the spool at argv[1]; prints seqs.
+OTHER_PROCESS = """
+import sys, walspool
+with walspool.Spool(sys.argv[1]) as spool:
+    by_id = spool.append("a", {"by": "other"}).seq
+    by_key = spool.append(None, "slot", session_key="k", reason=walspool.SHUTDOWN).seq
+print(by_id, by_key)
+"""
+
+
+def test_seq_and_id_continue_after_another_process_appends(spool, spool_path):
+    """This spool keeps its next seqs and row id between transactions; a commit by
+    another process in between must make it read them again, on either commit path
+    (a lone ``append`` on the caller's thread, ``submit`` on the writer thread)."""
+    seqs = []
+    for _ in range(3):
+        by_id = spool.append("a", MSG).seq
+        by_key = spool.submit(None, "slot", session_key="k", reason=SHUTDOWN).result(30).seq
+        seqs.append((by_id, by_key))
+        other = run_python(OTHER_PROCESS, str(spool_path))
+        assert other.returncode == 0, other.stderr
+        by_id, by_key = map(int, other.stdout.split())
+        seqs.append((by_id, by_key))
+    assert seqs == [(n, n) for n in range(1, 7)]
+    records = list(spool.records())
+    assert len(records) == 12 and len({r.id for r in records}) == 12
 
 
 def test_seq_contiguous_with_64_threads(spool):
@@ -214,7 +243,8 @@ def test_public_api_is_pinned():
     assert sorted(walspool.__all__) == sorted([
         "AGENT_HISTORY", "CAP_DROP", "QUARANTINED", "SHUTDOWN", "SUPERSEDED", "DiskFull",
         "ImportReport", "InvalidArgument", "NotAMessage", "NotASpool", "PayloadTooLarge",
-        "Receipt", "Record", "ReplayBusy", "ReplayReport", "Replayer", "SchemaTooNew", "SessionDBSink", "SessionMissing", "Sink",
+        "Receipt", "Record", "ReplayBusy", "ReplayReport", "Replayer", "SchemaTooNew",
+        "SessionDBSink", "SessionMissing", "Sink",
         "Spool", "SpoolClosed", "SpoolCorrupt", "SpoolFull", "SpoolIOError", "SpoolReplaced",
         "Stats",
         "StreamReport", "SymlinkRefused", "UnsupportedGateway", "WalspoolError",
