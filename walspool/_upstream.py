@@ -60,8 +60,9 @@ def store_of(replay: Callable[..., Any]) -> Any:
     """The ``SessionStore`` behind a drain callback, or None.
 
     The gateway's callback is a closure over its store (``self`` in
-    ``SessionTranscriptMixin._drain_spooled_drops``); failing that, the one store
-    ``recover_gateway_pending`` registered in this process.
+    ``SessionTranscriptMixin._drain_spooled_drops``); failing that, for a callback
+    defined in the gateway's own modules, the one store ``recover_gateway_pending``
+    registered in this process.
     """
     code = getattr(replay, "__code__", None)
     cells = getattr(replay, "__closure__", None) or ()
@@ -75,6 +76,10 @@ def store_of(replay: Callable[..., Any]) -> Any:
                 continue
             if callable(getattr(candidate, "_db_for_session_id", None)):
                 return candidate
+    # Only the gateway's own callbacks write through its store; anything else is
+    # trusted on its raise rather than assumed to record tickets.
+    if not str(getattr(replay, "__module__", "")).startswith("gateway."):
+        return None
     stores = list(_stores)
     return stores[0] if len(stores) == 1 else None
 
