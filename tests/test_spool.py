@@ -247,7 +247,7 @@ def test_public_api_is_pinned():
         "SessionDBSink", "SessionMissing", "Sink",
         "Spool", "SpoolClosed", "SpoolCorrupt", "SpoolFull", "SpoolIOError", "SpoolReplaced",
         "Stats",
-        "StreamReport", "SymlinkRefused", "UnsupportedGateway", "WalspoolError",
+        "StreamReport", "SymlinkRefused", "UnsupportedGateway", "UntrustedSpool", "WalspoolError",
         "import_json_spool",
     ])  # fmt: skip
     for name in walspool.__all__:

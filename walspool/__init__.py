@@ -21,6 +21,7 @@ from .errors import (
     SpoolReplaced,
     SymlinkRefused,
     UnsupportedGateway,
+    UntrustedSpool,
     WalspoolError,
 )
 from .jsonspool import ImportReport, import_json_spool
@@ -69,6 +70,7 @@ __all__ = [
     "StreamReport",
     "SymlinkRefused",
     "UnsupportedGateway",
+    "UntrustedSpool",
     "WalspoolError",
     "import_json_spool",
 ]

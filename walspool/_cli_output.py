@@ -19,8 +19,9 @@ from urllib.parse import quote
 import apsw
 import msgspec
 
-from . import codec
+from . import codec, files
 from .errors import NotASpool, SpoolCorrupt, WalspoolError
+from .files import SQLITE_MAGIC
 from .records import AGENT_HISTORY, QUARANTINED, SUPERSEDED, Record
 from .replay import REASON_FILTER, ReplayReport, StreamReport
 from .schema import (
@@ -28,7 +29,6 @@ from .schema import (
     CHEAP_CHECK_SQL,
     EXPECTED_OBJECTS,
     SCHEMA_VERSION,
-    SQLITE_MAGIC,
     open_reader,
     sqlite_error,
 )
@@ -72,8 +72,7 @@ def reading(path: Path, *, cheap_check: bool = True) -> Iterator[apsw.Connection
             path=path,
         )
     try:
-        with open(path, "rb") as f:
-            head = f.read(len(SQLITE_MAGIC))
+        head = files.read_head(path)
         if head != SQLITE_MAGIC:
             what = "an empty file" if not head else "not a SQLite database"
             raise NotASpool(f"{path} is {what}, so not a walspool spool", path=path)
@@ -400,9 +399,8 @@ def open_state_db(path: Path, *, write: bool, wait: float | None = None) -> sqli
     if not path.is_file():
         raise StateDBError(f"{path} is not a file; give the gateway's state.db", path=path)
     try:
-        with open(path, "rb") as f:
-            head = f.read(len(SQLITE_MAGIC))
-    except OSError as exc:
+        head = files.read_head(path)
+    except (OSError, NotASpool) as exc:
         raise StateDBError(
             f"cannot read state.db at {path}: {exc.strerror or exc}; check its permissions",
             path=path,

@@ -80,6 +80,11 @@ class SchemaTooNew(NotASpool):
         self.supported = supported
 
 
+class UntrustedSpool(WalspoolError):
+    """The spool's directory or one of its files could be made or changed by someone
+    other than the spool's owner; walspool does not use it."""
+
+
 class SymlinkRefused(WalspoolError):
     """The spool path is a symbolic link, which walspool never follows."""
 

@@ -47,6 +47,7 @@ from typing import Any
 import apsw
 import msgspec
 
+from . import files
 from .errors import (
     InvalidArgument,
     ReplayBusy,
@@ -63,7 +64,9 @@ log = logging.getLogger("walspool.replay")
 #: Rows per batch: one spool transaction marks them, one settles them.
 DEFAULT_BATCH_ROWS = 512
 #: Beside the spool; an exclusive ``flock`` on it makes replays take turns.
-LOCK_SUFFIX = ".replay-lock"
+LOCK_SUFFIX = files.REPLAY_LOCK_SUFFIX
+#: Seconds a replay waits for another replay of the same spool before ``ReplayBusy``.
+LOCK_WAIT = 600.0
 _MAX_SEQ = 2**63 - 1
 
 #: Which rows a replay takes: the asked-for reasons, or every reason but agent history;
@@ -219,7 +222,7 @@ class Replayer:
         *,
         quarantined: bool = False,
         superseded: bool = False,
-        wait: bool = True,
+        wait: bool | float = True,
     ) -> ReplayReport:
         """Move rows to the sink; return what moved, what stayed and why.
 
@@ -231,8 +234,9 @@ class Replayer:
         old rows after all), in seq order with the rest. ``limit`` caps the rows
         written by this call.
 
-        Blocks while another replay of the same spool runs, or with
-        ``wait=False`` raises ``ReplayBusy`` at once; call it off the event loop.
+        Waits while another replay of the same spool runs: at most ``LOCK_WAIT``
+        seconds (``wait=True``), ``wait`` seconds (a number), or not at all
+        (``wait=False``), then raises ``ReplayBusy``; call it off the event loop.
         Errors of the spool propagate; rows then left in flight are looked up by
         the next replay.
         """
@@ -243,7 +247,8 @@ class Replayer:
             check_lookup(session_id, "session_id", self.spool.path)
         statuses = [QUARANTINED] * quarantined + [SUPERSEDED] * superseded
         run = _Run(self, session_id, reasons_json, msgspec.json.encode(statuses).decode())
-        with _exclusive(Path(f"{self.spool.path}{LOCK_SUFFIX}"), wait):
+        lock = Path(f"{self.spool.path}{LOCK_SUFFIX}")
+        with _exclusive(lock, wait, owner=self.spool._owner):
             run.resume(limit)
             run.move(limit)
         run.count_held()
@@ -648,30 +653,47 @@ def _printable(text: str) -> str:
 
 
 @contextlib.contextmanager
-def _exclusive(path: Path, wait: bool = True) -> Iterator[None]:
-    """Hold an exclusive ``flock`` on ``path`` (created 0600) for the block.
+def _exclusive(path: Path, wait: bool | float = True, owner: int | None = None) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``path`` (a private file beside the spool) for the
+    block.
 
-    flock locks belong to an open file description, so two replays in one
-    process exclude each other too; the kernel drops the lock when the process dies.
-    ``wait=False``: raise ``ReplayBusy`` at once if another holder has it.
+    flock locks belong to an open file description, so two replays in one process
+    exclude each other too; the kernel drops the lock when the process dies.
+    ``wait``: True waits at most ``LOCK_WAIT`` seconds, a number that many, False
+    not at all; then ``ReplayBusy``. ``owner``: the spool owner's uid (default: the
+    owner of the spool's directory, checked as ``walspool.files`` does).
     """
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    except OSError as exc:
-        raise SpoolIOError(
-            f"cannot open the replay lock {path} ({exc}); it must be a regular file "
-            "beside the spool",
-            path=path,
-        ) from exc
-    try:
+    spool_path = Path(str(path)[: -len(LOCK_SUFFIX)])
+    if owner is None:
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise ReplayBusy(
-                f"another replay of {str(path)[: -len(LOCK_SUFFIX)]} is running; try again "
-                "when it ends",
-                path=path,
-            ) from None
+            owner = files.trusted_directory(spool_path)
+        except OSError as exc:
+            raise SpoolIOError(f"cannot check {path.parent}: {exc}", path=path) from exc
+    fd = files.open_private(path, owner, spool_path, "the replay lock")
+    budget = LOCK_WAIT if wait is True else float(wait or 0)
+    try:
+        _lock_within(fd, budget, spool_path)
         yield
     finally:
         os.close(fd)
+
+
+def _lock_within(fd: int, seconds: float, spool_path: Path) -> None:
+    deadline = time.monotonic() + seconds
+    pause = 0.005
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                waited = f" for {seconds:g} s" if seconds else ""
+                raise ReplayBusy(
+                    f"another replay of {spool_path} is running (its lock "
+                    f"{spool_path}{LOCK_SUFFIX} stayed held{waited}); try again when it "
+                    "ends, or find the process holding it (`fuser` on the lock file)",
+                    path=spool_path,
+                ) from None
+            time.sleep(min(pause, left))
+            pause = min(pause * 2, 0.1)

@@ -18,13 +18,13 @@ from pathlib import Path
 
 import apsw
 
+from . import files
 from .errors import (
     DiskFull,
     NotASpool,
     SchemaTooNew,
     SpoolCorrupt,
     SpoolIOError,
-    SymlinkRefused,
     WalspoolError,
 )
 
@@ -38,9 +38,6 @@ SCHEMA_VERSION = 3
 DURABILITY_SYNCHRONOUS = {"full": "FULL", "normal": "NORMAL"}
 BUSY_TIMEOUT_MS = 10_000
 JOURNAL_SIZE_LIMIT = 64 * 1024 * 1024
-SQLITE_MAGIC = b"SQLite format 3\x00"
-#: Beside the spool; every open ``Spool`` holds a shared ``flock`` on it.
-OPEN_LOCK_SUFFIX = ".open-lock"
 #: Seconds an opener waits for a process that is moving a damaged spool aside.
 OPEN_LOCK_WAIT = 30.0
 
@@ -198,50 +195,6 @@ EXPECTED_OBJECTS = {
 }
 
 
-# -- files and permissions ---------------------------------------------------
-
-
-def refuse_symlink(path: Path) -> None:
-    """Refuse a spool path that is a symlink: the spool is only ever written in place."""
-    if path.is_symlink():
-        raise SymlinkRefused(
-            f"spool path {path} is a symbolic link; walspool does not follow links, "
-            "give the real path",
-            path=path,
-        )
-
-
-def create_private(path: Path) -> None:
-    """Create the spool's directory (0700) and an empty database file (0600).
-
-    SQLite gives the ``-wal`` and ``-shm`` files the mode of the database file
-    (https://www.sqlite.org/tempfiles.html), so they are 0600 too, whatever the umask.
-    """
-    missing = []
-    parent = path.parent
-    while not parent.exists():
-        missing.append(parent)
-        parent = parent.parent
-    for directory in reversed(missing):
-        with contextlib.suppress(FileExistsError):
-            directory.mkdir(mode=0o700)
-            os.chmod(directory, 0o700)
-    with contextlib.suppress(FileExistsError):
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        try:
-            os.fchmod(fd, 0o600)
-        finally:
-            os.close(fd)
-
-
-def tighten_modes(path: Path) -> None:
-    """Make an existing spool and its ``-wal``/``-shm`` files private (0600)."""
-    for name in (path, Path(f"{path}-wal"), Path(f"{path}-shm")):
-        with contextlib.suppress(FileNotFoundError, PermissionError):
-            if not name.is_symlink() and name.stat().st_mode & 0o777 != 0o600:
-                os.chmod(name, 0o600)
-
-
 # -- connection setup, one concern each ----------------------------------------
 
 
@@ -303,34 +256,35 @@ def set_foreign_keys_off(conn: apsw.Connection) -> None:
 # -- opening -----------------------------------------------------------------
 
 
-def open_writer(path: Path, durability: str, max_bytes: int | None) -> tuple[apsw.Connection, int]:
+def open_writer(
+    path: Path, durability: str, max_bytes: int | None
+) -> tuple[apsw.Connection, int, int]:
     """Open (creating if needed) the spool for writing, checked and set up.
 
-    Returns the connection and the descriptor of the spool's open lock, held shared
-    for as long as the spool is open (close it after the connection). A file that is
-    not a spool, or of a newer schema, raises and is left unchanged. A spool SQLite
-    reports as damaged is moved aside and a fresh one opened, but only by a process
-    that can take the open lock exclusively, which proves that no other process has
-    the spool open (its appends would otherwise go on into the renamed file); if
-    one has, this raises ``SpoolCorrupt`` and changes nothing.
+    Returns the connection, the descriptor of the spool's open lock, held shared
+    for as long as the spool is open (close it after the connection), and the uid
+    of the spool's owner (see ``walspool.files``). A file that is not a spool, or
+    of a newer schema, raises and is left unchanged. A spool SQLite reports as
+    damaged is moved aside and a fresh one opened, but only by a process that can
+    take the open lock exclusively, which proves that no other process has the
+    spool open (its appends would otherwise go on into the renamed file); if one
+    has, this raises ``SpoolCorrupt`` and changes nothing.
     """
-    refuse_symlink(path)
-    try:
-        create_private(path)
-    except OSError as exc:
-        error = DiskFull if exc.errno in (errno.ENOSPC, errno.EFBIG) else SpoolIOError
-        raise error(f"cannot create spool {path}: {exc}", path=path) from exc
+    owner = files.prepare(path)
     # Someone else's file is refused before a lock file is made beside it.
-    _refuse_non_sqlite(path)
-    lock = hold_open_lock(path)
+    files.refuse_non_sqlite(path)
+    lock = hold_open_lock(path, owner)
     try:
-        return _open_locked(path, durability, max_bytes, lock), lock
+        conn = _open_locked(path, durability, max_bytes, lock, owner)
     except BaseException:
         os.close(lock)
         raise
+    return conn, lock, owner
 
 
-def _open_locked(path: Path, durability: str, max_bytes: int | None, lock: int) -> apsw.Connection:
+def _open_locked(
+    path: Path, durability: str, max_bytes: int | None, lock: int, owner: int
+) -> apsw.Connection:
     try:
         conn = _open_checked(path)
     except SpoolCorrupt as exc:
@@ -343,14 +297,14 @@ def _open_locked(path: Path, durability: str, max_bytes: int | None, lock: int) 
                 path=path,
             ) from exc
         try:
-            moved = move_aside(path)
+            moved = files.move_aside(path)
             log.error(
                 "spool %s is damaged (%s); moved it aside to %s and opened a fresh spool",
                 path,
                 exc.__cause__ or exc,
                 moved,
             )
-            create_private(path)
+            files.prepare(path)
             conn = _open_checked(path)
         finally:
             fcntl.flock(lock, fcntl.LOCK_SH)  # back to sharing it with later openers
@@ -361,26 +315,18 @@ def _open_locked(path: Path, durability: str, max_bytes: int | None, lock: int) 
     except apsw.Error as exc:
         close_quietly(conn)
         raise sqlite_error(exc, path) from exc
-    tighten_modes(path)
     return conn
 
 
-def hold_open_lock(path: Path) -> int:
-    """Open ``<spool>.open-lock`` (0600, never through a symlink) and hold it shared.
+def hold_open_lock(path: Path, owner: int) -> int:
+    """Open ``<spool>.open-lock`` and hold it shared.
 
     Every open ``Spool`` holds it, so a process that gets it exclusively knows it is
     the spool's only user. Waits at most ``OPEN_LOCK_WAIT`` seconds for a process
     that is moving a damaged spool aside. The kernel drops it when the process dies.
     """
-    lock_path = Path(f"{path}{OPEN_LOCK_SUFFIX}")
-    try:
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    except OSError as exc:
-        raise SpoolIOError(
-            f"cannot open the spool's open lock {lock_path} ({exc}); it must be a regular "
-            "file beside the spool",
-            path=path,
-        ) from exc
+    lock_path = Path(f"{path}{files.OPEN_LOCK_SUFFIX}")
+    fd = files.open_private(lock_path, owner, path, "the open lock")
     deadline = time.monotonic() + OPEN_LOCK_WAIT
     while True:
         try:
@@ -409,10 +355,10 @@ def _lock_alone(fd: int) -> bool:
 
 def open_reader(path: Path) -> apsw.Connection:
     """Open an existing spool read-only (``mode=ro``); never creates or changes it."""
-    refuse_symlink(path)
+    files.refuse_symlink(path)
     if not path.exists():
         raise WalspoolError(f"no spool at {path}", path=path)
-    _refuse_non_sqlite(path)
+    files.refuse_non_sqlite(path)
     flags = apsw.SQLITE_OPEN_READONLY | apsw.SQLITE_OPEN_URI | apsw.SQLITE_OPEN_NOFOLLOW
     conn = None
     try:
@@ -436,7 +382,7 @@ def open_reader(path: Path) -> apsw.Connection:
 
 
 def _open_checked(path: Path) -> apsw.Connection:
-    _refuse_non_sqlite(path)
+    files.refuse_non_sqlite(path)
     flags = (
         apsw.SQLITE_OPEN_READWRITE
         | apsw.SQLITE_OPEN_CREATE
@@ -479,18 +425,6 @@ def _uri_path(path: Path) -> str:
     from urllib.parse import quote
 
     return quote(str(path.absolute()))
-
-
-def _refuse_non_sqlite(path: Path) -> None:
-    """A non-empty file without SQLite's header is someone else's file: leave it alone."""
-    with open(path, "rb") as f:
-        head = f.read(len(SQLITE_MAGIC))
-    if head and head != SQLITE_MAGIC:
-        raise NotASpool(
-            f"{path} is not a SQLite database, so not a walspool spool; "
-            "give the path of a spool or of a file that does not exist yet",
-            path=path,
-        )
 
 
 def _check_identity(conn: apsw.Connection, path: Path, *, allow_empty: bool) -> bool:
@@ -566,18 +500,6 @@ def _cheap_check(conn: apsw.Connection) -> None:
         raise apsw.CorruptError(f"spool schema lacks {sorted(n for _, n in missing)}")
     for sql in CHEAP_CHECK_SQL:
         conn.execute(sql).fetchall()
-
-
-def move_aside(path: Path) -> Path:
-    """Rename a damaged spool and its ``-wal``/``-shm`` files (made 0600); never delete them."""
-    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    target = path.with_name(f"{path.name}.damaged-{stamp}-{os.getpid()}")
-    for suffix in ("-wal", "-shm", ""):
-        with contextlib.suppress(FileNotFoundError):
-            os.rename(f"{path}{suffix}", f"{target}{suffix}")
-            if not os.path.islink(f"{target}{suffix}"):
-                os.chmod(f"{target}{suffix}", 0o600)
-    return target
 
 
 @contextlib.contextmanager

@@ -14,7 +14,7 @@ from typing import Any
 import apsw
 import msgspec
 
-from . import codec
+from . import codec, files
 from .errors import InvalidArgument, PayloadTooLarge, SpoolClosed, SpoolCorrupt, SpoolReplaced
 from .records import AGENT_HISTORY, CAP_DROP, Receipt, Record, Stats
 from .schema import close_quietly, open_reader, open_writer, sqlite_error
@@ -98,7 +98,7 @@ class Spool:
         self.durability = durability
         self.max_payload_bytes = max_payload_bytes
         self.max_bytes = max_bytes
-        self._conn, self._open_lock = open_writer(self.path, durability, max_bytes)
+        self._conn, self._open_lock, self._owner = open_writer(self.path, durability, max_bytes)
         try:
             self._identity = _file_identity(self.path)
             self._writer = Writer(self._conn, self.path, max_bytes)
@@ -106,6 +106,8 @@ class Spool:
             close_quietly(self._conn)
             os.close(self._open_lock)
             raise
+        if self._identity is not None:
+            files.opened(self._identity)
         self._reader: apsw.Connection | None = None
         self._reader_lock = threading.Lock()
         self._closed = False
@@ -340,6 +342,8 @@ class Spool:
             except apsw.Error as exc:
                 errors.append(exc)
         os.close(self._open_lock)  # after the last connection: others may now move it
+        if self._identity is not None:
+            files.closed(self._identity)
         if errors:
             raise sqlite_error(errors[0], self.path) from errors[0]
 

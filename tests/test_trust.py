@@ -1,0 +1,239 @@
+"""Trust only what the spool's owner made (walspool.files), with real second users.
+
+The tests run as root in CI; the users are real: a child process switched with
+``setpriv`` to ``nobody`` (the gateway's user here) or ``daemon`` (a careless or
+hostile neighbour). Files are planted as that neighbour would have left them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from _helpers import ROOT, MemorySink
+
+import walspool
+from walspool.cli import main
+from walspool.replay import Replayer
+
+GATEWAY_USER = 65534  # nobody
+NEIGHBOUR = 1  # daemon
+SETPRIV = shutil.which("setpriv")
+
+as_root = pytest.mark.skipif(
+    os.geteuid() != 0 or SETPRIV is None, reason="needs root and setpriv to switch users"
+)
+
+
+@pytest.fixture
+def shared_tmp() -> Iterator[Path]:
+    """A directory other users can reach (pytest's own tmp_path is root's, 0700)."""
+    top = Path(tempfile.mkdtemp(prefix="walspool-trust-", dir="/tmp"))
+    os.chmod(top, 0o711)
+    try:
+        yield top
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
+
+
+def owned_dir(path: Path, uid: int, mode: int = 0o700) -> Path:
+    path.mkdir(parents=True)
+    os.chown(path, uid, uid)
+    os.chmod(path, mode)
+    return path
+
+
+def as_user(uid: int, code: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """Run ``code`` in a fresh interpreter as ``uid`` (and its group, no others)."""
+    assert SETPRIV is not None
+    return subprocess.run(
+        [SETPRIV, f"--reuid={uid}", f"--regid={uid}", "--clear-groups",
+         sys.executable, "-c", code, *args],
+        capture_output=True, text=True, timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "HOME": "/nonexistent"},
+    )  # fmt: skip
+
+
+OPEN_AND_APPEND = """
+import sys, walspool
+try:
+    with walspool.Spool(sys.argv[1]) as spool:
+        spool.append("s", {"role": "user", "content": "secret"})
+except walspool.WalspoolError as exc:
+    print(type(exc).__name__, exc)
+    sys.exit(3)
+print("ok")
+"""
+
+
+# -- directories and files someone else made ----------------------------------------------
+
+
+@as_root
+def test_a_directory_others_can_write_is_refused(shared_tmp):
+    home = owned_dir(shared_tmp / "hermes", GATEWAY_USER, 0o777)
+    done = as_user(GATEWAY_USER, OPEN_AND_APPEND, str(home / "spool.db"))
+    assert done.returncode == 3, done.stderr
+    assert done.stdout.startswith("UntrustedSpool") and "chmod go-w" in done.stdout
+    assert not (home / "spool.db").exists()
+
+
+@as_root
+def test_a_directory_of_another_user_is_refused(shared_tmp):
+    home = owned_dir(shared_tmp / "hermes", NEIGHBOUR, 0o755)
+    done = as_user(GATEWAY_USER, OPEN_AND_APPEND, str(home / "spool.db"))
+    assert done.returncode == 3, done.stderr
+    assert done.stdout.startswith("UntrustedSpool") and "belongs to uid 1" in done.stdout
+
+
+@pytest.mark.parametrize("planted", ["spool.db", "spool.db-wal", "spool.db-shm"])
+@as_root
+def test_a_spool_file_another_user_made_is_not_adopted(shared_tmp, planted):
+    """Left by a neighbour while the directory was still open to them: refused, and
+    nothing is written into it."""
+    home = owned_dir(shared_tmp / "hermes", GATEWAY_USER)
+    (home / planted).touch()
+    os.chown(home / planted, NEIGHBOUR, NEIGHBOUR)
+    os.chmod(home / planted, 0o666)
+    done = as_user(GATEWAY_USER, OPEN_AND_APPEND, str(home / "spool.db"))
+    assert done.returncode == 3, done.stderr
+    assert done.stdout.startswith("UntrustedSpool") and f"{planted} belongs to uid 1" in (
+        done.stdout
+    )
+    assert (home / planted).stat().st_size == 0
+
+
+@as_root
+def test_root_on_the_gateway_users_spool_leaves_every_file_to_that_user(shared_tmp, tmp_path):
+    """An operator's replay as root must not lock the gateway's user out of its spool."""
+    home = owned_dir(shared_tmp / "hermes", GATEWAY_USER)
+    spool_path = home / "spool.db"
+    done = as_user(GATEWAY_USER, OPEN_AND_APPEND, str(spool_path))
+    assert done.stdout.strip() == "ok", done.stdout + done.stderr
+    with walspool.Spool(spool_path) as spool:  # root, as `walspool replay` would run
+        Replayer(spool, MemorySink()).replay()
+        spool.append("s", {"role": "user", "content": "by root"})
+    owners = {p.name: p.stat().st_uid for p in home.iterdir()}
+    assert owners and set(owners.values()) == {GATEWAY_USER}, owners
+    done = as_user(GATEWAY_USER, OPEN_AND_APPEND, str(spool_path))
+    assert done.stdout.strip() == "ok", done.stdout + done.stderr
+
+
+@as_root
+def test_a_lock_file_root_left_behind_is_given_back_to_the_owner(shared_tmp):
+    home = owned_dir(shared_tmp / "hermes", GATEWAY_USER)
+    lock = home / "spool.db.replay-lock"
+    lock.touch()  # an earlier walspool run as root made it root's
+    with walspool.Spool(home / "spool.db") as spool:
+        Replayer(spool, MemorySink()).replay()
+    assert lock.stat().st_uid == GATEWAY_USER
+
+
+def test_symlinks_among_the_spools_files_are_never_followed(tmp_path):
+    """A link at ``-wal`` to a file of the owner's: refused, the target untouched
+    (before, root could be made to chmod it to 0600)."""
+    target = tmp_path / "precious"
+    target.write_text("mine")
+    os.chmod(target, 0o644)
+    os.symlink(target, tmp_path / "spool.db-wal")
+    with pytest.raises(walspool.SymlinkRefused, match="spool.db-wal is a symbolic link"):
+        walspool.Spool(tmp_path / "spool.db")
+    assert stat.S_IMODE(target.stat().st_mode) == 0o644 and target.read_text() == "mine"
+
+
+# -- FIFOs and stuck locks never hang ------------------------------------------------------
+
+
+@contextlib.contextmanager
+def must_return_within(seconds: int) -> Iterator[None]:
+    """Fail the test, rather than hang it, if the block blocks (SIGALRM)."""
+
+    def hung(signum: int, frame: object) -> None:
+        raise TimeoutError(f"blocked for over {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def test_a_fifo_at_the_spool_path_is_refused_without_blocking(tmp_path, capsys):
+    fifo = tmp_path / "spool.db"
+    os.mkfifo(fifo)
+    with must_return_within(10), pytest.raises(walspool.NotASpool, match="not a regular file"):
+        walspool.Spool(fifo)
+    for command in ("stats", "ls", "export", "check"):
+        with must_return_within(10):
+            assert main([command, str(fifo)]) == 1
+        assert "not a regular file" in capsys.readouterr().err
+
+
+def test_a_fifo_as_the_replay_lock_is_refused_without_blocking(tmp_path):
+    path = tmp_path / "spool.db"
+    os.mkfifo(f"{path}.replay-lock")
+    with walspool.Spool(path) as spool:
+        spool.append("s", 1)
+        with must_return_within(10), pytest.raises(walspool.NotASpool, match="not a regular"):
+            Replayer(spool, MemorySink()).replay()
+
+
+def test_a_replay_lock_held_by_a_stuck_process_is_waited_for_within_a_bound(tmp_path):
+    path = tmp_path / "spool.db"
+    holder = subprocess.Popen(
+        [sys.executable, "-c",
+         "import fcntl, os, sys\n"
+         "fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o600)\n"
+         "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+         "print('held', flush=True)\n"
+         "sys.stdin.readline()\n",
+         f"{path}.replay-lock"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+        with walspool.Spool(path) as spool:
+            spool.append("s", 1)
+            with pytest.raises(walspool.ReplayBusy, match="stayed held for 0.2 s"):
+                Replayer(spool, MemorySink()).replay(wait=0.2)
+            with pytest.raises(walspool.ReplayBusy, match="another replay"):
+                Replayer(spool, MemorySink()).replay(wait=False)
+            assert holder.stdin is not None
+            holder.stdin.write("done\n")
+            holder.stdin.flush()
+            assert holder.wait(30) == 0
+            assert Replayer(spool, MemorySink()).replay(wait=0.2).moved == 1
+    finally:
+        holder.kill()
+
+
+def test_the_replay_lock_is_free_after_a_replay(tmp_path):
+    path = tmp_path / "spool.db"
+    with walspool.Spool(path) as spool:
+        Replayer(spool, MemorySink()).replay()
+    fd = os.open(f"{path}.replay-lock", os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises if it were still held
+    finally:
+        os.close(fd)
+
+
+# -- every error is a walspool error --------------------------------------------------------
+
+
+def test_a_path_through_a_file_is_a_walspool_error(tmp_path):
+    (tmp_path / "not-a-dir").write_text("x")
+    with pytest.raises(walspool.SpoolIOError, match="cannot prepare spool"):
+        walspool.Spool(tmp_path / "not-a-dir" / "spool.db")
