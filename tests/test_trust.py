@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import os
 import shutil
 import signal
@@ -19,6 +20,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+import apsw
 import pytest
 from _helpers import ROOT, MemorySink
 
@@ -237,3 +239,53 @@ def test_a_path_through_a_file_is_a_walspool_error(tmp_path):
     (tmp_path / "not-a-dir").write_text("x")
     with pytest.raises(walspool.SpoolIOError, match="cannot prepare spool"):
         walspool.Spool(tmp_path / "not-a-dir" / "spool.db")
+
+
+# -- a crafted spool runs none of its own SQL -----------------------------------------------
+
+RECURSIVE_BACKLOG = """
+DROP VIEW backlog;
+CREATE VIEW backlog AS
+WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n)
+SELECT NULL AS session_id, NULL AS session_key, i AS rows, 0 AS bytes, '' AS oldest,
+       '' AS newest, 0 AS max_attempts, NULL AS last_error, 0 AS quarantined,
+       0 AS superseded
+FROM n;
+"""
+
+
+def craft(path: Path, sql: str) -> None:
+    with walspool.Spool(path) as spool:
+        spool.append("s", {"role": "user", "content": "real"})
+    conn = apsw.Connection(str(path))
+    conn.execute(sql)
+    conn.close()
+
+
+def test_a_crafted_view_is_refused_by_the_read_commands(tmp_path, capsys):
+    """An endless recursive ``backlog``: ``ls`` used to hang and ``check`` said ok."""
+    path = tmp_path / "spool.db"
+    craft(path, RECURSIVE_BACKLOG)
+    with must_return_within(20):
+        assert main(["ls", str(path)]) == 1
+    assert "the view `backlog` is not walspool's definition" in capsys.readouterr().err
+    with must_return_within(20):
+        assert main(["check", str(path), "--json"]) == 1
+    result = json.loads(capsys.readouterr().out)
+    assert "the view `backlog` is not walspool's definition" in result["problems"]
+
+
+def test_a_planted_trigger_never_runs(tmp_path, caplog):
+    """A trigger that would rewrite every appended row: the spool is not used (moved
+    aside, kept), and a fresh one takes the appends as they are."""
+    path = tmp_path / "spool.db"
+    craft(
+        path,
+        "CREATE TRIGGER forge AFTER INSERT ON records BEGIN "
+        """UPDATE records SET payload = '{"content": "forged"}' WHERE id = new.id; END""",
+    )
+    with walspool.Spool(path) as spool:
+        spool.append("s", {"role": "user", "content": "mine"})
+        assert [r.message["content"] for r in spool.records()] == ["mine"]
+    assert "the trigger `forge` is not walspool's" in caplog.text
+    assert [p for p in tmp_path.iterdir() if ".damaged-" in p.name]

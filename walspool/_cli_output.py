@@ -19,15 +19,13 @@ from urllib.parse import quote
 import apsw
 import msgspec
 
-from . import codec, files
+from . import codec, files, schema
 from .errors import NotASpool, SpoolCorrupt, WalspoolError
 from .files import SQLITE_MAGIC
 from .records import AGENT_HISTORY, QUARANTINED, SUPERSEDED, Record
 from .replay import REASON_FILTER, ReplayReport, StreamReport
 from .schema import (
     APPLICATION_ID,
-    CHEAP_CHECK_SQL,
-    EXPECTED_OBJECTS,
     SCHEMA_VERSION,
     open_reader,
     sqlite_error,
@@ -85,11 +83,7 @@ def reading(path: Path, *, cheap_check: bool = True) -> Iterator[apsw.Connection
         raise
     try:
         if cheap_check:
-            missing = EXPECTED_OBJECTS - set(conn.execute("SELECT type, name FROM sqlite_schema"))
-            if missing:
-                raise apsw.CorruptError(f"schema lacks {sorted(n for _, n in missing)}")
-            for sql in CHEAP_CHECK_SQL:
-                conn.execute(sql).fetchall()
+            schema.cheap_check(conn)
         yield conn
     except apsw.Error as exc:
         raise spool_error(exc, path) from exc
@@ -326,9 +320,8 @@ def run_check(conn: apsw.Connection, path: Path) -> dict[str, Any]:
         if found != ["ok"]:
             problems.extend(f"integrity_check: {line}" for line in found)
 
-    def schema() -> None:
-        missing = EXPECTED_OBJECTS - set(conn.execute("SELECT type, name FROM sqlite_schema"))
-        problems.extend(f"the schema lacks the {kind} `{name}`" for kind, name in sorted(missing))
+    def definitions() -> None:
+        problems.extend(schema.schema_problems(conn))
 
     def count() -> None:
         nonlocal rows
@@ -343,7 +336,7 @@ def run_check(conn: apsw.Connection, path: Path) -> dict[str, Any]:
     if problems and "failed" in problems[-1]:
         # SQLite could not even walk the file: every later query fails the same way.
         return check_result(path, app_id, version, None, problems, notes)
-    attempt("reading the schema", schema)
+    attempt("reading the schema", definitions)
     attempt("counting rows", count)
     for what, sql in BOOKKEEPING_CHECKS:
         attempt(f"checking for {what}", lambda w=what, s=sql: bookkeeping(w, s))

@@ -403,7 +403,7 @@ def _open_checked(path: Path) -> apsw.Connection:
         else:
             set_wal(conn, path)
             _migrate(conn, path)
-        _cheap_check(conn)
+        cheap_check(conn)
         conn.config(apsw.SQLITE_DBCONFIG_NO_CKPT_ON_CLOSE, 0)
     except apsw.Error as exc:
         close_quietly(conn)
@@ -488,18 +488,61 @@ CHEAP_CHECK_SQL = (
 )
 
 
-def _cheap_check(conn: apsw.Connection) -> None:
-    """Touch the schema and each table's b-tree without scanning it.
+def cheap_check(conn: apsw.Connection) -> None:
+    """Check the schema's definitions and touch each table's b-tree without scanning it.
 
-    Catches a damaged header, schema or root page in constant time; ``walspool
-    check`` runs the full ``integrity_check``.
+    Catches a damaged header, schema or root page in constant time, and a schema
+    that is not walspool's (see ``schema_problems``); ``walspool check`` runs the
+    full ``integrity_check``.
     """
-    found = set(conn.execute("SELECT type, name FROM sqlite_schema"))
-    missing = EXPECTED_OBJECTS - found
-    if missing:
-        raise apsw.CorruptError(f"spool schema lacks {sorted(n for _, n in missing)}")
+    problems = schema_problems(conn)
+    if problems:
+        raise apsw.CorruptError(f"spool schema: {'; '.join(problems)}")
     for sql in CHEAP_CHECK_SQL:
         conn.execute(sql).fetchall()
+
+
+def schema_problems(conn: apsw.Connection) -> list[str]:
+    """What in the file's schema is not walspool's: missing objects, views or indexes
+    whose stored SQL differs from walspool's definitions, and any trigger.
+
+    A crafted spool could otherwise run its own SQL whenever walspool reads a view
+    (an endless recursive ``backlog``) or appends (a trigger).
+    """
+    found = {(kind, name): sql for kind, name, sql in conn.execute(SCHEMA_OBJECTS_SQL)}
+    problems = [
+        f"the schema lacks the {kind} `{name}`"
+        for kind, name in sorted(EXPECTED_OBJECTS - found.keys())
+    ]
+    expected = _expected_definitions()
+    for (kind, name), sql in sorted(found.items()):
+        if kind == "trigger":
+            problems.append(f"the trigger `{name}` is not walspool's")
+        elif (kind, name) in expected and _words(sql) != expected[(kind, name)]:
+            problems.append(f"the {kind} `{name}` is not walspool's definition")
+    return problems
+
+
+SCHEMA_OBJECTS_SQL = "SELECT type, name, sql FROM sqlite_schema WHERE sql IS NOT NULL"
+_definitions: dict[tuple[str, str], str] = {}
+
+
+def _expected_definitions() -> dict[tuple[str, str], str]:
+    """The stored SQL of walspool's own views and indexes, from a scratch database."""
+    if not _definitions:
+        scratch = apsw.Connection(":memory:")
+        try:
+            scratch.execute(SCHEMA_SQL)
+            for kind, name, sql in scratch.execute(SCHEMA_OBJECTS_SQL):
+                if kind in ("view", "index"):
+                    _definitions[(kind, name)] = _words(sql)
+        finally:
+            scratch.close()
+    return _definitions
+
+
+def _words(sql: str) -> str:
+    return " ".join(sql.split())
 
 
 @contextlib.contextmanager
