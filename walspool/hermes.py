@@ -481,6 +481,10 @@ class Link:
         to this gateway thread, then claim it; the lock is held."""
         if state.writer is None or not state.writer.background or self._closed:
             return None
+        if self.spool._writer.busy_since is not None:
+            # The background writer may be waiting for the spool's write lock held by
+            # another process: do not wait behind it; the message stays queued.
+            return None
         deadline = time.monotonic() + HANDOFF_WAIT
         state.waiters += 1  # the background writer sees it at its next step
         try:
