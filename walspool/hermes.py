@@ -45,7 +45,7 @@ Waits a gateway thread can meet because of walspool, with their bounds:
   drain waits at most ``walspool.writer.BUSY_RETRY_SECONDS`` for that lock;
 * taking a session over from the background thread: at most ``HANDOFF_WAIT``, in
   practice the rest of one ``state.db`` write or one drain batch of
-  ``DRAIN_CHUNK_ROWS`` rows;
+  ``DRAIN_CHUNK_ROWS`` rows; none while another process holds the spool's write lock;
 * a transcript rewrite: at most ``HANDOFF_WAIT`` for a drain batch of this link,
   then its supersede transaction (at most ``BUSY_RETRY_SECONDS``); shutdown's
   ``flush_queues`` waits at most ``FLUSH_TIMEOUT`` (plus ``CONFIRM_WAIT``).
