@@ -10,9 +10,11 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import logging
 import os
 import shutil
 import signal
+import sqlite3
 import stat
 import subprocess
 import sys
@@ -289,3 +291,46 @@ def test_a_planted_trigger_never_runs(tmp_path, caplog):
         assert [r.message["content"] for r in spool.records()] == ["mine"]
     assert "the trigger `forge` is not walspool's" in caplog.text
     assert [p for p in tmp_path.iterdir() if ".damaged-" in p.name]
+
+
+# -- terminal and log injection ---------------------------------------------------------
+
+FORGED = "\x1b[2K\rFORGED OUTPUT\x9b31m\u202e"
+
+
+def test_text_from_users_reaches_the_terminal_escaped(tmp_path, capsys):
+    path = tmp_path / "spool.db"
+    with walspool.Spool(path) as spool:
+        spool.append("victim", {"role": "user", "content": FORGED})
+        spool.append("s1\ns2 999 rows", {"role": "user", "content": "x"}, reason=f"r{FORGED}")
+    outputs = []
+    for argv in (["ls"], ["stats"], ["show", "victim"], ["show", "victim", "--full"],
+                 ["show", "s1\ns2 999 rows"], ["check"]):  # fmt: skip
+        assert main([argv[0], str(path), *argv[1:]]) == 0, argv
+        outputs.append(capsys.readouterr().out)
+    for out in outputs:
+        assert not any(c in out for c in "\x1b\r\x9b\u202e"), repr(out)
+    ls = outputs[0].splitlines()
+    assert len(ls) == 3  # the header and one line per session: no forged row
+    assert "s1\\ns2 999 rows" in outputs[0]
+    assert "\\x1b[2K FORGED OUTPUT\\x9b31m\\u202e" in outputs[2]  # a preview: one line
+    # --full: JSON, with what JSON leaves raw escaped as well
+    assert "\\u001b[2K\\rFORGED OUTPUT\\x9b31m\\u202e" in outputs[3]
+    # --json stays the lossless form
+    assert main(["show", str(path), "victim", "--json", "--full"]) == 0
+    assert json.loads(capsys.readouterr().out)[0]["message"]["content"] == FORGED
+
+
+def test_text_from_users_cannot_forge_a_log_line(tmp_path, caplog):
+    path = tmp_path / "spool.db"
+    with walspool.Spool(path) as spool:
+        spool.append("s\nWARNING forged line", {"role": None, "content": "refused"})
+        session_db = MemorySink()
+        session_db.refuse = lambda sid, rec: sqlite3.IntegrityError(
+            "NOT NULL constraint failed: messages.role"
+        )
+        with caplog.at_level(logging.INFO, logger="walspool"):
+            assert Replayer(spool, session_db).replay().quarantined == 1
+    lines = [r.getMessage() for r in caplog.records if r.name.startswith("walspool")]
+    assert lines and all("\n" not in line for line in lines)
+    assert any("s\\nWARNING forged line" in line for line in lines)

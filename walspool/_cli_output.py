@@ -42,6 +42,7 @@ from .spool import (
     record_from_row,
     stats_from,
 )
+from .text import printable
 
 #: Seconds a replay waits for the gateway to release state.db's write lock.
 STATE_DB_WAIT_SECONDS = 5.0
@@ -246,7 +247,7 @@ def preview(message: Any, width: int = 60) -> str:
         text = message
     else:
         text = _json(message)
-    text = " ".join(text.split())
+    text = printable(" ".join(text.split()))
     return text if len(text) <= width else text[: width - 1] + "…"
 
 
@@ -564,7 +565,7 @@ def size(n: int) -> str:
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     """Left-aligned columns, two spaces apart; None prints as "-"."""
     cells = [[str(h) for h in headers]] + [
-        ["-" if c is None else f"{c:,}" if isinstance(c, int) else str(c) for c in row]
+        ["-" if c is None else f"{c:,}" if isinstance(c, int) else printable(c) for c in row]
         for row in rows
     ]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
@@ -582,7 +583,7 @@ def clip(text: str | None, width: int = 80) -> str | None:
     """One line of at most ``width`` characters."""
     if text is None:
         return None
-    text = " ".join(text.split())
+    text = printable(" ".join(text.split()))
     return text if len(text) <= width else text[: width - 1] + "…"
 
 
@@ -592,8 +593,14 @@ def dump(value: Any) -> str:
 
 
 def pretty(value: Any) -> str:
-    """Indented JSON text of a value (``show --full``)."""
-    return msgspec.json.format(dump(value), indent=2)
+    """Indented JSON text of a value (``show --full``), controls JSON leaves raw
+    (DEL, C1, bidi) escaped too."""
+    return printable_lines(msgspec.json.format(dump(value), indent=2))
+
+
+def printable_lines(text: str) -> str:
+    """Text of several lines, each made ``printable``."""
+    return "\n".join(printable(line) for line in text.split("\n"))
 
 
 class Progress:

@@ -51,6 +51,7 @@ from ._cli_output import (
 from .errors import SpoolCorrupt, WalspoolError
 from .records import AGENT_HISTORY, QUARANTINED, SUPERSEDED, Record
 from .replay import Replayer, ReplayReport
+from .text import printable
 
 EXIT_OK = 0
 EXIT_ERROR = 1
@@ -68,9 +69,9 @@ def cmd_stats(args: argparse.Namespace) -> int:
     if args.json:
         print(dump(stats))
         return EXIT_OK
-    reasons = [f"{n:,} {reason}" for reason, n in stats["by_reason"].items()] or ["-"]
+    reasons = [f"{n:,} {printable(reason)}" for reason, n in stats["by_reason"].items()] or ["-"]
     lines = [
-        ("spool", stats["spool"]),
+        ("spool", printable(stats["spool"])),
         ("rows", f"{stats['rows']:,} in {plural(stats['sessions'], 'session')}"),
         ("payload", size(stats["bytes"])),
         ("oldest", stats["oldest"] or "-"),
@@ -98,7 +99,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     if args.json:
         print(dump(backlog))
     elif not backlog:
-        print(f"no rows in {args.spool}")
+        print(f"no rows in {printable(args.spool)}")
     else:
         headers = ("SESSION", "ROWS", "BYTES", "OLDEST", "NEWEST", "ATTEMPTS", "LAST ERROR")
         print(table(headers, [_backlog_line(b) for b in backlog]))
@@ -131,16 +132,18 @@ def cmd_show(args: argparse.Namespace) -> int:
     if args.json:
         print(dump([record_json(r, inflight, message=args.full) for r, inflight in rows]))
         return EXIT_OK
-    print(f"session {args.session}: {plural(len(rows), 'row')} in {args.spool}")
+    print(
+        f"session {printable(args.session)}: {plural(len(rows), 'row')} in {printable(args.spool)}"
+    )
     if args.full:
         for r, inflight in rows:
             print(
-                f"\nseq {r.seq}  id {r.id}  {r.reason}  {iso(r.created_at)}  "
+                f"\nseq {r.seq}  id {r.id}  {printable(r.reason)}  {iso(r.created_at)}  "
                 f"attempts {r.attempts}{'  in flight' if inflight is not None else ''}"
                 f"{'  ' + r.status if r.status else ''}"
             )
             if r.last_error is not None:
-                print(f"last error ({iso(r.last_attempt_at)}): {r.last_error}")
+                print(f"last error ({iso(r.last_attempt_at)}): {printable(r.last_error)}")
             print(pretty(r.message))
         return EXIT_OK
     headers = ("SEQ", "ID", "REASON", "CREATED", "ATTEMPTS", "LAST ERROR", "MESSAGE")
@@ -242,7 +245,10 @@ def _print_replay(args: argparse.Namespace, report: ReplayReport) -> None:
         print(dump({**out, **msgspec.to_builtins(report)}))
         return
     moved, held = ("would move", "would hold") if args.dry_run else ("moved", "held")
-    print(f"{moved} {plural(report.moved, 'row')} from {args.spool} into {args.into}")
+    print(
+        f"{moved} {plural(report.moved, 'row')} from {printable(args.spool)} "
+        f"into {printable(args.into)}"
+    )
     if report.recovered:
         print(f"recovered {plural(report.recovered, 'row')} an interrupted replay had written")
     if report.quarantined:
@@ -298,13 +304,16 @@ def cmd_import_json(args: argparse.Namespace) -> int:
         out = {"spool": str(args.spool), "directory": str(args.directory)}
         print(dump({**out, **msgspec.to_builtins(report)}))
     else:
-        print(f"imported {plural(report.imported, 'file')} from {args.directory} into {args.spool}")
+        print(
+            f"imported {plural(report.imported, 'file')} from {printable(args.directory)} "
+            f"into {printable(args.spool)}"
+        )
         for reason, n in sorted(report.by_reason.items()):
-            print(f"  {n:,} {reason}")
+            print(f"  {n:,} {printable(reason)}")
         for line in report.skipped:
-            print(f"left in place: {line}")
+            print(f"left in place: {printable(line)}")
         for name in report.quarantined:
-            print(f"quarantined by upstream, left alone: {name}")
+            print(f"quarantined by upstream, left alone: {printable(name)}")
     if report.skipped:
         left = plural(len(report.skipped), "file")
         _warn("import-json", f"{left} left in place in {args.directory}")
@@ -327,14 +336,14 @@ def cmd_check(args: argparse.Namespace) -> int:
     if args.json:
         print(dump(result))
     else:
-        print(f"spool          {result['spool']}")
+        print(f"spool          {printable(result['spool'])}")
         print(f"application_id {result['application_id']}")
         print(f"schema version {result['schema_version']}")
         print(f"rows           {'-' if result['rows'] is None else format(result['rows'], ',')}")
         for note in result["notes"]:
-            print(f"note: {note}")
+            print(f"note: {printable(note)}")
         for problem in result["problems"]:
-            print(f"problem: {problem}")
+            print(f"problem: {printable(problem)}")
         print("ok" if result["ok"] else plural(len(result["problems"]), "problem"))
     if not result["ok"]:
         n = plural(len(result["problems"]), "problem")
@@ -464,7 +473,7 @@ def _path(text: str) -> Path:
 
 
 def _warn(command: str, message: str) -> None:
-    print(f"walspool {command}: {message}", file=sys.stderr)
+    print(f"walspool {command}: {printable(message)}", file=sys.stderr)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

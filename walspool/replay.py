@@ -36,7 +36,6 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import itertools
-import logging
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -47,7 +46,7 @@ from typing import Any
 import apsw
 import msgspec
 
-from . import files
+from . import files, text
 from .errors import (
     InvalidArgument,
     ReplayBusy,
@@ -59,7 +58,7 @@ from .records import AGENT_HISTORY, QUARANTINED, SUPERSEDED, Record
 from .sinks import Sink, rejects_content
 from .spool import RECORD_COLUMNS, Spool, check_lookup, reasons_filter, record_from_row
 
-log = logging.getLogger("walspool.replay")
+log = text.logger("walspool.replay")
 
 #: Rows per batch: one spool transaction marks them, one settles them.
 DEFAULT_BATCH_ROWS = 512
@@ -505,7 +504,7 @@ class _Run:
             self.spool.path,
             rec.id,
             stream[0],
-            _printable(stream[1]),
+            stream[1],
             rec.seq,
             error,
         )
@@ -644,12 +643,6 @@ def _describe(exc: BaseException) -> str:
     if isinstance(exc, WalspoolError):
         return str(exc)
     return f"{type(exc).__name__}: {exc}"
-
-
-def _printable(text: str) -> str:
-    """A name from the spool as it may appear in a log line: escaped, bounded."""
-    shown = text if len(text) <= 200 else f"{text[:200]}..."
-    return shown.encode("unicode_escape").decode("ascii")
 
 
 @contextlib.contextmanager

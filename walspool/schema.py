@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import logging
 import os
 import time
 from collections.abc import Iterator
@@ -18,7 +17,7 @@ from pathlib import Path
 
 import apsw
 
-from . import files
+from . import files, text
 from .errors import (
     DiskFull,
     NotASpool,
@@ -28,7 +27,7 @@ from .errors import (
     WalspoolError,
 )
 
-log = logging.getLogger("walspool.schema")
+log = text.logger("walspool.schema")
 
 #: ``PRAGMA application_id`` of a spool: "WSPL".
 APPLICATION_ID = 0x5753504C

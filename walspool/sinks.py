@@ -18,18 +18,17 @@ from __future__ import annotations
 import contextlib
 import datetime
 import inspect
-import logging
 import math
 import sqlite3
 import threading
 from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from . import codec
+from . import codec, text
 from .errors import NotAMessage, SessionMissing
 from .records import Record
 
-log = logging.getLogger("walspool.sinks")
+log = text.logger("walspool.sinks")
 
 #: Fields the gateway passes to ``append_message`` only for assistant rows.
 ASSISTANT_ONLY = (
