@@ -38,6 +38,7 @@ from .spool import (
     STATS_FAILING_SQL,
     STATS_SESSIONS_SQL,
     check_lookup,
+    read_page,
     reasons_filter,
     record_from_row,
     stats_from,
@@ -124,7 +125,7 @@ BACKLOG_KEYS = (
     "quarantined",
     "superseded",
 )
-_ROW = f"SELECT {RECORD_COLUMNS}, inflight FROM records"
+_ROW = f"SELECT {RECORD_COLUMNS}, inflight, size FROM records"
 _BY_REASON = "(:reasons IS NULL OR reason IN (SELECT value FROM json_each(:reasons)))"
 #: Keyset pages: streams spooled by session_id, then those spooled by key only,
 #: each in seq order; or one name's two streams. One short read per page.
@@ -198,10 +199,10 @@ def iter_records(
         sql = PAGES_SQL[(session is not None, kind)]
         name, seq = "", 0
         while True:
-            rows = conn.execute(sql, {**params, "name": name, "seq": seq}).fetchall()
+            rows, full = read_page(conn, sql, {**params, "name": name, "seq": seq})
             for row in rows:
-                yield record_from_row(row[:-1], path), row[-1]
-            if len(rows) < PAGE_ROWS:
+                yield record_from_row(row[:-2], path), row[-2]
+            if not full:
                 break
             last = rows[-1]
             name, seq = (last[1] if kind == "id" else last[4]), last[2]

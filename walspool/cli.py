@@ -11,10 +11,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import inspect
+import itertools
 import os
 import sqlite3
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -126,35 +127,57 @@ def cmd_show(args: argparse.Namespace) -> int:
     message column previews each payload; --full prints the payloads whole.
     """
     with reading(args.spool) as conn:
-        rows = list(iter_records(conn, args.session))
-    if not rows:
-        raise WalspoolError(f"no rows for session {args.session!r} in {args.spool}")
-    if args.json:
-        print(dump([record_json(r, inflight, message=args.full) for r, inflight in rows]))
-        return EXIT_OK
-    print(
-        f"session {printable(args.session)}: {plural(len(rows), 'row')} in {printable(args.spool)}"
-    )
-    if args.full:
-        for r, inflight in rows:
-            print(
-                f"\nseq {r.seq}  id {r.id}  {printable(r.reason)}  {iso(r.created_at)}  "
-                f"attempts {r.attempts}{'  in flight' if inflight is not None else ''}"
-                f"{'  ' + r.status if r.status else ''}"
-            )
-            if r.last_error is not None:
-                print(f"last error ({iso(r.last_attempt_at)}): {printable(r.last_error)}")
-            print(pretty(r.message))
-        return EXIT_OK
-    headers = ("SEQ", "ID", "REASON", "CREATED", "ATTEMPTS", "LAST ERROR", "MESSAGE")
-    print(table(headers, [_show_line(r, inflight) for r, inflight in rows]))
-    if any(inflight is not None for _, inflight in rows):
-        print("* in flight: out with a replay, or left to be checked against state.db first")
-    if any(r.status == QUARANTINED for r, _ in rows):
-        print("Q quarantined: kept, not replayed; replay --quarantined once the cause is fixed")
-    if any(r.status == SUPERSEDED for r, _ in rows):
-        print("S superseded by a transcript rewrite: kept, not replayed unless --superseded")
+        # Streamed: one page of rows in memory at a time, whatever their size.
+        rows = iter_records(conn, args.session)
+        first = next(rows, None)
+        if first is None:
+            raise WalspoolError(f"no rows for session {args.session!r} in {args.spool}")
+        rows = itertools.chain([first], rows)
+        if args.json:
+            _show_json(rows, args.full)
+        elif args.full:
+            _show_full(args, rows)
+        else:
+            _show_table(args, rows)
     return EXIT_OK
+
+
+def _show_json(rows: Iterator[tuple[Record, int | None]], full: bool) -> None:
+    out = sys.stdout
+    out.write("[")
+    for n, (r, inflight) in enumerate(rows):
+        out.write(("," if n else "") + dump(record_json(r, inflight, message=full)))
+    out.write("]\n")
+
+
+def _show_full(args: argparse.Namespace, rows: Iterator[tuple[Record, int | None]]) -> None:
+    print(f"session {printable(args.session)} in {printable(args.spool)}")
+    for r, inflight in rows:
+        print(
+            f"\nseq {r.seq}  id {r.id}  {printable(r.reason)}  {iso(r.created_at)}  "
+            f"attempts {r.attempts}{'  in flight' if inflight is not None else ''}"
+            f"{'  ' + r.status if r.status else ''}"
+        )
+        if r.last_error is not None:
+            print(f"last error ({iso(r.last_attempt_at)}): {printable(r.last_error)}")
+        print(pretty(r.message))
+
+
+def _show_table(args: argparse.Namespace, rows: Iterator[tuple[Record, int | None]]) -> None:
+    lines, marks = [], set()
+    for r, inflight in rows:  # only the short preview of each row is kept
+        lines.append(_show_line(r, inflight))
+        marks.add("*" if inflight is not None else r.status)
+    session, spool = printable(args.session), printable(args.spool)
+    print(f"session {session}: {plural(len(lines), 'row')} in {spool}")
+    headers = ("SEQ", "ID", "REASON", "CREATED", "ATTEMPTS", "LAST ERROR", "MESSAGE")
+    print(table(headers, lines))
+    if "*" in marks:
+        print("* in flight: out with a replay, or left to be checked against state.db first")
+    if QUARANTINED in marks:
+        print("Q quarantined: kept, not replayed; replay --quarantined once the cause is fixed")
+    if SUPERSEDED in marks:
+        print("S superseded by a transcript rewrite: kept, not replayed unless --superseded")
 
 
 #: The mark after ``attempts`` in ``show`` for a row of each status.

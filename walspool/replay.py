@@ -56,7 +56,14 @@ from .errors import (
 )
 from .records import AGENT_HISTORY, QUARANTINED, SUPERSEDED, Record
 from .sinks import Sink, rejects_content
-from .spool import RECORD_COLUMNS, Spool, check_lookup, reasons_filter, record_from_row
+from .spool import (
+    RECORD_COLUMNS,
+    Spool,
+    check_lookup,
+    read_page,
+    reasons_filter,
+    record_from_row,
+)
 
 log = text.logger("walspool.replay")
 
@@ -74,18 +81,18 @@ REASON_FILTER = """(CASE WHEN :reasons IS NULL THEN reason != :agent_history
      ELSE reason IN (SELECT value FROM json_each(:reasons)) END)
      AND (status IS NULL OR status IN (SELECT value FROM json_each(:statuses)))"""
 NEXT_BY_ID_SQL = f"""
-SELECT {RECORD_COLUMNS} FROM records
+SELECT {RECORD_COLUMNS}, size FROM records
 WHERE session_id IS NOT NULL AND (session_id, seq) > (:after_name, :after_seq)
   AND inflight IS NULL AND {REASON_FILTER}
 ORDER BY session_id, seq LIMIT :limit
 """
 NEXT_IN_SESSION_SQL = f"""
-SELECT {RECORD_COLUMNS} FROM records
+SELECT {RECORD_COLUMNS}, size FROM records
 WHERE session_id = :session_id AND seq > :after_seq AND inflight IS NULL AND {REASON_FILTER}
 ORDER BY seq LIMIT :limit
 """
 NEXT_BY_KEY_SQL = f"""
-SELECT {RECORD_COLUMNS} FROM records INDEXED BY records_session_key_seq_idx
+SELECT {RECORD_COLUMNS}, size FROM records INDEXED BY records_session_key_seq_idx
 WHERE session_id IS NULL AND (session_key, seq) > (:after_name, :after_seq)
   AND inflight IS NULL AND {REASON_FILTER}
 ORDER BY session_key, seq LIMIT :limit
@@ -404,7 +411,7 @@ class _Run:
                 "after_seq": after[1],
                 "limit": want,
             }
-            rows, older = self.spool._execute(partial(_take_batch, sql=sql, params=params))
+            rows, older, full = self.spool._execute(partial(_take_batch, sql=sql, params=params))
             if not rows:
                 return
             taken = [(self._record(row), ticket) for row, ticket in rows]
@@ -422,7 +429,7 @@ class _Run:
             last = taken[-1][0]
             last_stream = _stream(last)
             after = (last_stream[1], _MAX_SEQ if self._held(last_stream) else last.seq)
-            if len(rows) < want:
+            if not full:
                 return
 
     def _let_sink_forget(self, below: int, keep: list[int]) -> None:
@@ -616,21 +623,23 @@ def _record_failures(conn: apsw.Connection, failures: list[tuple[str, float, int
 
 def _take_batch(
     conn: apsw.Connection, sql: str, params: dict[str, Any]
-) -> tuple[list[tuple[tuple[Any, ...], int]], list[int]]:
+) -> tuple[list[tuple[tuple[Any, ...], int]], list[int], bool]:
     """Select the next batch and give each row its ticket, in one transaction.
 
-    Also returns the tickets of rows still in flight from before (failed writes),
-    whose records the sink must keep.
+    A batch is at most ``limit`` rows and ``PAGE_BYTES`` of payload (at least one
+    row). Also returns the tickets of rows still in flight from before (failed
+    writes), whose records the sink must keep, and whether more rows may follow.
     """
-    rows = conn.execute(sql, params).fetchall()
+    page, full = read_page(conn, sql, params, limit=params["limit"])
+    rows = [row[:-1] for row in page]
     if not rows:
-        return [], []
+        return [], [], False
     first = conn.execute(NEXT_TICKET_SQL).get
     taken = [(row, first + i) for i, row in enumerate(rows)]
     conn.executemany(SET_INFLIGHT_SQL, [(ticket, row[0]) for row, ticket in taken])
     conn.execute(SAVE_NEXT_TICKET_SQL, (first + len(rows),))
     older = [row[0] for row in conn.execute(OLDER_TICKETS_SQL, (first,))]
-    return taken, older
+    return taken, older, full
 
 
 def _stream(record: Record) -> Stream:

@@ -7,6 +7,7 @@ import os
 import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
+from functools import partial
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -26,18 +27,21 @@ MAX_NAME_LENGTH = 4096
 #: Rows fetched per read transaction while iterating, so a slow reader never pins
 #: the WAL for long.
 PAGE_ROWS = 512
+#: A page also ends once its payloads reach this many bytes, so memory is bounded
+#: by bytes (a page holds at most this plus one payload), not by rows.
+PAGE_BYTES = 8 * 1024 * 1024
 
 RECORD_COLUMNS = (
     "id, session_id, seq, reason, session_key, created_at, payload, attempts, last_error, "
     "last_attempt_at, status"
 )
 RECORDS_PAGE_SQL = f"""
-SELECT {RECORD_COLUMNS} FROM records
+SELECT {RECORD_COLUMNS}, size FROM records
 WHERE id > :after AND (:reasons IS NULL OR reason IN (SELECT value FROM json_each(:reasons)))
 ORDER BY id LIMIT :limit
 """
 SESSION_RECORDS_PAGE_SQL = f"""
-SELECT {RECORD_COLUMNS} FROM records
+SELECT {RECORD_COLUMNS}, size FROM records
 WHERE session_id = :session_id AND seq > :after
   AND (:reasons IS NULL OR reason IN (SELECT value FROM json_each(:reasons)))
 ORDER BY seq LIMIT :limit
@@ -288,10 +292,11 @@ class Spool:
             )
         after = 0
         while True:
-            rows = self._read(sql, {**params, "after": after, "limit": PAGE_ROWS})
+            query = {**params, "after": after, "limit": PAGE_ROWS}
+            rows, full = self._with_reader(partial(read_page, sql=sql, params=query))
             for row in rows:
-                yield record_from_row(row, self.path)
-            if len(rows) < PAGE_ROWS:
+                yield record_from_row(row[:-1], self.path)
+            if not full:
                 return
             after = rows[-1][0] if session_id is None else rows[-1][2]
 
@@ -374,6 +379,29 @@ def _file_identity(path: Path) -> tuple[int, int] | None:
 
 def _nothing(conn: apsw.Connection) -> None:
     """An empty request: the writer commits it after everything queued before it."""
+
+
+def read_page(
+    conn: apsw.Connection, sql: str, params: Any, limit: int = PAGE_ROWS
+) -> tuple[list[tuple[Any, ...]], bool]:
+    """The next page of a query whose last column is each row's payload ``size``.
+
+    The page ends after ``limit`` rows or once the payloads reach ``PAGE_BYTES``
+    (at least one row); ``full`` says whether more may follow. Reading stops there,
+    so the rest is never fetched into memory, and the read transaction ends with it.
+    """
+    rows: list[tuple[Any, ...]] = []
+    total = 0
+    cursor = conn.execute(sql, params)
+    try:
+        for row in cursor:
+            rows.append(row)
+            total += row[-1] or 0
+            if total >= PAGE_BYTES or len(rows) >= limit:
+                return rows, True
+    finally:
+        cursor.close()
+    return rows, False
 
 
 def record_from_row(row: tuple[Any, ...], path: Path | None = None) -> Record:
