@@ -28,6 +28,7 @@ import pytest
 from _helpers import ROOT, MemorySink
 
 import walspool
+import walspool.jsonspool
 import walspool.spool
 from walspool.cli import main
 from walspool.replay import Replayer
@@ -371,3 +372,75 @@ def test_pages_and_replay_batches_are_bounded_by_bytes(tmp_path, monkeypatch, ca
         assert Replayer(spool, sink).replay().moved == 9
     assert sink.contents("s") == text
     assert batches == [2, 2, 2, 2, 1, 0]  # the last: streams spooled by key only (none)
+
+
+# -- import-json: files read within bounds, deleted only if unchanged ------------------------
+
+
+def pending(directory: Path, n: int, text: str = "x") -> Path:
+    payload = {
+        "session_key": "s",
+        "reason": walspool.CAP_DROP,
+        "ts": 1_767_225_600 + n,
+        "seq": n,
+        "data": {"session_id": "s", "message": {"role": "user", "content": f"{n}{text}"}},
+    }
+    path = directory / f"pending-{n:032x}.json"
+    path.write_text(json.dumps(payload))
+    return path
+
+
+def test_an_oversized_file_is_refused_from_its_size_and_left_in_place(tmp_path):
+    """A 2 GiB sparse file: never read into memory, reported, left; the rest imports."""
+    directory = tmp_path / "pending_messages"
+    directory.mkdir()
+    pending(directory, 1)
+    huge = directory / f"pending-{2:032x}.json"
+    with open(huge, "wb") as f:
+        f.truncate(2 * 1024**3)
+    with walspool.Spool(tmp_path / "spool" / "spool.db", max_payload_bytes=4096) as spool:
+        report = walspool.import_json_spool(spool, directory)
+        assert report.imported == 1
+        (why,) = report.skipped
+        assert why.startswith(huge.name) and "2147483648 bytes" in why
+    assert huge.exists() and huge.stat().st_size == 2 * 1024**3
+
+
+def test_a_file_changed_after_it_was_read_is_not_deleted(tmp_path, monkeypatch):
+    directory = tmp_path / "pending_messages"
+    directory.mkdir()
+    files = [pending(directory, n) for n in range(3)]
+    with walspool.Spool(tmp_path / "spool" / "spool.db") as spool:
+        append_many = spool.append_many
+
+        def then_touch(items: Any, **kw: Any) -> Any:
+            receipts = append_many(items, **kw)
+            with open(files[1], "a") as f:  # someone rewrites it meanwhile
+                f.write(" ")
+            return receipts
+
+        monkeypatch.setattr(spool, "append_many", then_touch)
+        report = walspool.import_json_spool(spool, directory)
+    assert report.imported == 3
+    assert [s.split(":")[0] for s in report.skipped] == [files[1].name]
+    assert [f.exists() for f in files] == [False, True, False]
+
+
+def test_import_batches_are_bounded_by_bytes(tmp_path, monkeypatch):
+    monkeypatch.setattr(walspool.jsonspool, "BATCH_BYTES", 2000)
+    directory = tmp_path / "pending_messages"
+    directory.mkdir()
+    for n in range(6):
+        pending(directory, n, "y" * 700)
+    with walspool.Spool(tmp_path / "spool" / "spool.db") as spool:
+        batches: list[int] = []
+        append_many = spool.append_many
+
+        def counting(items: Any, **kw: Any) -> Any:
+            batches.append(len(items))
+            return append_many(items, **kw)
+
+        monkeypatch.setattr(spool, "append_many", counting)
+        assert walspool.import_json_spool(spool, directory).imported == 6
+        assert [r.message["content"][0] for r in spool.records()] == list("012345")
+    assert batches == [2, 2, 2]

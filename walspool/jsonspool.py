@@ -69,7 +69,6 @@ from __future__ import annotations
 import fcntl
 import fnmatch
 import json
-import logging
 import math
 import os
 import stat
@@ -80,11 +79,12 @@ from typing import Any, NamedTuple
 
 import msgspec
 
+from . import text
 from .errors import InvalidArgument, PayloadTooLarge, WalspoolError
 from .records import AGENT_HISTORY, CAP_DROP
 from .spool import Spool
 
-log = logging.getLogger("walspool.jsonspool")
+log = text.logger("walspool.jsonspool")
 
 #: Names upstream gives its spool files.
 FILE_PATTERN = "pending-*.json"
@@ -92,6 +92,9 @@ FILE_PATTERN = "pending-*.json"
 QUARANTINE_PATTERN = "*.json.bad"
 #: Files committed per transaction by default; also the most a crash can duplicate.
 DEFAULT_BATCH_FILES = 256
+#: A batch also ends once its files reach this many bytes, so memory is bounded by
+#: bytes, not by the number of files.
+BATCH_BYTES = 16 * 1024 * 1024
 #: Marks an import in progress (``source_key`` imports); removed when it ends.
 JOURNAL_NAME = ".walspool-import"
 #: Sort value of a payload with no ``seq`` (a slot head), as upstream sorts it.
@@ -131,6 +134,11 @@ class _Item(NamedTuple):
     session_id: str | None
     message: Any
     session_key: str | None
+    #: (device, inode, size, mtime) of the file as read: it is deleted only if it is
+    #: still that file.
+    identity: tuple[int, int, int, int] = (0, 0, 0, 0)
+    #: The file's size, for batching by bytes.
+    size: int = 0
 
 
 def import_json_spool(
@@ -178,6 +186,9 @@ class _Import:
         self.already: set[str] = set()
         self.journal = False
         self.spool = spool
+        # Upstream writes JSON with non-ASCII as \uXXXX escapes (six bytes for what
+        # UTF-8 spells in three) around the message: twice the payload limit, plus room.
+        self.max_file_bytes = 2 * spool.max_payload_bytes + 64 * 1024
         self.path = path
         self.dir_fd = dir_fd
         self.progress = progress
@@ -204,7 +215,11 @@ class _Import:
                     batch = []
                 self._finish_committed(item)
                 continue
-            if batch and (item.reason != batch[0].reason or len(batch) >= self.batch_files):
+            if batch and (
+                item.reason != batch[0].reason
+                or len(batch) >= self.batch_files
+                or sum(i.size for i in batch) + item.size > BATCH_BYTES
+            ):
                 self._commit(batch)
                 batch = []
             batch.append(item)
@@ -249,7 +264,8 @@ class _Import:
         keyed = []
         for name in names:
             try:
-                keyed.append((sort_key(_read_payload(self.dir_fd, name), name), name))
+                payload, _ = _read_payload(self.dir_fd, name, self.max_file_bytes)
+                keyed.append((sort_key(payload, name), name))
             except _Refused as exc:
                 self._skip(name, str(exc))
         keyed.sort()
@@ -257,10 +273,13 @@ class _Import:
 
     def _item(self, name: str) -> _Item | None:
         try:
-            item = _item_from(_read_payload(self.dir_fd, name), name)
+            payload, st = _read_payload(self.dir_fd, name, self.max_file_bytes)
+            item = _item_from(payload, name)
         except _Refused as exc:
             self._skip(name, str(exc))
             return None
+        identity = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        item = item._replace(identity=identity, size=st.st_size)
         if self.source_key is not None and isinstance(item.message, dict):
             item = item._replace(message={**item.message, self.source_key: name})
         return item
@@ -337,15 +356,27 @@ class _Import:
             for item in batch:
                 self._commit([item])
             return
-        self._remove([i.name for i in batch])
+        self._remove(batch)
         self.by_reason[reason] += len(batch)
         self.done += len(batch)
         self._report_progress()
 
-    def _remove(self, names: list[str]) -> None:
-        """Unlink files whose rows are committed; fsync the directory once."""
-        for name in names:
+    def _remove(self, items: list[_Item]) -> None:
+        """Unlink files whose rows are committed, if each is still the file that was
+        read; fsync the directory once."""
+        for item in items:
+            name = item.name
             try:
+                st = os.stat(name, dir_fd=self.dir_fd, follow_symlinks=False)
+                if (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) != item.identity:
+                    log.error(
+                        "Imported %s into %s, but the file changed after it was read; left "
+                        "it in place: check it by hand (the next import spools it again)",
+                        self.path / name,
+                        self.spool.path,
+                    )
+                    self.skipped.append(f"{name}: imported, but it changed after it was read")
+                    continue
                 os.unlink(name, dir_fd=self.dir_fd)
             except FileNotFoundError:
                 pass
@@ -405,12 +436,14 @@ def _lock_directory(dir_fd: int, path: Path) -> None:
         ) from None
 
 
-def _read_payload(dir_fd: int, name: str) -> dict[str, Any]:
+def _read_payload(dir_fd: int, name: str, max_bytes: int) -> tuple[dict[str, Any], os.stat_result]:
     """Read and parse one spool file; raise ``_Refused`` saying why it is unusable.
 
     Parsed with the stdlib ``json`` module, which reads what upstream's
     ``json.dump`` writes (including ``NaN``). Only regular files are read, never
-    through a symbolic link, and a FIFO cannot block the import.
+    through a symbolic link, and a FIFO cannot block the import. A file over
+    ``max_bytes`` is refused from its size before anything is read. Returns the
+    payload and the file's ``fstat``.
     """
     try:
         fd = os.open(name, _READ_FLAGS, dir_fd=dir_fd)
@@ -420,12 +453,22 @@ def _read_payload(dir_fd: int, name: str) -> dict[str, Any]:
         why = "it is a symbolic link" if _is_symlink(dir_fd, name) else exc.strerror
         raise _Refused(f"cannot read it: {why}") from None
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
             raise _Refused("not a regular file")
+        if st.st_size > max_bytes:
+            raise _Refused(
+                f"{st.st_size} bytes, more than a message within the spool's "
+                f"max_payload_bytes can take as JSON ({max_bytes})"
+            )
         with open(fd, "rb", closefd=False) as f:
-            raw = f.read()
+            raw = f.read(max_bytes + 1)
+        if len(raw) > max_bytes:
+            raise _Refused(f"it grew past {max_bytes} bytes while it was read")
     except OSError as exc:
         raise _Refused(f"cannot read it: {exc.strerror}") from None
+    except MemoryError:
+        raise _Refused(f"{st.st_size} bytes do not fit in this process's memory") from None
     finally:
         os.close(fd)
     try:
@@ -434,7 +477,7 @@ def _read_payload(dir_fd: int, name: str) -> dict[str, Any]:
         raise _Refused(f"not JSON: {exc}") from None
     if not isinstance(payload, dict):
         raise _Refused(f"not a JSON object but {type(payload).__name__}")
-    return payload
+    return payload, st
 
 
 def _is_symlink(dir_fd: int, name: str) -> bool:
