@@ -180,7 +180,7 @@ def test_stats_counts_rows_bytes_reasons(spool):
     "bad,what",
     [
         ("", "must not be empty"),
-        ("x" * 5000, "over the limit"),
+        ("x" * (64 * 1024 * 1024 + 1), "over the spool's max_payload_bytes"),
         ("a\udc80", "lone surrogate"),
         (42, "must be a str"),
     ],

@@ -444,3 +444,21 @@ def test_import_batches_are_bounded_by_bytes(tmp_path, monkeypatch):
         assert walspool.import_json_spool(spool, directory).imported == 6
         assert [r.message["content"][0] for r in spool.records()] == list("012345")
     assert batches == [2, 2, 2]
+
+
+def test_a_symlinked_home_is_followed(tmp_path, capsys):
+    """``HERMES_HOME`` a symlink to the real directory (common): the spool opens,
+    appends, replays and reads through it; only the spool's own name may not be one."""
+    real = owned_dir(tmp_path / "real", os.geteuid())
+    home = tmp_path / "home"
+    home.symlink_to(real)
+    with walspool.Spool(home / "spool.db") as spool:
+        spool.append("s", {"role": "user", "content": "through the link"})
+        assert Replayer(spool, MemorySink()).replay().moved == 1
+        spool.append("s", {"role": "user", "content": "again"})
+    assert main(["stats", str(home / "spool.db"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["rows"] == 1
+    files = {p.name for p in real.iterdir()}
+    assert {"spool.db", "spool.db.open-lock", "spool.db.replay-lock"} <= files
+    assert files <= {"spool.db", "spool.db-wal", "spool.db-shm", "spool.db.open-lock",
+                     "spool.db.replay-lock"}  # fmt: skip

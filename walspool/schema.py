@@ -421,9 +421,12 @@ def close_quietly(conn: apsw.Connection | None) -> None:
 
 
 def _uri_path(path: Path) -> str:
+    """The spool's path for SQLite, its directory resolved: SQLite's ``NOFOLLOW``
+    refuses a symlink anywhere in the name, and a symlinked ``HERMES_HOME`` is fine
+    (only the spool's own name may not be a link, which ``files`` refuses)."""
     from urllib.parse import quote
 
-    return quote(str(path.absolute()))
+    return quote(str(Path(os.path.realpath(path.parent)) / path.name))
 
 
 def _check_identity(conn: apsw.Connection, path: Path, *, allow_empty: bool) -> bool:

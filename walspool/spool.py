@@ -22,8 +22,6 @@ from .schema import close_quietly, open_reader, open_writer, sqlite_error
 from .writer import Append, Operation, Row, Writer
 
 DEFAULT_MAX_PAYLOAD_BYTES = 64 * 1024 * 1024
-#: Longest session id, session key or reason accepted, in characters.
-MAX_NAME_LENGTH = 4096
 #: Rows fetched per read transaction while iterating, so a slow reader never pins
 #: the WAL for long.
 PAGE_ROWS = 512
@@ -220,12 +218,12 @@ class Spool:
         self, session_id: str | None, message: Any, reason: str, session_key: str | None
     ) -> Row:
         if session_id is not None:
-            check_name(session_id, "session_id", self.path)
+            check_name(session_id, "session_id", self.path, self.max_payload_bytes)
         if session_key is not None:
-            check_name(session_key, "session_key", self.path)
+            check_name(session_key, "session_key", self.path, self.max_payload_bytes)
         if session_id is None and session_key is None:
             raise InvalidArgument("a message needs a session_id or a session_key", path=self.path)
-        check_name(reason, "reason", self.path)
+        check_name(reason, "reason", self.path, self.max_payload_bytes)
         payload = codec.encode(codec.with_epoch_timestamp(message))
         if len(payload) > self.max_payload_bytes:
             raise PayloadTooLarge(
@@ -461,14 +459,20 @@ def _size(path: Path) -> int:
         return 0
 
 
-def check_name(value: Any, what: str, path: Path) -> None:
-    """Refuse a session id, session key or reason that the spool cannot store."""
+def check_name(value: Any, what: str, path: Path, limit: int) -> None:
+    """Refuse a session id, session key or reason that the spool cannot store.
+
+    Any length state.db takes is taken, up to ``limit`` bytes (the spool's
+    ``max_payload_bytes``: a name is stored like a payload).
+    """
     check_lookup(value, what, path)
     if not value:
         raise InvalidArgument(f"{what} must not be empty", path=path)
-    if len(value) > MAX_NAME_LENGTH:
+    if len(value) > limit // 4 and len(value.encode("utf-8")) > limit:
         raise InvalidArgument(
-            f"{what} is {len(value)} characters, over the limit of {MAX_NAME_LENGTH}", path=path
+            f"{what} is {len(value.encode('utf-8'))} bytes, over the spool's "
+            f"max_payload_bytes={limit}",
+            path=path,
         )
 
 
