@@ -178,14 +178,28 @@ def read_backlog(conn: apsw.Connection) -> list[dict[str, Any]]:
     return [dict(zip(BACKLOG_KEYS, row, strict=True)) for row in conn.execute(BACKLOG_SQL)]
 
 
+class BadPayload:
+    """In place of a message whose stored payload is not JSON: its raw text, flagged."""
+
+    __slots__ = ("raw", "error")
+
+    def __init__(self, raw: Any, error: str) -> None:
+        self.raw = raw if isinstance(raw, str) else repr(raw)
+        self.error = error
+
+
 def iter_records(
-    conn: apsw.Connection, session: str | None = None, reasons: Sequence[str] | None = None
+    conn: apsw.Connection,
+    session: str | None = None,
+    reasons: Sequence[str] | None = None,
+    bad: list[str] | None = None,
 ) -> Iterator[tuple[Record, int | None]]:
     """Yield ``(record, inflight)`` in drop order, a page per read transaction.
 
     ``session`` selects the rows spooled with that session_id and then those spooled
     with that session_key but no session_id. Rows appended meanwhile may or may not
-    be seen; none is seen twice.
+    be seen; none is seen twice. A row whose payload is not JSON is yielded all the
+    same, its message a ``BadPayload``, and named in ``bad``.
     """
     path = Path(conn.filename)
     if session is not None:
@@ -201,11 +215,21 @@ def iter_records(
         while True:
             rows, full = read_page(conn, sql, {**params, "name": name, "seq": seq})
             for row in rows:
-                yield record_from_row(row[:-2], path), row[-2]
+                yield _record_or_flagged(row[:-2], path, bad), row[-2]
             if not full:
                 break
             last = rows[-1]
             name, seq = (last[1] if kind == "id" else last[4]), last[2]
+
+
+def _record_or_flagged(row: tuple[Any, ...], path: Path, bad: list[str] | None) -> Record:
+    try:
+        return record_from_row(row, path)
+    except SpoolCorrupt as exc:
+        row_id, session_id, seq = row[0], row[1] if row[1] is not None else row[4], row[2]
+        if bad is not None:
+            bad.append(f"id {row_id} (session {session_id}, seq {seq})")
+        return Record(*row[:6], BadPayload(row[6], str(exc.__cause__ or exc)), *row[7:])
 
 
 def count_records(conn: apsw.Connection, session: str | None, reasons: Sequence[str] | None) -> int:
@@ -231,14 +255,20 @@ def record_json(record: Record, inflight: int | None, *, message: bool = True) -
         "inflight": inflight is not None,
         "status": record.status,
     }
-    if message:
+    if isinstance(record.message, BadPayload):
+        out["bad_payload"] = {"raw": record.message.raw, "error": record.message.error}
+        if message:
+            out["message"] = None
+    elif message:
         out["message"] = record.message
     return out
 
 
 def preview(message: Any, width: int = 60) -> str:
     """A one-line glimpse of a message: its role and the start of its text."""
-    if isinstance(message, dict):
+    if isinstance(message, BadPayload):
+        text = f"[NOT JSON] {message.raw}"
+    elif isinstance(message, dict):
         text = message.get("content", message.get("text"))
         if not isinstance(text, str):
             text = codec.encode(message).decode("utf-8") if text is None else _json(text)
@@ -595,7 +625,9 @@ def dump(value: Any) -> str:
 
 def pretty(value: Any) -> str:
     """Indented JSON text of a value (``show --full``), controls JSON leaves raw
-    (DEL, C1, bidi) escaped too."""
+    (DEL, C1, bidi) escaped too; a payload that is not JSON, flagged, as stored."""
+    if isinstance(value, BadPayload):
+        return f"[NOT JSON: {printable(value.error)}]\n{printable(value.raw)}"
     return printable_lines(msgspec.json.format(dump(value), indent=2))
 
 

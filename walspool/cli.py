@@ -126,9 +126,10 @@ def cmd_show(args: argparse.Namespace) -> int:
     SESSION is a session id, or the session key of rows spooled without one. The
     message column previews each payload; --full prints the payloads whole.
     """
+    bad: list[str] = []
     with reading(args.spool) as conn:
         # Streamed: one page of rows in memory at a time, whatever their size.
-        rows = iter_records(conn, args.session)
+        rows = iter_records(conn, args.session, bad=bad)
         first = next(rows, None)
         if first is None:
             raise WalspoolError(f"no rows for session {args.session!r} in {args.spool}")
@@ -139,7 +140,20 @@ def cmd_show(args: argparse.Namespace) -> int:
             _show_full(args, rows)
         else:
             _show_table(args, rows)
-    return EXIT_OK
+    return _bad_payloads("show", bad)
+
+
+def _bad_payloads(command: str, bad: list[str]) -> int:
+    """Name the rows shown flagged because their payload is not JSON; exit 1 if any."""
+    if not bad:
+        return EXIT_OK
+    listed = ", ".join(bad[:20]) + (f" and {len(bad) - 20} more" if len(bad) > 20 else "")
+    _warn(
+        command,
+        f"{plural(len(bad), 'row')} with a payload that is not JSON, shown flagged: {listed}; "
+        "`walspool check` names them too",
+    )
+    return EXIT_ERROR
 
 
 def _show_json(rows: Iterator[tuple[Record, int | None]], full: bool) -> None:
@@ -291,20 +305,21 @@ def cmd_export(args: argparse.Namespace) -> int:
     Each session in drop order (rows spooled by session id first, then rows spooled
     by session key only). Every reason is exported unless --reason is given.
     """
+    bad: list[str] = []
     with reading(args.spool) as conn:
         progress = Progress("export", sys.stderr)
         total = count_records(conn, args.session, args.reason) if progress.enabled else 0
         out = sys.stdout
         try:
             for n, (record, inflight) in enumerate(
-                iter_records(conn, args.session, args.reason), 1
+                iter_records(conn, args.session, args.reason, bad=bad), 1
             ):
                 out.write(dump(record_json(record, inflight)) + "\n")
                 progress(n, total)
         finally:
             progress.close()
     out.flush()
-    return EXIT_OK
+    return _bad_payloads("export", bad)
 
 
 def cmd_import_json(args: argparse.Namespace) -> int:
@@ -520,3 +535,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _warn(args.command, "interrupted")
         return 130
     return EXIT_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,7 @@
+"""``python -m walspool``: the ``walspool`` command."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())
