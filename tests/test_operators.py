@@ -31,7 +31,7 @@ def test_one_payload_that_is_not_json_does_not_stop_export_or_show(tmp_path, cap
     assert lines[802]["message"] is None
     assert lines[802]["bad_payload"]["raw"] == "not json {"
     assert [r["message"]["content"] for r in lines[803:805]] == ["m803", "m804"]
-    assert err.startswith("walspool export: 1 row with a payload that is not JSON")
+    assert err.startswith("walspool export: 1 row with a payload that is not valid JSON")
     assert "(session s, seq 803)" in err
     assert main(["show", str(path), "s"]) == 1
     out, err = capsys.readouterr()

@@ -150,8 +150,8 @@ def _bad_payloads(command: str, bad: list[str]) -> int:
     listed = ", ".join(bad[:20]) + (f" and {len(bad) - 20} more" if len(bad) > 20 else "")
     _warn(
         command,
-        f"{plural(len(bad), 'row')} with a payload that is not JSON, shown flagged: {listed}; "
-        "`walspool check` names them too",
+        f"{plural(len(bad), 'row')} with a payload that is not valid JSON, shown flagged: "
+        f"{listed}; `walspool check` names them too",
     )
     return EXIT_ERROR
 
