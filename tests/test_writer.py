@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 
 import apsw
 import pytest
@@ -271,3 +272,95 @@ def test_a_producer_waiting_for_room_wakes_when_the_lock_is_found_held(spool_pat
         assert room or writer.busy_since is not None
         holder.release()
         assert [f.result(30).seq for f in futures] == list(range(1, len(futures) + 1))
+
+
+# -- the queue's bounds and what an idle writer holds -------------------------
+
+
+def _eviction(spool: walspool.Spool, i: int, pad: int = 400) -> Append:
+    """One message as the gateway link hands it over: about ``pad`` payload bytes."""
+    return Append((spool._row("s", {"i": i, "pad": "x" * pad}, walspool.CAP_DROP, None),), True)
+
+
+def test_notify_nowait_raises_full_on_the_byte_bound(spool, monkeypatch):
+    """Two messages of ~430 bytes fill a 1,000-byte queue, far below its request bound."""
+    monkeypatch.setattr(walspool_writer, "QUEUE_BYTES", 1000)
+    writer = spool._writer
+    committed: list[int] = []
+    with writer._commit_lock:  # the writer is held up: nothing leaves the queue
+        for i in range(2):
+            writer.notify_nowait(_eviction(spool, i), lambda r: committed.append(r.result.seq))
+        with pytest.raises(queue.Full):
+            writer.notify_nowait(_eviction(spool, 2), lambda r: committed.append(r.result.seq))
+        assert len(writer._pending) == 2 < walspool_writer.QUEUE_REQUESTS
+        # no room for the message just refused, and none comes while the writer is held
+        assert not writer.has_room()
+        assert not writer.wait_for_room(0.1)
+    spool.flush()
+    assert committed == [1, 2]
+    assert writer.has_room()  # this thread's last put found room
+
+
+def test_a_producer_waits_for_room_in_bytes(spool, monkeypatch):
+    monkeypatch.setattr(walspool_writer, "QUEUE_BYTES", 1000)
+    writer = spool._writer
+    futures = []
+    with writer._commit_lock:
+        futures += [spool.submit("s", {"i": i, "pad": "x" * 400}) for i in range(2)]
+        producer = threading.Thread(
+            target=lambda: futures.append(spool.submit("s", {"i": 2, "pad": "x" * 400}))
+        )
+        producer.start()
+        # Held up, the producer stays blocked whatever the bound; a queue that ignored
+        # bytes would have let it return at once.
+        producer.join(0.3)
+        assert producer.is_alive()
+        assert len(writer._pending) == 2
+    producer.join(30)
+    assert not producer.is_alive()
+    assert [f.result(30).seq for f in futures] == [1, 2, 3]
+    assert writer._pending_bytes == 0
+
+
+def test_a_request_larger_than_the_byte_bound_is_taken_alone(spool, monkeypatch):
+    monkeypatch.setattr(walspool_writer, "QUEUE_BYTES", 100)
+    writer = spool._writer
+    committed: list[int] = []
+    with writer._commit_lock:
+        writer.notify_nowait(_eviction(spool, 0), lambda r: committed.append(r.result.seq))
+        with pytest.raises(queue.Full):
+            writer.notify_nowait(_eviction(spool, 1), lambda r: committed.append(r.result.seq))
+    spool.flush()
+    assert committed == [1]
+    assert spool.submit("s", {"pad": "y" * 5000}).result(30).seq == 2
+    receipts = spool.append_many([("s", {"pad": "z" * 400}) for _ in range(3)])
+    assert [r.seq for r in receipts] == [3, 4, 5]
+
+
+class _Rows(list):
+    """Rows a weak reference can follow (a tuple cannot)."""
+
+
+@pytest.mark.parametrize("path", ["writer thread", "caller's thread"])
+def test_the_writer_keeps_no_reference_to_a_committed_group(spool, path):
+    """Once its waiters are woken, nothing of a group stays referenced by the writer,
+    so an idle writer holds no payloads."""
+    writer = spool._writer
+    released = threading.Event()
+
+    def make() -> tuple[weakref.ref[_Rows], Append]:
+        rows = _Rows([spool._row("s", {"pad": "x" * 100_000}, walspool.CAP_DROP, None)])
+        return weakref.ref(rows, lambda _: released.set()), Append(rows, single=False)
+
+    ref, request = make()
+    if path == "writer thread":
+        with writer._commit_lock:  # queued, so the writer thread takes it
+            future = writer.submit(request)
+        del request
+        assert [r.seq for r in future.result(30)] == [1]
+    else:
+        assert [r.seq for r in writer.call(request)] == [1]
+        del request
+    assert released.wait(30), "the writer still refers to a committed request"
+    assert ref() is None
+    assert not writer._pending and writer._pending_bytes == 0

@@ -3,9 +3,13 @@
 Callers put requests on a bounded queue and wait for them. The writer takes
 everything queued, runs it in one ``BEGIN IMMEDIATE`` transaction (one fsync), and
 only after ``COMMIT`` returns does it wake the callers. A lone caller pays one commit
-per request; N concurrent callers share about one commit per N requests. A full
-queue blocks the caller that puts (backpressure), so memory stays bounded;
-``notify_nowait`` raises ``queue.Full`` instead, for callers that must not wait.
+per request; N concurrent callers share about one commit per N requests. The queue
+is bounded by requests and by payload bytes; a full queue blocks the caller that puts
+(backpressure), so memory stays bounded; ``notify_nowait`` raises ``queue.Full``
+instead, for callers that must not wait. Once a group's waiters are woken the writer
+drops its requests, so an idle writer holds no payloads. Not guaranteed: payloads
+held at once are bounded by ``QUEUE_BYTES`` queued plus one group being committed
+(taken from the queue, so at most as large again), not by ``QUEUE_BYTES`` alone.
 
 If a group fails, its requests are retried one by one, so one bad request fails
 alone and the others still commit.
@@ -42,6 +46,9 @@ log = logging.getLogger("walspool.writer")
 
 #: Requests the queue holds before ``put`` blocks.
 QUEUE_REQUESTS = 4096
+#: Payload bytes the queue holds before ``put`` blocks. A request larger than this is
+#: still taken when the queue holds no payload, so no size is refused for the bound.
+QUEUE_BYTES = 256 * 1024 * 1024
 #: A group stops growing at this many rows (one request is never split).
 GROUP_ROWS = 8192
 #: Seconds a group waits for a write lock held by another connection (an operator's
@@ -268,6 +275,12 @@ class Writer:
         self._path = path
         self._max_bytes = max_bytes
         self._pending: deque[tuple[Request, Any]] = deque()
+        #: Payload bytes of the requests in ``_pending``.
+        self._pending_bytes = 0
+        #: Per thread: the payload bytes of the request its last non-blocking put found
+        #: no room for (0 after a put that found room), so ``has_room`` and
+        #: ``wait_for_room`` answer for that request.
+        self._refused = threading.local()
         self._cond = threading.Condition(threading.Lock())
         self._commit_lock = threading.Lock()
         self._numbers = _Numbers()
@@ -328,23 +341,23 @@ class Writer:
             raise queue.Full
 
     def has_room(self) -> bool:
-        """Whether a ``notify_nowait`` now would find room in the queue."""
+        """Whether a ``notify_nowait`` now would find room in the queue: for the request
+        this thread last saw refused with ``queue.Full``, else for one with no payload."""
+        nbytes = getattr(self._refused, "nbytes", 0)
         with self._cond:
-            return len(self._pending) < QUEUE_REQUESTS
+            return self._room_for(nbytes)
 
     def wait_for_room(self, timeout: float) -> bool:
-        """Wait at most ``timeout`` s until the queue has room, the spool is closed, or a
-        commit finds the write lock held elsewhere (no room soon); True if there is room."""
+        """Wait at most ``timeout`` s until the queue has room (as ``has_room`` means it),
+        the spool is closed, or a commit finds the write lock held elsewhere (no room
+        soon); True if there is room."""
+        nbytes = getattr(self._refused, "nbytes", 0)
         with self._cond:
             self._cond.wait_for(
-                lambda: (
-                    self._closed
-                    or self.busy_since is not None
-                    or len(self._pending) < QUEUE_REQUESTS
-                ),
+                lambda: self._closed or self.busy_since is not None or self._room_for(nbytes),
                 timeout,
             )
-            return len(self._pending) < QUEUE_REQUESTS
+            return self._room_for(nbytes)
 
     def submit(self, request: Request) -> concurrent.futures.Future[Any]:
         """Queue ``request`` (its place in order is taken now) and return a future."""
@@ -364,17 +377,28 @@ class Writer:
 
     def _put(self, request: Request, waiter: Any, block: bool = True) -> bool:
         """Queue a request; False if the queue is full and ``block`` is False."""
+        nbytes = request.payload_bytes
         with self._cond:
             while True:
                 self._check_open(request)
-                if len(self._pending) < QUEUE_REQUESTS:
+                if self._room_for(nbytes):
                     break
                 if not block:
+                    self._refused.nbytes = nbytes
                     return False
                 self._cond.wait()
             self._pending.append((request, waiter))
+            self._pending_bytes += nbytes
             self._cond.notify_all()
+        self._refused.nbytes = 0
         return True
+
+    def _room_for(self, nbytes: int) -> bool:
+        """Would a request of ``nbytes`` payload bytes fit now? ``_cond`` is held."""
+        queued = self._pending_bytes
+        return len(self._pending) < QUEUE_REQUESTS and (
+            queued == 0 or queued + nbytes <= QUEUE_BYTES
+        )
 
     def _check_open(self, request: Request) -> None:
         if self._closed:
@@ -440,6 +464,9 @@ class Writer:
             item = pending.popleft()
             batch.append(item)
             rows += item[0].size
+            self._pending_bytes -= item[0].payload_bytes
+        if not pending:
+            self._pending_bytes = 0  # exact whatever a caller did to its rows meanwhile
         if batch:
             self._cond.notify_all()  # room for blocked producers
         return batch
@@ -451,15 +478,23 @@ class Writer:
                     self._cond.wait()
                 if not self._pending and self._closed:
                     return
-            batch: list[tuple[Request, Any]] = []
-            try:
-                with self._commit_lock:
-                    with self._cond:
-                        batch = self._take()
-                    if batch:
-                        self._commit_group([r for r, _ in batch])
-            finally:
-                _wake(batch)
+            self._commit_queued()
+
+    def _commit_queued(self) -> None:
+        """Commit one group of what is queued and wake its waiters.
+
+        Its requests (and their payloads) are referenced only by this call's frame, so
+        once the waiters are woken the writer holds none of them while it waits for more.
+        """
+        batch: list[tuple[Request, Any]] = []
+        try:
+            with self._commit_lock:
+                with self._cond:
+                    batch = self._take()
+                if batch:
+                    self._commit_group([r for r, _ in batch])
+        finally:
+            _wake(batch)
 
     def _commit_group(self, requests: list[Request]) -> None:
         """Commit ``requests`` together; if that fails, one by one. Never raises: each
