@@ -8,7 +8,6 @@ import decimal
 import enum
 import uuid
 
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -166,11 +165,6 @@ def test_conversion_rule_on_the_slow_path(spool):
     }
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="codec bug: on the fast path msgspec passes a key it cannot encode to the enc_hook, "
-    "which turns an object with attributes into its fields; the key becomes '{}', not str(key)",
-)
 def test_a_non_string_key_is_str_of_the_key_on_the_fast_path(spool):
     spool.append("s", {"keys": {Named(): "v"}})
     (rec,) = spool.records()

@@ -87,13 +87,21 @@ def decode(payload: str | bytes) -> Any:
     return _decoder.decode(payload)
 
 
+class _Fields(dict):  # type: ignore[type-arg]
+    """An object's fields as the hook returns them. msgspec writes it as an object
+    in a value's place; in a key's place it hands it back to the hook, which then
+    gives up, so the slow path writes that key as ``str(key)``."""
+
+
 def _object_fields(obj: Any) -> Any:
     """msgspec's hook for types it cannot encode natively."""
+    if isinstance(obj, _Fields):
+        raise TypeError("an object as a dict key")
     if isinstance(obj, (bytearray, memoryview)):
         return bytes(obj)
     fields = _public_attributes(obj)
     if fields is not None:
-        return fields
+        return _Fields(fields)
     return _safe_repr(obj)
 
 
