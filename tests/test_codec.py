@@ -171,6 +171,38 @@ def test_a_non_string_key_is_str_of_the_key_on_the_fast_path(spool):
     assert rec.message == {"keys": {"named key": "v"}}
 
 
+class Plain:
+    """An object msgspec cannot encode, with a public and a private attribute."""
+
+    def __init__(self) -> None:
+        self.a = 1
+        self._private = 2
+
+
+def test_objects_on_the_fast_path(spool):
+    bare = object()
+    spool.append("s", {"o": Plain(), "bare": bare})
+    (rec,) = spool.records()
+    assert rec.message == {"o": {"a": 1}, "bare": repr(bare)}
+
+
+def test_nesting_is_cut_at_a_depth_of_32_exactly(spool):
+    """The message is level 0: the list at level 32 is stored as its repr."""
+    deep: list = []
+    cur = deep
+    for _ in range(40):
+        nxt: list = []
+        cur.append(nxt)
+        cur = nxt
+    spool.append("s", {"surrogate": "\udc80", "deep": deep})  # the slow path cuts
+    (rec,) = spool.records()
+    value, levels = rec.message["deep"], 0
+    while isinstance(value, list):
+        value, levels = value[0], levels + 1
+    assert levels == 31
+    assert value == "[" * 9 + "[]" + "]" * 9
+
+
 def test_non_dict_messages(spool):
     spool.append("s", "plain text")
     spool.append("s", [1, "two"])
