@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 from pathlib import Path
@@ -9,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import walspool
-from walspool.hermes import install
+from walspool.hermes import install, install_runner
 
 hermes_state = pytest.importorskip("hermes_state")
 
@@ -414,4 +415,45 @@ def test_shutdown_during_an_outage_spools_the_in_memory_queue(hermes_home):
     with walspool.Spool(hermes_home / "spool.db") as spool2:
         assert install(store2, spool2).wait_idle(30)  # recovers in the background
         assert contents(store2, "s") == [f"m{i}" for i in range(250)]
+    store2._db.close()
+
+
+def test_queue_overflow_is_spooled_after_its_head_and_replayed(hermes_home):
+    from gateway.config import GatewayConfig, Platform
+    from gateway.platforms.base import MessageEvent
+    from gateway.run import GatewayRunner
+    from gateway.session import SessionSource, SessionStore
+
+    config = GatewayConfig(sessions_dir=hermes_home / "sessions")
+    runner = GatewayRunner(config)
+    store = runner.session_store
+    source = SessionSource(platform=Platform.TELEGRAM, chat_id="42", user_id="u1")
+    entry = store.get_or_create_session(source)
+    key, sid = entry.session_key, entry.session_id
+    spool = walspool.Spool(hermes_home / "spool.db")
+    install_runner(runner, install(store, spool, retry_interval=0))
+    runner._pending_messages[key] = "queued head"
+    runner._queued_events[key] = [
+        MessageEvent(text=f"queued {i}", source=source, message_id=f"q{i}") for i in (1, 2)
+    ]
+
+    async def shutdown() -> None:
+        runner._pending_messages.clear()
+
+    asyncio.run(shutdown())
+    rows = list(spool.records())
+    assert [(r.reason, r.session_key) for r in rows] == [
+        ("shutdown", key),
+        ("overflow_shutdown", key),
+        ("overflow_shutdown", key),
+    ]
+    spool.close()
+    store._db.close()
+
+    store2 = SessionStore(hermes_home / "sessions", config)
+    with walspool.Spool(hermes_home / "spool.db") as spool2:
+        assert install(store2, spool2).wait_idle(30)
+        got = [m["content"] for m in store2._db.get_messages(sid)]
+        assert got == ["queued head", "queued 1", "queued 2"]
+        assert list(spool2.records()) == []
     store2._db.close()
