@@ -324,7 +324,7 @@ class _Import:
 
     def _finish_committed(self, item: _Item) -> None:
         """A file an interrupted import committed: remove it, count it as imported."""
-        self._remove([item.name])
+        self._remove([item])
         self.by_reason[item.reason] += 1
         self.done += 1
         self._report_progress()
