@@ -20,8 +20,7 @@ from typing import Any
 
 import pytest
 from _helpers import ROOT
-from _hermes_lock_holder import write_lock_held
-from _hermes_replay_lock import replay_lock_held
+from _lock_holder import replay_lock_held, write_lock_held
 
 import walspool
 import walspool.hermes as hermes

@@ -23,7 +23,7 @@ from typing import Any
 import apsw
 import pytest
 from _helpers import ROOT, run_python
-from _hermes_lock_holder import write_lock_held
+from _lock_holder import write_lock_held
 
 import walspool
 from walspool.cli import main

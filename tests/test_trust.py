@@ -26,6 +26,7 @@ from typing import Any
 import apsw
 import pytest
 from _helpers import ROOT, MemorySink
+from _lock_holder import replay_lock_held
 
 import walspool
 import walspool.jsonspool
@@ -199,31 +200,15 @@ def test_a_fifo_as_the_replay_lock_is_refused_without_blocking(tmp_path):
 
 def test_a_replay_lock_held_by_a_stuck_process_is_waited_for_within_a_bound(tmp_path):
     path = tmp_path / "spool.db"
-    holder = subprocess.Popen(
-        [sys.executable, "-c",
-         "import fcntl, os, sys\n"
-         "fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o600)\n"
-         "fcntl.flock(fd, fcntl.LOCK_EX)\n"
-         "print('held', flush=True)\n"
-         "sys.stdin.readline()\n",
-         f"{path}.replay-lock"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    try:
-        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
-        with walspool.Spool(path) as spool:
-            spool.append("s", 1)
+    with walspool.Spool(path) as spool:
+        spool.append("s", 1)
+        with replay_lock_held(path) as holder:
             with pytest.raises(walspool.ReplayBusy, match="stayed held for 0.2 s"):
                 Replayer(spool, MemorySink()).replay(wait=0.2)
             with pytest.raises(walspool.ReplayBusy, match="another replay"):
                 Replayer(spool, MemorySink()).replay(wait=False)
-            assert holder.stdin is not None
-            holder.stdin.write("done\n")
-            holder.stdin.flush()
-            assert holder.wait(30) == 0
-            assert Replayer(spool, MemorySink()).replay(wait=0.2).moved == 1
-    finally:
-        holder.kill()
+            holder.release()
+        assert Replayer(spool, MemorySink()).replay(wait=0.2).moved == 1
 
 
 def test_the_replay_lock_is_free_after_a_replay(tmp_path):

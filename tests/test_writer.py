@@ -15,7 +15,7 @@ import weakref
 import apsw
 import pytest
 from _helpers import ROOT, run_python
-from _hermes_lock_holder import write_lock_held
+from _lock_holder import write_lock_held
 
 import walspool
 import walspool.writer as walspool_writer

@@ -1,0 +1,97 @@
+"""A second process that holds one of a spool's locks until told to let go.
+
+As a script (``python _lock_holder.py write|replay PATH``) it takes the lock, prints
+``locked``, waits for a line on stdin, lets go, prints ``released`` and exits:
+
+* ``write``: PATH's SQLite write lock, with apsw ``BEGIN IMMEDIATE`` (as an
+  operator's ``sqlite3 spool.db`` shell in a transaction, or another writer of a
+  ``state.db``, would hold it);
+* ``replay``: the exclusive ``flock`` on ``PATH.replay-lock``, as a running
+  ``walspool replay`` holds it.
+
+Tests use ``write_lock_held`` and ``replay_lock_held``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+#: Bound on every wait for the child (start, lock, release, exit).
+CHILD_TIMEOUT = 60.0
+
+
+def main(kind: str, path: str) -> None:
+    if kind == "write":
+        import apsw
+
+        conn = apsw.Connection(path)
+        conn.execute("BEGIN IMMEDIATE")
+        release = lambda: (conn.execute("ROLLBACK"), conn.close())  # noqa: E731
+    else:
+        fd = os.open(f"{path}.replay-lock", os.O_RDWR | os.O_CREAT, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        release = lambda: os.close(fd)  # noqa: E731
+    print("locked", flush=True)
+    sys.stdin.readline()
+    release()
+    print("released", flush=True)
+
+
+class LockHolder:
+    """The running child; ``release()`` lets go of the lock and waits for its exit."""
+
+    def __init__(self, proc: subprocess.Popen[str]) -> None:
+        self.proc = proc
+
+    def release(self) -> None:
+        if self.proc.poll() is not None:
+            return
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+        assert self.proc.stdout.readline() == "released\n"
+        self.proc.wait(CHILD_TIMEOUT)
+
+
+@contextlib.contextmanager
+def _held(kind: str, path: Path) -> Iterator[LockHolder]:
+    proc = subprocess.Popen(
+        [sys.executable, __file__, kind, str(path)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    # A child that hangs fails the test instead of hanging the run.
+    killer = threading.Timer(CHILD_TIMEOUT * 2, proc.kill)
+    killer.start()
+    holder = LockHolder(proc)
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline() == "locked\n"
+        yield holder
+        holder.release()
+    finally:
+        killer.cancel()
+        proc.kill()
+        proc.wait(CHILD_TIMEOUT)
+
+
+def write_lock_held(path: Path) -> contextlib.AbstractContextManager[LockHolder]:
+    """Hold ``path``'s SQLite write lock in another process for the block."""
+    return _held("write", path)
+
+
+def replay_lock_held(spool_path: Path) -> contextlib.AbstractContextManager[LockHolder]:
+    """Hold ``spool_path``'s replay lock in another process for the block."""
+    return _held("replay", spool_path)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
