@@ -497,13 +497,6 @@ GROUP BY 1, 2 ORDER BY 1, 2
 """
 
 
-def statuses(quarantined: bool, superseded: bool) -> str:
-    """The row statuses a replay takes besides replayable rows, as ``REASON_FILTER``
-    wants them."""
-    chosen = [QUARANTINED] * quarantined + [SUPERSEDED] * superseded
-    return codec.encode(chosen).decode()
-
-
 def replay_streams(
     conn: apsw.Connection, session: str | None, reasons: Sequence[str] | None, statuses: str
 ) -> list[tuple[str | None, str | None, int]]:

@@ -46,12 +46,11 @@ from ._cli_output import (
     size,
     spool_error,
     state_db_message,
-    statuses,
     table,
 )
 from .errors import SpoolCorrupt, WalspoolError
 from .records import AGENT_HISTORY, QUARANTINED, SUPERSEDED, Record
-from .replay import Replayer, ReplayReport
+from .replay import Replayer, ReplayReport, statuses_filter
 from .text import printable
 
 EXIT_OK = 0
@@ -224,7 +223,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     """
     with reading(args.spool) as conn:
         streams = replay_streams(
-            conn, args.session, args.reason, statuses(args.quarantined, args.superseded)
+            conn, args.session, args.reason, statuses_filter(args.quarantined, args.superseded)
         )
     if args.dry_run:
         state = open_state_db(args.into, write=False)

@@ -251,8 +251,7 @@ class Replayer:
         reasons_json = reasons_filter(reasons, self.spool.path)
         if session_id is not None:
             check_lookup(session_id, "session_id", self.spool.path)
-        statuses = [QUARANTINED] * quarantined + [SUPERSEDED] * superseded
-        run = _Run(self, session_id, reasons_json, msgspec.json.encode(statuses).decode())
+        run = _Run(self, session_id, reasons_json, statuses_filter(quarantined, superseded))
         lock = Path(f"{self.spool.path}{LOCK_SUFFIX}")
         with _exclusive(lock, wait, owner=self.spool._owner):
             run.resume(limit)
@@ -606,6 +605,13 @@ class _Run:
             sessions=sessions,
             quarantined=sum(t.quarantined for t in self.tallies.values()),
         )
+
+
+def statuses_filter(quarantined: bool, superseded: bool) -> str:
+    """The statuses a replay takes besides replayable rows, as ``REASON_FILTER``'s
+    ``:statuses`` (a JSON array)."""
+    chosen = [QUARANTINED] * quarantined + [SUPERSEDED] * superseded
+    return msgspec.json.encode(chosen).decode()
 
 
 def _settle(conn: apsw.Connection, done: _Settlement) -> None:
