@@ -353,3 +353,16 @@ def test_a_write_failing_halfway_through_a_turn_in_the_linked_gateway(tmp_path, 
     assert link.wait_idle(30)
     assert rows(store._db, "s") == [("tool", c, TURN) for c in "ABC"]
     assert list(spool.records()) == []
+
+
+def test_ticket_records_do_not_pile_up_in_state_db(spool, session_db):
+    """Each replay's later batches prune the records of rows already gone from the
+    spool: after many batches state.db keeps only the last batch's records."""
+    session_db.create_session("s", "telegram")
+    for round_ in range(3):
+        spool.append_many([("s", tool(f"{round_}-{i}")) for i in range(40)])
+        assert Replayer(spool, SessionDBSink(session_db), batch_rows=8).replay().moved == 40
+    with session_db._lock:
+        left = session_db._conn.execute("SELECT count(*) FROM walspool_landed").fetchone()[0]
+    assert 0 < left <= 8
+    assert len(session_db.get_messages("s")) == 120
