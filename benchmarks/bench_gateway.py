@@ -163,7 +163,10 @@ def test_gateway_walspool(
             n,
             peak_rss_growth_mib=lambda: (peak_rss() - start_rss) / 2**20,
         )
-        assert spool.stats().rows == n - SESSIONS * 200
+        # Nothing lost: every message is spooled or still queued (a queue may hold up
+        # to twice the cap for a moment when the spool's writer had no room).
+        queued = [len(q) for q in store._dirty_transcripts.values()]
+        assert spool.stats().rows + sum(queued) == n and max(queued) <= 2 * 200
 
 
 def _spool_evictions_as_files(store: Any, files: JsonFileSpool) -> None:

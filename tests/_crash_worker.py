@@ -275,19 +275,41 @@ def report_evictions(spool: Any) -> None:
 
     The link spools an eviction with ``Writer.notify_nowait`` (never a blocking call
     under the store's lock); the callback runs after the commit, or with ``error`` set.
+    A ``Batched`` callback (the link's, once per group) is wrapped once, as a
+    ``Batched`` that reports each request of the group.
     """
     import msgspec
 
+    from walspool.writer import Batched
+
     writer = spool._writer
+    wrapped: dict[Any, Batched] = {}
+
+    def report(r: Any) -> None:
+        if r.error is None:
+            for row in getattr(r, "rows", ()):
+                session_id, payload = row[0], msgspec.json.decode(row[4])
+                run_, i = parse(payload["content"])
+                say(f"S {session_id} {run_} {i}")
+
+    def batched(callback: Batched) -> Batched:
+        if callback not in wrapped:
+
+            def done_all(requests: list[Any]) -> None:
+                for r in requests:
+                    report(r)
+                callback.fn(requests)
+
+            wrapped[callback] = Batched(done_all)
+        return wrapped[callback]
 
     def reporting(put: Any) -> Any:
         def put_reporting(request: Any, callback: Any, *args: Any, **kw: Any) -> Any:
+            if isinstance(callback, Batched):
+                return put(request, batched(callback), *args, **kw)
+
             def done(r: Any) -> None:
-                if r.error is None:
-                    for row in getattr(r, "rows", ()):
-                        session_id, payload = row[0], msgspec.json.decode(row[4])
-                        run_, i = parse(payload["content"])
-                        say(f"S {session_id} {run_} {i}")
+                report(r)
                 callback(r)
 
             return put(request, done, *args, **kw)

@@ -229,8 +229,8 @@ def test_a_replay_lock_held_elsewhere_never_blocks_a_drain(store, spool):
     sql(store, BREAK)
     for i in range(210):
         store.append_to_transcript("s", msg(f"m{i}"))
-    sql(store, HEAL)
     with replay_lock_held(spool.path) as holder:
+        sql(store, HEAL)
         # Returns while the lock is still held. It may wait, at most HANDOFF_WAIT, for
         # the background thread to finish a state.db write it had started (under load,
         # one failing write includes SessionDB's own FTS rebuild), never for the lock.

@@ -8,6 +8,7 @@ not hoped for.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -16,6 +17,8 @@ from typing import Any
 import pytest
 
 import walspool
+import walspool.hermes as hermes
+import walspool.writer as writer
 from walspool.hermes import Link, install
 
 pytest.importorskip("hermes_state")
@@ -32,8 +35,9 @@ STEP = 30.0
 class Gate:
     """Wraps a write function: counts writers inside it and holds the armed call.
 
-    ``arm()`` makes the next call stop at the gate (``entered`` is set) until
-    ``open()``; ``inside`` and ``most`` count concurrent calls.
+    ``arm()`` makes the next call (``arm(skip=n)``: the one after the next ``n``) stop
+    at the gate (``entered`` is set) until ``open()``; ``inside`` and ``most`` count
+    concurrent calls.
     """
 
     def __init__(self, write: Callable[..., Any]) -> None:
@@ -43,12 +47,14 @@ class Gate:
         self.most = 0
         self.calls = 0
         self.armed = False
+        self.skip = 0
         self.entered = threading.Event()
         self.release = threading.Event()
 
-    def arm(self) -> None:
+    def arm(self, skip: int = 0) -> None:
         self.entered.clear()
         self.release.clear()
+        self.skip = skip
         self.armed = True
 
     def open(self) -> None:
@@ -59,7 +65,11 @@ class Gate:
             self.inside += 1
             self.most = max(self.most, self.inside)
             self.calls += 1
-            hold, self.armed = self.armed, False
+            hold = self.armed and not self.skip
+            if self.armed and self.skip:
+                self.skip -= 1
+            elif hold:
+                self.armed = False
         try:
             if hold:
                 self.entered.set()
@@ -149,12 +159,15 @@ def test_a_waiter_wakes_to_the_current_state_after_a_reset(store, spool):
     store._db.create_session("s", "telegram")
     link = install(store, spool, retry_interval=0.05)
     sql(store, BREAK)
-    store.append_to_transcript("s", msg("old"))  # fails: the background retries it
+    store.append_to_transcript("s", msg("first"))  # fails: the background retries it
+    store.append_to_transcript("s", msg("old"))  # the session is failing: queued only
     gate = gate_live_writes(store)
-    gate.arm()
+    gate.arm(skip=1)
     sql(store, HEAL)
-    assert gate.entered.wait(STEP)  # the background thread is writing "old"
-    assert link._sessions["s"].writer.background
+    # The background thread's retry wrote "first" (the session is healthy again) and
+    # is writing "old": a new message waits to take the session over.
+    assert gate.entered.wait(STEP)
+    assert link._sessions["s"].writer.background and not link._sessions["s"].failures
     waiting = threading.Event()
     take_over = link._take_over
 
@@ -173,7 +186,7 @@ def test_a_waiter_wakes_to_the_current_state_after_a_reset(store, spool):
     store.append_to_transcript("s", msg("after"))
     assert link.wait_idle(STEP)
     assert contents(store, "s") == ["rewritten", "old", "after"]
-    assert gate.most == 1
+    assert gate.most == 1 and gate.calls == 3  # "new" was cleared with the queue
     assert "s" not in link._sessions  # nothing left behind for the session
 
 
@@ -198,6 +211,54 @@ def test_heal_during_a_drain(store, spool):
     assert link.wait_idle(STEP)
     assert contents(store, "s") == [f"m{i}" for i in range(215)]
     assert drains.most == 1 and spool.stats().rows == 0
+
+
+def test_a_failed_write_never_drops_what_a_waiting_thread_may_still_spool(
+    store, spool, monkeypatch, caplog
+):
+    """Past twice the cap while the head is being written, a gateway thread waits (its
+    bounded wait) to evict; the write fails while the spool writer's queue is full.
+    The failed writer keeps the messages in memory: only the waiting thread, once its
+    own bound has passed, may drop, and here room comes before that."""
+    monkeypatch.setattr(writer, "QUEUE_REQUESTS", 4)
+    monkeypatch.setattr(hermes, "HANDOFF_WAIT", STEP)
+    store._db.create_session("s", "telegram")
+    link = install(store, spool, retry_interval=0)
+    gate = gate_live_writes(store)
+    gate.arm()
+    a = in_thread(lambda: store.append_to_transcript("s", msg("m0")))
+    assert gate.entered.wait(STEP)  # A is the writer; m0 is in flight
+    # The spool's writer stops inside a transaction; four requests fill its queue.
+    stuck, go_on = threading.Event(), threading.Event()
+    spool._writer.submit(writer.Operation(lambda conn: stuck.set() or go_on.wait(STEP)))
+    assert stuck.wait(STEP)
+    fillers = [spool.submit("z", msg(f"z{i}")) for i in range(4)]
+    for i in range(1, 400):  # over the cap with the head in flight: nothing evicted
+        store.append_to_transcript("s", msg(f"m{i}"))
+    waiting = threading.Event()
+    wait_for_head = link._wait_for_head
+
+    def announce(state: Any, deadline: float) -> None:
+        waiting.set()  # the store's lock is held until the wait releases it
+        wait_for_head(state, deadline)
+
+    link._wait_for_head = announce
+    with caplog.at_level(logging.WARNING, logger="walspool.hermes"):
+        b = in_thread(lambda: store.append_to_transcript("s", msg("m400")))
+        assert waiting.wait(STEP)  # B: 401 queued, past twice the cap, waits for m0
+        sql(store, BREAK)
+        gate.open()
+        assert joined(a)  # m0's write failed; the queue is full: all 401 stay queued
+        with link._lock:
+            assert len(store._dirty_transcripts["s"]) == 401
+        go_on.set()
+        assert joined(b)
+    assert "dropping oldest" not in caplog.text
+    assert [f.result(STEP).seq for f in fillers] == [1, 2, 3, 4]
+    sql(store, HEAL)
+    store.append_to_transcript("s", msg("fin"))  # retry_interval=0: it retries now
+    assert link.wait_idle(STEP)
+    assert contents(store, "s") == [f"m{i}" for i in range(401)] + ["fin"]
 
 
 def test_shutdown_during_a_drain(store, spool):

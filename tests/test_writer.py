@@ -19,7 +19,7 @@ from _lock_holder import write_lock_held
 
 import walspool
 import walspool.writer as walspool_writer
-from walspool.writer import Append, SpoolBusy
+from walspool.writer import Append, Batched, SpoolBusy
 
 WRITER_CHILD = r"""
 import sys, threading, walspool
@@ -299,6 +299,29 @@ def test_notify_nowait_raises_full_on_the_byte_bound(spool, monkeypatch):
     spool.flush()
     assert committed == [1, 2]
     assert writer.has_room()  # this thread's last put found room
+
+
+def test_a_batched_callback_runs_once_per_group_with_its_requests_in_order(spool, caplog):
+    writer = spool._writer
+    calls: list[list[int]] = []
+    batched = Batched(lambda requests: calls.append([r.result.seq for r in requests]))
+    single: list[int] = []
+    with writer._commit_lock:  # held up: everything below is one group
+        for i in range(5):
+            writer.notify_nowait(_eviction(spool, i), batched)
+        writer.notify_nowait(_eviction(spool, 5), lambda r: single.append(r.result.seq))
+        writer.notify_nowait(_eviction(spool, 6), batched)
+    spool.flush()
+    assert calls == [[1, 2, 3, 4, 5, 7]] and single == [6]
+    # A callback that raises is logged; the writer and later groups go on.
+    failing = Batched(lambda requests: 1 / 0)
+    with caplog.at_level(logging.ERROR, logger="walspool.writer"):
+        writer.notify_nowait(_eviction(spool, 7), failing)
+        spool.flush()
+    assert "callback for 1 committed spool requests failed" in caplog.text
+    writer.notify_nowait(_eviction(spool, 8), batched)
+    spool.flush()
+    assert calls == [[1, 2, 3, 4, 5, 7], [9]]
 
 
 def test_a_producer_waits_for_room_in_bytes(spool, monkeypatch):

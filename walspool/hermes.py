@@ -35,8 +35,8 @@ Waits a gateway thread can meet because of walspool, with their bounds:
   write takes them): at most ``HANDOFF_WAIT`` for room in the spool writer's queue or
   for that write to end, and no wait at all while another process holds the spool's
   write lock; then the oldest takes the old drop-and-warn path (WARNING);
-* as the session's writer, its own ``state.db`` writes (as in the released store) and
-  a drain of its spooled rows: at most ``GATEWAY_DRAIN_ROWS`` rows per call, then the
+* as the writer of a healthy session, its own ``state.db`` writes (as in the released
+  store) and a drain of its spooled rows: at most ``GATEWAY_DRAIN_ROWS`` rows per call, then the
   background thread goes on. Before a drain it waits at most ``CONFIRM_WAIT`` for its
   own evictions to commit, and at most ``HANDOFF_WAIT`` for this link's drain of
   another session to finish its batch; a drain never waits for a replay lock held
@@ -55,9 +55,11 @@ retries it when its retry time passes, with no new message needed. The delay aft
 the k-th failure in a row is ``retry_interval`` * 2 ** (k - 4), capped at
 ``retry_interval``: 1/8, 1/4, 1/2, then every ``retry_interval``, so a healed
 ``state.db`` receives everything within ``retry_interval`` plus the time the writes
-take. Meanwhile a session with spooled rows only queues its new messages (and spools
-at the cap), so an outage costs no failing write per message. ``retry_interval=0``
-turns the background thread off: each message retries at once, as the released store.
+take. Meanwhile, from its first failed write or drain until a retry succeeds, a
+session's gateway threads only queue its new messages (and spool at the cap): an
+outage costs no failing write, and no wait, per message. ``retry_interval=0`` turns
+the background thread off (as does ``Link.close``): each message retries at once, as
+in the released store.
 
 Not guaranteed: messages still in memory when the process is killed are lost, as in
 the released gateway (only spooled rows are durable). A message the store or a drain
@@ -85,7 +87,7 @@ from .records import AGENT_HISTORY, CAP_DROP, SHUTDOWN
 from .replay import LOCK_SUFFIX, Replayer, ReplayReport, _exclusive
 from .sinks import SessionDBSink
 from .spool import Spool
-from .writer import Append, Request
+from .writer import Append, Batched, Request
 
 log = logging.getLogger("walspool.hermes")
 
@@ -216,6 +218,8 @@ class Link:
         #: Notified when the background thread has work sooner than it planned.
         self._due = threading.Condition(self._lock)
         self._sessions: dict[str, _Session] = {}
+        #: The spool writer's callback for evictions, once per committed group.
+        self._evicted = Batched(self._evictions_done)
         #: Held by a drain step of this link (see ``_drain_step``).
         self._draining = threading.Lock()
         #: Until a full ``recover`` has succeeded, any session may have rows in the
@@ -271,7 +275,8 @@ class Link:
                 late = time.monotonic() >= deadline
                 notes += self._evict(session_id, state, pending, drops=late)
                 if len(pending) <= 2 * self.cap or late:
-                    claim = self._claim(state) or self._take_over(state)
+                    if not self._failing(state):
+                        claim = self._claim(state) or self._take_over(state)
                     break
                 if pending[0] is state.inflight:
                     self._wait_for_head(state, deadline)
@@ -353,14 +358,15 @@ class Link:
         state: _Session,
         pending: list[dict[str, Any]],
         *,
-        drops: bool = True,
+        drops: bool = False,
     ) -> list[Callable[[], None]]:
         """Spool the oldest queued messages past the cap; the lock is held.
 
         Returns the WARNINGs to log once the lock is released. Never waits: a message
-        the spool's writer has no room for stays queued over the cap. With ``drops``,
-        past twice the cap the oldest (the second oldest while the oldest is being
-        written) is dropped with a WARNING, as the released store drops at the cap.
+        the spool's writer has no room for stays queued over the cap. With ``drops``
+        (a gateway thread that waited its bounded time), past twice the cap the oldest
+        (the second oldest while the oldest is being written) is dropped with a
+        WARNING, as the released store drops at the cap.
         """
         notes: list[Callable[[], None]] = []
         while len(pending) > self.cap:
@@ -376,9 +382,7 @@ class Link:
                 continue
             try:
                 row = self.spool._row(session_id, pending[0], CAP_DROP, None)
-                self.spool._writer.notify_nowait(
-                    Append((row,), single=True), partial(self._eviction_done, session_id)
-                )
+                self.spool._writer.notify_nowait(Append((row,), single=True), self._evicted)
             except queue.Full:
                 if over and drops:
                     pending.pop(0)
@@ -414,30 +418,38 @@ class Link:
         finally:
             state.waiters -= 1
 
-    def _eviction_done(self, session_id: str, request: Request) -> None:
-        """On the spool's writer: an eviction committed (or failed); count it, log it."""
+    def _evictions_done(self, requests: list[Request]) -> None:
+        """On the spool's writer: a group of evictions committed (or failed); count
+        them under one take of the lock, then log each."""
+        settled = False
         with self._lock:
-            state = self._sessions.get(session_id)
-            if state is not None:  # always: ``unconfirmed`` keeps it there
+            for request in requests:
+                session_id = request.session_id
+                state = self._sessions.get(session_id)
+                if state is None:  # never: ``unconfirmed`` keeps it there
+                    continue
                 state.unconfirmed -= 1
                 if not state.unconfirmed:
-                    self._settled.notify_all()
+                    settled = True
                     if state.writer is None:
                         if self._has_work(session_id, state):
                             self._schedule(state.retry_at)
                         else:
                             self._forget_if_idle(session_id, state)
-        if request.error is not None:
-            self._report_drop(session_id, str(request.error))
-            return
-        log.warning(
-            "Session DB transcript pending queue full for %s (cap=%d); spooled oldest message "
-            "to %s (seq %d) for replay after DB recovery",
-            session_id,
-            self.cap,
-            self.spool.path,
-            request.result.seq,
-        )
+            if settled:
+                self._settled.notify_all()
+        for request in requests:
+            if request.error is not None:
+                self._report_drop(request.session_id, str(request.error))
+                continue
+            log.warning(
+                "Session DB transcript pending queue full for %s (cap=%d); spooled oldest "
+                "message to %s (seq %d) for replay after DB recovery",
+                request.session_id,
+                self.cap,
+                self.spool.path,
+                request.result.seq,
+            )
 
     def _report_drop(self, session_id: str, why: str) -> None:
         log.warning(
@@ -475,6 +487,18 @@ class Link:
             return None
         state.writer = _Writer(background)
         return state.writer
+
+    def _failing(self, state: _Session) -> bool:
+        """The session's last write or drain failed, and the background thread retries
+        it when its delay ends: a gateway thread only queues its messages (and spools
+        at the cap), so an outage costs no failing write, and no wait, per message.
+        Once the link is closed (no background thread), each message retries again."""
+        return (
+            bool(state.failures)
+            and self.retry_interval > 0
+            and not self._closed
+            and time.monotonic() < state.retry_at
+        )
 
     def _take_over(self, state: _Session) -> _Writer | None:
         """Wait (at most ``HANDOFF_WAIT``) for the background writer to hand the session
@@ -599,6 +623,9 @@ class Link:
         if self._recovering:
             # The start's recovery may hold rows of this session (spooled by key,
             # resolved to it) that go first; it wakes the session when it ends.
+            self._release(session_id, state, claim)
+            return None, notes
+        if self._failing(state) and not claim.background:
             self._release(session_id, state, claim)
             return None, notes
         if state.spooled:

@@ -186,20 +186,18 @@ class _Group:
 class Request:
     """One unit of work for the writer; ``run`` executes inside the group's transaction."""
 
-    __slots__ = ("result", "error", "session_id")
+    __slots__ = ("result", "error", "session_id", "payload_bytes")
 
-    def __init__(self, session_id: str | None = None) -> None:
+    def __init__(self, session_id: str | None = None, payload_bytes: int = 0) -> None:
         self.result: Any = None
         self.error: BaseException | None = None
         self.session_id = session_id
+        #: Bytes of payload the request holds (what the queue's byte bound counts).
+        self.payload_bytes = payload_bytes
 
     @property
     def size(self) -> int:
         return 1
-
-    @property
-    def payload_bytes(self) -> int:
-        return 0
 
     def run(self, group: _Group) -> None:
         raise NotImplementedError
@@ -214,17 +212,13 @@ class Append(Request):
     __slots__ = ("rows", "single")
 
     def __init__(self, rows: Sequence[Row], single: bool) -> None:
-        super().__init__(rows[0][0] if rows else None)
+        super().__init__(rows[0][0] if rows else None, sum(row[5] for row in rows))
         self.rows = rows
         self.single = single
 
     @property
     def size(self) -> int:
         return len(self.rows)
-
-    @property
-    def payload_bytes(self) -> int:
-        return sum(row[5] for row in self.rows)
 
     def run(self, group: _Group) -> None:
         receipts = group.add(self.rows)
@@ -600,10 +594,33 @@ def _messages(request: Request) -> int:
     return len(request.rows) if isinstance(request, Append) else 0
 
 
+class Batched:
+    """A callback called once per finished group with all of its requests (in order)
+    that named it, instead of once per request: ``fn(requests)``. For many small
+    requests whose callback takes a lock the callers contend for."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Callable[[list[Request]], None]) -> None:
+        self.fn = fn
+
+
 def _wake(items: list[tuple[Request, Any]]) -> None:
-    """Wake every waiter of a finished group; asyncio waiters once per loop."""
+    """Wake every waiter of a finished group: each ``Batched`` callback once, first
+    (whoever wakes next sees them done), then the rest; asyncio waiters once per loop."""
+    batched: dict[Batched, list[Request]] = {}
+    for request, waiter in items:
+        if isinstance(waiter, Batched):
+            batched.setdefault(waiter, []).append(request)
+    for callback, requests in batched.items():
+        try:
+            callback.fn(requests)
+        except Exception:  # noqa: BLE001 - a caller's callback must not stop the writer
+            log.exception("callback for %d committed spool requests failed", len(requests))
     by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Request, asyncio.Future[Any]]]] = {}
     for request, waiter in items:
+        if isinstance(waiter, Batched):
+            continue
         if isinstance(waiter, tuple):
             by_loop.setdefault(waiter[0], []).append((request, waiter[1]))
         elif isinstance(waiter, concurrent.futures.Future):
