@@ -26,8 +26,7 @@ from _helpers import ROOT
 
 import walspool
 from walspool import AGENT_HISTORY, CAP_DROP, SHUTDOWN
-from walspool import _cli_output as cli_output
-from walspool.cli import COMMANDS, main
+from walspool.cli import COMMANDS, _statedb, main
 from walspool.replay import Replayer
 from walspool.schema import SCHEMA_VERSION
 
@@ -564,7 +563,7 @@ def test_replay_reports_a_locked_state_db(
     spool_file: Path,
     state_db: Path,
 ) -> None:
-    monkeypatch.setattr(cli_output, "STATE_DB_WAIT_SECONDS", 0.2)
+    monkeypatch.setattr(_statedb, "STATE_DB_WAIT_SECONDS", 0.2)
     holder = subprocess.Popen(
         [sys.executable, "-c", LOCK_HOLDER, str(state_db)],
         stdin=subprocess.PIPE,
@@ -605,7 +604,7 @@ conn.execute("ROLLBACK")
     ],
 )
 def test_state_db_messages(error: sqlite3.Error, expected: str) -> None:
-    message = cli_output.state_db_message(error, Path("/h/state.db"))
+    message = _statedb.state_db_message(error, Path("/h/state.db"))
     assert expected in message and "/h/state.db" in message and "\n" not in message
 
 

@@ -1,0 +1,7 @@
+"""``python -m walspool.cli``: the ``walspool`` command."""
+
+import sys
+
+from . import main
+
+sys.exit(main())

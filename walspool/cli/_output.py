@@ -1,0 +1,134 @@
+"""What every command prints with: exit codes, the stderr line, tables, times, sizes,
+JSON and the progress bar. Not public API.
+
+Text from users (session ids, reasons, errors, file names) goes through ``printable``
+before it reaches the terminal; ``--json`` output is JSON and so already unambiguous.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+import msgspec
+
+from ..text import printable
+
+EXIT_OK = 0
+#: An error: one line on stderr.
+EXIT_ERROR = 1
+#: The command ran but left something behind (rows held, files left in place).
+EXIT_HELD = 3
+#: Redraw the progress bar at most this often, in seconds.
+PROGRESS_INTERVAL = 0.1
+
+
+def warn(command: str, message: str) -> None:
+    """One line on stderr, prefixed ``walspool COMMAND:``, its text escaped."""
+    print(f"walspool {command}: {printable(message)}", file=sys.stderr)
+
+
+def iso(ts: float | None) -> str | None:
+    """Epoch seconds as ISO 8601 UTC with milliseconds, as the views print them."""
+    if ts is None:
+        return None
+    moment = datetime.datetime.fromtimestamp(ts, datetime.UTC)
+    return moment.strftime("%Y-%m-%dT%H:%M:%S.") + f"{moment.microsecond // 1000:03d}Z"
+
+
+def size(n: int) -> str:
+    """Bytes for people: 512 B, 4.0 KiB, 1.2 MiB."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{n} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """Left-aligned columns, two spaces apart; None prints as "-"."""
+    cells = [[str(h) for h in headers]] + [
+        ["-" if c is None else f"{c:,}" if isinstance(c, int) else printable(c) for c in row]
+        for row in rows
+    ]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    return "\n".join(
+        "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in cells
+    )
+
+
+def plural(n: int, word: str) -> str:
+    """``1 row``, ``2 rows``, with thousands separators."""
+    return f"{n:,} {word}{'' if n == 1 else 's'}"
+
+
+def clip(text: str | None, width: int = 80) -> str | None:
+    """One line of at most ``width`` characters."""
+    if text is None:
+        return None
+    text = printable(" ".join(text.split()))
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def dump(value: Any) -> str:
+    """Compact JSON text of a value (the ``--json`` outputs)."""
+    return msgspec.json.encode(value).decode("utf-8")
+
+
+def printable_lines(text: str) -> str:
+    """Text of several lines, each made ``printable``."""
+    return "\n".join(printable(line) for line in text.split("\n"))
+
+
+class Progress:
+    """A one-line progress bar (``label: done/total (pct%)``) redrawn with ``\\r``.
+
+    Draws only when ``stream`` is a terminal, at most every ``PROGRESS_INTERVAL``
+    seconds; ``close`` draws the final count and ends the line.
+    """
+
+    def __init__(self, label: str, stream: TextIO) -> None:
+        self.label = label
+        self.stream = stream
+        self.enabled = _isatty(stream)
+        self.drawn = False
+        self.last = 0.0
+        self.state = (0, 0)
+
+    def __call__(self, done: int, total: int) -> None:
+        self.state = (done, total)
+        now = time.monotonic()
+        if self.enabled and now - self.last >= PROGRESS_INTERVAL:
+            self.last = now
+            self._draw()
+
+    def _draw(self) -> None:
+        done, total = self.state
+        pct = f" ({100 * done // total}%)" if total else ""
+        self.stream.write(f"\r{self.label}: {done:,}/{total:,}{pct}")
+        self.stream.flush()
+        self.drawn = True
+
+    def close(self) -> None:
+        if self.enabled:
+            self._draw()
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def _isatty(stream: TextIO) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError, OSError):
+        return False
+
+
+def as_path(text: str) -> Path:
+    """A path argument, ``~`` expanded."""
+    return Path(os.path.expanduser(text))

@@ -1,0 +1,199 @@
+"""Reading a spool without writing to it: the read-only open every read command
+uses, and the records in drop order a page at a time. Not public API.
+
+Every spool connection made here is apsw and read-only (``mode=ro``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import apsw
+
+from .. import files, schema
+from ..errors import NotASpool, SpoolCorrupt, WalspoolError
+from ..files import SQLITE_MAGIC
+from ..records import Record
+from ..schema import open_reader, sqlite_error
+from ..spool import (
+    PAGE_ROWS,
+    RECORD_COLUMNS,
+    check_lookup,
+    read_page,
+    reasons_filter,
+    record_from_row,
+)
+from ._output import EXIT_ERROR, EXIT_OK, plural, warn
+
+
+@contextlib.contextmanager
+def reading(path: Path, *, cheap_check: bool = True) -> Iterator[apsw.Connection]:
+    """The spool opened read-only; SQLite failures become one-line walspool errors.
+
+    ``cheap_check`` touches the schema and each table's root (constant time), so a
+    damaged spool is reported as such before any output.
+    """
+    if not path.exists() and not path.is_symlink():
+        raise WalspoolError(
+            f"no spool at {path} (no such file); give the path of a spool "
+            "(the gateway's is <HERMES_HOME>/spool.db)",
+            path=path,
+        )
+    try:
+        head = files.read_head(path)
+        if head != SQLITE_MAGIC:
+            what = "an empty file" if not head else "not a SQLite database"
+            raise NotASpool(f"{path} is {what}, so not a walspool spool", path=path)
+        conn = open_reader(path)
+    except OSError as exc:
+        raise WalspoolError(f"cannot read {path}: {exc.strerror or exc}", path=path) from exc
+    except SpoolCorrupt as exc:
+        if isinstance(exc.__cause__, apsw.Error):
+            raise spool_error(exc.__cause__, path) from exc.__cause__
+        raise
+    try:
+        if cheap_check:
+            schema.cheap_check(conn)
+        yield conn
+    except apsw.Error as exc:
+        raise spool_error(exc, path) from exc
+    finally:
+        conn.close()
+
+
+def spool_error(exc: apsw.Error, path: Path) -> WalspoolError:
+    """A damaged spool gets a message saying so; other errors as the engine maps them."""
+    if isinstance(exc, (apsw.CorruptError, apsw.NotADBError)):
+        return SpoolCorrupt(
+            f"spool {path} is damaged ({exc}); run `walspool check {path}` and keep a copy "
+            "of the file before any repair",
+            path=path,
+        )
+    return sqlite_error(exc, path)
+
+
+# -- records in drop order ------------------------------------------------------
+
+INFLIGHT_SQL = "SELECT count(*) FROM records WHERE inflight IS NOT NULL"
+_ROW = f"SELECT {RECORD_COLUMNS}, inflight, size FROM records"
+_BY_REASON = "(:reasons IS NULL OR reason IN (SELECT value FROM json_each(:reasons)))"
+#: Keyset pages: streams spooled by session_id, then those spooled by key only,
+#: each in seq order; or one name's two streams. One short read per page.
+PAGES_SQL = {
+    (False, "id"): f"""{_ROW} WHERE session_id IS NOT NULL
+        AND (session_id, seq) > (:name, :seq) AND {_BY_REASON}
+        ORDER BY session_id, seq LIMIT :limit""",
+    (False, "key"): f"""{_ROW} INDEXED BY records_session_key_seq_idx WHERE session_id IS NULL
+        AND (session_key, seq) > (:name, :seq) AND {_BY_REASON}
+        ORDER BY session_key, seq LIMIT :limit""",
+    (True, "id"): f"""{_ROW} WHERE session_id = :session AND seq > :seq AND {_BY_REASON}
+        ORDER BY seq LIMIT :limit""",
+    (True, "key"): f"""{_ROW} INDEXED BY records_session_key_seq_idx WHERE session_id IS NULL
+        AND session_key = :session AND seq > :seq AND {_BY_REASON}
+        ORDER BY seq LIMIT :limit""",
+}
+COUNT_SQL = f"""SELECT count(*) FROM records WHERE {_BY_REASON}
+    AND (:session IS NULL OR session_id = :session
+         OR (session_id IS NULL AND session_key = :session))"""
+
+
+class BadPayload:
+    """In place of a message whose stored payload is not JSON: its raw text, flagged."""
+
+    __slots__ = ("raw", "error")
+
+    def __init__(self, raw: Any, error: str) -> None:
+        self.raw = raw if isinstance(raw, str) else repr(raw)
+        self.error = error
+
+
+def iter_records(
+    conn: apsw.Connection,
+    session: str | None = None,
+    reasons: Sequence[str] | None = None,
+    bad: list[str] | None = None,
+) -> Iterator[tuple[Record, int | None]]:
+    """Yield ``(record, inflight)`` in drop order, a page per read transaction.
+
+    ``session`` selects the rows spooled with that session_id and then those spooled
+    with that session_key but no session_id. Rows appended meanwhile may or may not
+    be seen; none is seen twice. A row whose payload is not JSON is yielded all the
+    same, its message a ``BadPayload``, and named in ``bad``.
+    """
+    path = Path(conn.filename)
+    if session is not None:
+        check_lookup(session, "session", path)
+    params: dict[str, Any] = {
+        "reasons": reasons_filter(reasons, path),
+        "session": session,
+        "limit": PAGE_ROWS,
+    }
+    for kind in ("id", "key"):
+        sql = PAGES_SQL[(session is not None, kind)]
+        name, seq = "", 0
+        while True:
+            rows, full = read_page(conn, sql, {**params, "name": name, "seq": seq})
+            for row in rows:
+                yield _record_or_flagged(row[:-2], path, bad), row[-2]
+            if not full:
+                break
+            last = rows[-1]
+            name, seq = (last[1] if kind == "id" else last[4]), last[2]
+
+
+def _record_or_flagged(row: tuple[Any, ...], path: Path, bad: list[str] | None) -> Record:
+    try:
+        return record_from_row(row, path)
+    except SpoolCorrupt as exc:
+        row_id, session_id, seq = row[0], row[1] if row[1] is not None else row[4], row[2]
+        if bad is not None:
+            bad.append(f"id {row_id} (session {session_id}, seq {seq})")
+        return Record(*row[:6], BadPayload(row[6], str(exc.__cause__ or exc)), *row[7:])
+
+
+def count_records(conn: apsw.Connection, session: str | None, reasons: Sequence[str] | None) -> int:
+    """How many rows ``iter_records`` would yield now (for the progress bar)."""
+    if session is not None:
+        check_lookup(session, "session", Path(conn.filename))
+    reasons_json = reasons_filter(reasons, Path(conn.filename))
+    return int(conn.execute(COUNT_SQL, {"reasons": reasons_json, "session": session}).get)
+
+
+def record_json(record: Record, inflight: int | None, *, message: bool = True) -> dict[str, Any]:
+    """One record as an ``export`` line / ``show --json`` row (see README)."""
+    out: dict[str, Any] = {
+        "id": record.id,
+        "session_id": record.session_id,
+        "session_key": record.session_key,
+        "seq": record.seq,
+        "reason": record.reason,
+        "created_at": record.created_at,
+        "attempts": record.attempts,
+        "last_error": record.last_error,
+        "last_attempt_at": record.last_attempt_at,
+        "inflight": inflight is not None,
+        "status": record.status,
+    }
+    if isinstance(record.message, BadPayload):
+        out["bad_payload"] = {"raw": record.message.raw, "error": record.message.error}
+        if message:
+            out["message"] = None
+    elif message:
+        out["message"] = record.message
+    return out
+
+
+def report_bad(command: str, bad: list[str]) -> int:
+    """Name the rows shown flagged because their payload is not JSON; exit 1 if any."""
+    if not bad:
+        return EXIT_OK
+    listed = ", ".join(bad[:20]) + (f" and {len(bad) - 20} more" if len(bad) > 20 else "")
+    warn(
+        command,
+        f"{plural(len(bad), 'row')} with a payload that is not valid JSON, shown flagged: "
+        f"{listed}; `walspool check` names them too",
+    )
+    return EXIT_ERROR

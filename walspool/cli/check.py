@@ -1,0 +1,164 @@
+"""``walspool check``: the full check of a spool, read-only."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import apsw
+
+from .. import schema
+from ..errors import SpoolCorrupt
+from ..schema import APPLICATION_ID, SCHEMA_VERSION
+from ..text import printable
+from ._output import EXIT_ERROR, EXIT_OK, clip, dump, plural, warn
+from ._reading import INFLIGHT_SQL, reading
+
+
+def run(args: argparse.Namespace) -> int:
+    """Check a spool in full; exit 1 on any problem.
+
+    PRAGMA integrity_check, application id and schema version, bookkeeping (every
+    stream has its `sequences` row, no seq at or past next_seq), seq order and
+    duplicates, payloads that are not JSON. Read-only, like stats, ls, show, export.
+    """
+    try:
+        with reading(args.spool, cheap_check=False) as conn:
+            result = run_check(conn, args.spool)
+    except SpoolCorrupt as exc:
+        result = check_result(args.spool, None, None, None, [str(exc)], [])
+    if args.json:
+        print(dump(result))
+    else:
+        print(f"spool          {printable(result['spool'])}")
+        print(f"application_id {result['application_id']}")
+        print(f"schema version {result['schema_version']}")
+        print(f"rows           {'-' if result['rows'] is None else format(result['rows'], ',')}")
+        for note in result["notes"]:
+            print(f"note: {printable(note)}")
+        for problem in result["problems"]:
+            print(f"problem: {printable(problem)}")
+        print("ok" if result["ok"] else plural(len(result["problems"]), "problem"))
+    if not result["ok"]:
+        n = plural(len(result["problems"]), "problem")
+        warn("check", f"spool {args.spool} has {n}: {clip(result['problems'][0], 200)}")
+        return EXIT_ERROR
+    return EXIT_OK
+
+
+_STREAM = "CASE WHEN r.session_id IS NULL THEN 'session_key' ELSE 'session_id' END"
+_NAME = "coalesce(r.session_id, r.session_key)"
+#: (what a non-zero count means, SQL counting the offending rows)
+BOOKKEEPING_CHECKS = (
+    (
+        "rows whose stream has no row in `sequences`",
+        f"""SELECT count(*) FROM records AS r WHERE NOT EXISTS (SELECT 1 FROM sequences AS s
+            WHERE s.stream = {_STREAM} AND s.name = {_NAME})""",
+    ),
+    (
+        "rows whose seq is not below their stream's next_seq in `sequences`",
+        f"""SELECT count(*) FROM records AS r JOIN sequences AS s
+            ON s.stream = {_STREAM} AND s.name = {_NAME} WHERE r.seq >= s.next_seq""",
+    ),
+    (
+        "rows that share their stream's seq with another row",
+        """SELECT coalesce(sum(n - 1), 0) FROM (SELECT count(*) AS n FROM records NOT INDEXED
+            GROUP BY session_id IS NULL, coalesce(session_id, session_key), seq
+            HAVING count(*) > 1)""",
+    ),
+    (
+        "rows whose seq is not above the seq of the row before them (by id) in their stream",
+        """SELECT count(*) FROM (SELECT seq, lag(seq) OVER (
+                PARTITION BY session_id IS NULL, coalesce(session_id, session_key)
+                ORDER BY id) AS before FROM records NOT INDEXED)
+            WHERE before >= seq""",
+    ),
+    (
+        "rows whose payload is not valid JSON",
+        "SELECT count(*) FROM records WHERE NOT json_valid(payload)",
+    ),
+)
+#: integrity_check lines reported at most.
+INTEGRITY_LINES = 100
+
+
+def run_check(conn: apsw.Connection, path: Path) -> dict[str, Any]:
+    """The ``check --json`` object: every problem found, and notes that are not problems."""
+    problems: list[str] = []
+    notes: list[str] = []
+    app_id = conn.execute("PRAGMA application_id").get
+    version = conn.execute("PRAGMA user_version").get
+    if app_id != APPLICATION_ID:
+        problems.append(f"application_id is {app_id}, not {APPLICATION_ID} (a walspool spool)")
+    if version != SCHEMA_VERSION:
+        problems.append(f"schema version is {version}; this walspool reads {SCHEMA_VERSION}")
+    rows: int | None = None
+
+    def attempt(what: str, fn: Callable[[], None]) -> None:
+        try:
+            fn()
+        except apsw.Error as exc:
+            problems.append(f"{what} failed: {exc}")
+
+    def integrity() -> None:
+        found = [
+            line
+            for (text,) in conn.execute(f"PRAGMA integrity_check({INTEGRITY_LINES})")
+            for line in str(text).splitlines()
+            if line and not line.startswith("*** in database")
+        ]
+        if found != ["ok"]:
+            problems.extend(f"integrity_check: {line}" for line in found)
+
+    def definitions() -> None:
+        problems.extend(schema.schema_problems(conn))
+
+    def count() -> None:
+        nonlocal rows
+        rows = conn.execute("SELECT count(*) FROM records NOT INDEXED").get
+
+    def bookkeeping(what: str, sql: str) -> None:
+        n = conn.execute(sql).get
+        if n:
+            problems.append(f"{n} {what}")
+
+    attempt("PRAGMA integrity_check", integrity)
+    if problems and "failed" in problems[-1]:
+        # SQLite could not even walk the file: every later query fails the same way.
+        return check_result(path, app_id, version, None, problems, notes)
+    attempt("reading the schema", definitions)
+    attempt("counting rows", count)
+    for what, sql in BOOKKEEPING_CHECKS:
+        attempt(f"checking for {what}", lambda w=what, s=sql: bookkeeping(w, s))
+
+    def inflight() -> None:
+        n = conn.execute(INFLIGHT_SQL).get
+        if n:
+            notes.append(
+                f"{plural(n, 'row')} in flight: out with a running replay, or left by an "
+                "interrupted or failed one; the next replay checks them against state.db first"
+            )
+
+    attempt("counting rows in flight", inflight)
+    return check_result(path, app_id, version, rows, problems, notes)
+
+
+def check_result(
+    path: Path,
+    app_id: int | None,
+    version: int | None,
+    rows: int | None,
+    problems: list[str],
+    notes: list[str],
+) -> dict[str, Any]:
+    return {
+        "spool": str(path),
+        "ok": not problems,
+        "application_id": app_id,
+        "schema_version": version,
+        "rows": rows,
+        "problems": problems,
+        "notes": notes,
+    }

@@ -1,0 +1,42 @@
+"""``walspool export``: spooled records as JSON lines."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ._output import Progress, dump
+from ._reading import count_records, iter_records, reading, record_json, report_bad
+
+
+def run(args: argparse.Namespace) -> int:
+    """Write spooled records to stdout as JSON lines, one record per line.
+
+    Each session in drop order (rows spooled by session id first, then rows spooled
+    by session key only). Every reason is exported unless --reason is given.
+    """
+    bad: list[str] = []
+    with reading(args.spool) as conn:
+        progress = Progress("export", sys.stderr)
+        total = count_records(conn, args.session, args.reason) if progress.enabled else 0
+        out = sys.stdout
+        try:
+            for n, (record, inflight) in enumerate(
+                iter_records(conn, args.session, args.reason, bad=bad), 1
+            ):
+                out.write(dump(record_json(record, inflight)) + "\n")
+                progress(n, total)
+        finally:
+            progress.close()
+    out.flush()
+    return report_bad("export", bad)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--session", metavar="S", help="only this session (id or key)")
+    p.add_argument(
+        "--reason",
+        action="append",
+        metavar="R",
+        help="only rows of this reason (repeatable); default: every reason",
+    )

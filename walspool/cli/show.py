@@ -1,0 +1,131 @@
+"""``walspool show``: one session's rows in drop order."""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import msgspec
+
+from .. import codec
+from ..errors import WalspoolError
+from ..records import QUARANTINED, SUPERSEDED, Record
+from ..text import printable
+from ._output import clip, dump, iso, plural, printable_lines, table
+from ._reading import BadPayload, iter_records, reading, record_json, report_bad
+
+#: The mark after ``attempts`` in ``show`` for a row of each status.
+STATUS_MARKS = {QUARANTINED: "Q", SUPERSEDED: "S"}
+
+
+def run(args: argparse.Namespace) -> int:
+    """Show one session's rows in drop order, with attempts and last error.
+
+    SESSION is a session id, or the session key of rows spooled without one. The
+    message column previews each payload; --full prints the payloads whole.
+    """
+    bad: list[str] = []
+    with reading(args.spool) as conn:
+        # Streamed: one page of rows in memory at a time, whatever their size.
+        rows = iter_records(conn, args.session, bad=bad)
+        first = next(rows, None)
+        if first is None:
+            raise WalspoolError(f"no rows for session {args.session!r} in {args.spool}")
+        rows = itertools.chain([first], rows)
+        if args.json:
+            _show_json(rows, args.full)
+        elif args.full:
+            _show_full(args, rows)
+        else:
+            _show_table(args, rows)
+    return report_bad("show", bad)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("session", metavar="SESSION", help="session id (or key)")
+    p.add_argument("--full", action="store_true", help="print each row's payload")
+
+
+def _show_json(rows: Iterator[tuple[Record, int | None]], full: bool) -> None:
+    out = sys.stdout
+    out.write("[")
+    for n, (r, inflight) in enumerate(rows):
+        out.write(("," if n else "") + dump(record_json(r, inflight, message=full)))
+    out.write("]\n")
+
+
+def _show_full(args: argparse.Namespace, rows: Iterator[tuple[Record, int | None]]) -> None:
+    print(f"session {printable(args.session)} in {printable(args.spool)}")
+    for r, inflight in rows:
+        print(
+            f"\nseq {r.seq}  id {r.id}  {printable(r.reason)}  {iso(r.created_at)}  "
+            f"attempts {r.attempts}{'  in flight' if inflight is not None else ''}"
+            f"{'  ' + r.status if r.status else ''}"
+        )
+        if r.last_error is not None:
+            print(f"last error ({iso(r.last_attempt_at)}): {printable(r.last_error)}")
+        print(pretty(r.message))
+
+
+def _show_table(args: argparse.Namespace, rows: Iterator[tuple[Record, int | None]]) -> None:
+    lines, marks = [], set()
+    for r, inflight in rows:  # only the short preview of each row is kept
+        lines.append(_show_line(r, inflight))
+        marks.add("*" if inflight is not None else r.status)
+    session, spool = printable(args.session), printable(args.spool)
+    print(f"session {session}: {plural(len(lines), 'row')} in {spool}")
+    headers = ("SEQ", "ID", "REASON", "CREATED", "ATTEMPTS", "LAST ERROR", "MESSAGE")
+    print(table(headers, lines))
+    if "*" in marks:
+        print("* in flight: out with a replay, or left to be checked against state.db first")
+    if QUARANTINED in marks:
+        print("Q quarantined: kept, not replayed; replay --quarantined once the cause is fixed")
+    if SUPERSEDED in marks:
+        print("S superseded by a transcript rewrite: kept, not replayed unless --superseded")
+
+
+def _show_line(r: Record, inflight: int | None) -> tuple[Any, ...]:
+    mark = "*" if inflight is not None else STATUS_MARKS.get(r.status or "", "")
+    attempts = f"{r.attempts}{mark}"
+    return (
+        r.seq,
+        r.id,
+        r.reason,
+        iso(r.created_at),
+        attempts,
+        clip(r.last_error, 60),
+        preview(r.message),
+    )
+
+
+def preview(message: Any, width: int = 60) -> str:
+    """A one-line glimpse of a message: its role and the start of its text."""
+    if isinstance(message, BadPayload):
+        text = f"[NOT JSON] {message.raw}"
+    elif isinstance(message, dict):
+        text = message.get("content", message.get("text"))
+        if not isinstance(text, str):
+            text = _json(message) if text is None else _json(text)
+        role = message.get("role")
+        text = f"{role}: {text}" if isinstance(role, str) else text
+    elif isinstance(message, str):
+        text = message
+    else:
+        text = _json(message)
+    text = printable(" ".join(text.split()))
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def pretty(value: Any) -> str:
+    """Indented JSON text of a value (``show --full``), controls JSON leaves raw
+    (DEL, C1, bidi) escaped too; a payload that is not JSON, flagged, as stored."""
+    if isinstance(value, BadPayload):
+        return f"[NOT JSON: {printable(value.error)}]\n{printable(value.raw)}"
+    return printable_lines(msgspec.json.format(dump(value), indent=2))
+
+
+def _json(value: Any) -> str:
+    return codec.encode(value).decode("utf-8")

@@ -1,0 +1,73 @@
+"""``walspool stats``: one summary of a spool."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+import apsw
+
+from ..records import QUARANTINED, SUPERSEDED
+from ..spool import STATS_BY_REASON_SQL, STATS_FAILING_SQL, STATS_SESSIONS_SQL, stats_from
+from ..text import printable
+from ._output import EXIT_OK, dump, iso, plural, size
+from ._reading import INFLIGHT_SQL, reading
+
+STATUS_COUNT_SQL = "SELECT status, count(*) FROM records WHERE status IS NOT NULL GROUP BY status"
+
+
+def run(args: argparse.Namespace) -> int:
+    """Summarize a spool.
+
+    Rows, sessions, payload bytes, oldest and newest row, rows by reason, rows with
+    errors, rows in flight, and the sizes of the db and WAL files.
+    """
+    with reading(args.spool) as conn:
+        stats = read_stats(conn, args.spool)
+    if args.json:
+        print(dump(stats))
+        return EXIT_OK
+    reasons = [f"{n:,} {printable(reason)}" for reason, n in stats["by_reason"].items()] or ["-"]
+    lines = [
+        ("spool", printable(stats["spool"])),
+        ("rows", f"{stats['rows']:,} in {plural(stats['sessions'], 'session')}"),
+        ("payload", size(stats["bytes"])),
+        ("oldest", stats["oldest"] or "-"),
+        ("newest", stats["newest"] or "-"),
+        ("by reason", reasons[0]),
+        *(("", r) for r in reasons[1:]),
+        ("with errors", plural(stats["failing"], "row")),
+        ("in flight", plural(stats["inflight"], "row")),
+        ("quarantined", plural(stats["quarantined"], "row")),
+        ("superseded", plural(stats["superseded"], "row")),
+        ("files", f"db {size(stats['db_bytes'])}, WAL {size(stats['wal_bytes'])}"),
+    ]
+    print("\n".join(f"{k:<12}{v}" for k, v in lines))
+    return EXIT_OK
+
+
+def read_stats(conn: apsw.Connection, path: Path) -> dict[str, Any]:
+    """The ``stats --json`` object (see README, "Command line")."""
+    with conn:
+        by_reason = conn.execute(STATS_BY_REASON_SQL).fetchall()
+        sessions = conn.execute(STATS_SESSIONS_SQL).get
+        failing = conn.execute(STATS_FAILING_SQL).get
+        inflight = conn.execute(INFLIGHT_SQL).get
+        by_status = dict(conn.execute(STATUS_COUNT_SQL).fetchall())
+    s = stats_from(by_reason, sessions, failing, path)
+    return {
+        "spool": str(path),
+        "rows": s.rows,
+        "sessions": s.sessions,
+        "bytes": s.bytes,
+        "oldest": iso(s.oldest),
+        "newest": iso(s.newest),
+        "by_reason": dict(sorted(s.by_reason.items())),
+        "failing": s.failing,
+        "inflight": inflight,
+        "db_bytes": s.db_bytes,
+        "wal_bytes": s.wal_bytes,
+        "quarantined": by_status.get(QUARANTINED, 0),
+        "superseded": by_status.get(SUPERSEDED, 0),
+    }
