@@ -437,3 +437,25 @@ def test_one_background_thread_retries_every_session(store, spool):
     assert link.wait_idle(WAIT)  # all 20 healed by that one thread, no new message
     for s in sessions:
         assert contents(store, s) == [f"{s}-{i}" for i in range(205)]
+
+
+def test_the_links_log_lines_escape_session_ids(store, spool, caplog):
+    """A session id is a chat platform's text: its newline or ESC must not forge or
+    rewrite a log line (every walspool logger escapes its arguments)."""
+    evil = "s\n2026-12-01 WARNING forged line \x1b[2K\u202e"
+    store._db.create_session(evil, "telegram")
+    link = install(store, spool, retry_interval=0.1)
+    sql(store, BREAK)
+    with caplog.at_level(logging.WARNING, logger="walspool"):
+        for i in range(205):
+            store.append_to_transcript(evil, msg(f"m{i}"))
+        spool.flush()
+        assert settle(link, lambda: link._sessions[evil].unconfirmed == 0)
+    lines = [r.getMessage() for r in caplog.records if r.name.startswith("walspool")]
+    spooled = [line for line in lines if "spooled oldest message" in line]
+    assert len(spooled) == 5
+    assert all("s\\n2026-12-01 WARNING forged line \\x1b[2K\\u202e" in line for line in spooled)
+    assert not any(c in line for line in lines for c in "\n\x1b\u202e")
+    sql(store, HEAL)
+    assert link.wait_idle(WAIT)
+    assert contents(store, evil) == [f"m{i}" for i in range(205)]

@@ -23,16 +23,16 @@ Errors the newer gateway blames on the row (``sinks.is_row_rejection``) become
 from __future__ import annotations
 
 import inspect
-import logging
 import threading
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from . import text
 from .records import Record
 from .sinks import SessionDBSink, Ticket, as_rejection
 
-log = logging.getLogger("walspool.shutdown_flush")
+log = text.logger("walspool.shutdown_flush")
 
 #: Stores ``recover_gateway_pending`` saw: a drain callback of theirs is tracked.
 _stores: weakref.WeakSet[Any] = weakref.WeakSet()

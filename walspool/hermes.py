@@ -70,7 +70,6 @@ full, its write lock held elsewhere past the bound, closed) is dropped with a WA
 
 from __future__ import annotations
 
-import logging
 import queue
 import threading
 import time
@@ -82,6 +81,7 @@ from typing import Any
 
 import apsw
 
+from . import text
 from .errors import ReplayBusy, UnsupportedGateway, WalspoolError
 from .records import AGENT_HISTORY, CAP_DROP, SHUTDOWN
 from .replay import LOCK_SUFFIX, Replayer, ReplayReport, _exclusive
@@ -89,7 +89,7 @@ from .sinks import SessionDBSink
 from .spool import Spool
 from .writer import Append, Batched, Request
 
-log = logging.getLogger("walspool.hermes")
+log = text.logger("walspool.hermes")
 
 #: What 0.19.0's SessionStore must have for the link to be correct.
 STORE_ATTRIBUTES = (

@@ -34,14 +34,13 @@ by a crash are quarantined, never guessed).
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from . import _upstream
+from . import _upstream, text
 from .errors import InvalidArgument, ReplayBusy, WalspoolError
 from .hermes import agent_history_message, slot_message
 from .jsonspool import FILE_PATTERN, QUARANTINE_PATTERN, import_json_spool
@@ -65,7 +64,7 @@ __all__ = [
     "spool_dropped_transcript_message",
 ]
 
-log = logging.getLogger("walspool.shutdown_flush")
+log = text.logger("walspool.shutdown_flush")
 
 #: Upstream's names for the reasons walspool calls ``CAP_DROP`` and ``AGENT_HISTORY``.
 TRANSCRIPT_CAP_DROP_REASON = CAP_DROP

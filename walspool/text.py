@@ -26,16 +26,22 @@ def printable(text: Any) -> str:
     return str(text).translate(_ESCAPES)
 
 
+def _escaped(arg: Any) -> Any:
+    """A log argument as text with its controls escaped; numbers stay numbers (for %d)."""
+    if arg is None or isinstance(arg, (int, float)):
+        return arg
+    return printable(arg)
+
+
 class _EscapeArguments(logging.Filter):
-    """Escapes the text arguments of a record before any handler formats it."""
+    """Escapes the arguments of a record (text, paths, exceptions: anything but a
+    number) before any handler formats it."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if isinstance(record.args, tuple):
-            record.args = tuple(printable(a) if isinstance(a, str) else a for a in record.args)
+            record.args = tuple(_escaped(a) for a in record.args)
         elif isinstance(record.args, dict):
-            record.args = {
-                k: printable(v) if isinstance(v, str) else v for k, v in record.args.items()
-            }
+            record.args = {k: _escaped(v) for k, v in record.args.items()}
         return True
 
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 import _thread
 import asyncio
 import concurrent.futures
-import logging
 import queue
 import threading
 import time
@@ -38,11 +37,12 @@ from typing import Any
 
 import apsw
 
+from . import text
 from .errors import SpoolClosed, SpoolFull, WalspoolError
 from .records import Receipt
 from .schema import sqlite_error, transaction
 
-log = logging.getLogger("walspool.writer")
+log = text.logger("walspool.writer")
 
 #: Requests the queue holds before ``put`` blocks.
 QUEUE_REQUESTS = 4096
@@ -212,7 +212,8 @@ class Append(Request):
     __slots__ = ("rows", "single")
 
     def __init__(self, rows: Sequence[Row], single: bool) -> None:
-        super().__init__(rows[0][0] if rows else None, sum(row[5] for row in rows))
+        size = rows[0][5] if len(rows) == 1 else sum(row[5] for row in rows)
+        super().__init__(rows[0][0] if rows else None, size)
         self.rows = rows
         self.single = single
 
