@@ -2,14 +2,72 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import apsw
-from _helpers import run_python
+import pytest
+from _helpers import ROOT, run_python
 
 import walspool
 from walspool.cli import main
+
+NOBODY = 65534
+SETPRIV = shutil.which("setpriv")
+as_root = pytest.mark.skipif(
+    os.geteuid() != 0 or SETPRIV is None, reason="needs root and setpriv to switch users"
+)
+
+
+@pytest.fixture
+def shared_tmp() -> Iterator[Path]:
+    """A directory other users can reach (pytest's own tmp_path is root's, 0700)."""
+    top = Path(tempfile.mkdtemp(prefix="walspool-ops-", dir="/tmp"))
+    os.chmod(top, 0o755)
+    try:
+        yield top
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
+
+
+def walspool_as(uid: int, *argv: object) -> subprocess.CompletedProcess[str]:
+    """``python -m walspool ARGV`` as ``uid`` (and its group, no others)."""
+    assert SETPRIV is not None
+    return subprocess.run(
+        [SETPRIV, f"--reuid={uid}", f"--regid={uid}", "--clear-groups",
+         sys.executable, "-m", "walspool", *map(str, argv)],
+        capture_output=True, text=True, timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "HOME": "/nonexistent"},
+    )  # fmt: skip
+
+
+def spool_of(uid: int, directory: Path, rows: int = 3) -> Path:
+    """A spool of ``rows`` messages for session s1 in ``directory``, owned by ``uid``."""
+    directory.mkdir(mode=0o700)
+    with walspool.Spool(directory / "spool.db") as spool:
+        spool.append_many([("s1", {"role": "user", "content": f"m{i}"}) for i in range(rows)])
+    for path in (directory, *directory.iterdir()):
+        os.chown(path, uid, uid)
+    return directory / "spool.db"
+
+
+def digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+#: Opens state.db, reads, and dies without closing it: its -wal and -shm stay.
+KILLED_READER = """
+import os, sqlite3, sys
+sqlite3.connect(sys.argv[1]).execute("SELECT count(*) FROM sessions").fetchall()
+os._exit(0)
+"""
 
 
 def spool_with_a_bad_payload(path: Path, rows: int = 3200, bad_at: int = 802) -> None:
@@ -50,3 +108,24 @@ def test_python_m_walspool_and_python_m_walspool_cli_run_the_command(tmp_path):
                           "stats", str(path), "--json")  # fmt: skip
         assert done.returncode == 0, done.stderr
         assert json.loads(done.stdout)["rows"] == 1
+
+
+@as_root
+def test_a_state_db_the_user_cannot_write_is_refused_before_the_spool_is_touched(shared_tmp):
+    """Defect 5: root's state.db (with its -wal and -shm, as a running or killed gateway
+    leaves them) replayed into by another user: one line, rc 1, the spool unchanged."""
+    hermes_state = pytest.importorskip("hermes_state")
+    state = shared_tmp / "state.db"
+    db = hermes_state.SessionDB(db_path=state)
+    db.create_session("s1", "telegram")
+    db.close()
+    assert run_python(KILLED_READER, str(state)).returncode == 0
+    assert Path(f"{state}-wal").exists() and Path(f"{state}-shm").exists()
+    path = spool_of(NOBODY, shared_tmp / "home")
+    before = digest(path)
+    done = walspool_as(NOBODY, "replay", path, "--into", state)
+    assert (done.returncode, done.stdout) == (1, ""), done.stderr
+    assert done.stderr.count("\n") == 1
+    assert done.stderr.startswith(f"walspool replay: cannot write state.db at {state}")
+    assert digest(path) == before
+    assert not Path(f"{path}-wal").exists()

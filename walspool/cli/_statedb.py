@@ -28,7 +28,9 @@ def open_state_db(path: Path, *, write: bool, wait: float | None = None) -> sqli
 
     With ``write``, take and release its write lock (``BEGIN IMMEDIATE``, waiting
     up to ``wait`` seconds), so a gateway holding it is reported before the replay
-    starts rather than as one held session after another.
+    starts rather than as one held session after another, and make one write that
+    is rolled back, so a state.db this user cannot write is reported before the
+    spool is touched (``BEGIN IMMEDIATE`` alone succeeds on a read-only file).
     """
     wait = STATE_DB_WAIT_SECONDS if wait is None else wait
     if not path.exists():
@@ -71,8 +73,7 @@ def open_state_db(path: Path, *, write: bool, wait: float | None = None) -> sqli
                 path=path,
             )
         if write:
-            conn.execute("BEGIN IMMEDIATE")
-            conn.execute("ROLLBACK")
+            try_write(conn)
     except BaseException as exc:
         if conn is not None:
             conn.close()
@@ -80,6 +81,21 @@ def open_state_db(path: Path, *, write: bool, wait: float | None = None) -> sqli
             raise StateDBError(state_db_message(exc, path), path=path) from exc
         raise
     return conn
+
+
+def try_write(conn: sqlite3.Connection) -> None:
+    """Write state.db's header in a transaction that is rolled back; raise if refused.
+
+    SQLite opens a file this user cannot write read-only without saying so, and takes
+    the write lock all the same; only a write tells. The value written is the one
+    already there, so not even a failed rollback could change anything.
+    """
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        version = conn.execute("PRAGMA user_version").fetchone()[0]
+        conn.execute(f"PRAGMA user_version = {int(version)}")
+    finally:
+        conn.execute("ROLLBACK")
 
 
 def state_db_message(exc: sqlite3.Error, path: Path) -> str:
@@ -91,7 +107,12 @@ def state_db_message(exc: sqlite3.Error, path: Path) -> str:
             f"state.db at {path} is locked by another process ({text}); wait for the "
             "gateway to finish writing, or stop it, and run the replay again"
         )
-    if "unable to open" in low or "readonly" in low or "read-only" in low:
+    if "readonly" in low or "read-only" in low:
+        return (
+            f"cannot write state.db at {path} ({text}); check the permissions of it, its "
+            "-wal and -shm files and its directory, or run as the gateway's user"
+        )
+    if "unable to open" in low:
         return (
             f"cannot open state.db at {path} for writing ({text}); check the permissions "
             "of the file and its directory, or run as the gateway's user"

@@ -30,20 +30,21 @@ def run(args: argparse.Namespace) -> int:
     agent histories only when asked for with --reason. --dry-run writes nothing: it reports what
     would move, judging by which sessions exist in state.db. Exit 3 when rows are held.
     """
-    with reading(args.spool) as conn:
-        streams = replay_streams(
-            conn, args.session, args.reason, statuses_filter(args.quarantined, args.superseded)
-        )
-    if args.dry_run:
-        state = open_state_db(args.into, write=False)
-        try:
-            report = dry_run_report(streams, state, args.create_missing)
-        except sqlite3.Error as exc:
-            raise StateDBError(state_db_message(exc, args.into), path=args.into) from exc
-        finally:
-            state.close()
-    else:
-        open_state_db(args.into, write=True).close()
+    # state.db first: one that cannot take the rows is reported before the spool is read.
+    state = open_state_db(args.into, write=not args.dry_run)
+    try:
+        with reading(args.spool) as conn:
+            streams = replay_streams(
+                conn, args.session, args.reason, statuses_filter(args.quarantined, args.superseded)
+            )
+        if args.dry_run:
+            try:
+                report = dry_run_report(streams, state, args.create_missing)
+            except sqlite3.Error as exc:
+                raise StateDBError(state_db_message(exc, args.into), path=args.into) from exc
+    finally:
+        state.close()
+    if not args.dry_run:
         report = _replay(args, total=sum(n for *_, n in streams))
     _print_replay(args, report)
     if report.held:
