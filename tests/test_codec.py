@@ -220,3 +220,103 @@ def test_deep_nesting_is_cut_not_raised(spool):
     spool.append("s", {"deep": deep})
     (rec,) = spool.records()
     assert isinstance(rec.message["deep"], list)
+
+
+def _nested_at(depth: int, value: object) -> dict:
+    """A message holding ``value`` at ``depth`` (the message is level 0, ``"deep"`` level
+    1, each list one level more), and a lone surrogate that sends it down the slow path."""
+    for _ in range(depth - 1):
+        value = [value]
+    return {"surrogate": "\udc80", "deep": value}
+
+
+def _unwrap(message: dict, depth: int) -> object:
+    value = message["deep"]
+    for _ in range(depth - 1):
+        (value,) = value
+    return value
+
+
+class Nested(enum.Enum):
+    PAIR = (("x",),)
+
+
+@dataclasses.dataclass
+class Holder:
+    items: list
+
+
+def test_an_enums_value_and_an_objects_fields_are_one_level_further_down(spool):
+    """At level 30 an enum's value sits at 31 (a list) and its inner tuple at 32 (cut, a
+    repr); a dataclass's fields dict sits at 31 and the list in it at 32 (cut)."""
+    spool.append("s", _nested_at(30, Nested.PAIR))
+    spool.append("s", _nested_at(30, Holder(["x"])))
+    enum_rec, object_rec = spool.records()
+    assert _unwrap(enum_rec.message, 30) == ["('x',)"]
+    assert _unwrap(object_rec.message, 30) == {"items": "['x']"}
+
+
+def test_an_enum_holding_a_container_on_the_slow_path(spool):
+    spool.append("s", {"surrogate": "\udc80", "kind": Nested.PAIR})
+    (rec,) = spool.records()
+    assert rec.message == {"surrogate": "\ufffd", "kind": [["x"]]}
+
+
+class Unprintable:
+    """A dict key whose ``str`` raises."""
+
+    __slots__ = ()
+
+    def __str__(self) -> str:
+        raise RuntimeError("no str")
+
+    def __repr__(self) -> str:
+        return "<Unprintable>"
+
+
+def test_a_key_whose_str_raises_is_its_repr(spool):
+    spool.append("s", {"surrogate": "\udc80", "keys": {Unprintable(): "v"}})
+    (rec,) = spool.records()
+    assert rec.message == {"surrogate": "\ufffd", "keys": {"<Unprintable>": "v"}}
+
+
+class RaisingFields:
+    """An object whose attributes cannot be read: ``__dict__`` itself raises."""
+
+    @property
+    def __dict__(self):  # type: ignore[override]
+        raise RuntimeError("no fields")
+
+    def __repr__(self) -> str:
+        return "<RaisingFields>"
+
+
+def test_a_message_whose_conversion_raises_is_stored_as_its_repr(spool):
+    spool.append("s", {"text": "hi", "event": RaisingFields()})
+    (rec,) = spool.records()
+    assert rec.message == "{'text': 'hi', 'event': <RaisingFields>}"
+
+
+def test_an_object_is_not_cut_when_msgspec_encodes_the_message_in_one_pass(spool):
+    """The depth cut belongs to the slow path: an object whose fields msgspec encodes
+    (the fast path) is stored whole, past level 32."""
+    deep: list = []
+    cur = deep
+    for _ in range(40):
+        nxt: list = []
+        cur.append(nxt)
+        cur = nxt
+    holder = Plain()
+    holder.deep = deep  # type: ignore[attr-defined]
+    spool.append("s", {"o": holder})
+    (rec,) = spool.records()
+    assert rec.message == {"o": {"a": 1, "deep": deep}}
+
+
+def test_a_datetime_timestamp_in_a_dict_is_stored_as_epoch_seconds(spool):
+    when = datetime.datetime(2026, 1, 1, 9, 0, tzinfo=datetime.UTC)
+    message = {"role": "user", "content": "hi", "timestamp": when}
+    spool.append("s", message)
+    (rec,) = spool.records()
+    assert rec.message == {"role": "user", "content": "hi", "timestamp": when.timestamp()}
+    assert message["timestamp"] is when  # the caller's dict is not changed
