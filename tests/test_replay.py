@@ -585,3 +585,231 @@ def test_an_agent_history_asked_for_by_reason_does_not_wedge_its_session(spool, 
     assert (report.moved, report.held) == (2, 0)
     assert contents(state_db, "s") == ["s-0", "s-2"]
     assert [r.reason for r in spool.records()] == [AGENT_HISTORY]
+
+
+# -- what a replay tells operators, and the paths the crash tests rarely take --------
+
+
+class UntrackedSink(MemorySink):
+    """A sink that cannot look tickets up: ``landed`` answers None."""
+
+    def landed(self, tickets: list[tuple[str, int, int]]) -> None:
+        return None
+
+
+def crash_before_writing(spool: walspool.Spool, sink: MemorySink, **replay: Any) -> None:
+    """Run a replay that dies at its first write: every row it took stays in flight."""
+
+    def die(session_id: str, record: Record, ticket: Any) -> None:
+        raise Crash
+
+    write = sink.write
+    sink.write = die  # type: ignore[method-assign]
+    with pytest.raises(Crash):
+        Replayer(spool, sink).replay(**replay)
+    sink.write = write  # type: ignore[method-assign]
+
+
+def messages_logged(caplog: pytest.LogCaptureFixture) -> list[tuple[str, str]]:
+    return [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "walspool.replay"]
+
+
+def test_rows_left_in_flight_for_a_sink_that_cannot_look_them_up_are_quarantined(spool, caplog):
+    spool.append_many([("s", msg("s", i)) for i in range(3)] + [("t", msg("t", 0))])
+    sink = UntrackedSink()
+    crash_before_writing(spool, sink)
+    spool.append("s", msg("s", 3))
+    caplog.set_level("INFO", logger="walspool.replay")
+    report = Replayer(spool, sink).replay()
+    assert (report.moved, report.held, report.quarantined, report.recovered) == (1, 0, 4, 0)
+    assert report.sessions["s"] == StreamReport("s", None, moved=1, held=0, quarantined=3)
+    assert report.sessions["t"] == StreamReport("t", None, moved=0, held=0, quarantined=1)
+    assert sink.messages("s") == [msg("s", 3)]  # the stream went on past them
+    kept = list(spool.records())
+    assert [(r.session_id, r.seq) for r in kept] == [("s", 1), ("s", 2), ("s", 3), ("t", 1)]
+    assert {(r.status, r.attempts, r.last_error) for r in kept} == {
+        ("quarantined", 1, walspool.replay.UNKNOWN_LANDING)
+    }
+    assert query(spool, "SELECT count(*) FROM records WHERE inflight IS NOT NULL") == [(0,)]
+    warnings = [text for level, text in messages_logged(caplog) if level == "WARNING"]
+    assert warnings[0] == (
+        f"{spool.path}: quarantined row {kept[0].id} (session_id s, seq 1), its stream goes "
+        f"on: {walspool.replay.UNKNOWN_LANDING}"
+    )
+    assert len(warnings) == 4
+
+
+def test_landed_rows_of_several_streams_are_all_removed_and_counted(spool, sink, caplog):
+    spool.append_many(
+        [("a", msg("a", i)) for i in range(2)] + [("b", msg("b", i)) for i in range(3)]
+    )
+    write = sink.write
+
+    def write_then_die(session_id: str, record: Record, ticket: Any) -> None:
+        write(session_id, record, ticket)
+        if (record.session_id, record.seq) == ("b", 2):
+            raise Crash
+
+    sink.write = write_then_die  # type: ignore[method-assign]
+    with pytest.raises(Crash):
+        Replayer(spool, sink).replay()
+    sink.write = write  # type: ignore[method-assign]
+    caplog.set_level("INFO", logger="walspool.replay")
+    report = Replayer(spool, sink).replay()
+    assert (report.recovered, report.moved, report.held) == (4, 1, 0)
+    assert list(spool.records()) == []
+    assert sink.messages("a") == [msg("a", i) for i in range(2)]
+    assert sink.messages("b") == [msg("b", i) for i in range(3)]
+    assert (
+        "WARNING",
+        (
+            f"{spool.path}: interrupted replay of session_id b recovered: 2 of 3 in-flight "
+            "rows had landed and were removed, the rest will be written"
+        ),
+    ) in messages_logged(caplog)
+
+
+def test_a_limit_caps_the_rows_resumed_and_leaves_the_rest_in_flight(spool, sink):
+    spool.append_many(
+        [("a", msg("a", i)) for i in range(3)] + [("b", msg("b", i)) for i in range(2)]
+    )
+    crash_before_writing(spool, sink)
+    spool.append("c", msg("c", 0))
+    report = Replayer(spool, sink).replay(limit=4)
+    assert (report.moved, report.held) == (4, 0)
+    assert sink.messages("a") == [msg("a", i) for i in range(3)]
+    assert sink.messages("b") == [msg("b", 0)] and sink.messages("c") == []
+    assert query(spool, "SELECT session_id, seq FROM records WHERE inflight IS NOT NULL") == [
+        ("b", 2)
+    ]
+    assert Replayer(spool, sink).replay(limit=0).moved == 0
+    assert Replayer(spool, sink).replay().moved == 2
+    assert sink.messages("b") == [msg("b", i) for i in range(2)]
+    assert sink.messages("c") == [msg("c", 0)]
+
+
+def test_a_write_that_raised_after_its_commit_counts_as_moved(spool, sink):
+    spool.append_many([("s", msg("s", i)) for i in range(3)])
+    write = sink.write
+
+    def write_then_raise(session_id: str, record: Record, ticket: Any) -> None:
+        write(session_id, record, ticket)
+        if record.seq == 2:
+            raise OSError("connection reset after commit")
+
+    sink.write = write_then_raise  # type: ignore[method-assign]
+    report = Replayer(spool, sink).replay()
+    assert (report.moved, report.held, report.errors) == (3, 0, {})
+    assert list(spool.records()) == []
+    assert sink.messages("s") == [msg("s", i) for i in range(3)]  # each exactly once
+
+
+def test_a_failed_write_whose_probe_raises_stays_in_flight(spool, sink):
+    spool.append_many([("s", msg("s", i)) for i in range(2)])
+    sink.refuse = lambda sid, rec: OSError("down")
+
+    def landed(tickets: list[Any]) -> set[Any]:
+        raise TimeoutError("state.db unreachable")
+
+    sink.landed = landed  # type: ignore[method-assign]
+    report = Replayer(spool, sink).replay()
+    assert (report.moved, report.held, report.errors) == (0, 2, {"s": "OSError: down"})
+    assert query(spool, "SELECT seq, attempts FROM records WHERE inflight IS NOT NULL") == [(1, 1)]
+
+
+def test_a_failed_write_to_a_sink_that_cannot_look_it_up_is_freed(spool):
+    sink = UntrackedSink()
+    spool.append_many([("s", msg("s", i)) for i in range(2)])
+    sink.refuse = lambda sid, rec: OSError("down")
+    report = Replayer(spool, sink).replay()
+    assert (report.moved, report.held, report.errors) == (0, 2, {"s": "OSError: down"})
+    assert query(spool, "SELECT count(*) FROM records WHERE inflight IS NOT NULL") == [(0,)]
+    assert [r.attempts for r in spool.records()] == [1, 0]
+    sink.refuse = lambda sid, rec: None
+    assert Replayer(spool, sink).replay().moved == 2
+    assert sink.messages("s") == [msg("s", i) for i in range(2)]
+
+
+def test_each_quarantined_row_is_counted_and_logged(spool, sink, caplog):
+    from walspool.sinks import RowRejected
+
+    spool.append_many([("s", msg("s", i)) for i in range(4)])
+    sink.refuse = lambda sid, rec: RowRejected("bad row") if rec.seq in (1, 3) else None
+    caplog.set_level("INFO", logger="walspool.replay")
+    report = Replayer(spool, sink).replay()
+    assert (report.moved, report.quarantined) == (2, 2)
+    assert report.sessions["s"].quarantined == 2
+    ids = [r.id for r in spool.records()]
+    assert messages_logged(caplog)[:2] == [
+        (
+            "WARNING",
+            f"{spool.path}: quarantined row {ids[0]} (session_id s, seq 1), its stream goes on: "
+            "RowRejected: bad row",
+        ),
+        (
+            "WARNING",
+            f"{spool.path}: quarantined row {ids[1]} (session_id s, seq 3), its stream goes on: "
+            "RowRejected: bad row",
+        ),
+    ]
+
+
+def test_a_held_stream_is_logged_with_its_row_and_error(spool, sink, caplog):
+    spool.append_many([("s", msg("s", i)) for i in range(3)])
+    sink.refuse = lambda sid, rec: OSError("down") if rec.seq == 2 else None
+    caplog.set_level("INFO", logger="walspool.replay")
+    report = Replayer(spool, sink).replay()
+    assert (report.moved, report.held) == (1, 2)
+    assert ("INFO", f"{spool.path}: replay of session_id s held at seq 2: OSError: down") in (
+        messages_logged(caplog)
+    )
+    failed = [r for r in spool.records() if r.attempts]
+    assert [(r.seq, r.last_error) for r in failed] == [(2, "OSError: down")]
+    assert failed[0].last_attempt_at is not None
+
+
+def test_a_resolver_that_raises_is_logged_with_the_key(spool, sink, caplog):
+    spool.append(None, msg("k", 0), session_key="agent:main:telegram:dm:7")
+
+    def resolver(key: str) -> str:
+        raise LookupError("sessions.json unreadable")
+
+    caplog.set_level("INFO", logger="walspool.replay")
+    Replayer(spool, sink, resolver=resolver).replay()
+    assert (
+        "WARNING",
+        "resolver failed for session_key 'agent:main:telegram:dm:7': sessions.json unreadable",
+    ) in messages_logged(caplog)
+
+
+def test_limits_apply_to_one_session_to_key_streams_and_across_batches(spool, sink):
+    spool.append_many([("s", msg("s", i)) for i in range(4)] + [("t", msg("t", 0))])
+    spool.append_many([(None, msg("k", i), "k") for i in range(3)])
+    replayer = Replayer(spool, sink, resolver=lambda key: "k-session", batch_rows=2)
+    assert replayer.replay(session_id="s", limit=3).moved == 3
+    assert sink.messages("s") == [msg("s", i) for i in range(3)]
+    assert replayer.replay(limit=3).moved == 3  # s-3, t-0, then one row by key
+    assert sink.messages("k-session") == [msg("k", 0)]
+    assert replayer.replay(limit=1).moved == 1
+    assert sink.messages("k-session") == [msg("k", 0), msg("k", 1)]
+
+
+def test_session_ids_that_sort_before_letters_are_replayed(spool, sink):
+    names = ["20260101_093000_ab12cd", "-100123", "A", " lead", "s"]
+    spool.append_many([(name, msg(name, 0)) for name in names])
+    assert Replayer(spool, sink).replay().moved == 5
+    assert {s for s, _ in sink.rows} == set(names)
+
+
+def test_by_default_a_failed_attempt_is_committed_before_replay_returns(spool, sink):
+    spool.append("s", msg("s", 0))
+    sink.refuse = lambda sid, rec: OSError("down")
+    replayer = Replayer(spool, sink)
+    assert replayer.wait_for_bookkeeping is True
+    later = []
+    execute_later = spool._execute_later
+    spool._execute_later = lambda fn: later.append(fn) or execute_later(fn)
+    assert replayer.replay().held == 1
+    spool._execute_later = execute_later
+    assert later == []  # nothing left for the writer's next group
+    assert query(spool, "SELECT attempts, last_error FROM records") == [(1, "OSError: down")]
