@@ -129,3 +129,63 @@ def test_a_state_db_the_user_cannot_write_is_refused_before_the_spool_is_touched
     assert done.stderr.startswith(f"walspool replay: cannot write state.db at {state}")
     assert digest(path) == before
     assert not Path(f"{path}-wal").exists()
+
+
+READ_COMMANDS = (["stats"], ["ls"], ["show", "s1", "--full"], ["export"], ["check"])
+
+
+def test_read_commands_create_no_file_beside_a_closed_spool(tmp_path, capsys):
+    """Defect 6: a cleanly closed spool has no -wal; reading it creates none, nor -shm."""
+    path = tmp_path / "home" / "spool.db"
+    with walspool.Spool(path) as spool:
+        spool.append_many([("s1", {"role": "user", "content": f"m{i}"}) for i in range(3)])
+    before = sorted(os.listdir(path.parent)), digest(path)
+    for argv in READ_COMMANDS:
+        assert main([argv[0], str(path), *argv[1:], "--json"]) == 0, argv
+        assert (sorted(os.listdir(path.parent)), digest(path)) == before, argv
+    out = capsys.readouterr().out
+    assert '"rows":3' in out and out.count('"content":"m2"') == 2
+
+
+@as_root
+def test_read_commands_work_in_a_directory_the_user_cannot_write(shared_tmp):
+    """Defect 6: root's spool, readable by others, in root's read-only directory."""
+    home = shared_tmp / "home"
+    path = spool_of(0, home)
+    os.chmod(home, 0o755)
+    os.chmod(path, 0o644)
+    for argv in READ_COMMANDS:
+        done = walspool_as(NOBODY, argv[0], path, *argv[1:], "--json")
+        assert (done.returncode, done.stderr) == (0, ""), argv
+    assert json.loads(walspool_as(NOBODY, "stats", path, "--json").stdout)["rows"] == 3
+    assert sorted(os.listdir(home)) == ["spool.db", "spool.db.open-lock"]
+
+
+#: Opens the spool, appends one row and closes it, as a gateway starting would.
+APPEND_ONE = """
+import sys, walspool
+with walspool.Spool(sys.argv[1]) as spool:
+    spool.append("s1", {"role": "user", "content": "late"})
+"""
+
+
+def test_a_writer_during_an_immutable_read_is_seen_and_its_wal_kept(tmp_path):
+    """The read of a spool without a -wal holds SQLite's shared lock itself: a writer
+    that comes and goes meanwhile cannot checkpoint its -wal away, and the next read
+    notices the -wal and reads again through it."""
+    from walspool.cli._readonly import SpoolReader
+
+    path = tmp_path / "spool.db"
+    with walspool.Spool(path) as spool:
+        spool.append_many([("s1", {"n": i}) for i in range(3)])
+    count = lambda conn: conn.execute("SELECT count(*) FROM records").get  # noqa: E731
+    reader = SpoolReader(path)
+    try:
+        assert reader.immutable and reader.read(count) == 3
+        done = run_python(APPEND_ONE, str(path))
+        assert (done.returncode, done.stderr) == (0, "")
+        assert Path(f"{path}-wal").exists()  # the writer could not finish its checkpoint
+        assert reader.read(count) == 4
+        assert not reader.immutable
+    finally:
+        reader.close()

@@ -1,7 +1,7 @@
 """Reading a spool without writing to it: the read-only open every read command
 uses, and the records in drop order a page at a time. Not public API.
 
-Every spool connection made here is apsw and read-only (``mode=ro``).
+Every spool connection made here is apsw and read-only, and creates no file.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from .. import files, schema
 from ..errors import NotASpool, SpoolCorrupt, WalspoolError
 from ..files import SQLITE_MAGIC
 from ..records import Record
-from ..schema import open_reader, sqlite_error
+from ..schema import sqlite_error
 from ..spool import (
     PAGE_ROWS,
     RECORD_COLUMNS,
@@ -27,11 +27,13 @@ from ..spool import (
     record_from_row,
 )
 from ._output import EXIT_ERROR, EXIT_OK, plural, warn
+from ._readonly import SpoolReader
 
 
 @contextlib.contextmanager
-def reading(path: Path, *, cheap_check: bool = True) -> Iterator[apsw.Connection]:
-    """The spool opened read-only; SQLite failures become one-line walspool errors.
+def reading(path: Path, *, cheap_check: bool = True) -> Iterator[SpoolReader]:
+    """The spool opened read-only, creating no file (see ``_readonly``); SQLite
+    failures become one-line walspool errors.
 
     ``cheap_check`` touches the schema and each table's root (constant time), so a
     damaged spool is reported as such before any output.
@@ -47,21 +49,23 @@ def reading(path: Path, *, cheap_check: bool = True) -> Iterator[apsw.Connection
         if head != SQLITE_MAGIC:
             what = "an empty file" if not head else "not a SQLite database"
             raise NotASpool(f"{path} is {what}, so not a walspool spool", path=path)
-        conn = open_reader(path)
+        reader = SpoolReader(path)
     except OSError as exc:
         raise WalspoolError(f"cannot read {path}: {exc.strerror or exc}", path=path) from exc
+    except apsw.Error as exc:
+        raise spool_error(exc, path) from exc
     except SpoolCorrupt as exc:
         if isinstance(exc.__cause__, apsw.Error):
             raise spool_error(exc.__cause__, path) from exc.__cause__
         raise
     try:
         if cheap_check:
-            schema.cheap_check(conn)
-        yield conn
+            reader.read(schema.cheap_check)
+        yield reader
     except apsw.Error as exc:
         raise spool_error(exc, path) from exc
     finally:
-        conn.close()
+        reader.close()
 
 
 def spool_error(exc: apsw.Error, path: Path) -> WalspoolError:
@@ -70,6 +74,13 @@ def spool_error(exc: apsw.Error, path: Path) -> WalspoolError:
         return SpoolCorrupt(
             f"spool {path} is damaged ({exc}); run `walspool check {path}` and keep a copy "
             "of the file before any repair",
+            path=path,
+        )
+    if isinstance(exc, (apsw.ReadOnlyError, apsw.CantOpenError)):
+        return WalspoolError(
+            f"cannot read spool {path} ({exc}): a gateway left its -wal or -shm file and "
+            f"this user can neither use it nor create it in {path.parent}; run as the "
+            "spool's owner",
             path=path,
         )
     return sqlite_error(exc, path)
@@ -111,7 +122,7 @@ class BadPayload:
 
 
 def iter_records(
-    conn: apsw.Connection,
+    reader: SpoolReader,
     session: str | None = None,
     reasons: Sequence[str] | None = None,
     bad: list[str] | None = None,
@@ -123,7 +134,7 @@ def iter_records(
     be seen; none is seen twice. A row whose payload is not JSON is yielded all the
     same, its message a ``BadPayload``, and named in ``bad``.
     """
-    path = Path(conn.filename)
+    path = reader.path
     if session is not None:
         check_lookup(session, "session", path)
     params: dict[str, Any] = {
@@ -135,7 +146,8 @@ def iter_records(
         sql = PAGES_SQL[(session is not None, kind)]
         name, seq = "", 0
         while True:
-            rows, full = read_page(conn, sql, {**params, "name": name, "seq": seq})
+            page = {**params, "name": name, "seq": seq}
+            rows, full = reader.read(lambda c, sql=sql, page=page: read_page(c, sql, page))
             for row in rows:
                 yield _record_or_flagged(row[:-2], path, bad), row[-2]
             if not full:
@@ -154,12 +166,12 @@ def _record_or_flagged(row: tuple[Any, ...], path: Path, bad: list[str] | None) 
         return Record(*row[:6], BadPayload(row[6], str(exc.__cause__ or exc)), *row[7:])
 
 
-def count_records(conn: apsw.Connection, session: str | None, reasons: Sequence[str] | None) -> int:
+def count_records(reader: SpoolReader, session: str | None, reasons: Sequence[str] | None) -> int:
     """How many rows ``iter_records`` would yield now (for the progress bar)."""
     if session is not None:
-        check_lookup(session, "session", Path(conn.filename))
-    reasons_json = reasons_filter(reasons, Path(conn.filename))
-    return int(conn.execute(COUNT_SQL, {"reasons": reasons_json, "session": session}).get)
+        check_lookup(session, "session", reader.path)
+    params = {"reasons": reasons_filter(reasons, reader.path), "session": session}
+    return int(reader.read(lambda c: c.execute(COUNT_SQL, params).get))
 
 
 def record_json(record: Record, inflight: int | None, *, message: bool = True) -> dict[str, Any]:

@@ -25,8 +25,8 @@ def run(args: argparse.Namespace) -> int:
     duplicates, payloads that are not JSON. Read-only, like stats, ls, show, export.
     """
     try:
-        with reading(args.spool, cheap_check=False) as conn:
-            result = run_check(conn, args.spool)
+        with reading(args.spool, cheap_check=False) as reader:
+            result = reader.read(lambda conn: run_check(conn, args.spool))
     except SpoolCorrupt as exc:
         result = check_result(args.spool, None, None, None, [str(exc)], [])
     if args.json:

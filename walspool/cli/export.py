@@ -16,13 +16,13 @@ def run(args: argparse.Namespace) -> int:
     by session key only). Every reason is exported unless --reason is given.
     """
     bad: list[str] = []
-    with reading(args.spool) as conn:
+    with reading(args.spool) as reader:
         progress = Progress("export", sys.stderr)
-        total = count_records(conn, args.session, args.reason) if progress.enabled else 0
+        total = count_records(reader, args.session, args.reason) if progress.enabled else 0
         out = sys.stdout
         try:
             for n, (record, inflight) in enumerate(
-                iter_records(conn, args.session, args.reason, bad=bad), 1
+                iter_records(reader, args.session, args.reason, bad=bad), 1
             ):
                 out.write(dump(record_json(record, inflight)) + "\n")
                 progress(n, total)

@@ -36,8 +36,8 @@ def run(args: argparse.Namespace) -> int:
     The `backlog` view, oldest first: rows, bytes, oldest, newest, max attempts and
     last error. Rows spooled with a session key but no session id show as `key:<KEY>`.
     """
-    with reading(args.spool) as conn:
-        backlog = read_backlog(conn)
+    with reading(args.spool) as reader:
+        backlog = reader.read(read_backlog)
     if args.json:
         print(dump(backlog))
     elif not backlog:

@@ -33,9 +33,10 @@ def run(args: argparse.Namespace) -> int:
     # state.db first: one that cannot take the rows is reported before the spool is read.
     state = open_state_db(args.into, write=not args.dry_run)
     try:
-        with reading(args.spool) as conn:
-            streams = replay_streams(
-                conn, args.session, args.reason, statuses_filter(args.quarantined, args.superseded)
+        statuses = statuses_filter(args.quarantined, args.superseded)
+        with reading(args.spool) as reader:
+            streams = reader.read(
+                lambda conn: replay_streams(conn, args.session, args.reason, statuses)
             )
         if args.dry_run:
             try:

@@ -28,9 +28,9 @@ def run(args: argparse.Namespace) -> int:
     message column previews each payload; --full prints the payloads whole.
     """
     bad: list[str] = []
-    with reading(args.spool) as conn:
+    with reading(args.spool) as reader:
         # Streamed: one page of rows in memory at a time, whatever their size.
-        rows = iter_records(conn, args.session, bad=bad)
+        rows = iter_records(reader, args.session, bad=bad)
         first = next(rows, None)
         if first is None:
             raise WalspoolError(f"no rows for session {args.session!r} in {args.spool}")

@@ -23,8 +23,8 @@ def run(args: argparse.Namespace) -> int:
     Rows, sessions, payload bytes, oldest and newest row, rows by reason, rows with
     errors, rows in flight, and the sizes of the db and WAL files.
     """
-    with reading(args.spool) as conn:
-        stats = read_stats(conn, args.spool)
+    with reading(args.spool) as reader:
+        stats = reader.read(lambda conn: read_stats(conn, args.spool))
     if args.json:
         print(dump(stats))
         return EXIT_OK
