@@ -596,9 +596,11 @@ def test_cli_replay_into_a_read_only_state_db_keeps_every_row(tmp_path):
     spool_path = str(tmp_path / "spool" / "spool.db")
     with read_only_file(tmp_path / "state.db"):
         rc, out, err = run_cli("replay", spool_path, "--into", str(tmp_path / "state.db"))
-    # state.db opens, each write fails for the database's state: rows held (exit 3)
-    assert (rc, err) == (3, "walspool replay: 3 rows held in 1 session\n"), out
-    assert "OperationalError: attempt to write a readonly database\n" in out
+    # The pre-check writes (and rolls back) before the spool is touched: one line, exit 1
+    # (issue 13, defect 5; the rows used to be held one session after another).
+    assert (rc, out) == (1, ""), err
+    assert err.startswith("walspool replay: cannot write state.db at ") and err.count("\n") == 1
+    assert "attempt to write a readonly database" in err
     with walspool.Spool(spool_path) as spool:
         assert snapshot(spool) == before
     rc, out, err = run_cli("replay", spool_path, "--into", str(tmp_path / "state.db"))
