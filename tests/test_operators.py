@@ -189,3 +189,41 @@ def test_a_writer_during_an_immutable_read_is_seen_and_its_wal_kept(tmp_path):
         assert not reader.immutable
     finally:
         reader.close()
+
+
+def test_an_unknown_reason_is_refused_with_the_known_ones(tmp_path, capsys):
+    """Defect 7: a --reason that can match nothing is a usage error naming the known
+    reasons; one of walspool's or one found in the spool is fine even with no row."""
+    path = tmp_path / "spool.db"
+    with walspool.Spool(path) as spool:
+        spool.append("s1", {"role": "user", "content": "x"})
+        spool.append("s1", {"role": "user", "content": "y"}, reason="custom-reason")
+    state = tmp_path / "state.db"
+    pytest.importorskip("hermes_state").SessionDB(db_path=state).close()
+    for argv in (["export", path], ["replay", path, "--into", state, "--dry-run"]):
+        assert main([str(a) for a in argv] + ["--reason", "shutdwon"]) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and err.count("\n") == 1
+        assert err.startswith(f"walspool {argv[0]}: unknown reason 'shutdwon'; known reasons: ")
+        assert "transcript_cap_drop, shutdown, shutdown-with-unpersisted-agent-history" in err
+        assert "custom-reason" in err
+    assert main(["export", str(path), "--reason", "custom-reason"]) == 0
+    assert main(["export", str(path), "--reason", "shutdown"]) == 0
+    assert len(capsys.readouterr().out.splitlines()) == 1
+
+
+def test_replay_of_a_session_with_no_rows_fails_as_show_does(tmp_path, capsys):
+    """Defect 7: `replay --session nosuch` and `show nosuch` both exit 1, same words."""
+    hermes_state = pytest.importorskip("hermes_state")
+    path = tmp_path / "spool.db"
+    with walspool.Spool(path) as spool:
+        spool.append("s1", {"role": "user", "content": "x"})
+    state = tmp_path / "state.db"
+    hermes_state.SessionDB(db_path=state).close()
+    before = digest(path)
+    for argv in (["show", path, "nosuch"], ["replay", path, "--into", state, "--session",
+                                             "nosuch"]):  # fmt: skip
+        assert main([str(a) for a in argv]) == 1
+        out, err = capsys.readouterr()
+        assert out == "" and err == f"walspool {argv[0]}: no rows for session 'nosuch' in {path}\n"
+    assert digest(path) == before

@@ -20,7 +20,8 @@ import apsw
 
 from ..errors import WalspoolError
 from . import check, demo, export, import_json, ls, replay, show, stats
-from ._output import EXIT_ERROR, as_path, warn
+from ._filters import UsageError
+from ._output import EXIT_ERROR, EXIT_USAGE, as_path, warn
 from ._reading import spool_error
 
 __all__ = ["COMMANDS", "build_parser", "main"]
@@ -70,6 +71,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))
+    except UsageError as exc:
+        warn(args.command, str(exc))
+        return EXIT_USAGE
     except WalspoolError as exc:
         warn(args.command, str(exc))
     except apsw.Error as exc:

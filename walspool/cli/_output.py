@@ -22,6 +22,8 @@ from ..text import printable
 EXIT_OK = 0
 #: An error: one line on stderr.
 EXIT_ERROR = 1
+#: Bad usage: an argument that cannot be right.
+EXIT_USAGE = 2
 #: The command ran but left something behind (rows held, files left in place).
 EXIT_HELD = 3
 #: Redraw the progress bar at most this often, in seconds.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ._filters import check_reasons
 from ._output import Progress, dump
 from ._reading import count_records, iter_records, reading, record_json, report_bad
 
@@ -17,6 +18,7 @@ def run(args: argparse.Namespace) -> int:
     """
     bad: list[str] = []
     with reading(args.spool) as reader:
+        check_reasons(reader, args.reason)
         progress = Progress("export", sys.stderr)
         total = count_records(reader, args.session, args.reason) if progress.enabled else 0
         out = sys.stdout

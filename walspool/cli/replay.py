@@ -15,6 +15,7 @@ from ..replay import Replayer, ReplayReport, statuses_filter
 from ..sinks import Sink, Ticket
 from ..text import printable
 from ._dryrun import dry_run_report, replay_streams
+from ._filters import check_reasons, check_session
 from ._output import EXIT_HELD, EXIT_OK, Progress, as_path, dump, plural, table, warn
 from ._reading import reading
 from ._statedb import StateDBError, open_state_db, state_db_message
@@ -35,6 +36,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         statuses = statuses_filter(args.quarantined, args.superseded)
         with reading(args.spool) as reader:
+            check_reasons(reader, args.reason)
+            check_session(reader, args.session, keys=False)
             streams = reader.read(
                 lambda conn: replay_streams(conn, args.session, args.reason, statuses)
             )

@@ -1,0 +1,51 @@
+"""The ``--reason`` and ``--session`` filters, checked against the spool before use.
+
+A filter that can match nothing is a typo far more often than a question, and an
+operator in an incident reads "moved 0 rows" as "nothing was waiting". So a reason
+that is neither one of walspool's nor found in the spool is refused with the list of
+known ones, and a session with no row at all is reported, as ``show`` reports it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ..errors import WalspoolError
+from ..records import AGENT_HISTORY, CAP_DROP, SHUTDOWN
+from ..spool import check_lookup
+from ._readonly import SpoolReader
+
+#: The reasons walspool itself spools rows with.
+KNOWN_REASONS = (CAP_DROP, SHUTDOWN, AGENT_HISTORY)
+REASON_EXISTS_SQL = "SELECT EXISTS (SELECT 1 FROM records WHERE reason = ?)"
+REASONS_SQL = "SELECT DISTINCT reason FROM records ORDER BY reason"
+SESSION_EXISTS_SQL = """SELECT EXISTS (SELECT 1 FROM records WHERE session_id = :session)
+    OR (:keys AND EXISTS (SELECT 1 FROM records
+                          WHERE session_id IS NULL AND session_key = :session))"""
+
+
+class UsageError(WalspoolError):
+    """An argument that cannot be right (exit status 2)."""
+
+
+def check_reasons(reader: SpoolReader, reasons: Sequence[str] | None) -> None:
+    """Refuse a ``--reason`` that is neither walspool's nor in the spool."""
+    for reason in reasons or ():
+        check_lookup(reason, "reason", reader.path)
+        if reason in KNOWN_REASONS:
+            continue
+        if not reader.read(lambda c, r=reason: c.execute(REASON_EXISTS_SQL, (r,)).get):
+            found = reader.read(lambda c: [r for (r,) in c.execute(REASONS_SQL)])
+            known = ", ".join(dict.fromkeys([*KNOWN_REASONS, *found]))
+            raise UsageError(f"unknown reason {reason!r}; known reasons: {known}")
+
+
+def check_session(reader: SpoolReader, session: str | None, *, keys: bool = True) -> None:
+    """Raise when ``session`` has no row: no row spooled with that session id, nor
+    (with ``keys``) with that session key and no id."""
+    if session is None:
+        return
+    check_lookup(session, "session", reader.path)
+    params = {"session": session, "keys": keys}
+    if not reader.read(lambda c: c.execute(SESSION_EXISTS_SQL, params).get):
+        raise WalspoolError(f"no rows for session {session!r} in {reader.path}")
