@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import sqlite3
 import threading
 import types
 from pathlib import Path
@@ -13,7 +14,18 @@ import pytest
 import walspool
 from walspool.records import Record
 from walspool.replay import Replayer
-from walspool.sinks import NotAMessage, SessionDBSink, SessionMissing, append_kwargs
+from walspool.sinks import (
+    NotAMessage,
+    RowRejected,
+    SessionDBClosed,
+    SessionDBSink,
+    SessionMissing,
+    append_kwargs,
+    as_rejection,
+    bindable,
+    is_row_rejection,
+    rejects_content,
+)
 
 hermes_state = pytest.importorskip("hermes_state")
 gateway_session = pytest.importorskip("gateway.session")
@@ -451,3 +463,171 @@ def test_a_row_the_newer_gateway_blames_is_a_content_rejection(state_db):
         sink.write("s", record(USER), TICKET)
     assert rejects_content(info.value) and isinstance(info.value.__cause__, TypeError)
     assert state_db.get_messages("s") == []
+
+
+# -- the classifiers, the binding rule and the ticket bookkeeping, one case at a time --
+
+ERRORS = {
+    "not a message": (NotAMessage(record({"messages": []})), True, False),
+    "row rejected": (RowRejected("TypeError: x"), True, True),
+    "interface": (sqlite3.InterfaceError("Error binding parameter 1"), True, True),
+    "interface, other": (sqlite3.InterfaceError("bad parameter"), True, False),
+    "data": (sqlite3.DataError("string or blob too big"), True, False),
+    "programming, binding": (sqlite3.ProgrammingError("Error binding parameter :x"), True, True),
+    "programming, Binding": (sqlite3.ProgrammingError("Binding parameter 2 failed"), False, True),
+    "programming, type": (sqlite3.ProgrammingError("type 'dict' is not supported"), True, False),
+    "programming, closed": (
+        sqlite3.ProgrammingError("Cannot operate on a closed db"),
+        False,
+        False,
+    ),
+    "not null": (sqlite3.IntegrityError("NOT NULL constraint failed: messages.role"), True, False),
+    "check": (sqlite3.IntegrityError("CHECK constraint failed: role"), True, False),
+    "mismatch": (sqlite3.IntegrityError("datatype mismatch"), True, False),
+    "foreign key": (sqlite3.IntegrityError("FOREIGN KEY constraint failed"), False, False),
+    "unique": (sqlite3.IntegrityError("UNIQUE constraint failed: messages.id"), False, False),
+    "locked": (sqlite3.OperationalError("database is locked"), False, False),
+    "malformed": (sqlite3.DatabaseError("database disk image is malformed"), False, False),
+    "overflow": (OverflowError("Python int too large"), True, True),
+    "unicode": (UnicodeEncodeError("utf-8", "\udc80", 0, 1, "surrogates"), True, True),
+    "recursion": (RecursionError("maximum recursion depth"), True, False),
+    "type": (TypeError("unhashable"), False, True),
+    "value": (ValueError("bad"), False, True),
+    "attribute": (AttributeError("no attribute"), False, True),
+    "os": (OSError("disk gone"), False, False),
+    "key": (KeyError("role"), False, False),
+}
+
+
+@pytest.mark.parametrize("case", ERRORS)
+def test_which_errors_blame_the_row(case):
+    """``rejects_content`` (walspool's rule) and ``is_row_rejection`` (the newer
+    gateway's), on each kind of error."""
+    exc, content, gateway = ERRORS[case]
+    assert rejects_content(exc) is content
+    assert is_row_rejection(exc) is gateway
+
+
+def test_a_row_only_the_newer_gateway_blames_becomes_a_row_rejected():
+    rejected = as_rejection(TypeError("unhashable type: 'dict'"))
+    assert isinstance(rejected, RowRejected)
+    assert str(rejected) == "TypeError: unhashable type: 'dict'"
+    assert as_rejection(OverflowError("too big")) is None  # walspool's rule already blames it
+    assert as_rejection(sqlite3.OperationalError("database is locked")) is None
+
+
+def test_bindable_turns_what_sqlite_cannot_bind_into_text():
+    kwargs = {
+        "role": {"r": 1},
+        "tool_name": ["a"],
+        "tool_call_id": 2**63,
+        "platform_message_id": -(2**63) - 1,
+        "reasoning": 2**63 - 1,
+        "reasoning_content": -(2**63),
+        "content": 2**64,
+        "tool_calls": {"kept": True},
+    }
+    assert bindable(kwargs) == {
+        "role": '{"r":1}',
+        "tool_name": '["a"]',
+        "tool_call_id": "9223372036854775808",
+        "platform_message_id": "-9223372036854775809",
+        "reasoning": 2**63 - 1,
+        "reasoning_content": -(2**63),
+        "content": "18446744073709551616",
+        "tool_calls": {"kept": True},
+    }
+    same = {"role": None, "tool_name": 1.5, "tool_call_id": True, "content": True}
+    assert bindable(same) == same
+    assert bindable({"content": 2**63 - 1}) == {"content": 2**63 - 1}
+    assert bindable({"content": -(2**63) - 1}) == {"content": "-9223372036854775809"}
+    assert bindable({"content": [1]}) == {"content": [1]}  # SessionDB stores lists itself
+
+
+def test_keywords_of_an_append_message_without_a_signature_all_pass():
+    seen: dict[str, Any] = {}
+
+    class Unsigned:
+        __signature__ = "not a signature"  # inspect.signature raises TypeError
+
+        def __call__(self, session_id: str, **kwargs: Any) -> int:
+            seen.update(kwargs)
+            return 1
+
+    SessionDBSink(types.SimpleNamespace(append_message=Unsigned())).write("s", record(USER), TICKET)
+    assert seen["api_content"] == USER["api_content"] and seen["observed"] is True
+
+
+def test_keyword_only_parameters_are_accepted_and_positional_only_are_not():
+    seen: dict[str, Any] = {}
+
+    class Db:
+        def append_message(
+            self, timestamp=None, /, *, session_id, role, content=None, observed=None
+        ):
+            seen.update(timestamp=timestamp, role=role, content=content, observed=observed)
+            return 1
+
+    SessionDBSink(Db()).write("s", record(USER), TICKET)
+    assert seen == {"timestamp": None, "role": "user", "content": USER["content"], "observed": True}
+
+
+def test_landed_answers_for_several_spools_at_once(state_db):
+    state_db.create_session("s", "cli")
+    sink = SessionDBSink(state_db)
+    sink.write("s", record(USER, rid=1), ("a", 1, 1))
+    sink.write("s", record(USER, rid=1), ("b", 1, 1))
+    sink.write("s", record(USER, rid=2), ("b", 2, 2))
+    asked = [("a", 1, 1), ("b", 1, 1), ("b", 2, 2), ("a", 2, 2), ("b", 3, 3)]
+    assert sink.landed(asked) == {("a", 1, 1), ("b", 1, 1), ("b", 2, 2)}
+
+
+def test_pruning_touches_only_its_own_spool_and_happens_once(state_db):
+    state_db.create_session("s", "cli")
+    sink = SessionDBSink(state_db)
+    for n in (1, 2):
+        sink.write("s", record(USER, rid=n), ("u", n, n))
+    sink.forget("u", below=3, keep=[])
+    sink.write("s", record(USER, rid=1), ("v", 1, 1))  # another spool's write: no prune
+    assert sink.landed([("u", 1, 1), ("u", 2, 2)]) == {("u", 1, 1), ("u", 2, 2)}
+    sink.write("s", record(USER, rid=3), ("u", 3, 3))  # prunes 1 and 2
+    assert sink.landed([("u", 1, 1), ("u", 2, 2), ("u", 3, 3)]) == {("u", 3, 3)}
+    sink.write("s", record(USER, rid=4), ("u", 4, 4))  # nothing left to prune: 3 stays
+    assert sink.landed([("u", 3, 3), ("u", 4, 4)]) == {("u", 3, 3), ("u", 4, 4)}
+    assert sink.landed([("v", 1, 1)]) == {("v", 1, 1)}
+
+
+def test_a_closed_session_db_cannot_be_asked_and_is_not_written_untracked(state_db):
+    state_db.create_session("s", "cli")
+    sink = SessionDBSink(state_db)
+    sink.write("s", record(USER), TICKET)
+    state_db.close()
+    with pytest.raises(SessionDBClosed, match="has no open connection; its rows stay in flight"):
+        sink.landed([TICKET])
+    with pytest.raises(SessionDBClosed, match="is closed"):
+        sink.write("s", record(TOOL, rid=2, seq=2), ("spool-uid", 2, 2))
+
+
+def test_an_agent_history_is_a_list_of_messages_and_nothing_else():
+    history = {"session_id": "s", "messages": [USER]}
+    with pytest.raises(NotAMessage):
+        SessionDBSink(LookAlike()).write("s", record(history), TICKET)
+    for message in (
+        {"messages": "not a list"},
+        {"messages": [USER], "role": "user"},
+        {"messages": [USER], "content": "x"},
+        {"messages": [USER], "text": "x"},
+    ):
+        db = LookAlike()
+        SessionDBSink(db).write("s", record(message), TICKET)
+        assert len(db.rows) == 1, message
+
+
+def test_an_event_whose_text_is_not_a_string_is_stored_as_json_text():
+    kwargs = append_kwargs(record({"text": ["a", 1], "platform_message_id": "p"}, created_at=T0))
+    assert kwargs == {
+        "role": "user",
+        "content": '["a",1]',
+        "platform_message_id": "p",
+        "timestamp": T0,
+    }
