@@ -459,3 +459,33 @@ def test_the_links_log_lines_escape_session_ids(store, spool, caplog):
     sql(store, HEAL)
     assert link.wait_idle(WAIT)
     assert contents(store, evil) == [f"m{i}" for i in range(205)]
+
+
+def test_after_an_outage_sessions_with_backlogs_take_turns(store, spool, monkeypatch):
+    """The background thread drains a slice of GATEWAY_DRAIN_ROWS rows of a session,
+    then the session longest due: a small session is not held behind a large backlog."""
+    monkeypatch.setattr(hermes, "GATEWAY_DRAIN_ROWS", 100)
+    for s in ("big", "small"):
+        store._db.create_session(s, "telegram")
+    link = install(store, spool, retry_interval=3600)  # no retry unless made due
+    sql(store, BREAK)
+    for i in range(700):
+        store.append_to_transcript("big", msg(f"big-{i}"))
+    for i in range(210):
+        store.append_to_transcript("small", msg(f"small-{i}"))
+    spool.flush()
+    assert settle(link, lambda: not any(s.unconfirmed for s in link._sessions.values()))
+    sql(store, HEAL)
+    with link._lock:  # both due now, "big" longest
+        link._sessions["big"].retry_at = 1.0
+        link._sessions["small"].retry_at = 2.0
+        link._schedule(0.0)
+    assert link.wait_idle(WAIT)
+    assert contents(store, "big") == [f"big-{i}" for i in range(700)]
+    assert contents(store, "small") == [f"small-{i}" for i in range(210)]
+    with store._db._lock:
+        ids = store._db._conn.execute("SELECT session_id, id FROM messages").fetchall()
+    last = {s: max(i for sid, i in ids if sid == s) for s in ("big", "small")}
+    first_big = min(i for sid, i in ids if sid == "big")
+    # "small" went after big's first slice, long before big's 500 spooled rows were all in
+    assert first_big < last["small"] < last["big"]

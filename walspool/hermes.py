@@ -51,7 +51,8 @@ Waits a gateway thread can meet because of walspool, with their bounds:
   ``flush_queues`` waits at most ``FLUSH_TIMEOUT`` (plus ``CONFIRM_WAIT``).
 
 Self-healing: while a session has queued or spooled work, the background thread
-retries it when its retry time passes, with no new message needed. The delay after
+retries it when its retry time passes, with no new message needed, a slice of at most
+``GATEWAY_DRAIN_ROWS`` spooled rows at a time, the session longest due first. The delay after
 the k-th failure in a row is ``retry_interval`` * 2 ** (k - 4), capped at
 ``retry_interval``: 1/8, 1/4, 1/2, then every ``retry_interval``, so a healed
 ``state.db`` receives everything within ``retry_interval`` plus the time the writes
@@ -828,11 +829,15 @@ class Link:
         self._thread.start()
 
     def _due_sessions(self) -> tuple[list[tuple[str, _Session, _Writer]], float | None]:
-        """Claim a session whose retry time has passed; when to look next. Lock held."""
+        """Claim the session longest due (its retry time passed first); when to look
+        next. One at a time: a claim held while the thread works on another session
+        would make a gateway thread wait for that one too. A session given a slice
+        of ``GATEWAY_DRAIN_ROWS`` rows is due again from then on, so sessions with
+        backlogs take turns. Lock held."""
         now = time.monotonic()
-        claimed: list[tuple[str, _Session, _Writer]] = []
-        soonest: float | None = None
-        for session_id, state in list(self._sessions.items()):
+        due: tuple[float, str, _Session] | None = None
+        later: float | None = None
+        for session_id, state in self._sessions.items():
             if (
                 state.writer is not None
                 or state.waiters
@@ -840,18 +845,16 @@ class Link:
                 or not self._has_work(session_id, state)
             ):
                 continue
-            if state.retry_at <= now:
-                if not claimed:
-                    # One at a time: a claim held while the thread works on another
-                    # session would make a gateway thread wait for that one too.
-                    claim = self._claim(state, background=True)
-                    if claim is not None:
-                        claimed.append((session_id, state, claim))
-                elif soonest is None or state.retry_at < soonest:
-                    soonest = state.retry_at
-            elif soonest is None or state.retry_at < soonest:
-                soonest = state.retry_at
-        return claimed, soonest
+            if state.retry_at > now:
+                later = state.retry_at if later is None else min(later, state.retry_at)
+            elif due is None or state.retry_at < due[0]:
+                due = (state.retry_at, session_id, state)
+        if due is None:
+            return [], later
+        _, session_id, state = due
+        claim = self._claim(state, background=True)
+        assert claim is not None  # no writer: checked above, under the same lock
+        return [(session_id, state, claim)], now
 
     def close(self) -> None:
         """Stop the background thread (at its next look). Idempotent. The link goes on
@@ -1128,7 +1131,8 @@ def _background(link_ref: weakref.ref[Link], due: threading.Condition) -> None:
                 due.wait(timeout)
                 continue
         for session_id, state, claim in claimed:
-            link._write_session(session_id, state, claim, budget=None)
+            # A bounded slice, then the session waits its turn behind the others due.
+            link._write_session(session_id, state, claim, budget=GATEWAY_DRAIN_ROWS)
         del link
 
 
