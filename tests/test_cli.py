@@ -330,10 +330,12 @@ def test_check_bookkeeping_problems(capsys: pytest.CaptureFixture[str], spool_fi
     problems = "\n".join(result["problems"])
     assert "2 rows whose stream has no row in `sequences`" in problems
     assert "2 rows whose seq is not below their stream's next_seq" in problems
-    assert "1 rows whose payload is not valid JSON" in problems
-    assert len(result["problems"]) == 3
+    assert "1 rows whose payload is not valid JSON: id 1 (session session-1, seq 1)" in problems
+    # The hand edit left the row's size as it was: that is a problem of its own.
+    assert "1 rows whose size is not their payload's length in bytes: id 1 (" in problems
+    assert len(result["problems"]) == 4
     assert re.search(r"^\d+ rows? in flight", result["notes"][0])
-    assert "has 3 problems" in one_error_line(err)
+    assert "has 4 problems" in one_error_line(err)
 
     rc, out, err = run(capsys, "export", spool_file)
     assert rc == 1 and "not valid JSON" in one_error_line(err)

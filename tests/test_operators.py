@@ -74,7 +74,9 @@ def spool_with_a_bad_payload(path: Path, rows: int = 3200, bad_at: int = 802) ->
     with walspool.Spool(path) as spool:
         spool.append_many([("s", {"role": "user", "content": f"m{i}"}) for i in range(rows)])
     conn = apsw.Connection(str(path))
-    conn.execute("UPDATE records SET payload = 'not json {' WHERE seq = ?", (bad_at + 1,))
+    conn.execute(
+        "UPDATE records SET payload = 'not json {', size = 10 WHERE seq = ?", (bad_at + 1,)
+    )
     conn.close()
 
 
@@ -227,3 +229,40 @@ def test_replay_of_a_session_with_no_rows_fails_as_show_does(tmp_path, capsys):
         out, err = capsys.readouterr()
         assert out == "" and err == f"walspool {argv[0]}: no rows for session 'nosuch' in {path}\n"
     assert digest(path) == before
+
+
+def test_check_names_bad_rows_and_notices_a_wrong_size(tmp_path, capsys):
+    """Defect 11: each bad payload and each wrong size named by id, session and seq."""
+    path = tmp_path / "spool.db"
+    spool_with_a_bad_payload(path, rows=40, bad_at=7)
+    conn = apsw.Connection(str(path))
+    conn.execute("UPDATE records SET size = size + 1 WHERE seq = 30")
+    conn.close()
+    assert main(["check", str(path), "--json"]) == 1
+    out, err = capsys.readouterr()
+    problems = json.loads(out)["problems"]
+    assert problems == [
+        "1 rows whose payload is not valid JSON: id 8 (session s, seq 8)",
+        "1 rows whose size is not their payload's length in bytes: id 30 (session s, seq 30)",
+    ]
+    assert err.count("\n") == 1 and "id 8 (session s, seq 8)" in err
+
+
+def test_check_json_prints_json_whatever_is_wrong(tmp_path, capsys):
+    """Defect 11: --json is an object even for no file, not a spool, a damaged spool;
+    and the damaged spool's problem does not advise running check."""
+    text = tmp_path / "notes.txt"
+    text.write_text("hello\n")
+    damaged = tmp_path / "damaged.db"
+    with walspool.Spool(damaged) as spool:
+        spool.append("s", {"role": "user", "content": "x"})
+    with open(damaged, "r+b") as f:
+        f.seek(100)
+        f.write(b"\xff" * 3000)
+    for path in (tmp_path / "missing.db", text, damaged):
+        assert main(["check", str(path), "--json"]) == 1
+        out, err = capsys.readouterr()
+        result = json.loads(out)
+        assert result["ok"] is False and result["spool"] == str(path), path
+        assert len(result["problems"]) == 1 and err.count("\n") == 1
+        assert "run `walspool check" not in out + err

@@ -10,7 +10,7 @@ from typing import Any
 import apsw
 
 from .. import schema
-from ..errors import SpoolCorrupt
+from ..errors import SpoolCorrupt, WalspoolError
 from ..schema import APPLICATION_ID, SCHEMA_VERSION
 from ..text import printable
 from ._output import EXIT_ERROR, EXIT_OK, clip, dump, plural, warn
@@ -22,13 +22,19 @@ def run(args: argparse.Namespace) -> int:
 
     PRAGMA integrity_check, application id and schema version, bookkeeping (every
     stream has its `sequences` row, no seq at or past next_seq), seq order and
-    duplicates, payloads that are not JSON. Read-only, like stats, ls, show, export.
+    duplicates, payloads that are not JSON and sizes that are not the payload's, each
+    bad row named (id, session, seq). --json prints its object whatever is wrong,
+    even when the file is no spool at all. Read-only, like stats, ls, show, export.
     """
     try:
         with reading(args.spool, cheap_check=False) as reader:
             result = reader.read(lambda conn: run_check(conn, args.spool))
-    except SpoolCorrupt as exc:
-        result = check_result(args.spool, None, None, None, [str(exc)], [])
+    except WalspoolError as exc:
+        if not (args.json or isinstance(exc, SpoolCorrupt)):
+            raise
+        # Not advice to run check itself, which is running.
+        text = str(exc).replace(f"; run `walspool check {args.spool}`", "")
+        result = check_result(args.spool, None, None, None, [text], [])
     if args.json:
         print(dump(result))
     else:
@@ -79,7 +85,21 @@ BOOKKEEPING_CHECKS = (
         "rows whose payload is not valid JSON",
         "SELECT count(*) FROM records WHERE NOT json_valid(payload)",
     ),
+    (
+        "rows whose size is not their payload's length in bytes",
+        "SELECT count(*) FROM records WHERE size != length(CAST(payload AS BLOB))",
+    ),
 )
+#: For the checks about single rows: SQL naming the first of them (id, stream, seq).
+NAMED_ROWS_SQL = {
+    "rows whose payload is not valid JSON": """SELECT id, coalesce(session_id, session_key),
+        seq FROM records WHERE NOT json_valid(payload) ORDER BY id LIMIT :limit""",
+    "rows whose size is not their payload's length in bytes": """SELECT id,
+        coalesce(session_id, session_key), seq FROM records
+        WHERE size != length(CAST(payload AS BLOB)) ORDER BY id LIMIT :limit""",
+}
+#: Rows named in one problem at most.
+NAMED_ROWS = 20
 #: integrity_check lines reported at most.
 INTEGRITY_LINES = 100
 
@@ -121,7 +141,12 @@ def run_check(conn: apsw.Connection, path: Path) -> dict[str, Any]:
 
     def bookkeeping(what: str, sql: str) -> None:
         n = conn.execute(sql).get
-        if n:
+        if n and what in NAMED_ROWS_SQL:
+            named = conn.execute(NAMED_ROWS_SQL[what], {"limit": NAMED_ROWS}).fetchall()
+            listed = ", ".join(f"id {i} (session {name}, seq {seq})" for i, name, seq in named)
+            more = f" and {n - len(named)} more" if n > len(named) else ""
+            problems.append(f"{n} {what}: {listed}{more}")
+        elif n:
             problems.append(f"{n} {what}")
 
     attempt("PRAGMA integrity_check", integrity)
