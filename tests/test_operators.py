@@ -266,3 +266,41 @@ def test_check_json_prints_json_whatever_is_wrong(tmp_path, capsys):
         assert result["ok"] is False and result["spool"] == str(path), path
         assert len(result["problems"]) == 1 and err.count("\n") == 1
         assert "run `walspool check" not in out + err
+
+
+def test_import_json_into_a_damaged_spool_fails_as_every_command_does(tmp_path, capsys):
+    """Defect 13: the damaged spool stays where it is; rc 1 and one prefixed line."""
+    path = tmp_path / "spool.db"
+    with walspool.Spool(path) as spool:
+        spool.append_many([("s", {"role": "user", "content": "m" * 500}) for _ in range(200)])
+    with open(path, "r+b") as f:
+        f.seek(100)
+        f.write(b"\xff" * 8000)
+    pending = tmp_path / "pending"
+    pending.mkdir()
+    (pending / "pending-1.json").write_text(json.dumps({"session_key": "k", "data": {}}))
+    before = sorted(os.listdir(tmp_path)), digest(path)
+    assert main(["import-json", str(path), str(pending)]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1
+    assert err.startswith(f"walspool import-json: spool {path} is damaged")
+    assert (sorted(os.listdir(tmp_path)), digest(path)) == before
+    assert (pending / "pending-1.json").exists()
+
+
+def test_log_lines_reach_stderr_prefixed(tmp_path, capsys):
+    """A library error during a command is one `walspool COMMAND:` line, escaped;
+    warnings (which the command's own report covers) and below are not shown."""
+    import logging
+
+    class Logs:
+        def run(self, args):
+            logging.getLogger("walspool.test").error("odd name %s", "a\nb")
+            logging.getLogger("hermes_state").warning("not shown")
+            return 0
+
+    from walspool.cli import _output
+
+    with _output.log_lines("stats"):
+        Logs().run(None)
+    assert capsys.readouterr().err == "walspool stats: odd name a\\nb\n"

@@ -21,7 +21,7 @@ import apsw
 from ..errors import WalspoolError
 from . import check, demo, export, import_json, ls, replay, show, stats
 from ._filters import UsageError
-from ._output import EXIT_ERROR, EXIT_USAGE, as_path, warn
+from ._output import EXIT_ERROR, EXIT_USAGE, as_path, log_lines, warn
 from ._reading import spool_error
 
 __all__ = ["COMMANDS", "build_parser", "main"]
@@ -70,7 +70,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; return the exit status."""
     args = build_parser().parse_args(argv)
     try:
-        return int(args.func(args))
+        with log_lines(args.command):
+            return int(args.func(args))
     except UsageError as exc:
         warn(args.command, str(exc))
         return EXIT_USAGE

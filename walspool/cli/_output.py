@@ -7,11 +7,13 @@ before it reaches the terminal; ``--json`` output is JSON and so already unambig
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import logging
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -33,6 +35,37 @@ PROGRESS_INTERVAL = 0.1
 def warn(command: str, message: str) -> None:
     """One line on stderr, prefixed ``walspool COMMAND:``, its text escaped."""
     print(f"walspool {command}: {printable(message)}", file=sys.stderr)
+
+
+class _Prefixed(logging.Handler):
+    """Log records as ``warn`` lines: one line each, prefixed, escaped."""
+
+    def __init__(self, command: str) -> None:
+        super().__init__(logging.ERROR)
+        self.command = command
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            text = record.getMessage()
+            if record.exc_info and record.exc_info[1] is not None:
+                text += f" ({type(record.exc_info[1]).__name__}: {record.exc_info[1]})"
+            warn(self.command, text)
+        except Exception:
+            self.handleError(record)
+
+
+@contextlib.contextmanager
+def log_lines(command: str) -> Iterator[None]:
+    """While a command runs, every log line of ERROR and above (walspool's, hermes')
+    reaches stderr as a ``walspool COMMAND:`` line. Lower ones are not shown: the
+    warnings a command can meet (a row held, a file left in place) are in its report."""
+    handler = _Prefixed(command)
+    root = logging.getLogger()
+    root.addHandler(handler)
+    try:
+        yield
+    finally:
+        root.removeHandler(handler)
 
 
 def iso(ts: float | None) -> str | None:

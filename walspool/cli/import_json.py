@@ -9,6 +9,7 @@ import msgspec
 
 from ..text import printable
 from ._output import EXIT_HELD, EXIT_OK, Progress, as_path, dump, plural, warn
+from ._reading import reading
 
 
 def run(args: argparse.Namespace) -> int:
@@ -21,6 +22,10 @@ def run(args: argparse.Namespace) -> int:
     from ..jsonspool import import_json_spool
     from ..spool import Spool
 
+    if args.spool.is_file() and args.spool.stat().st_size:
+        # A damaged spool is reported, as every command reports it, not moved aside.
+        with reading(args.spool):
+            pass
     progress = Progress("import", sys.stderr)
     try:
         with Spool(args.spool) as spool:
