@@ -355,8 +355,8 @@ def test_records_row_with_a_bogus_seq(spool_path):
     filled(spool_path)
     raw(
         spool_path,
-        "INSERT INTO records (session_id, seq, reason, created_at, payload) "
-        "VALUES ('s', 1000, ?, 0, ?)",
+        "INSERT INTO records (session_id, seq, reason, created_at, payload, size) "
+        "VALUES ('s', 1000, ?1, 0, ?2, length(CAST(?2 AS BLOB)))",
         (CAP_DROP, json.dumps(msg(1000))),
     )
     rc, result = check(spool_path)
@@ -389,8 +389,8 @@ def test_records_row_inserted_out_of_id_order(spool_path):
     raw(spool_path, "DELETE FROM records WHERE session_id = 's' AND seq = 2")
     raw(
         spool_path,
-        "INSERT INTO records (id, session_id, seq, reason, created_at, payload) "
-        "VALUES (100, 's', 2, ?, 0, ?)",
+        "INSERT INTO records (id, session_id, seq, reason, created_at, payload, size) "
+        "VALUES (100, 's', 2, ?1, 0, ?2, length(CAST(?2 AS BLOB)))",
         (CAP_DROP, json.dumps(msg(1))),
     )
     rc, result = check(spool_path)
@@ -451,13 +451,16 @@ def test_check_reports_a_payload_that_is_not_json(spool_path):
     filled(spool_path)
     raw(
         spool_path,
-        "INSERT INTO records (session_id, seq, reason, created_at, payload) "
-        "VALUES ('bad', 1, ?, 0, 'not json')",
+        "INSERT INTO records (session_id, seq, reason, created_at, payload, size) "
+        "VALUES ('bad', 1, ?, 0, 'not json', 8)",
         (CAP_DROP,),
     )
     raw(spool_path, "INSERT INTO sequences VALUES ('session_id', 'bad', 2)")
     rc, result = check(spool_path)
-    assert rc == 1 and result["problems"] == ["1 rows whose payload is not valid JSON"]
+    # Each bad row named by id, session and seq (issue 13, defect 11).
+    assert rc == 1 and result["problems"] == [
+        "1 rows whose payload is not valid JSON: id 5 (session bad, seq 1)"
+    ]
 
 
 def _not_json_row(path: Path) -> None:
