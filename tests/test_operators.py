@@ -304,3 +304,21 @@ def test_log_lines_reach_stderr_prefixed(tmp_path, capsys):
     with _output.log_lines("stats"):
         Logs().run(None)
     assert capsys.readouterr().err == "walspool stats: odd name a\\nb\n"
+
+
+def test_ls_stats_and_show_print_one_time_for_one_row(tmp_path, capsys):
+    """Defect 9: one rule for times (truncated to the millisecond) in every command;
+    SQLite's strftime in the backlog view would round .9996 up to the next second."""
+    path = tmp_path / "spool.db"
+    with walspool.Spool(path) as spool:
+        spool.append("s1", {"role": "user", "content": "x"})
+    conn = apsw.Connection(str(path))
+    conn.execute("UPDATE records SET created_at = 1700000000.9996")
+    conn.close()
+    shown = "2023-11-14T22:13:20.999Z"
+    for argv in (["ls"], ["stats"], ["show", "s1"]):
+        assert main([argv[0], str(path), *argv[1:]]) == 0
+        assert shown in capsys.readouterr().out, argv
+    assert main(["ls", str(path), "--json"]) == 0
+    (stream,) = json.loads(capsys.readouterr().out)
+    assert stream["oldest"] == stream["newest"] == shown
