@@ -322,3 +322,38 @@ def test_ls_stats_and_show_print_one_time_for_one_row(tmp_path, capsys):
     assert main(["ls", str(path), "--json"]) == 0
     (stream,) = json.loads(capsys.readouterr().out)
     assert stream["oldest"] == stream["newest"] == shown
+
+
+def test_a_session_id_equal_to_a_session_key_stays_a_stream_of_its_own(tmp_path, capsys):
+    """Defect 10: `show NAME` shows the session id's stream only (and says the other
+    exists), --key the key's; the dry run's report keeps both streams, apart."""
+    hermes_state = pytest.importorskip("hermes_state")
+    path = tmp_path / "spool.db"
+    with walspool.Spool(path) as spool:
+        spool.append_many([("same", {"role": "user", "content": f"id {i}"}) for i in range(2)])
+        spool.append(None, "slot", reason=walspool.SHUTDOWN, session_key="same")
+    assert main(["show", str(path), "same", "--json", "--full"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["session_id"], r["message"]["content"]) for r in rows] == [
+        ("same", "id 0"), ("same", "id 1"),
+    ]  # fmt: skip
+    assert main(["show", str(path), "same"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("session same: 2 rows") and "show it with --key" in out
+    assert main(["show", str(path), "same", "--key", "--json", "--full"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    assert (row["session_id"], row["session_key"], row["message"]) == (None, "same", "slot")
+
+    state = tmp_path / "state.db"
+    db = hermes_state.SessionDB(db_path=state)
+    db.create_session("same", "telegram")
+    db.close()
+    argv = ["replay", str(path), "--into", str(state), "--dry-run", "--reason", "shutdown",
+            "--reason", "transcript_cap_drop"]  # fmt: skip
+    assert main([*argv, "--json"]) == 3
+    report = json.loads(capsys.readouterr().out)
+    assert (report["moved"], report["held"]) == (2, 1)
+    assert report["sessions"]["same"]["moved"] == 2
+    assert report["sessions"]["key:same"]["held"] == 1
+    assert main(argv) == 3
+    assert "key:same  1" in capsys.readouterr().out

@@ -41,6 +41,7 @@ def dry_run_report(
 ) -> ReplayReport:
     """What a replay would do, judged by which sessions exist in state.db."""
     sessions: dict[str, StreamReport] = {}
+    ids = {session_id for session_id, _, _ in streams if session_id is not None}
     for session_id, session_key, rows in streams:
         if session_id is None:
             error: str | None = (
@@ -52,7 +53,10 @@ def dry_run_report(
         else:
             error = str(SessionMissing(session_id))
         moved, held = (0, rows) if error else (rows, 0)
+        # A key stream named like a session id stays apart from it (``key:`` prefix).
         name = session_id if session_id is not None else str(session_key)
+        if session_id is None and name in ids:
+            name = f"key:{name}"
         sessions[name] = StreamReport(session_id, session_key, moved, held, error)
     return ReplayReport(
         moved=sum(s.moved for s in sessions.values()),

@@ -19,6 +19,10 @@ from ._readonly import SpoolReader
 KNOWN_REASONS = (CAP_DROP, SHUTDOWN, AGENT_HISTORY)
 REASON_EXISTS_SQL = "SELECT EXISTS (SELECT 1 FROM records WHERE reason = ?)"
 REASONS_SQL = "SELECT DISTINCT reason FROM records ORDER BY reason"
+STREAM_EXISTS_SQL = {
+    "id": "SELECT EXISTS (SELECT 1 FROM records WHERE session_id = ?)",
+    "key": "SELECT EXISTS (SELECT 1 FROM records WHERE session_id IS NULL AND session_key = ?)",
+}
 SESSION_EXISTS_SQL = """SELECT EXISTS (SELECT 1 FROM records WHERE session_id = :session)
     OR (:keys AND EXISTS (SELECT 1 FROM records
                           WHERE session_id IS NULL AND session_key = :session))"""
@@ -49,3 +53,10 @@ def check_session(reader: SpoolReader, session: str | None, *, keys: bool = True
     params = {"session": session, "keys": keys}
     if not reader.read(lambda c: c.execute(SESSION_EXISTS_SQL, params).get):
         raise WalspoolError(f"no rows for session {session!r} in {reader.path}")
+
+
+def has_stream(reader: SpoolReader, name: str, kind: str) -> bool:
+    """Whether rows were spooled with session id ``name`` (``kind`` "id") or with
+    session key ``name`` and no id ("key")."""
+    check_lookup(name, "session", reader.path)
+    return bool(reader.read(lambda c: c.execute(STREAM_EXISTS_SQL[kind], (name,)).get))

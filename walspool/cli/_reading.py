@@ -126,13 +126,16 @@ def iter_records(
     session: str | None = None,
     reasons: Sequence[str] | None = None,
     bad: list[str] | None = None,
+    kinds: Sequence[str] = ("id", "key"),
 ) -> Iterator[tuple[Record, int | None]]:
     """Yield ``(record, inflight)`` in drop order, a page per read transaction.
 
     ``session`` selects the rows spooled with that session_id and then those spooled
-    with that session_key but no session_id. Rows appended meanwhile may or may not
-    be seen; none is seen twice. A row whose payload is not JSON is yielded all the
-    same, its message a ``BadPayload``, and named in ``bad``.
+    with that session_key but no session_id; ``kinds`` narrows it to streams
+    spooled by session id (``"id"``) or by key only (``"key"``). Rows appended
+    meanwhile may or may not be seen; none is seen twice. A row whose payload is
+    not JSON is yielded all the same, its message a ``BadPayload``, and named in
+    ``bad``.
     """
     path = reader.path
     if session is not None:
@@ -142,7 +145,7 @@ def iter_records(
         "session": session,
         "limit": PAGE_ROWS,
     }
-    for kind in ("id", "key"):
+    for kind in kinds:
         sql = PAGES_SQL[(session is not None, kind)]
         name, seq = "", 0
         while True:

@@ -11,7 +11,7 @@ import msgspec
 
 from ..errors import WalspoolError
 from ..records import AGENT_HISTORY, Record
-from ..replay import Replayer, ReplayReport, statuses_filter
+from ..replay import Replayer, ReplayReport, StreamReport, statuses_filter
 from ..sinks import Sink, Ticket
 from ..text import printable
 from ._dryrun import dry_run_report, replay_streams
@@ -145,8 +145,16 @@ def _print_replay(args: argparse.Namespace, report: ReplayReport) -> None:
         )
     if report.held:
         print(f"{held} {plural(report.held, 'row')} in {plural(len(report.errors), 'session')}:")
-        rows = [(name, report.sessions[name].held, error) for name, error in report.errors.items()]
+        rows = [
+            (_stream(report.sessions[name]), report.sessions[name].held, error)
+            for name, error in report.errors.items()
+        ]
         print(table(("SESSION", "HELD", "WHY"), rows))
+
+
+def _stream(s: StreamReport) -> str:
+    """A stream as ``ls`` shows it: its session id, or ``key:<KEY>``."""
+    return s.session_id if s.session_id is not None else f"key:{s.session_key}"
 
 
 class ProgressSink:

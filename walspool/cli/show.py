@@ -14,6 +14,7 @@ from .. import codec
 from ..errors import WalspoolError
 from ..records import QUARANTINED, SUPERSEDED, Record
 from ..text import printable
+from ._filters import has_stream
 from ._output import clip, dump, iso, plural, printable_lines, table
 from ._reading import BadPayload, iter_records, reading, record_json, report_bad
 
@@ -24,16 +25,21 @@ STATUS_MARKS = {QUARANTINED: "Q", SUPERSEDED: "S"}
 def run(args: argparse.Namespace) -> int:
     """Show one session's rows in drop order, with attempts and last error.
 
-    SESSION is a session id, or the session key of rows spooled without one. The
-    message column previews each payload; --full prints the payloads whole.
+    SESSION is a session id; with --key, or when no row has that session id, the
+    session key of rows spooled without one. The two are different streams and
+    never shown together. The message column previews each payload; --full prints
+    the payloads whole.
     """
     bad: list[str] = []
     with reading(args.spool) as reader:
+        has_id = not args.key and has_stream(reader, args.session, "id")
+        kind = "id" if has_id else "key"
         # Streamed: one page of rows in memory at a time, whatever their size.
-        rows = iter_records(reader, args.session, bad=bad)
+        rows = iter_records(reader, args.session, bad=bad, kinds=(kind,))
         first = next(rows, None)
         if first is None:
-            raise WalspoolError(f"no rows for session {args.session!r} in {args.spool}")
+            what = "session key" if args.key else "session"
+            raise WalspoolError(f"no rows for {what} {args.session!r} in {args.spool}")
         rows = itertools.chain([first], rows)
         if args.json:
             _show_json(rows, args.full)
@@ -41,12 +47,22 @@ def run(args: argparse.Namespace) -> int:
             _show_full(args, rows)
         else:
             _show_table(args, rows)
+        if has_id and not args.json and has_stream(reader, args.session, "key"):
+            print(
+                f"rows spooled with session key {printable(args.session)} and no session id "
+                "are another stream: show it with --key"
+            )
     return report_bad("show", bad)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("session", metavar="SESSION", help="session id (or key)")
     p.add_argument("--full", action="store_true", help="print each row's payload")
+    p.add_argument(
+        "--key",
+        action="store_true",
+        help="SESSION is the session key of rows spooled without a session id",
+    )
 
 
 def _show_json(rows: Iterator[tuple[Record, int | None]], full: bool) -> None:
