@@ -357,3 +357,30 @@ def test_a_session_id_equal_to_a_session_key_stays_a_stream_of_its_own(tmp_path,
     assert report["sessions"]["key:same"]["held"] == 1
     assert main(argv) == 3
     assert "key:same  1" in capsys.readouterr().out
+
+
+def test_version_default_spool_and_top_level_help(tmp_path, capsys, monkeypatch):
+    """--version; SPOOL defaults to $HERMES_HOME/spool.db; the help lists every
+    command and the known reasons."""
+    from walspool.cli import COMMANDS
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out.startswith("walspool ")
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    help_text = capsys.readouterr().out
+    for name, *_ in COMMANDS:
+        assert f"    {name}" in help_text
+    for reason in (walspool.CAP_DROP, walspool.SHUTDOWN, walspool.AGENT_HISTORY):
+        assert f"  {reason} " in help_text
+    assert "$HERMES_HOME/spool.db" in help_text
+
+    monkeypatch.setenv("HERMES_HOME", str(tmp_path / "hermes"))
+    with walspool.Spool(tmp_path / "hermes" / "spool.db") as spool:
+        spool.append("s1", {"role": "user", "content": "x"})
+    assert main(["stats", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["rows"] == 1
+    assert main(["show", "s1", "--json"]) == 0
+    assert len(json.loads(capsys.readouterr().out)) == 1

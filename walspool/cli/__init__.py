@@ -1,15 +1,13 @@
 """The ``walspool`` command line: inspect a spool, replay it into state.db, export it.
 
-Usage: ``walspool COMMAND SPOOL_PATH [options]``. Read commands (stats, ls, show,
-export, check) open the spool read-only and never block or disturb a gateway writing
-to it. Exit status: 0 done; 1 error (one line on stderr); 2 bad usage; 3 done, but
-rows were held back (replay) or files left in place (import-json).
+See ``DESCRIPTION`` (the top-level help) and README.md, "Command line".
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.metadata
 import inspect
 import os
 import sys
@@ -19,12 +17,32 @@ from pathlib import Path
 import apsw
 
 from ..errors import WalspoolError
+from ..records import AGENT_HISTORY, CAP_DROP, SHUTDOWN
+from ..spool import default_path
 from . import check, demo, export, import_json, ls, replay, show, stats
 from ._filters import UsageError
 from ._output import EXIT_ERROR, EXIT_USAGE, as_path, log_lines, warn
 from ._reading import spool_error
 
 __all__ = ["COMMANDS", "build_parser", "main"]
+
+DESCRIPTION = """\
+Inspect the gateway's overflow spool, replay it into state.db, export it.
+
+usage: walspool COMMAND [SPOOL] [options]; `walspool COMMAND --help` for each command.
+SPOOL defaults to $HERMES_HOME/spool.db (HERMES_HOME defaults to ~/.hermes), the
+gateway's own spool. Read commands (stats, ls, show, export, check) never write to
+the spool and never block a gateway writing to it."""
+EPILOG = f"""\
+reasons (--reason), besides any other a caller chose:
+  {CAP_DROP:<40} evicted at the gateway's 200-message cap
+  {SHUTDOWN:<40} pending when the gateway shut down
+  {AGENT_HISTORY:<40} an agent's unsaved history; replayed
+  {"":<40} only when asked for with --reason
+
+exit status: 0 done; 1 error (one line on stderr, `walspool COMMAND: ...`); 2 bad
+usage; 3 done, but rows were held back (replay) or files left in place (import-json);
+130 interrupted; 141 stdout closed early (`walspool export | head`)."""
 
 Command = Callable[[argparse.Namespace], int]
 #: name, function (its docstring is its help), and the function that adds its own arguments
@@ -43,9 +61,15 @@ COMMANDS: tuple[tuple[str, Command, Callable[[argparse.ArgumentParser], None] | 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser: one subcommand per command module, its ``run`` docstring its help."""
     parser = argparse.ArgumentParser(
-        prog="walspool", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="walspool",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    parser.add_argument("--version", action="version", version=f"walspool {_version()}")
+    commands = parser.add_subparsers(
+        dest="command", required=True, metavar="COMMAND", title="commands"
+    )
     for name, fn, add_args in COMMANDS:
         doc = inspect.cleandoc(fn.__doc__ or "")
         sub = commands.add_parser(
@@ -55,7 +79,14 @@ def build_parser() -> argparse.ArgumentParser:
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
         if name != "demo":
-            sub.add_argument("spool", type=as_path, metavar="SPOOL_PATH", help="the spool file")
+            sub.add_argument(
+                "spool",
+                type=as_path,
+                nargs="?",
+                default=default_path(),
+                metavar="SPOOL",
+                help="the spool file (default: $HERMES_HOME/spool.db, now %(default)s)",
+            )
         if add_args is not None:
             add_args(sub)
         if name != "demo":
@@ -64,6 +95,13 @@ def build_parser() -> argparse.ArgumentParser:
             )
         sub.set_defaults(func=fn)
     return parser
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("walspool")
+    except importlib.metadata.PackageNotFoundError:
+        return "(not installed)"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
