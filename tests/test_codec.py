@@ -320,3 +320,20 @@ def test_a_datetime_timestamp_in_a_dict_is_stored_as_epoch_seconds(spool):
     (rec,) = spool.records()
     assert rec.message == {"role": "user", "content": "hi", "timestamp": when.timestamp()}
     assert message["timestamp"] is when  # the caller's dict is not changed
+
+
+class StampedEvent:
+    """A platform event object: public fields and a datetime ``timestamp``."""
+
+    def __init__(self, when: datetime.datetime) -> None:
+        self.text = "hi"
+        self.timestamp = when
+
+
+def test_an_objects_datetime_timestamp_is_stored_as_epoch_seconds(spool):
+    when = datetime.datetime(2026, 1, 1, 9, 0, tzinfo=datetime.UTC)
+    event = StampedEvent(when)
+    spool.append("s", event)
+    (rec,) = spool.records()
+    assert rec.message == {"text": "hi", "timestamp": when.timestamp()}
+    assert event.timestamp is when  # the caller's object is not changed
