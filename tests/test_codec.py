@@ -8,6 +8,7 @@ import decimal
 import enum
 import uuid
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -263,9 +264,7 @@ def test_an_enum_holding_a_container_on_the_slow_path(spool):
 
 
 class Unprintable:
-    """A dict key whose ``str`` raises."""
-
-    __slots__ = ()
+    """A dict key msgspec cannot write (an object with attributes) whose ``str`` raises."""
 
     def __str__(self) -> str:
         raise RuntimeError("no str")
@@ -337,3 +336,47 @@ def test_an_objects_datetime_timestamp_is_stored_as_epoch_seconds(spool):
     (rec,) = spool.records()
     assert rec.message == {"text": "hi", "timestamp": when.timestamp()}
     assert event.timestamp is when  # the caller's object is not changed
+
+
+class IntKind(enum.IntEnum):
+    TWO = 2
+
+
+class SlottedKey:
+    """An object without attributes whose ``str`` is not its ``repr``."""
+
+    __slots__ = ()
+
+    def __str__(self) -> str:
+        return "str of the key"
+
+    def __repr__(self) -> str:
+        return "repr of the key"
+
+
+KEYS = {
+    "enum": Kind.TEXT,
+    "int enum": IntKind.TWO,
+    "datetime": datetime.datetime(2026, 1, 2, 3, 4),
+    "date": datetime.date(2026, 1, 2),
+    "uuid": uuid.UUID(int=5),
+    "decimal": decimal.Decimal("1.10"),
+    "float": 1.5,
+    "bool": True,
+    "none": None,
+    "big int": 2**70,
+    "tuple": (1, 2),
+    "object without attributes": SlottedKey(),
+    "object with attributes": Named(),
+}
+
+
+@pytest.mark.parametrize("case", KEYS)
+def test_a_key_is_written_the_same_on_the_fast_and_the_slow_path(spool, case):
+    """A lone surrogate elsewhere in a message sends it down the slow path; its keys
+    must not change with it."""
+    key = KEYS[case]
+    spool.append("s", {"keys": {key: 1}})
+    spool.append("s", {"keys": {key: 1}, "surrogate": "\udc80"})
+    fast, slow = (rec.message["keys"] for rec in spool.records())
+    assert fast == slow

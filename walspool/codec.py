@@ -10,9 +10,10 @@ The rule, applied once when a message is appended:
   Structs as objects of their fields; any other object with attributes (a platform
   ``MessageEvent``, an SDK update object) as an object of its public attributes,
   nested to a depth of 32 and without following cycles; dict keys that are not
-  strings as ``str(key)``; NaN and infinities as null (JSON has no spelling for
-  them); lone UTF-16 surrogates as U+FFFD, as state.db itself scrubs them; and
-  whatever is left as ``repr(value)``.
+  strings as msgspec writes keys (numbers and enums by value, times as ISO 8601
+  text, an object without attributes as its repr), any other as ``str(key)``; NaN
+  and infinities as null (JSON has no spelling for them); lone UTF-16 surrogates as
+  U+FFFD, as state.db itself scrubs them; and whatever is left as ``repr(value)``.
 
 One field is read, not just converted: a message's ``timestamp`` (a dict key or an
 object's attribute) that is a datetime is stored as epoch seconds, a naive one read
@@ -162,8 +163,14 @@ def _plain(value: Any, depth: int, active: set[int]) -> Any:
 
 
 def _key(key: Any) -> str:
+    """A dict key as the fast path writes it, so a key does not depend on the path taken:
+    msgspec's own form where it has one (an enum's value, an ISO time), else ``str(key)``."""
     if isinstance(key, str):
         return _scrub(key)
+    try:
+        return next(iter(_decoder.decode(_encoder.encode({key: None}))))
+    except Exception:  # noqa: BLE001 - not a key msgspec writes: str(key) below
+        pass
     try:
         return _scrub(str(key))
     except Exception:  # noqa: BLE001 - a broken __str__ must not lose the message
