@@ -384,3 +384,31 @@ def test_version_default_spool_and_top_level_help(tmp_path, capsys, monkeypatch)
     assert json.loads(capsys.readouterr().out)["rows"] == 1
     assert main(["show", "s1", "--json"]) == 0
     assert len(json.loads(capsys.readouterr().out)) == 1
+
+
+def test_show_and_export_limit_tail_since_failing(tmp_path, capsys):
+    path = tmp_path / "spool.db"
+    with walspool.Spool(path) as spool:
+        spool.append_many([("s1", {"role": "user", "content": f"m{i}"}) for i in range(10)])
+    conn = apsw.Connection(str(path))
+    conn.execute("UPDATE records SET created_at = 1700000000 + seq")
+    conn.execute("UPDATE records SET last_error = 'boom', attempts = 1 WHERE seq IN (3, 8)")
+    conn.close()
+
+    def seqs(*argv: str) -> list[int]:
+        assert main(["export", str(path), *argv]) == 0
+        return [json.loads(line)["seq"] for line in capsys.readouterr().out.splitlines()]
+
+    assert seqs("--limit", "3") == [1, 2, 3]
+    assert seqs("--tail", "2") == [9, 10]
+    assert seqs("--failing") == [3, 8]
+    assert seqs("--since", "2023-11-14T22:13:28Z") == [8, 9, 10]
+    assert seqs("--since", "1700000009") == [9, 10]
+    assert seqs("--since", "1700000002", "--failing", "--tail", "1") == [8]
+    assert main(["show", str(path), "s1", "--json", "--tail", "1"]) == 0
+    assert [r["seq"] for r in json.loads(capsys.readouterr().out)] == [10]
+    assert main(["show", str(path), "s1", "--since", "1800000000"]) == 1
+    assert "no rows of session 's1' match the filters" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        main(["export", str(path), "--since", "yesterday"])
+    assert exit_.value.code == 2

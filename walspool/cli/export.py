@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from . import _narrow
 from ._filters import check_reasons
 from ._output import Progress, dump
 from ._reading import count_records, iter_records, reading, record_json, report_bad
@@ -20,12 +21,13 @@ def run(args: argparse.Namespace) -> int:
     with reading(args.spool) as reader:
         check_reasons(reader, args.reason)
         progress = Progress("export", sys.stderr)
-        total = count_records(reader, args.session, args.reason) if progress.enabled else 0
+        narrowing = args.limit, args.tail, args.since, args.failing or None
+        counted = progress.enabled and narrowing == (None, None, None, None)
+        total = count_records(reader, args.session, args.reason) if counted else 0
         out = sys.stdout
         try:
-            for n, (record, inflight) in enumerate(
-                iter_records(reader, args.session, args.reason, bad=bad), 1
-            ):
+            rows = _narrow.narrowed(iter_records(reader, args.session, args.reason, bad=bad), args)
+            for n, (record, inflight) in enumerate(rows, 1):
                 out.write(dump(record_json(record, inflight)) + "\n")
                 progress(n, total)
         finally:
@@ -42,3 +44,4 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="R",
         help="only rows of this reason (repeatable); default: every reason",
     )
+    _narrow.add_arguments(p)

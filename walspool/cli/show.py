@@ -14,6 +14,7 @@ from .. import codec
 from ..errors import WalspoolError
 from ..records import QUARANTINED, SUPERSEDED, Record
 from ..text import printable
+from . import _narrow
 from ._filters import has_stream
 from ._output import clip, dump, iso, plural, printable_lines, table
 from ._reading import BadPayload, iter_records, reading, record_json, report_bad
@@ -37,6 +38,11 @@ def run(args: argparse.Namespace) -> int:
         # Streamed: one page of rows in memory at a time, whatever their size.
         rows = iter_records(reader, args.session, bad=bad, kinds=(kind,))
         first = next(rows, None)
+        if first is not None:
+            rows = _narrow.narrowed(itertools.chain([first], rows), args)
+            first = next(rows, None)
+            if first is None:
+                raise WalspoolError(f"no rows of session {args.session!r} match the filters")
         if first is None:
             what = "session key" if args.key else "session"
             raise WalspoolError(f"no rows for {what} {args.session!r} in {args.spool}")
@@ -58,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("session", metavar="SESSION", help="session id (or key)")
     p.add_argument("--full", action="store_true", help="print each row's payload")
+    _narrow.add_arguments(p)
     p.add_argument(
         "--key",
         action="store_true",
