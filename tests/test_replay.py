@@ -813,3 +813,44 @@ def test_by_default_a_failed_attempt_is_committed_before_replay_returns(spool, s
     spool._execute_later = execute_later
     assert later == []  # nothing left for the writer's next group
     assert query(spool, "SELECT attempts, last_error FROM records") == [(1, "OSError: down")]
+
+
+def test_quarantined_and_superseded_rows_move_only_when_asked_for(spool, sink):
+    from walspool.sinks import RowRejected
+
+    spool.append_many([("q", msg("q", 0)), ("r", msg("r", 0))])
+    sink.refuse = lambda sid, rec: RowRejected("bad row") if sid == "q" else None
+    assert Replayer(spool, sink).replay().quarantined == 1
+    spool.append("r", msg("r", 1))
+    assert spool._supersede("r") == 1
+    sink.refuse = lambda sid, rec: None
+    assert Replayer(spool, sink).replay().moved == 0
+    assert Replayer(spool, sink).replay(superseded=True).moved == 1
+    assert sink.messages("r") == [msg("r", 0), msg("r", 1)] and sink.messages("q") == []
+    assert Replayer(spool, sink).replay(quarantined=True).moved == 1
+    assert sink.messages("q") == [msg("q", 0)]
+    assert list(spool.records()) == []
+
+
+def test_a_resumed_row_reaches_the_sink_as_it_did_the_first_time(spool, sink):
+    """A quarantined row replayed on request, interrupted, then resumed: the sink gets
+    the same record (its status included) both times."""
+    from walspool.sinks import RowRejected
+
+    spool.append("s", msg("s", 0))
+    sink.refuse = lambda sid, rec: RowRejected("bad row")
+    Replayer(spool, sink).replay()
+    seen: list[Record] = []
+
+    def record_then_die(session_id: str, record: Record, ticket: Any) -> None:
+        seen.append(record)
+        raise Crash
+
+    sink.write = record_then_die  # type: ignore[method-assign]
+    with pytest.raises(Crash):
+        Replayer(spool, sink).replay(quarantined=True)
+    with pytest.raises(Crash):
+        Replayer(spool, sink).replay()
+    first, resumed = seen
+    assert first.status == "quarantined"
+    assert resumed == first
