@@ -7,9 +7,12 @@ As a script (``python _lock_holder.py write|replay PATH``) it takes the lock, pr
   operator's ``sqlite3 spool.db`` shell in a transaction, or another writer of a
   ``state.db``, would hold it);
 * ``replay``: the exclusive ``flock`` on ``PATH.replay-lock``, as a running
-  ``walspool replay`` holds it.
+  ``walspool replay`` holds it;
+* ``read``: a read transaction on PATH (an operator's ``sqlite3 -readonly`` shell in
+  the middle of a long query): the snapshot it holds stops checkpoints from
+  resetting the ``-wal`` file, which grows meanwhile.
 
-Tests use ``write_lock_held`` and ``replay_lock_held``.
+Tests use ``write_lock_held``, ``replay_lock_held`` and ``read_snapshot_held``.
 """
 
 from __future__ import annotations
@@ -33,6 +36,13 @@ def main(kind: str, path: str) -> None:
 
         conn = apsw.Connection(path)
         conn.execute("BEGIN IMMEDIATE")
+        release = lambda: (conn.execute("ROLLBACK"), conn.close())  # noqa: E731
+    elif kind == "read":
+        import apsw
+
+        conn = apsw.Connection(path, flags=apsw.SQLITE_OPEN_READONLY)
+        conn.execute("BEGIN")
+        assert conn.execute("SELECT count(*) FROM records").get is not None
         release = lambda: (conn.execute("ROLLBACK"), conn.close())  # noqa: E731
     else:
         fd = os.open(f"{path}.replay-lock", os.O_RDWR | os.O_CREAT, 0o600)
@@ -91,6 +101,11 @@ def write_lock_held(path: Path) -> contextlib.AbstractContextManager[LockHolder]
 def replay_lock_held(spool_path: Path) -> contextlib.AbstractContextManager[LockHolder]:
     """Hold ``spool_path``'s replay lock in another process for the block."""
     return _held("replay", spool_path)
+
+
+def read_snapshot_held(path: Path) -> contextlib.AbstractContextManager[LockHolder]:
+    """Hold a read transaction (a snapshot) on the spool at ``path`` in another process."""
+    return _held("read", path)
 
 
 if __name__ == "__main__":

@@ -82,7 +82,7 @@ from typing import Any
 
 import apsw
 
-from . import text
+from . import budget, text
 from .errors import ReplayBusy, UnsupportedGateway, WalspoolError
 from .records import AGENT_HISTORY, CAP_DROP, SHUTDOWN
 from .replay import LOCK_SUFFIX, Replayer, ReplayReport, _exclusive
@@ -173,6 +173,7 @@ class _Session:
         "failures",
         "generation",
         "waiters",
+        "spooled_bytes",
     )
 
     def __init__(self, spooled: int = 0) -> None:
@@ -196,15 +197,28 @@ class _Session:
         #: Threads waiting on this object (a gateway thread taking over, a writer
         #: waiting for its evictions): it stays in ``Link._sessions`` meanwhile.
         self.waiters = 0
+        #: Payload bytes of the evictions since ``spooled`` was last 0 (its share of
+        #: the link's cap, see ``walspool.budget``).
+        self.spooled_bytes = 0
 
 
 class Link:
     """A SessionStore linked to a spool; made by ``install``."""
 
-    def __init__(self, store: Any, spool: Spool, retry_interval: float = RETRY_INTERVAL) -> None:
+    def __init__(
+        self,
+        store: Any,
+        spool: Spool,
+        retry_interval: float = RETRY_INTERVAL,
+        max_bytes: int | None = budget.DEFAULT_MAX_BYTES,
+    ) -> None:
         self.store = store
         self.spool = spool
         self.retry_interval = retry_interval
+        #: The cap on what evictions may fill (``walspool.budget``); None: no cap.
+        self.max_bytes = max_bytes
+        #: Payload bytes of evictions the spool's writer accepted and has not committed.
+        self._unconfirmed_bytes = 0
         self.replayer = Replayer(
             spool,
             SessionDBSink(store._db),
@@ -307,7 +321,7 @@ class Link:
             if state is not None:
                 # A writer that wrote or drained meanwhile re-reads this and stops.
                 state.generation += 1
-                state.spooled = state.failures = 0
+                state.spooled = state.failures = state.spooled_bytes = 0
                 state.retry_at = state.hold_until = 0.0
                 self._forget_if_idle(session_id, state)
             self._settled.notify_all()
@@ -383,6 +397,17 @@ class Link:
                 continue
             try:
                 row = self.spool._row(session_id, pending[0], CAP_DROP, None)
+                refused = budget.refusal(
+                    self.max_bytes,
+                    self.spool._writer.footprint,
+                    self._unconfirmed_bytes,
+                    state.spooled_bytes,
+                    row[5],
+                )
+                if refused is not None:
+                    pending.pop(0)
+                    notes.append(partial(self._report_drop, session_id, refused))
+                    continue
                 self.spool._writer.notify_nowait(Append((row,), single=True), self._evicted)
             except queue.Full:
                 if over and drops:
@@ -407,6 +432,8 @@ class Link:
             pending.pop(0)
             state.spooled += 1
             state.unconfirmed += 1
+            state.spooled_bytes += row[5]
+            self._unconfirmed_bytes += row[5]
         return notes
 
     def _wait_for_head(self, state: _Session, deadline: float) -> None:
@@ -424,6 +451,7 @@ class Link:
         them under one take of the lock, then log each."""
         settled = False
         with self._lock:
+            self._unconfirmed_bytes -= sum(r.payload_bytes for r in requests)
             for request in requests:
                 session_id = request.session_id
                 state = self._sessions.get(session_id)
@@ -728,7 +756,7 @@ class Link:
                 if not touched and state.spooled == seen:
                     # Nothing left: the rows counted in ``seen`` were all committed
                     # before this replay looked (``unconfirmed`` was 0), so all moved.
-                    state.spooled = 0
+                    state.spooled = state.spooled_bytes = 0
         if report.held or session_id in report.errors:
             log.warning(
                 "Replay of %d spooled transcript message(s) for %s failed; keeping them in %s "
@@ -1063,7 +1091,7 @@ class Link:
                     continue
                 if state.spooled != spooled or state.generation != generation:
                     continue
-                state.spooled, state.failures = 0, 0
+                state.spooled, state.failures, state.spooled_bytes = 0, 0, 0
                 state.retry_at = state.hold_until = 0.0
                 claim = None
                 if self.store._dirty_transcripts.get(session_id):
@@ -1137,7 +1165,12 @@ def _background(link_ref: weakref.ref[Link], due: threading.Condition) -> None:
 
 
 def install(
-    store: Any, spool: Spool, *, recover: bool = True, retry_interval: float = RETRY_INTERVAL
+    store: Any,
+    spool: Spool,
+    *,
+    recover: bool = True,
+    retry_interval: float = RETRY_INTERVAL,
+    max_bytes: int | None = budget.DEFAULT_MAX_BYTES,
 ) -> Link:
     """Link a live 0.19.0 ``SessionStore`` to ``spool``; replay what is spooled.
 
@@ -1145,7 +1178,9 @@ def install(
     on the link's background thread, and each session writes its spooled rows before
     its live ones. ``retry_interval`` caps a failing session's retry delay (see the
     module docstring); 0 retries on every message and starts no background retries.
-    ``link.wait_idle(timeout)`` waits for the recovery and every session's work.
+    ``max_bytes`` caps what evictions may fill, with room kept for quiet sessions
+    (``walspool.budget``; default 4 GiB, None for no cap). ``link.wait_idle(timeout)``
+    waits for the recovery and every session's work.
 
     Raises ``UnsupportedGateway`` at once if the store is not what the link was
     written for, rather than misbehaving later.
@@ -1163,7 +1198,7 @@ def install(
         raise UnsupportedGateway(
             "the SessionStore has no state.db (store._db is None)", path=spool.path
         )
-    link = Link(store, spool, retry_interval)
+    link = Link(store, spool, retry_interval, max_bytes)
     if recover:
         if _nothing_to_replay(spool):
             link._recovered = True

@@ -27,6 +27,7 @@ from __future__ import annotations
 import _thread
 import asyncio
 import concurrent.futures
+import os
 import queue
 import threading
 import time
@@ -49,6 +50,11 @@ QUEUE_REQUESTS = 4096
 #: Payload bytes the queue holds before ``put`` blocks. A request larger than this is
 #: still taken when the queue holds no payload, so no size is refused for the bound.
 QUEUE_BYTES = 256 * 1024 * 1024
+#: The spool's pages in use, in bytes (the gateway link's cap counts these).
+LIVE_BYTES_SQL = (
+    "SELECT (p.page_count - f.freelist_count) * s.page_size "
+    "FROM pragma_page_count() p, pragma_freelist_count() f, pragma_page_size() s"
+)
 #: A group stops growing at this many rows (one request is never split).
 GROUP_ROWS = 8192
 #: Seconds a group waits for a write lock held by another connection (an operator's
@@ -292,6 +298,14 @@ class Writer:
         self.busy_since: float | None = None
         #: Messages accepted but failed because ``close`` gave up on them.
         self._abandoned = 0
+        #: Bytes the spool takes on disk after the last commit: its pages in use
+        #: (free pages left by replays do not count) plus its ``-wal`` file, which a
+        #: reader holding a snapshot lets grow.
+        self.footprint = 0
+        try:
+            self.footprint = conn.execute(LIVE_BYTES_SQL).get + _size(f"{path}-wal")
+        except apsw.Error:
+            pass  # measured again after the first commit
         # A busy handler rather than the connection's busy timeout: its waits are
         # bounded per group, not per statement, and ``close`` can end them.
         conn.set_busy_handler(self._on_busy)
@@ -541,6 +555,7 @@ class Writer:
                     for request in requests:
                         request.run(group)
                     group.finish()
+                    live = self._conn.execute(LIVE_BYTES_SQL).get
             except apsw.BusyError as exc:
                 self._numbers.forget()
                 if self.busy_since is None:
@@ -560,6 +575,7 @@ class Writer:
             else:
                 group.committed()
                 self.busy_since = None
+                self.footprint = live + _size(f"{self._path}-wal")
                 return
 
     def _error(self, exc: BaseException, request: Request) -> BaseException:
@@ -588,6 +604,14 @@ class Writer:
         limit = self._conn.execute("PRAGMA max_page_count").get
         needed = request.payload_bytes // page_size + 8
         return pages + needed >= limit
+
+
+def _size(path: str) -> int:
+    """A file's size, 0 if it is not there."""
+    try:
+        return os.stat(path).st_size
+    except OSError:
+        return 0
 
 
 def _messages(request: Request) -> int:

@@ -1,0 +1,132 @@
+"""The gateway link's cap on the spool (``walspool.budget``), on the real 0.19.0 store.
+
+A chatty session cannot take the room the others need; the cap counts the ``-wal``
+file that a reader's snapshot lets grow; a refused eviction takes the released
+gateway's drop-and-warn path with its reason, and nothing already spooled is lost.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from _lock_holder import read_snapshot_held
+
+import walspool
+from walspool import budget
+from walspool.hermes import install
+
+pytest.importorskip("hermes_state")
+
+BREAK = (
+    "CREATE TRIGGER broken BEFORE INSERT ON messages BEGIN "
+    "SELECT RAISE(ABORT, 'database disk image is malformed'); END"
+)
+HEAL = "DROP TRIGGER broken"
+CAP = 16 * 2**20
+PAD = "x" * 8000  # an 8 KB message: the cap is reached in about 2,000 evictions
+WAIT = 60.0
+
+
+@pytest.fixture
+def spool(hermes_home: Path) -> Iterator[walspool.Spool]:
+    with walspool.Spool(hermes_home / "spool.db") as s:
+        yield s
+
+
+def sql(store: Any, statement: str) -> None:
+    with store._db._lock:
+        store._db._conn.execute(statement)
+
+
+def msg(content: str) -> dict[str, str]:
+    return {"role": "user", "content": f"{content} {PAD}"}
+
+
+def on_disk(path: Path) -> int:
+    wal = Path(f"{path}-wal")
+    return path.stat().st_size + (wal.stat().st_size if wal.exists() else 0)
+
+
+def refusals(caplog: pytest.LogCaptureFixture, session_id: str) -> list[str]:
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if "dropping oldest" in r.getMessage() and f"for {session_id} " in r.getMessage()
+    ]
+
+
+def contents(store: Any, session_id: str) -> list[str]:
+    return [m["content"].split()[0] for m in store._db.get_messages(session_id)]
+
+
+def test_a_chatty_session_cannot_take_the_room_kept_for_the_others(store, spool, caplog):
+    for s in ("chatty", "quiet"):
+        store._db.create_session(s, "telegram")
+    link = install(store, spool, retry_interval=0.2, max_bytes=CAP)
+    sql(store, BREAK)
+    with caplog.at_level(logging.WARNING, logger="walspool.hermes"):
+        for i in range(2600):
+            store.append_to_transcript("chatty", msg(f"c{i}"))
+        spool.flush()
+        chatty_refused = refusals(caplog, "chatty")
+        # refused once the spool passed 90% of the cap, with the reason named
+        assert (
+            chatty_refused and "kept for sessions that spooled less than 1%" in (chatty_refused[0])
+        )
+        assert spool._writer.footprint <= CAP * (1 - budget.RESERVE) + 2**20
+        for i in range(215):  # 15 evictions: 120 KB, under 1% of the cap
+            store.append_to_transcript("quiet", msg(f"q{i}"))
+        spool.flush()
+    assert refusals(caplog, "quiet") == []
+    rows = [r.session_id for r in spool.records()]
+    assert rows.count("quiet") == 15
+    assert rows.count("chatty") == 2400 - len(chatty_refused)
+    sql(store, HEAL)
+    assert link.wait_idle(WAIT)
+    # What was spooled or queued landed, in order; the refused ones are the oldest
+    # after the first spooled ones, as the released store drops the oldest.
+    assert contents(store, "quiet") == [f"q{i}" for i in range(215)]
+    got = contents(store, "chatty")
+    assert len(got) == 2600 - len(chatty_refused)
+    assert got == sorted(got, key=lambda c: int(c[1:]))
+    assert got[-200:] == [f"c{i}" for i in range(2400, 2600)]
+
+
+def test_the_cap_counts_the_wal_a_reader_lets_grow(store, spool, caplog):
+    """Small messages, one commit each: every commit adds the same few pages to the
+    ``-wal`` again, so it grows far faster than the data while a reader's snapshot
+    stops checkpoints. Counting only the database's pages (about 0.5 MB here), the
+    link would let the files grow past twice the cap."""
+    cap = 8 * 2**20
+    store._db.create_session("s", "telegram")
+    install(store, spool, retry_interval=0.2, max_bytes=cap)
+    sql(store, BREAK)
+    spool.append("other", {"warm": 1})  # the reader needs a table to read
+    with read_snapshot_held(spool.path), caplog.at_level(logging.WARNING, logger="walspool"):
+        for i in range(1600):
+            store.append_to_transcript("s", {"role": "user", "content": f"m{i}"})
+            spool.flush()  # each eviction its own commit
+        assert on_disk(spool.path) <= cap + 2**20
+        assert refusals(caplog, "s")
+    assert os.path.getsize(f"{spool.path}-wal") > cap / 2
+
+
+def test_no_cap_when_asked_for_none(store, spool, caplog):
+    store._db.create_session("s", "telegram")
+    install(store, spool, retry_interval=0.2, max_bytes=None)
+    sql(store, BREAK)
+    with caplog.at_level(logging.WARNING, logger="walspool.hermes"):
+        for i in range(2600):
+            store.append_to_transcript("s", msg(f"m{i}"))
+        spool.flush()
+    assert refusals(caplog, "s") == []
+    assert spool.stats().rows == 2400 and on_disk(spool.path) > CAP
+
+
+def test_the_link_has_a_cap_by_default(store, spool):
+    assert install(store, spool).max_bytes == budget.DEFAULT_MAX_BYTES == 4 * 2**30
