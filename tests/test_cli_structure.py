@@ -40,3 +40,17 @@ def test_no_sql_is_built_from_variables_in_the_command_line():
 def test_the_old_modules_are_gone():
     assert not (ROOT / "walspool" / "cli.py").exists()
     assert not (ROOT / "walspool" / "_cli_output.py").exists()
+
+
+def test_every_package_is_in_the_wheel():
+    """pyproject lists its packages by name: a new subpackage left out would be missing
+    from a built wheel (the ``walspool`` command fails there, not in an editable install)."""
+    import tomllib
+
+    listed = set(
+        tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    )
+    found = {
+        ".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "walspool").rglob("__init__.py")
+    }
+    assert found == listed
