@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import shutil
@@ -368,3 +369,51 @@ def test_a_spool_whose_path_names_another_file_refuses_appends(spool_path):
     conn = apsw.Connection(str(moved), flags=apsw.SQLITE_OPEN_READONLY)
     assert conn.execute("SELECT count(*) FROM records").get == 1
     conn.close()
+
+
+class FailedConnection:
+    """Stands in for the connection a failure happened on: its OS errno."""
+
+    def __init__(self, system_errno: int | None) -> None:
+        self._errno = system_errno
+
+    @property
+    def system_errno(self) -> int:
+        if self._errno is None:
+            raise apsw.MisuseError("connection closed")
+        return self._errno
+
+
+@pytest.mark.parametrize(
+    "exc, os_errno, kind, text",
+    [
+        (apsw.CorruptError("database disk image is malformed"), None, walspool.SpoolCorrupt,
+         "{path}: database disk image is malformed; run `walspool check {path}`"),
+        (apsw.NotADBError("file is not a database"), None, walspool.SpoolCorrupt,
+         "{path}: file is not a database; run `walspool check {path}`"),
+        (apsw.FullError("database or disk is full"), None, walspool.DiskFull,
+         "{path}: no room to write (database or disk is full); free disk space, nothing "
+         "stored was lost"),
+        (apsw.IOError("disk I/O error"), errno.ENOSPC, walspool.DiskFull,
+         "{path}: no room to write (disk I/O error); free disk space, nothing stored was lost"),
+        (apsw.IOError("disk I/O error"), errno.EFBIG, walspool.DiskFull,
+         "{path}: no room to write (disk I/O error); free disk space, nothing stored was lost"),
+        (apsw.IOError("disk I/O error"), errno.EIO, walspool.SpoolIOError,
+         "{path}: disk I/O error; check the disk"),
+        (apsw.IOError("disk I/O error"), None, walspool.SpoolIOError,
+         "{path}: disk I/O error; check the disk"),
+        (apsw.BusyError("database is locked"), errno.ENOSPC, walspool.DiskFull,
+         "{path}: no room to write (database is locked); free disk space, nothing stored "
+         "was lost"),
+        (apsw.BusyError("database is locked"), 0, walspool.WalspoolError,
+         "{path}: database is locked"),
+    ],
+)  # fmt: skip
+def test_sqlite_errors_are_named_for_their_condition(tmp_path, exc, os_errno, kind, text):
+    from walspool.schema import sqlite_error
+
+    path = tmp_path / "spool.db"
+    error = sqlite_error(exc, path, "s-1", FailedConnection(os_errno))
+    assert type(error) is kind
+    assert str(error) == text.format(path=path)
+    assert (error.path, error.session_id) == (str(path), "s-1")

@@ -631,3 +631,43 @@ def test_an_event_whose_text_is_not_a_string_is_stored_as_json_text():
         "platform_message_id": "p",
         "timestamp": T0,
     }
+
+
+class PrivateParts(LookAlike):
+    """A look-alike with some of SessionDB's private parts (``_conn``, ``_lock``,
+    ``_execute_write``): only all three, with ``_conn`` None, make a closed SessionDB."""
+
+    def __init__(self, **parts: Any) -> None:
+        super().__init__()
+        for name, value in parts.items():
+            setattr(self, name, value)
+
+
+def _execute_write(fn: Any) -> None:
+    raise sqlite3.ProgrammingError("Cannot operate on a closed database.")
+
+
+@pytest.mark.parametrize(
+    "parts, closed",
+    [
+        ({"_conn": None, "_lock": threading.Lock(), "_execute_write": _execute_write}, True),
+        ({"_conn": object(), "_lock": threading.Lock(), "_execute_write": _execute_write}, False),
+        ({"_lock": threading.Lock(), "_execute_write": _execute_write}, False),
+        ({"_execute_write": _execute_write}, False),
+        ({"_conn": None, "_execute_write": _execute_write}, False),
+        ({"_conn": None, "_lock": threading.Lock()}, False),
+        ({"_conn": None, "_lock": object(), "_execute_write": _execute_write}, False),
+        ({"_conn": None, "_lock": threading.Lock(), "_execute_write": "not callable"}, False),
+    ],
+)
+def test_only_a_sessiondb_with_its_connection_closed_counts_as_closed(parts, closed):
+    sink = SessionDBSink(PrivateParts(**parts))
+    if closed:
+        with pytest.raises(SessionDBClosed):
+            sink.landed([TICKET])
+        with pytest.raises(SessionDBClosed, match="is closed: Cannot operate on a closed"):
+            sink.write("s", record(USER), TICKET)
+    else:
+        assert sink.landed([TICKET]) is None  # a look-alike: cannot tell
+        sink.write("s", record(USER), TICKET)
+        assert len(sink.session_db.rows) == 1
