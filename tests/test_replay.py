@@ -854,3 +854,56 @@ def test_a_resumed_row_reaches_the_sink_as_it_did_the_first_time(spool, sink):
     first, resumed = seen
     assert first.status == "quarantined"
     assert resumed == first
+
+
+class ForgetfulSink(MemorySink):
+    """A sink that offers ``forget``: it records what the replayer lets it drop."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.forgets: list[tuple[str, int, list[int]]] = []
+
+    def forget(self, spool: str, below: int, keep: list[int]) -> None:
+        self.forgets.append((spool, below, list(keep)))
+
+
+def test_the_sink_may_forget_the_tickets_of_earlier_batches_but_those_in_flight(spool):
+    sink = ForgetfulSink()
+    spool.append_many([("a", msg("a", 0))] + [("b", msg("b", i)) for i in range(3)])
+    sink.refuse = lambda sid, rec: OSError("down") if sid == "a" else None
+    report = Replayer(spool, sink, batch_rows=2).replay()
+    assert (report.moved, report.held) == (3, 1)
+    # Batch 1: a-0 (ticket 1, fails, stays in flight) and b-0 (2); batch 2: b-1, b-2.
+    assert sink.forgets == [(spool.uid, 1, []), (spool.uid, 3, [1])]
+
+
+def test_a_held_streams_later_rows_are_skipped_not_taken(spool):
+    sink = ForgetfulSink()
+    spool.append_many([("a", msg("a", i)) for i in range(5)] + [("b", msg("b", 0))])
+    sink.refuse = lambda sid, rec: OSError("down") if sid == "a" else None
+    report = Replayer(spool, sink, batch_rows=2).replay()
+    assert (report.moved, report.held) == (1, 5)
+    # Batch 1: a-0 (fails) and a-1 (freed); batch 2 starts past stream a: b-0, ticket 3.
+    assert sink.forgets == [(spool.uid, 1, []), (spool.uid, 3, [1])]
+    assert query(spool, "SELECT session_id, seq FROM records WHERE inflight IS NOT NULL") == [
+        ("a", 1)
+    ]
+
+
+def test_rows_freed_by_two_held_streams_in_one_batch_are_all_freed(spool, sink):
+    """Stream b is held by its unverifiable leftover, stream a by a failed write: the
+    later rows of both leave the batch free, only the two unsettled rows stay in flight."""
+    spool.append("b", msg("b", 0))
+    crash_before_writing(spool, sink)
+    spool.append_many([("a", msg("a", 0)), ("a", msg("a", 1)), ("b", msg("b", 1))])
+
+    def landed(tickets: list[Any]) -> set[Any]:
+        raise TimeoutError("state.db unreachable")
+
+    sink.landed = landed  # type: ignore[method-assign]
+    sink.refuse = lambda sid, rec: OSError("down")
+    report = Replayer(spool, sink).replay()
+    assert (report.moved, report.held) == (0, 4)
+    assert query(
+        spool, "SELECT session_id, seq FROM records WHERE inflight IS NOT NULL ORDER BY 1, 2"
+    ) == [("a", 1), ("b", 1)]
