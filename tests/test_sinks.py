@@ -340,10 +340,14 @@ def test_only_the_replaying_thread_records_tickets(state_db):
     for ticket in tickets:
         sink.write("s", record(USER, rid=ticket[2], seq=ticket[1]), ticket)
     other.join(30)
+    assert not other.is_alive()
     with state_db._lock:
         recorded = state_db._conn.execute("SELECT count(*) FROM walspool_landed").fetchone()[0]
     assert sink.landed(tickets) == set(tickets)
     assert recorded == len(tickets) + 1
+    # The gateway's writes, on a thread that never replayed, all landed.
+    gateway = [r["content"] for r in state_db.get_messages("s") if r["role"] == "assistant"]
+    assert gateway == [str(i) for i in range(200)]
 
 
 def test_ticket_records_are_pruned_in_a_later_write(state_db):
@@ -391,8 +395,10 @@ def test_sink_write_is_thread_safe_with_the_gateway_writing(state_db):
         message = record({"role": "user", "content": str(i)}, created_at=T0 + i)
         sink.write("s", message, ("u", i + 1, i + 1))
     other.join(30)
-    users = [r["content"] for r in state_db.get_messages("s") if r["role"] == "user"]
-    assert users == [str(i) for i in range(50)]
+    assert not other.is_alive()
+    rows = state_db.get_messages("s")
+    assert [r["content"] for r in rows if r["role"] == "user"] == [str(i) for i in range(50)]
+    assert [r["content"] for r in rows if r["role"] == "assistant"] == [str(i) for i in range(50)]
 
 
 def test_an_agent_history_spooled_whole_is_quarantined_not_written(spool, state_db):
