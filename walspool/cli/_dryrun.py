@@ -1,66 +1,180 @@
-"""What a replay would take and what it would do, for ``replay --dry-run``."""
+"""What a replay would take and what it would do, for ``replay --dry-run``.
+
+Each stream spooled by session id has its first row tried against state.db (see
+``_trial``): the first row a replay would write, which is a row an interrupted
+replay left in flight and state.db does not hold yet, else the stream's first row
+of those chosen. Rows in flight that state.db already holds would be removed
+without a write (``recovered``); payloads that are not JSON would be quarantined.
+"""
 
 from __future__ import annotations
 
 import sqlite3
 from collections.abc import Sequence
+from pathlib import Path
+from typing import NamedTuple
 
 import apsw
 
 from .. import codec
-from ..records import AGENT_HISTORY
+from ..errors import SessionMissing, WalspoolError
+from ..records import AGENT_HISTORY, Record
 from ..replay import REASON_FILTER, ReplayReport, StreamReport
-from ..sinks import SessionMissing
+from ..sinks import LANDED_SQL, LANDED_TABLE, LANDED_TABLE_EXISTS_SQL, rejects_content
+from ..spool import RECORD_COLUMNS, UID_SQL, record_from_row
 from ._statedb import session_exists
+from ._trial import Trial, trial_session_db
 
+#: A replay takes the rows it chose and every row an interrupted replay left in flight.
 STREAMS_SQL = f"""
-SELECT session_id, CASE WHEN session_id IS NULL THEN session_key END, count(*) FROM records
-WHERE {REASON_FILTER} AND (:session IS NULL OR session_id = :session)
+SELECT session_id, CASE WHEN session_id IS NULL THEN session_key END, count(*),
+       sum(inflight IS NOT NULL), sum(NOT json_valid(payload))
+FROM records
+WHERE (inflight IS NOT NULL OR ({REASON_FILTER})) AND (:session IS NULL OR session_id = :session)
 GROUP BY 1, 2 ORDER BY 1, 2
+"""
+INFLIGHT_ROWS_SQL = f"""
+SELECT {RECORD_COLUMNS}, inflight, json_valid(payload) FROM records
+WHERE inflight IS NOT NULL AND session_id IS NOT NULL
+  AND (:session IS NULL OR session_id = :session)
+ORDER BY session_id, seq
+"""
+FIRST_ROW_SQL = f"""
+SELECT {RECORD_COLUMNS} FROM records
+WHERE session_id = :session_id AND inflight IS NULL AND {REASON_FILTER} AND json_valid(payload)
+ORDER BY seq LIMIT 1
 """
 
 
-def replay_streams(
-    conn: apsw.Connection, session: str | None, reasons: Sequence[str] | None, statuses: str
-) -> list[tuple[str | None, str | None, int]]:
-    """``(session_id, session_key, rows)`` of each stream a replay would take."""
+class StreamCount(NamedTuple):
+    """One stream a replay would take: its rows, those in flight, bad payloads."""
+
+    session_id: str | None
+    session_key: str | None
+    rows: int
+    inflight: int
+    bad: int
+
+
+class InFlight(NamedTuple):
+    ticket: int
+    record: Record | None  # None: its payload is not JSON
+
+
+class Plan(NamedTuple):
+    """What the spool holds for a dry run: streams, rows in flight, first rows."""
+
+    uid: str
+    streams: list[StreamCount]
+    inflight: dict[str, list[InFlight]]
+    first: dict[str, Record]
+
+
+def _params(session: str | None, reasons: Sequence[str] | None, statuses: str) -> dict:
     reasons_json = None if reasons is None else codec.encode(list(reasons)).decode()
-    params = {
+    return {
         "reasons": reasons_json,
         "agent_history": AGENT_HISTORY,
         "session": session,
         "statuses": statuses,
     }
-    return conn.execute(STREAMS_SQL, params).fetchall()
+
+
+def replay_streams(
+    conn: apsw.Connection, session: str | None, reasons: Sequence[str] | None, statuses: str
+) -> list[StreamCount]:
+    """Each stream a replay would take, with its rows (chosen or in flight)."""
+    rows = conn.execute(STREAMS_SQL, _params(session, reasons, statuses)).fetchall()
+    return [StreamCount(*row) for row in rows]
+
+
+def plan(
+    conn: apsw.Connection, session: str | None, reasons: Sequence[str] | None, statuses: str
+) -> Plan:
+    """Read what a dry run needs from the spool, in one read transaction."""
+    params = _params(session, reasons, statuses)
+    streams = replay_streams(conn, session, reasons, statuses)
+    inflight: dict[str, list[InFlight]] = {}
+    for row in conn.execute(INFLIGHT_ROWS_SQL, params):
+        *columns, ticket, valid = row
+        record = record_from_row(tuple(columns)) if valid else None
+        inflight.setdefault(columns[1], []).append(InFlight(ticket, record))
+    first = {}
+    for stream in streams:
+        if stream.session_id is not None:
+            found = conn.execute(FIRST_ROW_SQL, {**params, "session_id": stream.session_id})
+            for row in found:
+                first[stream.session_id] = record_from_row(row)
+    return Plan(str(conn.execute(UID_SQL).get), streams, inflight, first)
+
+
+def landed(state: sqlite3.Connection, uid: str, tickets: list[int]) -> set[tuple[int, int]]:
+    """``(ticket, record id)`` of the given tickets that state.db holds (landed)."""
+    if not tickets or not state.execute(LANDED_TABLE_EXISTS_SQL, (LANDED_TABLE,)).fetchone():
+        return set()
+    return set(state.execute(LANDED_SQL, (uid, codec.encode(tickets).decode())).fetchall())
 
 
 def dry_run_report(
-    streams: list[tuple[str | None, str | None, int]],
-    state: sqlite3.Connection,
-    create_missing: bool,
+    plan: Plan, state: sqlite3.Connection, path: Path, create_missing: bool
 ) -> ReplayReport:
-    """What a replay would do, judged by which sessions exist in state.db."""
+    """What a replay would do: each session stream's first row tried and rolled back."""
+    ticket_of = {f.record.id: f.ticket for fs in plan.inflight.values() for f in fs if f.record}
+    done = landed(state, plan.uid, list(ticket_of.values()))
+    db = trial_session_db(state, path)
+    trial = Trial(state, db, create_missing) if db is not None else None
     sessions: dict[str, StreamReport] = {}
-    ids = {session_id for session_id, _, _ in streams if session_id is not None}
-    for session_id, session_key, rows in streams:
-        if session_id is None:
-            error: str | None = (
-                f"rows spooled with session_key {session_key!r} but no session_id need a "
+    recovered_in_all = 0
+    ids = {s.session_id for s in plan.streams if s.session_id is not None}
+    for s in plan.streams:
+        recovered, rejected, error = 0, 0, None
+        if s.session_id is None:
+            error = (
+                f"rows spooled with session_key {s.session_key!r} but no session_id need a "
                 "resolver to find their session; the gateway's link replays them"
             )
-        elif create_missing or session_exists(state, session_id):
-            error = None
         else:
-            error = str(SessionMissing(session_id))
-        moved, held = (0, rows) if error else (rows, 0)
+            out = [f.record for f in plan.inflight.get(s.session_id, []) if f.record]
+            written = [r for r in out if (ticket_of[r.id], r.id) not in done]
+            recovered = len(out) - len(written)
+            # A replay writes the rows it left in flight before anything later.
+            first = written[0] if written else plan.first.get(s.session_id)
+            if first is not None:
+                error, rejected = _try(trial, state, s.session_id, first, create_missing)
+        recovered_in_all += recovered
+        if error is not None:
+            moved, held, quarantined = 0, s.rows - recovered, 0
+        else:
+            quarantined = s.bad + rejected
+            moved, held = s.rows - recovered - quarantined, 0
         # A key stream named like a session id stays apart from it (``key:`` prefix).
-        name = session_id if session_id is not None else str(session_key)
-        if session_id is None and name in ids:
+        name = s.session_id if s.session_id is not None else str(s.session_key)
+        if s.session_id is None and name in ids:
             name = f"key:{name}"
-        sessions[name] = StreamReport(session_id, session_key, moved, held, error)
+        sessions[name] = StreamReport(s.session_id, s.session_key, moved, held, error, quarantined)
     return ReplayReport(
         moved=sum(s.moved for s in sessions.values()),
         held=sum(s.held for s in sessions.values()),
         errors={n: s.error for n, s in sessions.items() if s.error is not None},
+        recovered=recovered_in_all,
         sessions=sessions,
+        quarantined=sum(s.quarantined for s in sessions.values()),
     )
+
+
+def _try(
+    trial: Trial | None, state: sqlite3.Connection, session_id: str, record: Record, create: bool
+) -> tuple[str | None, int]:
+    """Why ``record`` would hold its stream (None: it would move), and 1 when it would
+    be quarantined for its content instead (its stream goes on).
+
+    Without hermes (no trial) the judgement is whether the session exists."""
+    if trial is None:
+        missing = not create and not session_exists(state, session_id)
+        return (str(SessionMissing(session_id)) if missing else None), 0
+    exc = trial(session_id, record)
+    if exc is None:
+        return None, 0
+    if rejects_content(exc):
+        return None, 1
+    return (str(exc) if isinstance(exc, WalspoolError) else f"{type(exc).__name__}: {exc}"), 0

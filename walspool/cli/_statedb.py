@@ -23,14 +23,18 @@ class StateDBError(WalspoolError):
     """state.db is missing, locked, unreadable or not a hermes state.db."""
 
 
-def open_state_db(path: Path, *, write: bool, wait: float | None = None) -> sqlite3.Connection:
+def open_state_db(
+    path: Path, *, write: bool, wait: float | None = None, precheck: bool = True
+) -> sqlite3.Connection:
     """Open the gateway's state.db with the stdlib, checked; never creates it.
 
-    With ``write``, take and release its write lock (``BEGIN IMMEDIATE``, waiting
-    up to ``wait`` seconds), so a gateway holding it is reported before the replay
-    starts rather than as one held session after another, and make one write that
-    is rolled back, so a state.db this user cannot write is reported before the
-    spool is touched (``BEGIN IMMEDIATE`` alone succeeds on a read-only file).
+    ``write`` opens it for writing (SQLite opens a file this user cannot write
+    read-only all the same). With ``precheck`` too, take and release its write lock
+    (``BEGIN IMMEDIATE``, waiting up to ``wait`` seconds), so a gateway holding it is
+    reported before the replay starts rather than as one held session after another,
+    and make one write that is rolled back, so a state.db this user cannot write is
+    reported before the spool is touched (``BEGIN IMMEDIATE`` alone succeeds on a
+    read-only file).
     """
     wait = STATE_DB_WAIT_SECONDS if wait is None else wait
     if not path.exists():
@@ -72,7 +76,7 @@ def open_state_db(path: Path, *, write: bool, wait: float | None = None) -> sqli
                 "(it has no sessions and messages tables)",
                 path=path,
             )
-        if write:
+        if write and precheck:
             try_write(conn)
     except BaseException as exc:
         if conn is not None:

@@ -6,6 +6,7 @@ import argparse
 import sqlite3
 import sys
 from collections.abc import Collection, Sequence
+from pathlib import Path
 
 import msgspec
 
@@ -14,10 +15,10 @@ from ..records import AGENT_HISTORY, Record
 from ..replay import Replayer, ReplayReport, StreamReport, statuses_filter
 from ..sinks import Sink, Ticket
 from ..text import printable
-from ._dryrun import dry_run_report, replay_streams
+from ._dryrun import dry_run_report, plan, replay_streams
 from ._filters import check_reasons, check_session
 from ._output import EXIT_HELD, EXIT_OK, Progress, as_path, dump, plural, table, warn
-from ._reading import reading
+from ._reading import INFLIGHT_SQL, reading
 from ._statedb import StateDBError, open_state_db, state_db_message
 
 
@@ -28,29 +29,33 @@ def run(args: argparse.Namespace) -> int:
     why; a failing row holds back the later rows of its session only, but a row
     state.db refuses for its content is quarantined and its session goes on.
     Quarantined and superseded rows move only with --quarantined or --superseded,
-    agent histories only when asked for with --reason. --dry-run writes nothing: it reports what
-    would move, judging by which sessions exist in state.db. Exit 3 when rows are held.
+    agent histories only when asked for with --reason. --dry-run writes nothing: it tries
+    each session's first row against state.db in a transaction it rolls back, so a
+    trigger, a lock or a read-only file shows as "would be held", and reports rows in
+    flight and payloads that are not JSON. Exit 3 when rows are (or would be) held.
     """
     # state.db first: one that cannot take the rows is reported before the spool is read.
-    state = open_state_db(args.into, write=not args.dry_run)
+    # A dry run opens it for writing too, to try rows in transactions it rolls back.
+    state = open_state_db(args.into, write=True, precheck=not args.dry_run)
     try:
         statuses = statuses_filter(args.quarantined, args.superseded)
         with reading(args.spool) as reader:
             check_reasons(reader, args.reason)
             check_session(reader, args.session, keys=False)
-            streams = reader.read(
-                lambda conn: replay_streams(conn, args.session, args.reason, statuses)
-            )
+            what = plan if args.dry_run else replay_streams
+            found = reader.read(lambda conn: what(conn, args.session, args.reason, statuses))
         if args.dry_run:
             try:
-                report = dry_run_report(streams, state, args.create_missing)
+                report = dry_run_report(found, state, args.into, args.create_missing)
             except sqlite3.Error as exc:
                 raise StateDBError(state_db_message(exc, args.into), path=args.into) from exc
+            inflight = sum(s.inflight for s in found.streams)
     finally:
         state.close()
     if not args.dry_run:
-        report = _replay(args, total=sum(n for *_, n in streams))
-    _print_replay(args, report)
+        report = _replay(args, total=sum(s.rows for s in found))
+        inflight = _inflight(args.spool)
+    _print_replay(args, report, inflight)
     if report.held:
         missing = any("FOREIGN KEY" in e for e in report.errors.values())
         hint = "; --create-missing creates missing sessions" if missing else ""
@@ -126,19 +131,36 @@ def _replay(args: argparse.Namespace, total: int) -> ReplayReport:
         db.close()
 
 
-def _print_replay(args: argparse.Namespace, report: ReplayReport) -> None:
+def _inflight(path: Path) -> int:
+    """Rows a replay has out now (read-only, after the replay closed the spool)."""
+    with reading(path) as reader:
+        return int(reader.read(lambda conn: conn.execute(INFLIGHT_SQL).get))
+
+
+def _print_replay(args: argparse.Namespace, report: ReplayReport, inflight: int) -> None:
     if args.json:
         out = {"spool": str(args.spool), "state_db": str(args.into), "dry_run": args.dry_run}
-        print(dump({**out, **msgspec.to_builtins(report)}))
+        print(dump({**out, **msgspec.to_builtins(report), "inflight": inflight}))
         return
     moved, held = ("would move", "would hold") if args.dry_run else ("moved", "held")
     print(
         f"{moved} {plural(report.moved, 'row')} from {printable(args.spool)} "
         f"into {printable(args.into)}"
     )
-    if report.recovered:
+    if args.dry_run and inflight:
+        print(
+            f"{plural(inflight, 'row')} in flight from an interrupted replay: "
+            f"{report.recovered:,} already in state.db (would be removed without a write), "
+            "the rest would be written first"
+        )
+    elif report.recovered:
         print(f"recovered {plural(report.recovered, 'row')} an interrupted replay had written")
-    if report.quarantined:
+    if report.quarantined and args.dry_run:
+        print(
+            f"would quarantine {plural(report.quarantined, 'row')}: a payload that is not "
+            "JSON, or a first row state.db refuses for its content"
+        )
+    elif report.quarantined:
         print(
             f"quarantined {plural(report.quarantined, 'row')} state.db refused for its "
             "content (see `walspool show`; replay again with --quarantined once fixed)"
@@ -150,6 +172,11 @@ def _print_replay(args: argparse.Namespace, report: ReplayReport) -> None:
             for name, error in report.errors.items()
         ]
         print(table(("SESSION", "HELD", "WHY"), rows))
+    if inflight and not args.dry_run:
+        print(
+            f"{plural(inflight, 'row')} still in flight: the next replay checks state.db "
+            "for each first and writes only those it does not hold"
+        )
 
 
 def _stream(s: StreamReport) -> str:
