@@ -111,6 +111,21 @@ def test_other_sqlite_database_is_refused_and_unchanged(tmp_path):
     assert info.value.path == str(path)
     assert path.read_bytes() == before
     assert not Path(f"{path}-wal").exists()
+    # Closed at once, not when the error (whose traceback still holds it) goes away.
+    assert descriptors_on(path) == []
+
+
+def descriptors_on(path: Path) -> list[str]:
+    """This process's open files at ``path`` or beside it (its -wal, -shm, locks)."""
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue  # the descriptor listdir itself used, closed meanwhile
+        if target.startswith(str(path)):
+            found.append(target)
+    return found
 
 
 def test_newer_schema_is_refused_and_unchanged(spool_path):
