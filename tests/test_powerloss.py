@@ -1,0 +1,515 @@
+"""Power loss: every crash state a disk may be left in, opened again with the real VFS.
+
+Each workload runs once on real files through ``_powervfs.PowerVFS``, which logs
+every write, truncate, sync, directory entry and directory sync under the test's
+directory. Then, for each cut point (power lost just before operation N of that log)
+and several sampled crash states per point (only what was synced; everything, as a
+killed process leaves it; a random prefix; random per operation, torn sectors
+included: see ``_powervfs``), the files are laid out in a fresh directory and opened
+with the real unix VFS through ``walspool.Spool``. For every state:
+
+* the spool opens, and is not moved aside as damaged (never silently emptied either:
+  see the next points); ``PRAGMA integrity_check`` is ``ok``;
+* every row in it is one the workload appended, under the seq its receipt gave;
+* ``durability="full"``: every append acknowledged before the cut is there, with its
+  seq, and the next append of its session gets a higher seq;
+* ``durability="normal"``: what is missing of the acknowledged appends is a tail (no
+  acknowledged append is missing while a later one is there), counted as lost;
+* a replay cut anywhere, then run again on the recovered spool (into a sink that kept
+  exactly the writes it committed before the cut), delivers every message exactly
+  once, in seq order per session, and leaves the spool empty (``"full"``).
+
+Workloads: a stream of appends (lone ``append``, concurrent ``submit`` grouped into
+one commit, threads appending at once, ``append_many``), a replay (its takes and
+deletes), checkpoints (``wal_checkpoint(TRUNCATE)`` and ``PASSIVE`` from a second
+connection, with appends between, and the checkpoint ``close`` runs), upgrades from
+schema 1 and 2, and the first open of a new spool in a directory that does not yet
+exist. The full matrix (every cut point) is marked slow; the default run takes a few
+cut points per workload. Each test prints its counts; the module prints a total.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import threading
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import apsw
+import pytest
+from _helpers import MemorySink
+from _old_schemas import DOWNGRADE_TO_V1_SQL, make_v2_spool
+from _powervfs import CrashState, PowerVFS, recording
+
+import walspool
+from walspool.replay import Replayer
+
+Key = tuple[str, int]  # (session_id, seq)
+
+#: Crash states sampled per cut point in the full matrix (0-2 fixed, then random).
+SAMPLES = 6
+#: Cut points per workload in the default (quick) run.
+QUICK_CUTS = 6
+#: Bound on any one wait for a thread of a workload.
+WAIT = 60.0
+
+#: Counts over the module, printed at its end.
+TOTALS: Counter[str] = Counter()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def power_summary(request: pytest.FixtureRequest):
+    yield
+    if not TOTALS:
+        return
+    report(request, "power-loss matrix (all tests run)", TOTALS)
+
+
+def report(request: pytest.FixtureRequest, title: str, counts: Counter[str]) -> None:
+    """Print a counts line to the terminal, whatever the capture setting."""
+    line = f"{title}: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
+    capture = request.config.pluginmanager.get_plugin("capturemanager")
+    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+    if capture is not None and reporter is not None:
+        with capture.global_and_fixture_disabled():
+            reporter.write_line("\n" + line)
+    else:
+        print(line)
+
+
+def message(session: str, i: int) -> dict[str, Any]:
+    """About 500 bytes of JSON, as the design's typical message."""
+    return {"role": "user", "content": f"{session}-{i}", "pad": "x" * 420}
+
+
+# -- workloads ---------------------------------------------------------------------
+
+
+@dataclass
+class Workload:
+    """One recorded run: its log, what it appended and when each was acknowledged."""
+
+    name: str
+    durability: str
+    spool: str  # the spool's path relative to the recorded root
+    vfs: PowerVFS
+    #: Every row that may be in the spool: (session, seq) -> message content.
+    known: dict[Key, str] = field(default_factory=dict)
+    #: Rows on the disk before the log began: present at every cut.
+    baseline: set[Key] = field(default_factory=set)
+    replay: bool = False
+
+    def acked_before(self, cut: int) -> dict[Key, int]:
+        """Appends acknowledged before operation ``cut``, with their log positions."""
+        acked = dict.fromkeys(self.baseline, -1)
+        for mark in self.vfs.marks:
+            if mark.kind == "ack" and mark.at <= cut:
+                acked[mark.value] = mark.at
+        return acked
+
+
+class Recorder:
+    """Appends through a spool, noting each acknowledgement in the VFS log."""
+
+    def __init__(self, workload: Workload, spool: walspool.Spool) -> None:
+        self.w = workload
+        self.spool = spool
+        self.lock = threading.Lock()
+
+    def ack(self, receipt: walspool.Receipt, msg: dict[str, Any]) -> None:
+        key = (receipt.session_id, receipt.seq)
+        self.w.vfs.mark("ack", key)
+        with self.lock:
+            self.w.known[key] = msg["content"]
+
+    def append(self, session: str, i: int) -> None:
+        msg = message(session, i)
+        self.ack(self.spool.append(session, msg), msg)
+
+    def append_many(self, items: list[tuple[str, int]]) -> None:
+        msgs = [(s, message(s, i)) for s, i in items]
+        for receipt, (_, msg) in zip(self.spool.append_many(msgs), msgs, strict=True):
+            self.ack(receipt, msg)
+
+    def submit_group(self, items: list[tuple[str, int]]) -> None:
+        """Submit all, then wait: the writer commits them together."""
+        done = []
+        for s, i in items:
+            msg = message(s, i)
+            future = self.spool.submit(s, msg)
+            future.add_done_callback(lambda f, msg=msg: self.ack(f.result(), msg))
+            done.append(future)
+        for future in done:
+            future.result(timeout=WAIT)
+
+    def threads(self, sessions: list[str], each: int, start: int) -> None:
+        """One thread per session, all appending at once."""
+        barrier = threading.Barrier(len(sessions))
+        errors: list[BaseException] = []
+
+        def run(session: str) -> None:
+            try:
+                barrier.wait(WAIT)
+                for i in range(start, start + each):
+                    self.append(session, i)
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+
+        workers = [threading.Thread(target=run, args=(s,)) for s in sessions]
+        for t in workers:
+            t.start()
+        for t in workers:
+            t.join(WAIT)
+            assert not t.is_alive(), "an appending thread hung"
+        assert not errors, errors
+
+
+def seed_spool(path: Path, durability: str, rows: list[tuple[str, int]]) -> dict[Key, str]:
+    """A spool holding ``rows``, closed (on the disk before the log begins)."""
+    known = {}
+    with walspool.Spool(path, durability=durability) as spool:
+        msgs = [(s, message(s, i)) for s, i in rows]
+        for receipt, (_, msg) in zip(spool.append_many(msgs), msgs, strict=True):
+            known[(receipt.session_id, receipt.seq)] = msg["content"]
+    return known
+
+
+def begin(root: Path, name: str, durability: str, spool: str, known: dict[Key, str]) -> Workload:
+    vfs = PowerVFS(root, seed=hash_seed(name, durability))
+    return Workload(name, durability, spool, vfs, dict(known), set(known))
+
+
+def hash_seed(*parts: str) -> int:
+    return int.from_bytes(hashlib.sha256(":".join(parts).encode()).digest()[:4], "big")
+
+
+def appends(root: Path, durability: str) -> Workload:
+    path = root / "spool" / "spool.db"
+    known = seed_spool(path, durability, [("a", 0), ("b", 0)])
+    w = begin(root, "appends", durability, "spool/spool.db", known)
+    with recording(w.vfs), walspool.Spool(path, durability=durability) as spool:
+        r = Recorder(w, spool)
+        for i in range(1, 4):
+            r.append("a", i)
+        r.submit_group([(s, i) for i in range(1, 4) for s in ("b", "c")])
+        r.threads(["d", "e", "f"], each=2, start=0)
+        r.append_many([("a", 10), ("b", 10), ("g", 0), ("a", 11)])
+        r.append("g", 1)
+        r.append_many([("c", 10), ("c", 11)])
+    return w
+
+
+def first_open(root: Path, durability: str) -> Workload:
+    w = begin(root, "first_open", durability, "home/spool/spool.db", {})
+    with (
+        recording(w.vfs),
+        walspool.Spool(root / "home" / "spool" / "spool.db", durability=durability) as spool,
+    ):
+        r = Recorder(w, spool)
+        r.append("a", 0)
+        r.append("a", 1)
+        r.append_many([("b", 0), ("a", 2)])
+    return w
+
+
+def checkpoints(root: Path, durability: str) -> Workload:
+    path = root / "spool" / "spool.db"
+    known = seed_spool(path, durability, [(s, i) for i in range(8) for s in ("a", "b")])
+    w = begin(root, "checkpoint", durability, "spool/spool.db", known)
+    with recording(w.vfs), walspool.Spool(path, durability=durability) as spool:
+        r = Recorder(w, spool)
+        other = apsw.Connection(str(path))  # as an operator's sqlite3 shell would
+        try:
+            r.append("a", 100)
+            r.append("c", 0)
+            w.vfs.mark("phase", "checkpoint(TRUNCATE)")
+            assert other.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()[0][0] == 0
+            r.append("a", 101)
+            r.append_many([("b", 100), ("c", 1)])
+            w.vfs.mark("phase", "checkpoint(PASSIVE)")
+            other.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
+            r.append("c", 2)  # restarts the WAL from its start: new salts
+            r.append("a", 102)
+        finally:
+            other.close()
+        w.vfs.mark("phase", "close")
+    return w
+
+
+def replay(root: Path, durability: str) -> Workload:
+    path = root / "spool" / "spool.db"
+    known = seed_spool(path, durability, [(s, i) for i in range(5) for s in ("a", "b", "c")])
+    w = begin(root, "replay", durability, "spool/spool.db", known)
+    w.replay = True
+    sink = MarkingSink(w.vfs)
+    with recording(w.vfs), walspool.Spool(path, durability=durability) as spool:
+        report = Replayer(spool, sink, batch_rows=4).replay()
+        assert report.moved == len(known)
+    return w
+
+
+class MarkingSink(MemorySink):
+    """A perfectly durable sink: each write is committed, and noted in the log, at once."""
+
+    def __init__(self, vfs: PowerVFS | None = None) -> None:
+        super().__init__()
+        self.vfs = vfs
+
+    def write(self, session_id: str, record: Any, ticket: tuple[str, int, int]) -> None:
+        super().write(session_id, record, ticket)
+        if self.vfs is not None:
+            self.vfs.mark("sink", (session_id, record.message, ticket))
+
+
+def upgrade(version: int) -> Callable[[Path, str], Workload]:
+    def workload(root: Path, durability: str) -> Workload:
+        path = root / "spool" / "spool.db"
+        rows = [
+            ("a", 1, json.dumps(message("a", 1)), None),
+            ("a", 2, json.dumps(message("a", 2)), 7),  # in flight: quarantined by the upgrade
+            ("b", 1, json.dumps(message("b", 1)), None),
+        ]
+        make_v2_spool(path, rows)
+        if version == 1:
+            conn = apsw.Connection(str(path))
+            try:
+                conn.execute(DOWNGRADE_TO_V1_SQL)
+            finally:
+                conn.close()
+        known = {(s, seq): json.loads(p)["content"] for s, seq, p, _ in rows}
+        w = begin(root, f"upgrade_v{version}", durability, "spool/spool.db", known)
+        with recording(w.vfs), walspool.Spool(path, durability=durability) as spool:
+            r = Recorder(w, spool)
+            r.append("a", 3)
+            r.append_many([("b", 2), ("c", 1)])
+        return w
+
+    return workload
+
+
+WORKLOADS: dict[str, Callable[[Path, str], Workload]] = {
+    "appends": appends,
+    "first_open": first_open,
+    "checkpoint": checkpoints,
+    "replay": replay,
+    "upgrade_v1": upgrade(1),
+    "upgrade_v2": upgrade(2),
+}
+
+
+# -- checking one crash state ---------------------------------------------------------
+
+
+@dataclass
+class Tally:
+    """What the states of one test showed."""
+
+    counts: Counter[str] = field(default_factory=Counter)
+    failures: list[str] = field(default_factory=list)
+    seen: set[tuple[str, frozenset[Key]]] = field(default_factory=set)
+
+    def fail(self, w: Workload, state: CrashState, what: str) -> None:
+        self.failures.append(
+            f"{w.name}/{w.durability} cut {state.cut} ({describe(w, state.cut)}) "
+            f"sample {state.sample} {state.outcomes}: {what}"
+        )
+
+
+def describe(w: Workload, cut: int) -> str:
+    """The operation a cut comes before, and the last phase mark before it."""
+    ops = w.vfs.ops
+    if cut >= len(ops):
+        op_text = "after the last operation"
+    else:
+        op = ops[cut]
+        target = op.path or w.vfs.nodes[op.node].path
+        op_text = f"before {op.kind} {Path(target).name}"
+        if op.kind == "write":
+            op_text += f" @{op.offset}+{len(op.data)}"
+    phases = [m.value for m in w.vfs.marks if m.kind == "phase" and m.at <= cut]
+    return op_text + (f", after {phases[-1]}" if phases else "")
+
+
+def check_state(w: Workload, state: CrashState, dest: Path, tally: Tally) -> None:
+    acked = w.acked_before(state.cut)
+    digest = hashlib.sha256(
+        repr(sorted(state.files.items())).encode() + repr(sorted(state.dirs)).encode()
+    ).hexdigest()
+    key = (digest, frozenset(acked))
+    if key in tally.seen:
+        tally.counts["duplicate states skipped"] += 1
+        return
+    tally.seen.add(key)
+    tally.counts["states"] += 1
+    state.write_to(dest)
+    try:
+        _check_opened(w, state, dest, acked, tally)
+    finally:
+        shutil.rmtree(dest)
+
+
+def _check_opened(
+    w: Workload, state: CrashState, dest: Path, acked: dict[Key, int], tally: Tally
+) -> None:
+    path = dest / w.spool
+    try:
+        spool = walspool.Spool(path, durability=w.durability)
+    except Exception as exc:  # noqa: BLE001 - every failure to open is reported
+        tally.fail(w, state, f"does not open: {type(exc).__name__}: {exc}")
+        return
+    try:
+        damaged = sorted(p.name for p in path.parent.glob(f"{path.name}.damaged-*"))
+        if damaged:
+            tally.counts["moved aside"] += 1
+            tally.fail(w, state, f"moved aside as damaged: {damaged}")
+            return
+        present = {(r.session_id, r.seq): r.message["content"] for r in spool.records()}
+        strange = {k: v for k, v in present.items() if w.known.get(k) != v}
+        if strange:
+            tally.fail(w, state, f"rows no append made: {strange}")
+        if w.replay:
+            _check_replay(w, state, spool, present, tally)
+        else:
+            _check_appends(w, state, spool, present, acked, tally)
+    finally:
+        spool.close()
+    problems = integrity(path)
+    if problems != ["ok"]:
+        tally.fail(w, state, f"integrity_check: {problems[:5]}")
+
+
+def _check_appends(
+    w: Workload,
+    state: CrashState,
+    spool: walspool.Spool,
+    present: dict[Key, str],
+    acked: dict[Key, int],
+    tally: Tally,
+) -> None:
+    tally.counts["acknowledged appends checked"] += len(acked)
+    missing = sorted(k for k in acked if k not in present)
+    if w.durability == "full" or any(acked[k] < 0 for k in missing):
+        if missing:
+            tally.fail(w, state, f"acknowledged appends lost: {missing}")
+    else:
+        kept = [at for k, at in acked.items() if k in present]
+        lost = [acked[k] for k in missing]
+        if lost and kept and min(lost) <= max(kept):
+            tally.fail(w, state, f"lost {missing}, not only a tail (kept later ones)")
+        tally.counts["lost (normal)"] += len(missing)
+        if missing:
+            tally.counts["states losing a tail (normal)"] += 1
+    if acked:
+        # Sequence numbers go on after the highest acknowledged (full) or present one.
+        session = max(acked, key=lambda k: (acked[k], k))[0]
+        floor = max(
+            [seq for (s, seq) in present if s == session]
+            + ([seq for (s, seq) in acked if s == session] if w.durability == "full" else []),
+            default=0,
+        )
+        receipt = spool.append(session, {"content": "after the cut"})
+        if receipt.seq <= floor:
+            tally.fail(w, state, f"next seq of {session} is {receipt.seq}, not above {floor}")
+
+
+def _check_replay(
+    w: Workload,
+    state: CrashState,
+    spool: walspool.Spool,
+    present: dict[Key, str],
+    tally: Tally,
+) -> None:
+    sink = MarkingSink()
+    for mark in w.vfs.marks:
+        if mark.kind == "sink" and mark.at <= state.cut:
+            session_id, msg, ticket = mark.value
+            sink.rows.append((session_id, msg))
+            sink.tickets.add(ticket)
+    Replayer(spool, sink).replay()
+    tally.counts["replayed messages checked"] += len(w.baseline)
+    left = list(spool.records())
+    delivered = Counter((s, m["content"]) for s, m in sink.rows)
+    dups = {k: n for k, n in delivered.items() if n > 1}
+    lost = [k for k in sorted(w.baseline) if delivered[(k[0], w.known[k])] == 0]
+    if w.durability == "normal":
+        tally.counts["duplicated (normal)"] += sum(n - 1 for n in dups.values())
+        tally.counts["lost (normal)"] += len(lost)
+        return
+    if dups or lost or left:
+        tally.fail(w, state, f"replay: duplicated {dups}, lost {lost}, left {len(left)} rows")
+    for session in {s for s, _ in w.baseline}:
+        expected = [w.known[k] for k in sorted(k for k in w.baseline if k[0] == session)]
+        if [m["content"] for m in sink.messages(session)] != expected:
+            tally.fail(w, state, f"replay: session {session} out of order")
+
+
+def integrity(path: Path) -> list[str]:
+    conn = apsw.Connection(str(path), flags=apsw.SQLITE_OPEN_READONLY)
+    try:
+        return [row[0] for row in conn.execute("PRAGMA integrity_check")]
+    finally:
+        conn.close()
+
+
+# -- the matrix ---------------------------------------------------------------------
+
+
+def run_matrix(
+    request: pytest.FixtureRequest,
+    tmp_path: Path,
+    name: str,
+    durability: str,
+    cuts: Callable[[Workload], list[int]],
+    samples: int,
+) -> Tally:
+    root = tmp_path / "recorded"
+    root.mkdir(mode=0o700)
+    w = WORKLOADS[name](root, durability)
+    tally = Tally()
+    tally.counts["operations logged"] = len(w.vfs.ops)
+    points = cuts(w)
+    tally.counts["cut points"] = len(points)
+    for n, cut in enumerate(points):
+        for sample in range(samples):
+            state = w.vfs.crash_state(cut, sample)
+            check_state(w, state, tmp_path / f"state-{n}-{sample}", tally)
+    TOTALS.update(tally.counts)
+    report(request, f"power loss {name}/{durability}", tally.counts)
+    return tally
+
+
+def every_cut(w: Workload) -> list[int]:
+    return list(range(len(w.vfs.ops) + 1))
+
+
+def quick_cuts(w: Workload) -> list[int]:
+    """A few cut points: spread over the log, each just after an acknowledgement."""
+    acks = sorted({m.at for m in w.vfs.marks if m.kind in ("ack", "sink")})
+    spread = [acks[i * (len(acks) - 1) // (QUICK_CUTS - 2)] for i in range(QUICK_CUTS - 1)]
+    return sorted({*spread, len(w.vfs.ops) // 2, len(w.vfs.ops)})
+
+
+QUICK = [(name, "full") for name in WORKLOADS] + [("appends", "normal")]
+
+
+@pytest.mark.parametrize(("name", "durability"), QUICK)
+def test_power_cut_quick(request, tmp_path, name, durability):
+    tally = run_matrix(request, tmp_path, name, durability, quick_cuts, samples=4)
+    assert tally.counts["states"] > 0
+    assert not tally.failures, "\n".join(tally.failures[:20])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("durability", ["full", "normal"])
+@pytest.mark.parametrize("name", list(WORKLOADS))
+def test_power_cut_matrix(request, tmp_path, name, durability):
+    tally = run_matrix(request, tmp_path, name, durability, every_cut, samples=SAMPLES)
+    assert tally.counts["states"] > 0
+    assert not tally.failures, f"{len(tally.failures)} failing states; first ones:\n" + "\n".join(
+        tally.failures[:20]
+    )
