@@ -907,3 +907,34 @@ def test_rows_freed_by_two_held_streams_in_one_batch_are_all_freed(spool, sink):
     assert query(
         spool, "SELECT session_id, seq FROM records WHERE inflight IS NOT NULL ORDER BY 1, 2"
     ) == [("a", 1), ("b", 1)]
+
+
+def test_rows_freed_by_two_key_streams_in_one_batch_are_all_freed(spool, sink):
+    """k1 resolves and fails at its first row (its second is freed); k2 resolves to no
+    session (both its rows are freed): only k1's failed row stays in flight."""
+    spool.append_many([(None, msg("k1", i), "k1") for i in range(2)])
+    spool.append_many([(None, msg("k2", i), "k2") for i in range(2)])
+    sink.refuse = lambda sid, rec: OSError("down")
+    report = Replayer(spool, sink, resolver={"k1": "session-1"}.get).replay()
+    assert (report.moved, report.held) == (0, 4)
+    assert report.errors == {
+        "k1": "OSError: down",
+        "k2": "resolver found no session for session_key 'k2'",
+    }
+    assert query(
+        spool, "SELECT session_key, seq FROM records WHERE inflight IS NOT NULL ORDER BY 1, 2"
+    ) == [("k1", 1)]
+
+
+def test_a_row_whose_payload_is_not_json_is_quarantined_and_its_stream_goes_on(spool, sink):
+    spool.append_many([("s", msg("s", i)) for i in range(3)])
+    spool._execute(
+        lambda conn: conn.execute("UPDATE records SET payload = '{not json' WHERE seq = 2")
+    )
+    report = Replayer(spool, sink).replay()
+    assert (report.moved, report.held, report.quarantined) == (2, 0, 1)
+    assert report.sessions["s"] == StreamReport("s", None, moved=2, held=0, quarantined=1)
+    assert sink.messages("s") == [msg("s", 0), msg("s", 2)]
+    (kept,) = query(spool, "SELECT seq, status, last_error FROM records")
+    assert kept[:2] == (2, "quarantined")
+    assert "has a payload that is not valid JSON" in kept[2]
