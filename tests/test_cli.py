@@ -48,7 +48,7 @@ RECORD_KEYS = {
 CHECK_KEYS = {"spool", "ok", "application_id", "schema_version", "rows", "problems", "notes"}
 REPLAY_KEYS = {
     "spool", "state_db", "dry_run", "moved", "held", "errors", "recovered", "sessions",
-    "quarantined", "inflight",
+    "quarantined", "inflight", "inflight_landed", "interrupted",
 }  # fmt: skip
 IMPORT_KEYS = {"spool", "directory", "imported", "skipped", "by_reason", "quarantined"}
 ISO = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z$")
@@ -710,7 +710,7 @@ def test_progress_only_on_a_terminal(
     terminal = Terminal()
     monkeypatch.setattr(sys, "stderr", terminal)
     assert main(["export", str(spool_file)]) == 0
-    assert terminal.getvalue().endswith("\rexport: 7/7 (100%)\n")
+    assert re.search(r"\rexport: 7/7 \(100%\), [\d,]+ rows/s, took \d+s *\n\Z", terminal.getvalue())
     assert len(capsys.readouterr().out.splitlines()) == 7
 
     pending = tmp_path / "pending_messages"
@@ -718,7 +718,9 @@ def test_progress_only_on_a_terminal(
     cap_drop_file(pending, "s1", {"role": "user", "content": "x"}, 0)
     terminal.truncate(0)
     assert main(["import-json", str(tmp_path / "imported.db"), str(pending)]) == 0
-    assert terminal.getvalue().endswith("\rimport: 1/1 (100%)\n")
+    assert re.search(
+        r"\rimport: 1/1 \(100%\), [\d,]+ files/s, took \d+s *\n\Z", terminal.getvalue()
+    )
 
     path = tmp_path / "replay.db"
     with walspool.Spool(path) as spool:
@@ -726,7 +728,15 @@ def test_progress_only_on_a_terminal(
     terminal.seek(0)
     terminal.truncate(0)
     assert main(["replay", str(path), "--into", str(state_db)]) == 0
-    assert terminal.getvalue().endswith("\rreplay: 3/3 (100%)\n")
+    assert re.search(r"\rreplay: 3/3 \(100%\), [\d,]+ rows/s, took \d+s *\n\Z", terminal.getvalue())
+
+    # --no-progress: nothing, even on a terminal.
+    with walspool.Spool(path) as spool:
+        spool.append("s1", {"role": "user", "content": "one more"})
+    terminal.seek(0)
+    terminal.truncate(0)
+    assert main(["replay", str(path), "--into", str(state_db), "--no-progress"]) == 0
+    assert terminal.getvalue() == ""
 
 
 # -- a live writer -----------------------------------------------------------------------

@@ -21,6 +21,7 @@ from ..records import AGENT_HISTORY, CAP_DROP, SHUTDOWN
 from ..spool import default_path
 from . import check, demo, export, import_json, ls, replay, show, stats
 from ._filters import UsageError
+from ._interrupt import Interrupted
 from ._output import EXIT_ERROR, EXIT_USAGE, as_path, log_lines, warn
 from ._reading import spool_error
 
@@ -42,7 +43,9 @@ reasons (--reason), besides any other a caller chose:
 
 exit status: 0 done; 1 error (one line on stderr, `walspool COMMAND: ...`); 2 bad
 usage; 3 done, but rows were held back (replay) or files left in place (import-json);
-130 interrupted; 141 stdout closed early (`walspool export | head`)."""
+4 another replay of the spool is running (replay; --wait SECONDS waits for it);
+130 interrupted (SIGINT); 143 stopped by SIGTERM (replay); 141 stdout closed early
+(`walspool export | head`)."""
 
 Command = Callable[[argparse.Namespace], int]
 #: name, function (its docstring is its help), and the function that adds its own arguments
@@ -128,4 +131,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         warn(args.command, "interrupted")
         return 130
+    except Interrupted as exc:
+        warn(args.command, f"interrupted by {exc.name}")
+        return exc.status
     return EXIT_ERROR

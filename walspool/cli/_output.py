@@ -7,6 +7,7 @@ before it reaches the terminal; ``--json`` output is JSON and so already unambig
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import datetime
 import logging
@@ -28,6 +29,8 @@ EXIT_ERROR = 1
 EXIT_USAGE = 2
 #: The command ran but left something behind (rows held, files left in place).
 EXIT_HELD = 3
+#: Another replay of the spool holds its lock (and --wait did not outlast it).
+EXIT_BUSY = 4
 #: Redraw the progress bar at most this often, in seconds.
 PROGRESS_INTERVAL = 0.1
 
@@ -122,39 +125,85 @@ def printable_lines(text: str) -> str:
 
 
 class Progress:
-    """A one-line progress bar (``label: done/total (pct%)``) redrawn with ``\\r``.
+    """A one-line progress report redrawn with ``\\r``:
+    ``label: done/total (pct%), rate unit/s, ETA 1m05s``.
 
-    Draws only when ``stream`` is a terminal, at most every ``PROGRESS_INTERVAL``
-    seconds; ``close`` draws the final count and ends the line.
+    Drawn when ``enabled`` (by default, when ``stream`` is a terminal), at most every
+    ``PROGRESS_INTERVAL`` seconds; the rate is the average since the report was made,
+    so the ETA assumes the rest goes as fast. ``close`` draws the final count and the
+    time taken, and ends the line.
     """
 
-    def __init__(self, label: str, stream: TextIO) -> None:
+    def __init__(
+        self, label: str, stream: TextIO, enabled: bool | None = None, unit: str = "rows"
+    ) -> None:
         self.label = label
         self.stream = stream
-        self.enabled = _isatty(stream)
-        self.drawn = False
-        self.last = 0.0
+        self.unit = unit
+        self.enabled = _isatty(stream) if enabled is None else enabled
+        self.drawn = 0
+        self.started = time.monotonic()
+        self.last = float("-inf")  # the first count is drawn at once
         self.state = (0, 0)
+
+    @property
+    def done(self) -> int:
+        """The latest count reported."""
+        return self.state[0]
 
     def __call__(self, done: int, total: int) -> None:
         self.state = (done, total)
         now = time.monotonic()
         if self.enabled and now - self.last >= PROGRESS_INTERVAL:
             self.last = now
-            self._draw()
+            self._draw(final=False)
 
-    def _draw(self) -> None:
+    def _draw(self, final: bool) -> None:
         done, total = self.state
-        pct = f" ({100 * done // total}%)" if total else ""
-        self.stream.write(f"\r{self.label}: {done:,}/{total:,}{pct}")
+        elapsed = time.monotonic() - self.started
+        text = (
+            f"{self.label}: {done:,}/{total:,} ({100 * done // total}%)"
+            if total
+            else f"{self.label}: {done:,} {self.unit}"
+        )
+        rate = done / elapsed if elapsed > 0 else 0.0
+        if done:
+            text += f", {rate:,.0f} {self.unit}/s"
+        if final:
+            text += f", took {duration(elapsed)}"
+        elif rate and total > done:
+            text += f", ETA {duration((total - done) / rate)}"
+        # Spaces over what a longer previous line left (no terminal codes: stderr may
+        # be a file when --progress is forced).
+        self.stream.write(f"\r{text}{' ' * max(self.drawn - len(text), 0)}")
         self.stream.flush()
-        self.drawn = True
+        self.drawn = len(text)
 
     def close(self) -> None:
         if self.enabled:
-            self._draw()
+            self._draw(final=True)
             self.stream.write("\n")
             self.stream.flush()
+
+
+def duration(seconds: float) -> str:
+    """Seconds for people: ``4s``, ``1m05s``, ``2h03m``."""
+    whole = round(seconds)
+    if whole < 60:
+        return f"{whole}s"
+    if whole < 3600:
+        return f"{whole // 60}m{whole % 60:02d}s"
+    return f"{whole // 3600}h{whole % 3600 // 60:02d}m"
+
+
+def add_progress_argument(p: argparse.ArgumentParser) -> None:
+    """``--progress/--no-progress``; None (the default) means: when stderr is a terminal."""
+    p.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="draw progress with rate and ETA on stderr (default: when it is a terminal)",
+    )
 
 
 def _isatty(stream: TextIO) -> bool:

@@ -7,7 +7,7 @@ import sys
 
 from . import _narrow
 from ._filters import check_reasons
-from ._output import Progress, dump
+from ._output import Progress, add_progress_argument, dump
 from ._reading import count_records, iter_records, reading, record_json, report_bad
 
 
@@ -20,7 +20,7 @@ def run(args: argparse.Namespace) -> int:
     bad: list[str] = []
     with reading(args.spool) as reader:
         check_reasons(reader, args.reason)
-        progress = Progress("export", sys.stderr)
+        progress = Progress("export", sys.stderr, enabled=args.progress)
         narrowing = args.limit, args.tail, args.since, args.failing or None
         counted = progress.enabled and narrowing == (None, None, None, None)
         total = count_records(reader, args.session, args.reason) if counted else 0
@@ -45,3 +45,4 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="only rows of this reason (repeatable); default: every reason",
     )
     _narrow.add_arguments(p)
+    add_progress_argument(p)

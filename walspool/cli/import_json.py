@@ -8,7 +8,16 @@ import sys
 import msgspec
 
 from ..text import printable
-from ._output import EXIT_HELD, EXIT_OK, Progress, as_path, dump, plural, warn
+from ._output import (
+    EXIT_HELD,
+    EXIT_OK,
+    Progress,
+    add_progress_argument,
+    as_path,
+    dump,
+    plural,
+    warn,
+)
 from ._reading import reading
 
 
@@ -26,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
         # A damaged spool is reported, as every command reports it, not moved aside.
         with reading(args.spool):
             pass
-    progress = Progress("import", sys.stderr)
+    progress = Progress("import", sys.stderr, enabled=args.progress, unit="files")
     try:
         with Spool(args.spool) as spool:
             report = import_json_spool(spool, args.directory, progress=progress)
@@ -55,3 +64,4 @@ def run(args: argparse.Namespace) -> int:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("directory", type=as_path, metavar="DIR", help="the pending_messages directory")
+    add_progress_argument(p)

@@ -5,20 +5,31 @@ from __future__ import annotations
 import argparse
 import sqlite3
 import sys
-from collections.abc import Collection, Sequence
-from pathlib import Path
 
 import msgspec
 
-from ..errors import WalspoolError
-from ..records import AGENT_HISTORY, Record
-from ..replay import Replayer, ReplayReport, StreamReport, statuses_filter
-from ..sinks import Sink, Ticket
+from ..errors import ReplayBusy
+from ..records import AGENT_HISTORY
+from ..replay import ReplayReport, StreamReport, statuses_filter
+from ..sinks import Ticket
 from ..text import printable
 from ._dryrun import dry_run_report, plan, replay_streams
 from ._filters import check_reasons, check_session
-from ._output import EXIT_HELD, EXIT_OK, Progress, as_path, dump, plural, table, warn
-from ._reading import INFLIGHT_SQL, reading
+from ._interrupt import Interrupted, interruptible
+from ._output import (
+    EXIT_BUSY,
+    EXIT_HELD,
+    EXIT_OK,
+    Progress,
+    add_progress_argument,
+    as_path,
+    dump,
+    plural,
+    table,
+    warn,
+)
+from ._reading import reading
+from ._replaying import InFlight, busy_message, in_flight, replay_into, seconds
 from ._statedb import StateDBError, open_state_db, state_db_message
 
 
@@ -33,6 +44,12 @@ def run(args: argparse.Namespace) -> int:
     each session's first row against state.db in a transaction it rolls back, so a
     trigger, a lock or a read-only file shows as "would be held", and reports rows in
     flight and payloads that are not JSON. Exit 3 when rows are (or would be) held.
+
+    Replays of one spool take turns: while another holds the spool's replay lock this
+    one exits 4 at once, or waits --wait SECONDS for it first. SIGINT or SIGTERM stops
+    the replay: it prints what it wrote and the rows left in flight (the next replay
+    finishes them, each once) and exits 130 or 143. --progress draws the rows written,
+    the rate and an ETA on stderr (by default when stderr is a terminal).
     """
     # state.db first: one that cannot take the rows is reported before the spool is read.
     # A dry run opens it for writing too, to try rows in transactions it rolls back.
@@ -49,12 +66,27 @@ def run(args: argparse.Namespace) -> int:
                 report = dry_run_report(found, state, args.into, args.create_missing)
             except sqlite3.Error as exc:
                 raise StateDBError(state_db_message(exc, args.into), path=args.into) from exc
-            inflight = sum(s.inflight for s in found.streams)
+            inflight = InFlight(sum(s.inflight for s in found.streams), report.recovered)
     finally:
         state.close()
     if not args.dry_run:
-        report = _replay(args, total=sum(s.rows for s in found))
-        inflight = _inflight(args.spool)
+        progress = Progress("replay", sys.stderr, enabled=args.progress)
+        written: list[Ticket] = []
+        try:
+            with interruptible():
+                report = replay_into(args, progress, sum(s.rows for s in found), written)
+        except ReplayBusy:
+            warn("replay", busy_message(args))
+            return EXIT_BUSY
+        except Interrupted as stop:
+            # Moved: rows this run wrote that left the spool. The rows it had out stay
+            # in flight, some of them already in state.db, for the next replay.
+            inflight = in_flight(args.spool, args.into)
+            moved = sum((ticket, rid) not in inflight.tickets for _, ticket, rid in written)
+            _print_replay(args, ReplayReport(moved, 0), inflight, stop)
+            warn("replay", f"interrupted by {stop.name}; run the replay again to finish")
+            return stop.status
+        inflight = in_flight(args.spool, args.into)
     _print_replay(args, report, inflight)
     if report.held:
         missing = any("FOREIGN KEY" in e for e in report.errors.values())
@@ -101,56 +133,43 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="also replay rows a transcript rewrite superseded",
     )
+    p.add_argument(
+        "--wait",
+        type=seconds,
+        default=0.0,
+        metavar="SECONDS",
+        help="wait this long for another replay of the spool to end (default: do not "
+        "wait; exit 4 at once)",
+    )
+    add_progress_argument(p)
 
 
-def _replay(args: argparse.Namespace, total: int) -> ReplayReport:
-    try:
-        import hermes_state
-    except ImportError as exc:
-        raise WalspoolError("replay needs hermes-agent: pip install 'walspool[hermes]'") from exc
-    from ..sinks import SessionDBSink
-    from ..spool import Spool
-
-    try:
-        db = hermes_state.SessionDB(db_path=args.into)
-    except sqlite3.Error as exc:
-        raise StateDBError(state_db_message(exc, args.into), path=args.into) from exc
-    progress = Progress("replay", sys.stderr)
-    try:
-        with Spool(args.spool) as spool:
-            sink = SessionDBSink(db, create_missing=args.create_missing)
-            counted = ProgressSink(sink, progress, total)
-            return Replayer(spool, counted).replay(
-                session_id=args.session,
-                reasons=args.reason,
-                quarantined=args.quarantined,
-                superseded=args.superseded,
-            )
-    finally:
-        progress.close()
-        db.close()
-
-
-def _inflight(path: Path) -> int:
-    """Rows a replay has out now (read-only, after the replay closed the spool)."""
-    with reading(path) as reader:
-        return int(reader.read(lambda conn: conn.execute(INFLIGHT_SQL).get))
-
-
-def _print_replay(args: argparse.Namespace, report: ReplayReport, inflight: int) -> None:
+def _print_replay(
+    args: argparse.Namespace,
+    report: ReplayReport,
+    inflight: InFlight,
+    stop: Interrupted | None = None,
+) -> None:
     if args.json:
         out = {"spool": str(args.spool), "state_db": str(args.into), "dry_run": args.dry_run}
-        print(dump({**out, **msgspec.to_builtins(report), "inflight": inflight}))
+        extra = {
+            "inflight": inflight.rows,
+            "inflight_landed": inflight.landed,
+            "interrupted": stop.name if stop else None,
+        }
+        print(dump({**out, **msgspec.to_builtins(report), **extra}))
         return
     moved, held = ("would move", "would hold") if args.dry_run else ("moved", "held")
+    if stop is not None:
+        moved = f"interrupted by {stop.name}: moved"
     print(
         f"{moved} {plural(report.moved, 'row')} from {printable(args.spool)} "
         f"into {printable(args.into)}"
     )
-    if args.dry_run and inflight:
+    if args.dry_run and inflight.rows:
         print(
-            f"{plural(inflight, 'row')} in flight from an interrupted replay: "
-            f"{report.recovered:,} already in state.db (would be removed without a write), "
+            f"{plural(inflight.rows, 'row')} in flight from an interrupted replay: "
+            f"{inflight.landed:,} already in state.db (would be removed without a write), "
             "the rest would be written first"
         )
     elif report.recovered:
@@ -172,39 +191,14 @@ def _print_replay(args: argparse.Namespace, report: ReplayReport, inflight: int)
             for name, error in report.errors.items()
         ]
         print(table(("SESSION", "HELD", "WHY"), rows))
-    if inflight and not args.dry_run:
+    if inflight.rows and not args.dry_run:
         print(
-            f"{plural(inflight, 'row')} still in flight: the next replay checks state.db "
-            "for each first and writes only those it does not hold"
+            f"{plural(inflight.rows, 'row')} still in flight, {inflight.landed:,} of them "
+            "already in state.db: the next replay removes those without writing them again "
+            "and writes the others first"
         )
 
 
 def _stream(s: StreamReport) -> str:
     """A stream as ``ls`` shows it: its session id, or ``key:<KEY>``."""
     return s.session_id if s.session_id is not None else f"key:{s.session_key}"
-
-
-class ProgressSink:
-    """A sink that counts successful writes for the progress bar; otherwise the sink."""
-
-    def __init__(self, sink: Sink, progress: Progress, total: int) -> None:
-        self.sink = sink
-        self.progress = progress
-        self.total = total
-        self.done = 0
-
-    def write(self, session_id: str, record: Record, ticket: Ticket) -> None:
-        self.sink.write(session_id, record, ticket)
-        self.done += 1
-        self.progress(self.done, self.total)
-
-    def landed(self, tickets: Sequence[Ticket]) -> Collection[Ticket] | None:
-        return self.sink.landed(tickets)
-
-    def forget(self, spool: str, below: int, keep: Sequence[int]) -> None:
-        forget = getattr(self.sink, "forget", None)
-        if forget is not None:
-            forget(spool, below, keep)
-
-    def __repr__(self) -> str:
-        return repr(self.sink)

@@ -1,0 +1,247 @@
+"""The real ``walspool replay`` in an incident: another replay running (``--wait``),
+SIGINT and SIGTERM, and progress with rate and ETA."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+from _helpers import ROOT
+from _lock_holder import replay_lock_held
+
+import walspool
+from walspool.cli import main
+
+hermes_state = pytest.importorskip("hermes_state")
+
+#: Bound on every wait for a child process.
+CHILD_TIMEOUT = 120.0
+
+
+def state_db(path: Path, *sessions: str) -> Path:
+    db = hermes_state.SessionDB(db_path=path)
+    for session in sessions:
+        db.create_session(session, "telegram")
+    db.close()
+    return path
+
+
+def spool_of(path: Path, rows: int, session: str = "s1") -> Path:
+    with walspool.Spool(path) as spool:
+        spool.append_many([(session, {"role": "user", "content": f"m{i}"}) for i in range(rows)])
+    return path
+
+
+def messages(path: Path, session: str) -> list[str]:
+    db = hermes_state.SessionDB(db_path=path)
+    try:
+        return [m["content"] for m in db.get_messages(session)]
+    finally:
+        db.close()
+
+
+def digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: Any) -> tuple[int, str, str]:
+    capsys.readouterr()
+    rc = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def child(*argv: Any, code: str | None = None) -> subprocess.Popen[str]:
+    """``walspool ARGV`` (or ``code`` with ARGV) in a child; killed if it outlives the bound."""
+    command = ["-m", "walspool"] if code is None else ["-c", code]
+    proc = subprocess.Popen(
+        [sys.executable, *command, *map(str, argv)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    killer = threading.Timer(CHILD_TIMEOUT, proc.kill)
+    killer.daemon = True
+    killer.start()
+    return proc
+
+
+# -- another replay running --------------------------------------------------------------
+
+
+def test_a_second_replay_does_not_wait_by_default(tmp_path, capsys):
+    path = spool_of(tmp_path / "spool.db", 3)
+    state = state_db(tmp_path / "state.db", "s1")
+    lock = f"{path}.replay-lock"
+    with replay_lock_held(path):
+        before = digest(path)
+        rc, out, err = run(capsys, "replay", path, "--into", state)
+        assert (rc, out) == (4, "")
+        assert err == (
+            f"walspool replay: another replay of {path} is running (it holds {lock}); not "
+            f"waiting; run again when it ends, or give --wait SECONDS (`fuser {lock}` names "
+            "its process)\n"
+        )
+        assert digest(path) == before
+    assert messages(state, "s1") == []
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        main(["replay", "--help"])
+    assert "exit 4 at once" in " ".join(capsys.readouterr().out.split())
+
+
+def test_wait_gives_up_after_its_seconds(tmp_path, capsys):
+    path = spool_of(tmp_path / "spool.db", 3)
+    state = state_db(tmp_path / "state.db", "s1")
+    lock = f"{path}.replay-lock"
+    with replay_lock_held(path):
+        rc, out, err = run(capsys, "replay", path, "--into", state, "--wait", "0.2")
+    assert (rc, out) == (4, "")
+    assert err.splitlines() == [
+        f"walspool replay: waiting for another replay of {path} (it holds {lock}), at most 0.2 s",
+        f"walspool replay: another replay of {path} still holds {lock} after 0.2 s; run again "
+        f"when it ends (`fuser {lock}` names its process)",
+    ]
+    assert messages(state, "s1") == []
+
+
+def test_wait_outlasts_the_other_replay(tmp_path):
+    """The waiting replay says so, and runs once the other lets go."""
+    path = spool_of(tmp_path / "spool.db", 3)
+    state = state_db(tmp_path / "state.db", "s1")
+    with replay_lock_held(path) as holder:
+        proc = child("replay", path, "--into", state, "--wait", "600")
+        assert proc.stderr is not None
+        line = proc.stderr.readline()
+        assert line.startswith(f"walspool replay: waiting for another replay of {path}")
+        holder.release()
+        out, err = proc.communicate(timeout=CHILD_TIMEOUT)
+    assert (proc.returncode, out, err) == (0, f"moved 3 rows from {path} into {state}\n", "")
+    assert messages(state, "s1") == ["m0", "m1", "m2"]
+
+
+def test_bad_wait_is_bad_usage(capsys):
+    for wait in ("-1", "soon", "nan", "inf"):
+        with pytest.raises(SystemExit) as exit_:
+            main(["replay", "spool.db", "--into", "state.db", "--wait", wait])
+        assert exit_.value.code == 2
+        assert "is not a number of seconds" in capsys.readouterr().err
+
+
+# -- SIGINT and SIGTERM ------------------------------------------------------------------
+
+#: The CLI, with hermes' append_message stopping after its 2nd commit until the test
+#: signals it (it prints ``wrote 2`` on stderr first): a replay caught mid-batch, one
+#: row landed but still in flight in the spool.
+STOPPING_CHILD = """
+import functools, sys
+import hermes_state
+from walspool.cli import main
+
+original = hermes_state.SessionDB.append_message
+writes = 0
+
+@functools.wraps(original)
+def append_message(self, *args, **kwargs):
+    global writes
+    result = original(self, *args, **kwargs)
+    writes += 1
+    if writes == 2:
+        print("wrote 2", file=sys.stderr, flush=True)
+        sys.stdin.readline()
+    return result
+
+hermes_state.SessionDB.append_message = append_message
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize(("signum", "status"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_signal_reports_what_moved_and_what_is_in_flight(tmp_path, capsys, signum, status):
+    """A real replay process stopped by the signal in its first batch: it says it moved
+    no row, left 5 in flight of which 2 are in state.db, and exits 128 + signal; the
+    spool checks clean; the next replay recovers the 2 without writing them again and
+    moves the other 3: each message once."""
+    path = spool_of(tmp_path / "spool.db", 5)
+    state = state_db(tmp_path / "state.db", "s1")
+    proc = child("replay", path, "--into", state, code=STOPPING_CHILD)
+    assert proc.stderr is not None
+    assert proc.stderr.readline() == "wrote 2\n"
+    proc.send_signal(signum)
+    out, err = proc.communicate(timeout=CHILD_TIMEOUT)
+    name = signal.Signals(signum).name
+    assert proc.returncode == status, err
+    assert out.splitlines() == [
+        f"interrupted by {name}: moved 0 rows from {path} into {state}",
+        "5 rows still in flight, 2 of them already in state.db: the next replay removes "
+        "those without writing them again and writes the others first",
+    ]
+    assert err == f"walspool replay: interrupted by {name}; run the replay again to finish\n"
+    assert messages(state, "s1") == ["m0", "m1"]
+    assert run(capsys, "check", path)[0] == 0
+
+    rc, out, err = run(capsys, "replay", path, "--into", state, "--json")
+    report = json.loads(out)
+    assert (rc, err) == (0, "")
+    assert (report["recovered"], report["moved"], report["inflight"]) == (2, 3, 0)
+    assert report["interrupted"] is None
+    assert messages(state, "s1") == [f"m{i}" for i in range(5)]
+    assert json.loads(run(capsys, "stats", path, "--json")[1])["rows"] == 0
+
+
+def test_a_signal_with_json_prints_the_partial_report(tmp_path):
+    path = spool_of(tmp_path / "spool.db", 5)
+    state = state_db(tmp_path / "state.db", "s1")
+    proc = child("replay", path, "--into", state, "--json", code=STOPPING_CHILD)
+    assert proc.stderr is not None and proc.stderr.readline() == "wrote 2\n"
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=CHILD_TIMEOUT)
+    assert proc.returncode == 143
+    report = json.loads(out)
+    assert (report["moved"], report["inflight"], report["inflight_landed"]) == (0, 5, 2)
+    assert report["interrupted"] == "SIGTERM"
+
+
+# -- progress ----------------------------------------------------------------------------
+
+LINE = r"{label}: {done}/{total} \({pct}%\), [\d,]+ {unit}/s, {tail}"
+
+
+def test_progress_forced_shows_rate_and_eta(tmp_path, capsys):
+    """--progress draws on stderr even when it is not a terminal: the first write at
+    once, with its rate and an ETA, and the final count with the time taken."""
+    path = spool_of(tmp_path / "spool.db", 3)
+    state = state_db(tmp_path / "state.db", "s1")
+    rc, out, err = run(capsys, "replay", path, "--into", state, "--progress")
+    assert (rc, out) == (0, f"moved 3 rows from {path} into {state}\n")
+    drawn = [d.rstrip() for d in err.split("\r")]
+    assert drawn[0] == "" and err.endswith("\n")
+    first = LINE.format(label="replay", done=1, total=3, pct=33, unit="rows", tail=r"ETA \d+s")
+    assert re.fullmatch(first, drawn[1]), drawn
+    last = LINE.format(label="replay", done=3, total=3, pct=100, unit="rows", tail=r"took \d+s")
+    assert re.fullmatch(last, drawn[-1]), drawn
+
+    pending = tmp_path / "pending"
+    pending.mkdir()
+    for i in range(2):
+        entry = {"session_id": "s1", "message": {"role": "user", "content": f"x{i}"}}
+        data = {"session_key": "s1", "reason": "transcript_cap_drop", "ts": 1000 + i, "seq": i}
+        (pending / f"pending-{i}.json").write_text(json.dumps({**data, "data": entry}))
+    rc, out, err = run(capsys, "import-json", tmp_path / "new.db", pending, "--progress")
+    assert rc == 0
+    last = LINE.format(label="import", done=2, total=2, pct=100, unit="files", tail=r"took \d+s")
+    assert re.fullmatch(last, err.split("\r")[-1].rstrip()), err
+    rc, out, err = run(capsys, "export", path, "--progress")
+    assert (rc, out) == (0, "")
+    assert re.fullmatch(r"\rexport: 0 rows, took \d+s\n", err), err

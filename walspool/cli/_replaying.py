@@ -1,0 +1,150 @@
+"""The real ``walspool replay``: hermes' SessionDB, the turn among replays, progress.
+Not public API."""
+
+from __future__ import annotations
+
+import argparse
+import sqlite3
+from collections.abc import Collection, Sequence
+from pathlib import Path
+from typing import NamedTuple
+
+from ..errors import ReplayBusy, WalspoolError
+from ..records import Record
+from ..replay import LOCK_SUFFIX, Replayer, ReplayReport
+from ..sinks import Sink, Ticket
+from ..spool import UID_SQL
+from ._dryrun import landed
+from ._output import Progress, warn
+from ._reading import reading
+from ._statedb import StateDBError, open_state_db, state_db_message
+
+INFLIGHT_TICKETS_SQL = "SELECT id, inflight FROM records WHERE inflight IS NOT NULL"
+
+
+def replay_into(
+    args: argparse.Namespace, progress: Progress, total: int, written: list[Ticket]
+) -> ReplayReport:
+    """Replay ``args.spool`` into ``args.into`` through hermes' SessionDB.
+
+    Another replay holding the spool's replay lock raises ``ReplayBusy`` at once, or,
+    with ``--wait``, after saying so and waiting that long for it. ``progress`` counts
+    the rows written into state.db, whose tickets are added to ``written`` (kept after
+    an interruption).
+    """
+    try:
+        import hermes_state
+    except ImportError as exc:
+        raise WalspoolError("replay needs hermes-agent: pip install 'walspool[hermes]'") from exc
+    from ..sinks import SessionDBSink
+    from ..spool import Spool
+
+    try:
+        db = hermes_state.SessionDB(db_path=args.into)
+    except sqlite3.Error as exc:
+        raise StateDBError(state_db_message(exc, args.into), path=args.into) from exc
+    try:
+        with Spool(args.spool) as spool:
+            sink = SessionDBSink(db, create_missing=args.create_missing)
+            replayer = Replayer(spool, ProgressSink(sink, progress, total, written))
+            options = {
+                "session_id": args.session,
+                "reasons": args.reason,
+                "quarantined": args.quarantined,
+                "superseded": args.superseded,
+            }
+            try:
+                return replayer.replay(**options, wait=False)
+            except ReplayBusy:
+                if not args.wait:
+                    raise
+            warn(
+                "replay",
+                f"waiting for another replay of {args.spool} (it holds {lock_of(args.spool)}), "
+                f"at most {args.wait:g} s",
+            )
+            return replayer.replay(**options, wait=args.wait)
+    finally:
+        progress.close()
+        db.close()
+
+
+class InFlight(NamedTuple):
+    """Rows a replay has out now, and how many of them state.db already holds."""
+
+    rows: int
+    landed: int
+    tickets: frozenset[tuple[int, int]] = frozenset()  # (ticket, record id)
+
+
+def in_flight(spool: Path, state_db: Path) -> InFlight:
+    """The spool's rows in flight now (read-only, after the replay closed the spool),
+    and those whose ticket state.db holds (read-only)."""
+    with reading(spool) as reader:
+        uid, rows = reader.read(
+            lambda conn: (conn.execute(UID_SQL).get, conn.execute(INFLIGHT_TICKETS_SQL).fetchall())
+        )
+    tickets = frozenset((ticket, rid) for rid, ticket in rows)
+    if not tickets:
+        return InFlight(0, 0)
+    state = open_state_db(state_db, write=False)
+    try:
+        found = landed(state, str(uid), sorted({ticket for ticket, _ in tickets}))
+    finally:
+        state.close()
+    return InFlight(len(tickets), len(found & tickets), tickets)
+
+
+def lock_of(spool: Path) -> str:
+    return f"{spool}{LOCK_SUFFIX}"
+
+
+def busy_message(args: argparse.Namespace) -> str:
+    """Why the replay did not run: another holds the lock (its pid is not recorded)."""
+    lock = lock_of(args.spool)
+    if args.wait:
+        first = f"another replay of {args.spool} still holds {lock} after {args.wait:g} s"
+        then = "run again when it ends"
+    else:
+        first = f"another replay of {args.spool} is running (it holds {lock}); not waiting"
+        then = "run again when it ends, or give --wait SECONDS"
+    return f"{first}; {then} (`fuser {lock}` names its process)"
+
+
+def seconds(text: str) -> float:
+    """A ``--wait`` argument: seconds, not negative."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds")
+    return value
+
+
+class ProgressSink:
+    """A sink that counts successful writes for the progress report; otherwise the sink."""
+
+    def __init__(self, sink: Sink, progress: Progress, total: int, written: list[Ticket]) -> None:
+        self.sink = sink
+        self.progress = progress
+        self.total = total
+        self.written = written
+        self.done = 0
+
+    def write(self, session_id: str, record: Record, ticket: Ticket) -> None:
+        self.sink.write(session_id, record, ticket)
+        self.written.append(ticket)
+        self.done += 1
+        self.progress(self.done, self.total)
+
+    def landed(self, tickets: Sequence[Ticket]) -> Collection[Ticket] | None:
+        return self.sink.landed(tickets)
+
+    def forget(self, spool: str, below: int, keep: Sequence[int]) -> None:
+        forget = getattr(self.sink, "forget", None)
+        if forget is not None:
+            forget(spool, below, keep)
+
+    def __repr__(self) -> str:
+        return repr(self.sink)
