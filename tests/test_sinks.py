@@ -677,3 +677,50 @@ def test_only_a_sessiondb_with_its_connection_closed_counts_as_closed(parts, clo
         assert sink.landed([TICKET]) is None  # a look-alike: cannot tell
         sink.write("s", record(USER), TICKET)
         assert len(sink.session_db.rows) == 1
+
+
+class Reopening(hermes_state.SessionDB):
+    """0.22's ``SessionDB``: a write after ``close()`` opens a new connection first."""
+
+    def _execute_write(self, fn: Any) -> Any:
+        with self._lock:
+            if self._conn is None:
+                self._conn = sqlite3.connect(
+                    str(self.db_path), check_same_thread=False, timeout=1.0, isolation_level=None
+                )
+                self._conn.row_factory = sqlite3.Row
+        return super()._execute_write(fn)
+
+
+def test_a_session_db_that_reopens_at_its_next_write_is_written_with_tickets(tmp_path):
+    db = Reopening(db_path=tmp_path / "state.db")
+    try:
+        db.create_session("s", "cli")
+        sink = SessionDBSink(db)
+        sink.write("s", record(USER), ("u", 1, 1))
+        db.close()
+        sink.write("s", record(TOOL, rid=2, seq=2), ("u", 2, 2))
+        assert sink.landed([("u", 1, 1), ("u", 2, 2)]) == {("u", 1, 1), ("u", 2, 2)}
+        assert [r["role"] for r in db.get_messages("s")] == ["user", "tool"]
+    finally:
+        db.close()
+
+
+class Refusing(LookAlike):
+    """A look-alike whose ``append_message`` raises what the newer gateway blames on
+    the row."""
+
+    def append_message(self, session_id: str, role: str, **kwargs: Any) -> int:
+        raise ValueError("bad value for role")
+
+
+def test_an_append_error_the_gateway_blames_is_a_row_rejection_only_with_its_mapping():
+    def mapping(session_id, message, *, fallback_ts=None):
+        return {"role": message["role"], "content": message["content"]}
+
+    with pytest.raises(RowRejected, match="^ValueError: bad value for role$") as info:
+        SessionDBSink(Refusing(), mapping=mapping).write("s", record(USER), TICKET)
+    assert isinstance(info.value.__cause__, ValueError)
+    with pytest.raises(ValueError, match="^bad value for role$") as plain:
+        SessionDBSink(Refusing(), mapping=None).write("s", record(USER), TICKET)
+    assert not isinstance(plain.value, RowRejected)
