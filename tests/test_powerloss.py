@@ -533,6 +533,46 @@ def test_power_cut_matrix(request, tmp_path, name, durability):
     )
 
 
+def test_the_matrix_sees_a_commit_without_fsync(request, tmp_path):
+    """The same states, judged by "full"'s rule, for commits that were not synced
+    (``durability="normal"``): acknowledged appends go missing, and the check says so."""
+    root = tmp_path / "recorded"
+    root.mkdir(mode=0o700)
+    w = appends(root, "normal")
+    w.durability = "full"  # judged as if it had promised to survive power loss
+    tally = Tally()
+    for cut in quick_cuts(w):
+        check_state(w, w.vfs.crash_state(cut, 0), tmp_path / f"state-{cut}", tally)
+    assert any("acknowledged appends lost" in f for f in tally.failures), tally.counts
+
+
+def test_a_new_spool_cut_before_its_first_page_was_synced_opens(tmp_path):
+    """The file has its length but zeros for data, beside the hot journal SQLite
+    synced first: SQLite rolls it back to empty, so walspool must let it (before, it
+    refused the file as someone else's: NotASpool at every start)."""
+    root = tmp_path / "recorded"
+    root.mkdir(mode=0o700)
+    w = first_open(root, "full")
+    db = w.vfs.nodes[w.vfs._current[str(root.resolve() / w.spool)]].id
+    cut = next(i for i, op in enumerate(w.vfs.ops) if op.kind == "sync" and op.node == db)
+    state = w.vfs.crash_state(cut, 1)
+    state.files[w.spool] = bytes(len(state.files[w.spool]))
+    assert state.files[w.spool] and w.spool + "-journal" in state.files
+    state.write_to(tmp_path / "state")
+    path = tmp_path / "state" / w.spool
+    with walspool.Spool(path) as spool:
+        assert list(spool.records()) == []
+        assert spool.append("a", {"content": "after"}).seq == 1
+    assert not list(path.parent.glob("*.damaged-*"))
+    # Zeros without SQLite's journal beside them are still someone else's file.
+    other = tmp_path / "other" / "spool.db"
+    other.parent.mkdir(mode=0o700)
+    other.write_bytes(bytes(4096))
+    with pytest.raises(walspool.NotASpool, match="not a SQLite database"):
+        walspool.Spool(other)
+    assert other.read_bytes() == bytes(4096)
+
+
 # -- the model itself -----------------------------------------------------------------
 
 
