@@ -56,6 +56,9 @@ Key = tuple[str, int]  # (session_id, seq)
 
 #: Crash states sampled per cut point in the full matrix (0-2 fixed, then random).
 SAMPLES = 6
+#: A log longer than this is cut at sampled points (see ``every_cut``), every STRIDE-th.
+LONG_LOG = 600
+STRIDE = 50
 #: Cut points per workload in the default (quick) run.
 QUICK_CUTS = 6
 #: Bound on any one wait for a thread of a workload.
@@ -88,9 +91,9 @@ def report(request: pytest.FixtureRequest, title: str, counts: Counter[str]) -> 
         print(line)
 
 
-def message(session: str, i: int) -> dict[str, Any]:
-    """About 500 bytes of JSON, as the design's typical message."""
-    return {"role": "user", "content": f"{session}-{i}", "pad": "x" * 420}
+def message(session: str, i: int, pad: int = 420) -> dict[str, Any]:
+    """About 500 bytes of JSON by default, as the design's typical message."""
+    return {"role": "user", "content": f"{session}-{i}", "pad": "x" * pad}
 
 
 # -- workloads ---------------------------------------------------------------------
@@ -140,8 +143,8 @@ class Recorder:
         msg = message(session, i)
         self.ack(self.spool.append(session, msg), msg)
 
-    def append_many(self, items: list[tuple[str, int]]) -> None:
-        msgs = [(s, message(s, i)) for s, i in items]
+    def append_many(self, items: list[tuple[str, int]], pad: int = 420) -> None:
+        msgs = [(s, message(s, i, pad)) for s, i in items]
         for receipt, (_, msg) in zip(self.spool.append_many(msgs), msgs, strict=True):
             self.ack(receipt, msg)
 
@@ -250,6 +253,26 @@ def checkpoints(root: Path, durability: str) -> Workload:
     return w
 
 
+def autocheckpoint(root: Path, durability: str) -> Workload:
+    """Commits that take the WAL past SQLite's 1000 pages: the commit checkpoints."""
+    path = root / "spool" / "spool.db"
+    known = seed_spool(path, durability, [("a", 0)])
+    w = begin(root, "autocheckpoint", durability, "spool/spool.db", known)
+    with recording(w.vfs), walspool.Spool(path, durability=durability) as spool:
+        r = Recorder(w, spool)
+        for batch in range(6):
+            r.append_many([("b", batch * 100 + i) for i in range(100)], pad=8000)
+        w.vfs.mark("phase", "lone appends after the checkpoint")
+        checkpointed = len(w.vfs.ops)
+        r.append("a", 1)  # restarts the WAL over the checkpointed frames
+        r.append("a", 2)
+    db = w.vfs._current[str(path.resolve())]
+    assert any(op.kind == "sync" and op.node == db for op in w.vfs.ops[:checkpointed]), (
+        "no commit checkpointed"
+    )
+    return w
+
+
 def replay(root: Path, durability: str) -> Workload:
     path = root / "spool" / "spool.db"
     known = seed_spool(path, durability, [(s, i) for i in range(5) for s in ("a", "b", "c")])
@@ -305,6 +328,7 @@ WORKLOADS: dict[str, Callable[[Path, str], Workload]] = {
     "appends": appends,
     "first_open": first_open,
     "checkpoint": checkpoints,
+    "autocheckpoint": autocheckpoint,
     "replay": replay,
     "upgrade_v1": upgrade(1),
     "upgrade_v2": upgrade(2),
@@ -502,7 +526,15 @@ def run_matrix(
 
 
 def every_cut(w: Workload) -> list[int]:
-    return list(range(len(w.vfs.ops) + 1))
+    """Every cut point; for a long log (thousands of page writes), those near a sync,
+    truncate, directory change or acknowledgement and every ``STRIDE``-th other one."""
+    ops = w.vfs.ops
+    if len(ops) <= LONG_LOG:
+        return list(range(len(ops) + 1))
+    near = [i for i, op in enumerate(ops) if op.kind != "write"]
+    near += [m.at for m in w.vfs.marks]
+    points = {c for i in near for c in range(i - 1, i + 3)} | set(range(0, len(ops), STRIDE))
+    return sorted(c for c in points if 0 <= c <= len(ops))
 
 
 def quick_cuts(w: Workload) -> list[int]:
