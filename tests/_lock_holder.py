@@ -7,7 +7,8 @@ As a script (``python _lock_holder.py write|replay PATH``) it takes the lock, pr
   operator's ``sqlite3 spool.db`` shell in a transaction, or another writer of a
   ``state.db``, would hold it);
 * ``replay``: the exclusive ``flock`` on ``PATH.replay-lock``, as a running
-  ``walspool replay`` holds it;
+  ``walspool replay`` holds it (with its pid written in the file, as walspool does;
+  ``replay-anonymous``: without, as a process that is not walspool might);
 * ``read``: a read transaction on PATH (an operator's ``sqlite3 -readonly`` shell in
   the middle of a long query): the snapshot it holds stops checkpoints from
   resetting the ``-wal`` file, which grows meanwhile.
@@ -47,6 +48,9 @@ def main(kind: str, path: str) -> None:
     else:
         fd = os.open(f"{path}.replay-lock", os.O_RDWR | os.O_CREAT, 0o600)
         fcntl.flock(fd, fcntl.LOCK_EX)
+        os.ftruncate(fd, 0)
+        if kind == "replay":
+            os.write(fd, f"{os.getpid()}\n".encode())
         release = lambda: os.close(fd)  # noqa: E731
     print("locked", flush=True)
     sys.stdin.readline()
@@ -98,9 +102,12 @@ def write_lock_held(path: Path) -> contextlib.AbstractContextManager[LockHolder]
     return _held("write", path)
 
 
-def replay_lock_held(spool_path: Path) -> contextlib.AbstractContextManager[LockHolder]:
-    """Hold ``spool_path``'s replay lock in another process for the block."""
-    return _held("replay", spool_path)
+def replay_lock_held(
+    spool_path: Path, *, anonymous: bool = False
+) -> contextlib.AbstractContextManager[LockHolder]:
+    """Hold ``spool_path``'s replay lock in another process for the block (its pid
+    written in the lock file, as walspool's replay does, unless ``anonymous``)."""
+    return _held("replay-anonymous" if anonymous else "replay", spool_path)
 
 
 def read_snapshot_held(path: Path) -> contextlib.AbstractContextManager[LockHolder]:

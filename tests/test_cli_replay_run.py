@@ -84,8 +84,18 @@ def test_a_second_replay_does_not_wait_by_default(tmp_path, capsys):
     path = spool_of(tmp_path / "spool.db", 3)
     state = state_db(tmp_path / "state.db", "s1")
     lock = f"{path}.replay-lock"
-    with replay_lock_held(path):
+    with replay_lock_held(path) as holder:
         before = digest(path)
+        rc, out, err = run(capsys, "replay", path, "--into", state)
+        assert (rc, out) == (4, "")
+        assert err == (
+            f"walspool replay: another replay of {path} is running (process "
+            f"{holder.proc.pid} holds {lock}); not waiting; run again when it ends, or give "
+            "--wait SECONDS\n"
+        )
+        assert digest(path) == before
+    # A holder that wrote no pid (not walspool): the message says how to find it.
+    with replay_lock_held(path, anonymous=True):
         rc, out, err = run(capsys, "replay", path, "--into", state)
         assert (rc, out) == (4, "")
         assert err == (
@@ -93,7 +103,6 @@ def test_a_second_replay_does_not_wait_by_default(tmp_path, capsys):
             f"waiting; run again when it ends, or give --wait SECONDS (`fuser {lock}` names "
             "its process)\n"
         )
-        assert digest(path) == before
     assert messages(state, "s1") == []
     capsys.readouterr()
     with pytest.raises(SystemExit):
@@ -105,13 +114,15 @@ def test_wait_gives_up_after_its_seconds(tmp_path, capsys):
     path = spool_of(tmp_path / "spool.db", 3)
     state = state_db(tmp_path / "state.db", "s1")
     lock = f"{path}.replay-lock"
-    with replay_lock_held(path):
+    with replay_lock_held(path) as holder:
         rc, out, err = run(capsys, "replay", path, "--into", state, "--wait", "0.2")
+    pid = holder.proc.pid
     assert (rc, out) == (4, "")
     assert err.splitlines() == [
-        f"walspool replay: waiting for another replay of {path} (it holds {lock}), at most 0.2 s",
-        f"walspool replay: another replay of {path} still holds {lock} after 0.2 s; run again "
-        f"when it ends (`fuser {lock}` names its process)",
+        f"walspool replay: waiting for another replay of {path} (process {pid} holds {lock}), "
+        "at most 0.2 s",
+        f"walspool replay: another replay of {path} (process {pid}) still holds {lock} after "
+        "0.2 s; run again when it ends",
     ]
     assert messages(state, "s1") == []
 

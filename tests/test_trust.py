@@ -205,10 +205,22 @@ def test_a_replay_lock_held_by_a_stuck_process_is_waited_for_within_a_bound(tmp_
         with replay_lock_held(path) as holder:
             with pytest.raises(walspool.ReplayBusy, match="stayed held for 0.2 s"):
                 Replayer(spool, MemorySink()).replay(wait=0.2)
-            with pytest.raises(walspool.ReplayBusy, match="another replay"):
+            with pytest.raises(walspool.ReplayBusy, match="another replay") as busy:
                 Replayer(spool, MemorySink()).replay(wait=False)
+            # walspool's replays write their pid into the lock file: the error names it
+            assert busy.value.pid == holder.proc.pid
+            assert f"process {holder.proc.pid} holds it" in str(busy.value)
             holder.release()
         assert Replayer(spool, MemorySink()).replay(wait=0.2).moved == 1
+        # a replay writes its own pid while it holds the lock, and clears it after
+        lock = Path(f"{path}.replay-lock")
+        seen = []
+        sink = MemorySink()
+        write = sink.write
+        sink.write = lambda *a, **k: (seen.append(lock.read_text()), write(*a, **k))[1]
+        spool.append("s", 2)
+        assert Replayer(spool, sink).replay().moved == 1
+        assert seen == [f"{os.getpid()}\n"] and lock.read_text() == ""
 
 
 def test_the_replay_lock_is_free_after_a_replay(tmp_path):

@@ -102,7 +102,15 @@ class SpoolReplaced(WalspoolError):
 
 
 class ReplayBusy(WalspoolError):
-    """Another replay of the spool is running and the caller asked not to wait for it."""
+    """Another replay of the spool is running and the caller asked not to wait for it.
+
+    ``pid``: the process that holds the replay lock, as it wrote it into the lock
+    file, or None if it could not be read.
+    """
+
+    def __init__(self, message: str, *, path: str | os.PathLike[str], pid: int | None) -> None:
+        super().__init__(message, path=path)
+        self.pid = pid
 
 
 class UnsupportedGateway(WalspoolError):

@@ -679,11 +679,28 @@ def _exclusive(path: Path, wait: bool | float = True, owner: int | None = None) 
             raise SpoolIOError(f"cannot check {path.parent}: {exc}", path=path) from exc
     fd = files.open_private(path, owner, spool_path, "the replay lock")
     budget = LOCK_WAIT if wait is True else float(wait or 0)
+    held = False
     try:
         _lock_within(fd, budget, spool_path)
+        held = True
+        # Who holds it, for the message of whoever finds it held.
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         yield
     finally:
+        if held:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, 0)  # no stale pid for a later holder that writes none
         os.close(fd)
+
+
+def _holder(fd: int) -> int | None:
+    """The pid the lock's holder wrote into the lock file, if it reads as one."""
+    try:
+        text = os.pread(fd, 32, 0).decode("ascii").strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return int(text) if text.isdigit() else None
 
 
 def _lock_within(fd: int, seconds: float, spool_path: Path) -> None:
@@ -697,11 +714,17 @@ def _lock_within(fd: int, seconds: float, spool_path: Path) -> None:
             left = deadline - time.monotonic()
             if left <= 0:
                 waited = f" for {seconds:g} s" if seconds else ""
+                pid = _holder(fd)
+                then = (
+                    f"when it ends (process {pid} holds it)"
+                    if pid is not None
+                    else "when it ends, or find the process holding it (`fuser` on the lock file)"
+                )
                 raise ReplayBusy(
                     f"another replay of {spool_path} is running (its lock "
-                    f"{spool_path}{LOCK_SUFFIX} stayed held{waited}); try again when it "
-                    "ends, or find the process holding it (`fuser` on the lock file)",
+                    f"{spool_path}{LOCK_SUFFIX} stayed held{waited}); try again {then}",
                     path=spool_path,
+                    pid=pid,
                 ) from None
             time.sleep(min(pause, left))
             pause = min(pause * 2, 0.1)

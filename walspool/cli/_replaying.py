@@ -55,13 +55,14 @@ def replay_into(
             }
             try:
                 return replayer.replay(**options, wait=False)
-            except ReplayBusy:
+            except ReplayBusy as busy:
                 if not args.wait:
                     raise
+                holder = f"process {busy.pid}" if busy.pid is not None else "it"
             warn(
                 "replay",
-                f"waiting for another replay of {args.spool} (it holds {lock_of(args.spool)}), "
-                f"at most {args.wait:g} s",
+                f"waiting for another replay of {args.spool} ({holder} holds "
+                f"{lock_of(args.spool)}), at most {args.wait:g} s",
             )
             return replayer.replay(**options, wait=args.wait)
     finally:
@@ -99,16 +100,20 @@ def lock_of(spool: Path) -> str:
     return f"{spool}{LOCK_SUFFIX}"
 
 
-def busy_message(args: argparse.Namespace) -> str:
-    """Why the replay did not run: another holds the lock (its pid is not recorded)."""
+def busy_message(args: argparse.Namespace, pid: int | None) -> str:
+    """Why the replay did not run: another (process ``pid``, if known) holds the lock."""
     lock = lock_of(args.spool)
+    holder = f"process {pid}" if pid is not None else "it"
+    spool = args.spool
     if args.wait:
-        first = f"another replay of {args.spool} still holds {lock} after {args.wait:g} s"
+        first = f"another replay of {spool} ({holder}) still holds {lock} after {args.wait:g} s"
         then = "run again when it ends"
     else:
-        first = f"another replay of {args.spool} is running (it holds {lock}); not waiting"
+        first = f"another replay of {spool} is running ({holder} holds {lock}); not waiting"
         then = "run again when it ends, or give --wait SECONDS"
-    return f"{first}; {then} (`fuser {lock}` names its process)"
+    if pid is None:
+        then += f" (`fuser {lock}` names its process)"
+    return f"{first}; {then}"
 
 
 def seconds(text: str) -> float:

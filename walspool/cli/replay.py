@@ -75,8 +75,8 @@ def run(args: argparse.Namespace) -> int:
         try:
             with interruptible():
                 report = replay_into(args, progress, sum(s.rows for s in found), written)
-        except ReplayBusy:
-            warn("replay", busy_message(args))
+        except ReplayBusy as busy:
+            warn("replay", busy_message(args, busy.pid))
             return EXIT_BUSY
         except Interrupted as stop:
             # Moved: rows this run wrote that left the spool. The rows it had out stay
