@@ -67,16 +67,16 @@ WAIT = 60.0
 #: Where crash states are laid out and opened: tmpfs if there is one.
 SCRATCH = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
 
-#: Counts over the module, printed at its end.
-TOTALS: Counter[str] = Counter()
+#: Counts over the module by durability, printed at its end.
+TOTALS: dict[str, Counter[str]] = {"full": Counter(), "normal": Counter()}
 
 
 @pytest.fixture(scope="module", autouse=True)
 def power_summary(request: pytest.FixtureRequest):
     yield
-    if not TOTALS:
-        return
-    report(request, "power-loss matrix (all tests run)", TOTALS)
+    for durability, counts in TOTALS.items():
+        if counts:
+            report(request, f"power-loss matrix, durability={durability!r}, all tests run", counts)
 
 
 def report(request: pytest.FixtureRequest, title: str, counts: Counter[str]) -> None:
@@ -380,7 +380,7 @@ def check_state(w: Workload, state: CrashState, dest: Path, tally: Tally) -> Non
         tally.counts["duplicate states skipped"] += 1
         return
     tally.seen.add(key)
-    tally.counts["states"] += 1
+    tally.counts["states tried"] += 1
     state.write_to(dest)
     try:
         _check_opened(w, state, dest, acked, tally)
@@ -428,6 +428,7 @@ def _check_appends(
 ) -> None:
     tally.counts["acknowledged appends checked"] += len(acked)
     missing = sorted(k for k in acked if k not in present)
+    tally.counts["lost"] += len(missing)
     if w.durability == "full" or any(acked[k] < 0 for k in missing):
         if missing:
             tally.fail(w, state, f"acknowledged appends lost: {missing}")
@@ -437,9 +438,8 @@ def _check_appends(
         lost = [w.ids[k] for k in missing]
         if lost and kept and min(lost) <= max(kept):
             tally.fail(w, state, f"lost {missing}, not only a tail (kept later ones)")
-        tally.counts["lost (normal)"] += len(missing)
         if missing:
-            tally.counts["states losing a tail (normal)"] += 1
+            tally.counts["states that lost a tail"] += 1
     if acked:
         # Sequence numbers go on after the highest acknowledged (full) or present one.
         session = max(acked, key=lambda k: (acked[k], k))[0]
@@ -472,9 +472,10 @@ def _check_replay(
     delivered = Counter((s, m["content"]) for s, m in sink.rows)
     dups = {k: n for k, n in delivered.items() if n > 1}
     lost = [k for k in sorted(w.baseline) if delivered[(k[0], w.known[k])] == 0]
+    tally.counts["duplicated"] += sum(n - 1 for n in dups.values())
+    tally.counts["lost"] += len(lost)
     if w.durability == "normal":
-        tally.counts["duplicated (normal)"] += sum(n - 1 for n in dups.values())
-        tally.counts["lost (normal)"] += len(lost)
+        tally.counts["states that duplicated"] += bool(dups)
         return
     if dups or lost or left:
         tally.fail(w, state, f"replay: duplicated {dups}, lost {lost}, left {len(left)} rows")
@@ -520,7 +521,7 @@ def run_matrix(
                 check_state(w, state, scratch / f"state-{n}-{sample}", tally)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    TOTALS.update(tally.counts)
+    TOTALS[durability].update(tally.counts)
     report(request, f"power loss {name}/{durability}", tally.counts)
     return tally
 
@@ -550,7 +551,7 @@ QUICK = [(name, "full") for name in WORKLOADS] + [("appends", "normal")]
 @pytest.mark.parametrize(("name", "durability"), QUICK)
 def test_power_cut_quick(request, tmp_path, name, durability):
     tally = run_matrix(request, tmp_path, name, durability, quick_cuts, samples=4)
-    assert tally.counts["states"] > 0
+    assert tally.counts["states tried"] > 0
     assert not tally.failures, "\n".join(tally.failures[:20])
 
 
@@ -559,7 +560,7 @@ def test_power_cut_quick(request, tmp_path, name, durability):
 @pytest.mark.parametrize("name", list(WORKLOADS))
 def test_power_cut_matrix(request, tmp_path, name, durability):
     tally = run_matrix(request, tmp_path, name, durability, every_cut, samples=SAMPLES)
-    assert tally.counts["states"] > 0
+    assert tally.counts["states tried"] > 0
     assert not tally.failures, f"{len(tally.failures)} failing states; first ones:\n" + "\n".join(
         tally.failures[:20]
     )
