@@ -724,3 +724,12 @@ def test_an_append_error_the_gateway_blames_is_a_row_rejection_only_with_its_map
     with pytest.raises(ValueError, match="^bad value for role$") as plain:
         SessionDBSink(Refusing(), mapping=None).write("s", record(USER), TICKET)
     assert not isinstance(plain.value, RowRejected)
+
+
+def test_a_look_alike_is_not_prepared_for_tickets_and_a_closed_one_that_stays_closed_fails():
+    assert SessionDBSink(LookAlike()).prepare() is False
+    stays_closed = PrivateParts(_conn=None, _lock=threading.Lock(), _execute_write=lambda fn: None)
+    sink = SessionDBSink(stays_closed)
+    with pytest.raises(SessionDBClosed, match=r"^<.*PrivateParts object at .*> is closed$"):
+        sink.write("s", record(USER), TICKET)
+    assert stays_closed.rows == []
