@@ -935,6 +935,18 @@ def test_a_row_whose_payload_is_not_json_is_quarantined_and_its_stream_goes_on(s
     assert (report.moved, report.held, report.quarantined) == (2, 0, 1)
     assert report.sessions["s"] == StreamReport("s", None, moved=2, held=0, quarantined=1)
     assert sink.messages("s") == [msg("s", 0), msg("s", 2)]
-    (kept,) = query(spool, "SELECT seq, status, last_error FROM records")
-    assert kept[:2] == (2, "quarantined")
-    assert "has a payload that is not valid JSON" in kept[2]
+    (kept,) = query(spool, "SELECT id, seq, status, last_error FROM records")
+    assert kept[1:3] == (2, "quarantined")
+    assert kept[3].startswith(
+        f"row {kept[0]} (session s, seq 2) of {spool.path} has a payload that is not valid JSON"
+    )
+
+
+def test_rows_freed_by_two_failing_streams_in_one_batch_are_all_freed(spool, sink):
+    spool.append_many([(s, msg(s, i)) for s in ("a", "b") for i in range(2)])
+    sink.refuse = lambda sid, rec: OSError("down")
+    report = Replayer(spool, sink).replay()
+    assert (report.moved, report.held) == (0, 4)
+    assert query(
+        spool, "SELECT session_id, seq FROM records WHERE inflight IS NOT NULL ORDER BY 1, 2"
+    ) == [("a", 1), ("b", 1)]
