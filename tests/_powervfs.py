@@ -60,6 +60,7 @@ What it does not cover:
 Use ``recording(vfs)`` around the workload: it makes the shim SQLite's default VFS
 and watches ``os.open``, ``os.mkdir`` and ``os.fsync`` for the block; ``mark(...)``
 notes an event of the workload (an acknowledged append) at the current position.
+``unregister()`` the shim once done: SQLite holds a registered VFS (and its log).
 """
 
 from __future__ import annotations

@@ -507,6 +507,7 @@ def run_matrix(
     root = tmp_path / "recorded"
     root.mkdir(mode=0o700)
     w = WORKLOADS[name](root, durability)
+    w.vfs.unregister()  # its log stays; SQLite lets go of it
     tally = Tally()
     tally.counts["operations logged"] = len(w.vfs.ops)
     points = cuts(w)
@@ -572,6 +573,7 @@ def test_the_matrix_sees_a_commit_without_fsync(request, tmp_path):
     root = tmp_path / "recorded"
     root.mkdir(mode=0o700)
     w = appends(root, "normal")
+    w.vfs.unregister()
     w.durability = "full"  # judged as if it had promised to survive power loss
     tally = Tally()
     for cut in quick_cuts(w):
@@ -586,6 +588,7 @@ def test_a_new_spool_cut_before_its_first_page_was_synced_opens(tmp_path):
     root = tmp_path / "recorded"
     root.mkdir(mode=0o700)
     w = first_open(root, "full")
+    w.vfs.unregister()
     db = w.vfs.nodes[w.vfs._current[str(root.resolve() / w.spool)]].id
     cut = next(i for i, op in enumerate(w.vfs.ops) if op.kind == "sync" and op.node == db)
     state = w.vfs.crash_state(cut, 1)
