@@ -387,3 +387,15 @@ def test_the_writer_keeps_no_reference_to_a_committed_group(spool, path):
     assert released.wait(30), "the writer still refers to a committed request"
     assert ref() is None
     assert not writer._pending and writer._pending_bytes == 0
+
+
+@pytest.mark.parametrize(("durability", "pragmas"), [("full", (2, 1, 1)), ("normal", (1, 0, 0))])
+def test_durability_sets_the_sync_pragmas(tmp_path, durability, pragmas):
+    """FULL: every commit fsyncs, and asks for F_FULLFSYNC where there is one (macOS)."""
+    with walspool.Spool(tmp_path / "s.db", durability=durability) as spool:
+        conn = spool._writer._conn
+        got = tuple(
+            conn.execute(f"PRAGMA {name}").get
+            for name in ("synchronous", "fullfsync", "checkpoint_fullfsync")
+        )
+    assert got == pragmas
