@@ -196,6 +196,11 @@ def _rate_between(times: list[float], start: float, end: float) -> float:
     return sum(start <= t < end for t in times) / (end - start) if end > start else 0.0
 
 
+def _rate(value: float) -> str:
+    """Messages/s, with a decimal where whole numbers would hide a capped JSON case's rate."""
+    return f"{value:,.1f}" if value < 10 else f"{value:,.0f}"
+
+
 def _burst_ratio(r: dict[str, Any], base: dict[str, Any]) -> str:
     """walspool's burst rate against json's, marked where a cap makes it a bound or a guess.
 
@@ -240,7 +245,7 @@ def table(results: list[dict[str, Any]]) -> str:
         capped = f"yes, at {r['burst_s']:,.0f} s" if r["capped"] else "no"
         lines.append(
             f"| {r['kind']} | {r['design']} | {r['messages']:,} of {r['planned']:,} | {capped} | "
-            f"{r['burst_rate']:,.0f} | {r['heal_s']:.2f} | {per_msg:.2f} | {r['lost']} | "
+            f"{_rate(r['burst_rate'])} | {r['heal_s']:.2f} | {per_msg:.2f} | {r['lost']} | "
             f"{r['duplicated']} | {r['sessions_out_of_order']} | {ratio} | {heal_ratio} |"
         )
     return "\n".join(lines)
@@ -250,8 +255,8 @@ def notes(results: list[dict[str, Any]]) -> str:
     """One line per case: its burst time and its rate in the first and last tenth of it."""
     return "\n".join(
         f"{r['kind']} {r['design']}: burst {r['burst_s']:,.1f} s, "
-        f"{r['first_tenth_rate']:,.0f} msgs/s in its first tenth, "
-        f"{r['last_tenth_rate']:,.0f} in its last"
+        f"{_rate(r['first_tenth_rate'])} msgs/s in its first tenth, "
+        f"{_rate(r['last_tenth_rate'])} in its last"
         + (" (capped: checked over the messages it sent)" if r["capped"] else "")
         for r in results
     )
