@@ -380,3 +380,17 @@ def test_a_key_is_written_the_same_on_the_fast_and_the_slow_path(spool, case):
     spool.append("s", {"keys": {key: 1}, "surrogate": "\udc80"})
     fast, slow = (rec.message["keys"] for rec in spool.records())
     assert fast == slow
+
+
+@dataclasses.dataclass
+class Unset:
+    """A dataclass with a field its ``__init__`` does not set and nothing else did."""
+
+    text: str
+    reply_to: str = dataclasses.field(init=False)
+
+
+def test_a_dataclass_field_never_set_is_null(spool):
+    spool.append("s", {"event": Unset("hi")})
+    (rec,) = spool.records()
+    assert rec.message == {"event": {"text": "hi", "reply_to": None}}
