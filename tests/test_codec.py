@@ -384,13 +384,23 @@ def test_a_key_is_written_the_same_on_the_fast_and_the_slow_path(spool, case):
 
 @dataclasses.dataclass
 class Unset:
-    """A dataclass with a field its ``__init__`` does not set and nothing else did."""
+    """A dataclass with a field its ``__init__`` does not set and nothing else did, and
+    a value msgspec cannot encode (so the slow path reads its fields one by one)."""
 
     text: str
+    other: object
     reply_to: str = dataclasses.field(init=False)
 
 
-def test_a_dataclass_field_never_set_is_null(spool):
-    spool.append("s", {"event": Unset("hi")})
-    (rec,) = spool.records()
-    assert rec.message == {"event": {"text": "hi", "reply_to": None}}
+def test_a_dataclass_field_never_set_does_not_lose_the_message(spool):
+    """On either path the message keeps its shape; the unset field is left out (the
+    fast path) or null (the slow path), never an error that turns it all into a repr."""
+    bare = object()
+    spool.append("s", {"event": Unset("hi", bare)})
+    spool.append("s", {"event": Unset("hi", bare), "surrogate": "\udc80"})
+    fast, slow = (rec.message for rec in spool.records())
+    assert fast == {"event": {"text": "hi", "other": repr(bare)}}
+    assert slow == {
+        "event": {"text": "hi", "other": repr(bare), "reply_to": None},
+        "surrogate": "\ufffd",
+    }
