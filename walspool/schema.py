@@ -291,7 +291,7 @@ def _open_locked(
     path: Path, durability: str, max_bytes: int | None, lock: int, owner: int
 ) -> apsw.Connection:
     try:
-        conn = _open_checked(path)
+        conn = _open_checked(path, durability)
     except SpoolCorrupt as exc:
         if not _lock_alone(lock):
             raise SpoolCorrupt(
@@ -310,11 +310,10 @@ def _open_locked(
                 moved,
             )
             files.prepare(path)
-            conn = _open_checked(path)
+            conn = _open_checked(path, durability)
         finally:
             fcntl.flock(lock, fcntl.LOCK_SH)  # back to sharing it with later openers
     try:
-        set_synchronous(conn, durability)
         set_journal_size_limit(conn)
         set_max_bytes(conn, max_bytes)
     except apsw.Error as exc:
@@ -386,7 +385,7 @@ def open_reader(path: Path) -> apsw.Connection:
     return conn
 
 
-def _open_checked(path: Path) -> apsw.Connection:
+def _open_checked(path: Path, durability: str) -> apsw.Connection:
     files.refuse_non_sqlite(path)
     flags = (
         apsw.SQLITE_OPEN_READWRITE
@@ -402,6 +401,8 @@ def _open_checked(path: Path) -> apsw.Connection:
         conn.config(apsw.SQLITE_DBCONFIG_NO_CKPT_ON_CLOSE, 1)
         set_busy_timeout(conn)
         set_foreign_keys_off(conn)
+        # Before the schema's first commit or an upgrade's: those are synced as asked.
+        set_synchronous(conn, durability)
         if _check_identity(conn, path, allow_empty=True):
             set_wal(conn, path)
             _create_schema(conn, path)
