@@ -266,3 +266,56 @@ def test_readme_example_runs():
     blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
     (example,) = [b for b in blocks if "walspool.Spool(" in b and "tempfile" in b]
     exec(compile(example, "README.md", "exec"), {})
+
+
+def test_append_many_takes_pairs_and_triples_with_a_session_key(spool):
+    receipts = spool.append_many([("s", MSG), (None, {"k": 1}, "key"), ("t", {"t": 1}, "route")])
+    assert [(r.session_id, r.session_key, r.seq) for r in receipts] == [
+        ("s", None, 1),
+        (None, "key", 1),
+        ("t", "route", 1),
+    ]
+    assert [(r.session_id, r.session_key, r.message) for r in spool.records()] == [
+        ("s", None, MSG),
+        (None, "key", {"k": 1}),
+        ("t", "route", {"t": 1}),
+    ]
+
+
+@pytest.mark.parametrize(
+    "item, kind", [(["s", MSG], "list"), (("s",), "tuple"), (("s", MSG, None, "x"), "tuple")]
+)
+def test_append_many_refuses_an_item_that_is_not_a_pair_or_triple(spool, item, kind):
+    with pytest.raises(walspool.InvalidArgument) as info:
+        spool.append_many([("s", MSG), item])
+    assert str(info.value) == (
+        "append_many item 1 must be a (session_id, message) or "
+        f"(session_id, message, session_key) tuple, not {kind}"
+    )
+    assert info.value.path == str(spool.path)
+    assert spool.stats().rows == 0
+
+
+def test_append_async_keeps_the_message_and_its_session_key(spool):
+    receipt = asyncio.run(spool.append_async(None, MSG, session_key="key", reason=SHUTDOWN))
+    assert (receipt.session_id, receipt.session_key, receipt.reason) == (None, "key", SHUTDOWN)
+    ((session_key, message),) = [(r.session_key, r.message) for r in spool.records()]
+    assert (session_key, message) == ("key", MSG)
+
+
+def test_stats_counts_the_wal_while_the_spool_is_open(spool, spool_path):
+    spool.append("s", MSG)
+    wal = Path(f"{spool_path}-wal")
+    assert spool.stats().wal_bytes == wal.stat().st_size > 0
+
+
+def test_the_default_path_is_spool_db_in_hermes_home(monkeypatch, tmp_path):
+    from walspool.spool import default_path
+
+    monkeypatch.setenv("HERMES_HOME", str(tmp_path / "home"))
+    assert default_path() == tmp_path / "home" / "spool.db"
+    monkeypatch.setenv("HERMES_HOME", "")
+    monkeypatch.setenv("HOME", str(tmp_path / "user"))
+    assert default_path() == tmp_path / "user" / ".hermes" / "spool.db"
+    monkeypatch.delenv("HERMES_HOME")
+    assert default_path() == tmp_path / "user" / ".hermes" / "spool.db"
