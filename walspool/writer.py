@@ -7,9 +7,11 @@ per request; N concurrent callers share about one commit per N requests. The que
 is bounded by requests and by payload bytes; a full queue blocks the caller that puts
 (backpressure), so memory stays bounded; ``notify_nowait`` raises ``queue.Full``
 instead, for callers that must not wait. Once a group's waiters are woken the writer
-drops its requests, so an idle writer holds no payloads. Not guaranteed: payloads
-held at once are bounded by ``QUEUE_BYTES`` queued plus one group being committed
-(taken from the queue, so at most as large again), not by ``QUEUE_BYTES`` alone.
+drops its requests, so an idle writer holds no payload of its own (SQLite keeps the
+last row's text bound to its cached INSERT until the next insert: one payload).
+Not guaranteed: payloads held at once are bounded by ``QUEUE_BYTES`` queued plus one
+group being committed (taken from the queue, so at most as large again), not by
+``QUEUE_BYTES`` alone.
 
 If a group fails, its requests are retried one by one, so one bad request fails
 alone and the others still commit.

@@ -26,12 +26,22 @@ from ._statedb import session_exists
 from ._trial import Trial, trial_session_db
 
 #: A replay takes the rows it chose and every row an interrupted replay left in flight.
-STREAMS_SQL = f"""
-SELECT session_id, CASE WHEN session_id IS NULL THEN session_key END, count(*),
-       sum(inflight IS NOT NULL), sum(NOT json_valid(payload))
+# No payload in a GROUP BY: its sorter would hold every row's payload (2 GiB for 24
+# rows of 60 MiB). Bad payloads are counted by their own query, for the dry run only.
+_STREAM_ROWS = f"""
 FROM records
 WHERE (inflight IS NOT NULL OR ({REASON_FILTER})) AND (:session IS NULL OR session_id = :session)
+"""
+STREAMS_SQL = f"""
+SELECT session_id, CASE WHEN session_id IS NULL THEN session_key END, count(*),
+       sum(inflight IS NOT NULL)
+{_STREAM_ROWS}
 GROUP BY 1, 2 ORDER BY 1, 2
+"""
+BAD_PAYLOADS_SQL = f"""
+SELECT session_id, CASE WHEN session_id IS NULL THEN session_key END, count(*)
+{_STREAM_ROWS} AND NOT json_valid(payload)
+GROUP BY 1, 2
 """
 INFLIGHT_ROWS_SQL = f"""
 SELECT {RECORD_COLUMNS}, inflight, json_valid(payload) FROM records
@@ -81,11 +91,21 @@ def _params(session: str | None, reasons: Sequence[str] | None, statuses: str) -
 
 
 def replay_streams(
-    conn: apsw.Connection, session: str | None, reasons: Sequence[str] | None, statuses: str
+    conn: apsw.Connection,
+    session: str | None,
+    reasons: Sequence[str] | None,
+    statuses: str,
+    *,
+    bad: bool = False,
 ) -> list[StreamCount]:
-    """Each stream a replay would take, with its rows (chosen or in flight)."""
-    rows = conn.execute(STREAMS_SQL, _params(session, reasons, statuses)).fetchall()
-    return [StreamCount(*row) for row in rows]
+    """Each stream a replay would take, with its rows (chosen or in flight), and with
+    ``bad`` how many of them are not JSON (0 without)."""
+    params = _params(session, reasons, statuses)
+    invalid = {}
+    if bad:
+        invalid = {(s, k): n for s, k, n in conn.execute(BAD_PAYLOADS_SQL, params)}
+    rows = conn.execute(STREAMS_SQL, params).fetchall()
+    return [StreamCount(*row, invalid.get((row[0], row[1]), 0)) for row in rows]
 
 
 def plan(
@@ -93,7 +113,7 @@ def plan(
 ) -> Plan:
     """Read what a dry run needs from the spool, in one read transaction."""
     params = _params(session, reasons, statuses)
-    streams = replay_streams(conn, session, reasons, statuses)
+    streams = replay_streams(conn, session, reasons, statuses, bad=True)
     inflight: dict[str, list[InFlight]] = {}
     for row in conn.execute(INFLIGHT_ROWS_SQL, params):
         *columns, ticket, valid = row
