@@ -459,3 +459,22 @@ def test_a_symlinked_home_is_followed(tmp_path, capsys):
     assert {"spool.db", "spool.db.open-lock", "spool.db.replay-lock"} <= files
     assert files <= {"spool.db", "spool.db-wal", "spool.db-shm", "spool.db.open-lock",
                      "spool.db.replay-lock"}  # fmt: skip
+
+
+@pytest.mark.parametrize("step", ["trusted_directory", "prepare", "open_private"])
+def test_a_spool_directory_removed_during_the_open_is_a_walspool_error(tmp_path, monkeypatch, step):
+    """The directory goes away between two steps of ``Spool()`` (another process
+    cleaning up): a ``WalspoolError`` that names the spool, never a raw OSError."""
+    import walspool.files as files
+
+    spool_dir = tmp_path / "sub"
+    real = getattr(files, step)
+
+    def then_remove(*args: Any, **kw: Any) -> Any:
+        result = real(*args, **kw)
+        shutil.rmtree(spool_dir, ignore_errors=True)
+        return result
+
+    monkeypatch.setattr(files, step, then_remove)
+    with pytest.raises(walspool.WalspoolError, match=str(spool_dir / "spool.db")):
+        walspool.Spool(spool_dir / "spool.db")
