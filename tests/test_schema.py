@@ -432,3 +432,23 @@ def test_sqlite_errors_are_named_for_their_condition(tmp_path, exc, os_errno, ki
     assert type(error) is kind
     assert str(error) == text.format(path=path)
     assert (error.path, error.session_id) == (str(path), "s-1")
+
+
+def test_a_schema_1_spool_that_already_has_the_size_column_is_upgraded(spool_path):
+    """A schema 1 file with ``size`` already there (the column is not added twice), its
+    sizes recomputed from the payloads."""
+    make_v2_spool(spool_path, [("s", i + 1, f'{{"n":{i}}}', None) for i in range(2)])
+    conn = apsw.Connection(str(spool_path))
+    conn.execute(DOWNGRADE_TO_V1_SQL.replace("ALTER TABLE records DROP COLUMN size;", ""))
+    conn.execute("UPDATE records SET size = 0")
+    conn.close()
+    with walspool.Spool(spool_path) as spool:
+        assert [r.message["n"] for r in spool.records()] == [0, 1]
+        assert spool.stats().bytes == 2 * len('{"n":0}')
+
+
+def test_opening_a_current_spool_logs_no_upgrade(spool_path, caplog):
+    walspool.Spool(spool_path).close()
+    caplog.set_level(logging.INFO, logger="walspool")
+    walspool.Spool(spool_path).close()
+    assert [r.getMessage() for r in caplog.records if r.name == "walspool.schema"] == []

@@ -319,3 +319,11 @@ def test_the_default_path_is_spool_db_in_hermes_home(monkeypatch, tmp_path):
     assert default_path() == tmp_path / "user" / ".hermes" / "spool.db"
     monkeypatch.delenv("HERMES_HOME")
     assert default_path() == tmp_path / "user" / ".hermes" / "spool.db"
+
+
+def test_stats_oldest_and_newest_are_the_first_and_last_created(spool):
+    spool.append("s", MSG)
+    spool.append("t", MSG)
+    first, last = spool.records()
+    st = spool.stats()
+    assert (st.oldest, st.newest) == (first.created_at, last.created_at)
