@@ -733,3 +733,11 @@ def test_a_look_alike_is_not_prepared_for_tickets_and_a_closed_one_that_stays_cl
     with pytest.raises(SessionDBClosed, match=r"^<.*PrivateParts object at .*> is closed$"):
         sink.write("s", record(USER), TICKET)
     assert stays_closed.rows == []
+
+
+def test_an_unusable_timestamp_is_logged_at_debug(caplog):
+    caplog.set_level("DEBUG", logger="walspool.sinks")
+    assert append_kwargs(record({"role": "user", "timestamp": "soon"}))["timestamp"] == T0 + 100
+    assert [r.getMessage() for r in caplog.records if r.name == "walspool.sinks"] == [
+        "ignoring message timestamp 'soon'; using the spool time"
+    ]
