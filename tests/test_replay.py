@@ -229,7 +229,11 @@ def test_rows_by_session_key_go_through_the_resolver(spool, sink):
 def test_rows_by_session_key_without_a_resolver_stay(spool, sink):
     spool.append(None, "x", session_key="k", reason=SHUTDOWN)
     report = Replayer(spool, sink).replay()
-    assert report.held == 1 and "need a resolver" in report.errors["k"]
+    assert report.held == 1
+    assert report.errors["k"] == (
+        "rows spooled with session_key 'k' but no session_id need a resolver "
+        "(Replayer(..., resolver=...)) to find their session"
+    )
 
 
 def test_a_resolver_that_raises_is_unresolvable(spool, sink):
