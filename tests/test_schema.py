@@ -274,7 +274,11 @@ def test_schema_2_spool_with_rows_in_flight_is_upgraded_and_never_guessed(
     )
     with caplog.at_level(logging.WARNING, logger="walspool.schema"):
         spool = walspool.Spool(spool_path)
-    assert "1 row(s) were in flight under schema 2 and are quarantined" in caplog.text
+    assert [r.getMessage() for r in caplog.records if r.name == "walspool.schema"] == [
+        f"{spool_path}: 1 row(s) were in flight under schema 2 and are quarantined: whether "
+        "they reached state.db is unknown (see `walspool show`)",
+        f"upgraded spool {spool_path} from schema 2 to {SCHEMA_VERSION}",
+    ]
     with spool:
         session_db.create_session("t", "cli")
         report = walspool.Replayer(spool, walspool.SessionDBSink(session_db)).replay()

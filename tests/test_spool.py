@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 from pathlib import Path
 
@@ -327,3 +328,17 @@ def test_stats_oldest_and_newest_are_the_first_and_last_created(spool):
     first, last = spool.records()
     st = spool.stats()
     assert (st.oldest, st.newest) == (first.created_at, last.created_at)
+
+
+def test_appending_to_a_path_that_names_another_file_says_why(spool, spool_path):
+    moved = spool_path.with_name("moved.db")
+    for suffix in ("", "-wal", "-shm"):
+        os.rename(f"{spool_path}{suffix}", f"{moved}{suffix}")
+    with pytest.raises(walspool.SpoolReplaced) as info:
+        spool.append("s", MSG)
+    assert str(info.value) == (
+        f"spool {spool_path} no longer names the file this Spool opened (it was moved, "
+        "replaced or deleted); nothing more is appended to it: open the spool again, and "
+        "look for the old file beside it"
+    )
+    assert info.value.path == str(spool_path)
