@@ -954,3 +954,46 @@ def test_rows_freed_by_two_failing_streams_in_one_batch_are_all_freed(spool, sin
     assert query(
         spool, "SELECT session_id, seq FROM records WHERE inflight IS NOT NULL ORDER BY 1, 2"
     ) == [("a", 1), ("b", 1)]
+
+
+def test_a_replay_finding_the_lock_held_says_by_whom_and_how_long_it_waited(spool, sink):
+    from walspool.replay import LOCK_SUFFIX, _exclusive
+
+    spool.append("s", msg("s", 0))
+    lock = Path(f"{spool.path}{LOCK_SUFFIX}")
+    with _exclusive(lock):  # another replay, in this process: flock excludes it too
+        with pytest.raises(walspool.ReplayBusy) as busy:
+            Replayer(spool, sink).replay(wait=False)
+        assert str(busy.value) == (
+            f"another replay of {spool.path} is running (its lock {lock} stayed held); "
+            f"try again when it ends (process {os.getpid()} holds it)"
+        )
+        assert busy.value.pid == os.getpid()
+        with pytest.raises(walspool.ReplayBusy, match=r"stayed held for 0\.05 s\)"):
+            Replayer(spool, sink).replay(wait=0.05)
+    assert sink.messages("s") == []
+
+
+def test_a_replay_waits_for_the_lock_within_its_bound(spool, sink, monkeypatch):
+    """The other replay ends while this one waits (at its first pause): it goes on."""
+    import contextlib
+    import time
+
+    from walspool.replay import LOCK_SUFFIX, _exclusive
+
+    spool.append("s", msg("s", 0))
+    other = contextlib.ExitStack()
+    other.enter_context(_exclusive(Path(f"{spool.path}{LOCK_SUFFIX}")))
+    pauses: list[float] = []
+    sleep = time.sleep
+
+    def pause_then_end_the_other(seconds: float) -> None:
+        pauses.append(seconds)
+        other.close()
+        sleep(seconds)
+
+    monkeypatch.setattr(time, "sleep", pause_then_end_the_other)
+    report = Replayer(spool, sink).replay(wait=0.5)
+    monkeypatch.undo()
+    assert report.moved == 1 and sink.messages("s") == [msg("s", 0)]
+    assert pauses and 0 < pauses[0] <= 0.5
