@@ -741,3 +741,24 @@ def test_an_unusable_timestamp_is_logged_at_debug(caplog):
     assert [r.getMessage() for r in caplog.records if r.name == "walspool.sinks"] == [
         "ignoring message timestamp 'soon'; using the spool time"
     ]
+
+
+def test_a_message_with_text_and_a_role_or_content_is_a_transcript_message():
+    kwargs = append_kwargs(record({"role": "assistant", "text": "t"}))
+    assert (kwargs["role"], kwargs["content"]) == ("assistant", None)
+    kwargs = append_kwargs(record({"content": "c", "text": "t"}))
+    assert (kwargs["role"], kwargs["content"]) == ("unknown", "c")
+
+
+def test_the_gateway_mapping_keeps_its_own_message_uid_and_gets_none_it_lacks():
+    def mapping(session_id, message, *, fallback_ts=None):
+        return {"role": message["role"], **message.get("mapped", {})}
+
+    given = {"role": "user", "message_uid": "mine", "mapped": {"message_uid": "theirs"}}
+    assert append_kwargs(record(given), mapping)["message_uid"] == "theirs"
+    mine = append_kwargs(record({"role": "user", "message_uid": "mine"}), mapping)
+    assert mine["message_uid"] == "mine"
+    for uid in (None, "", 7):
+        kwargs = append_kwargs(record({"role": "user", "message_uid": uid}), mapping)
+        assert "message_uid" not in kwargs, uid
+    assert "message_uid" not in append_kwargs(record({"role": "user"}), mapping)
