@@ -35,6 +35,8 @@ APPLICATION_ID = 0x5753504C
 SCHEMA_VERSION = 3
 
 DURABILITY_SYNCHRONOUS = {"full": "FULL", "normal": "NORMAL"}
+#: ``PRAGMA fullfsync`` and ``checkpoint_fullfsync`` per durability (macOS's F_FULLFSYNC).
+DURABILITY_FULLFSYNC = {"full": "ON", "normal": "OFF"}
 BUSY_TIMEOUT_MS = 10_000
 JOURNAL_SIZE_LIMIT = 64 * 1024 * 1024
 #: Seconds an opener waits for a process that is moving a damaged spool aside.
@@ -228,9 +230,8 @@ def set_synchronous(conn: apsw.Connection, durability: str) -> None:
     https://www.sqlite.org/pragma.html#pragma_fullfsync
     """
     conn.execute(f"PRAGMA synchronous = {DURABILITY_SYNCHRONOUS[durability]}")
-    full = "ON" if durability == "full" else "OFF"
-    conn.execute(f"PRAGMA fullfsync = {full}")
-    conn.execute(f"PRAGMA checkpoint_fullfsync = {full}")
+    conn.execute(f"PRAGMA fullfsync = {DURABILITY_FULLFSYNC[durability]}")
+    conn.execute(f"PRAGMA checkpoint_fullfsync = {DURABILITY_FULLFSYNC[durability]}")
 
 
 def set_journal_size_limit(conn: apsw.Connection) -> None:
