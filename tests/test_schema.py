@@ -456,3 +456,28 @@ def test_opening_a_current_spool_logs_no_upgrade(spool_path, caplog):
     caplog.set_level(logging.INFO, logger="walspool")
     walspool.Spool(spool_path).close()
     assert [r.getMessage() for r in caplog.records if r.name == "walspool.schema"] == []
+
+
+def test_a_read_only_open_of_a_missing_or_empty_file_says_so(tmp_path):
+    missing = tmp_path / "none.db"
+    with pytest.raises(walspool.WalspoolError) as info:
+        open_reader(missing)
+    assert (str(info.value), info.value.path) == (f"no spool at {missing}", str(missing))
+    assert not missing.exists()
+    empty = tmp_path / "empty.db"
+    apsw.Connection(str(empty)).close()  # a SQLite file with nothing in it
+    with pytest.raises(walspool.NotASpool) as info:
+        open_reader(empty)
+    assert str(info.value) == (
+        f"{empty} is a SQLite database but not a walspool spool (application_id=0); "
+        "it was left unchanged"
+    )
+    assert info.value.path == str(empty)
+
+
+def test_a_read_only_open_of_an_old_schema_names_the_file(spool_path):
+    make_v2_spool(spool_path, [])
+    with pytest.raises(walspool.NotASpool) as info:
+        open_reader(spool_path)
+    assert info.value.path == str(spool_path)
+    assert str(info.value).startswith(f"{spool_path} has spool schema 2;")
