@@ -342,3 +342,28 @@ def test_appending_to_a_path_that_names_another_file_says_why(spool, spool_path)
         "look for the old file beside it"
     )
     assert info.value.path == str(spool_path)
+
+
+def test_a_name_may_take_max_payload_bytes_and_no_more(tmp_path):
+    with walspool.Spool(tmp_path / "spool.db", max_payload_bytes=1000) as spool:
+        spool.append("x" * 1000, MSG)  # exactly the limit
+        spool.append("é" * 400, MSG)  # 400 characters, 800 bytes
+        with pytest.raises(walspool.InvalidArgument) as info:
+            spool.append("é" * 501, MSG)
+        assert (
+            str(info.value) == "session_id is 1002 bytes, over the spool's max_payload_bytes=1000"
+        )
+        assert info.value.path == str(spool.path)
+        with pytest.raises(walspool.InvalidArgument) as info:
+            spool.append(None, MSG, session_key="")
+        assert (str(info.value), info.value.path) == (
+            "session_key must not be empty",
+            str(spool.path),
+        )
+        with pytest.raises(walspool.InvalidArgument) as info:
+            spool.append("s", MSG, reason=7)  # type: ignore[arg-type]
+        assert (str(info.value), info.value.path) == (
+            "reason must be a str, not int",
+            str(spool.path),
+        )
+        assert spool.stats().rows == 2
