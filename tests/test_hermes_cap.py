@@ -130,3 +130,21 @@ def test_no_cap_when_asked_for_none(store, spool, caplog):
 
 def test_the_link_has_a_cap_by_default(store, spool):
     assert install(store, spool).max_bytes == budget.DEFAULT_MAX_BYTES == 4 * 2**30
+
+
+def test_a_spool_already_at_the_cap_refuses_the_first_eviction(store, spool, caplog):
+    """What earlier runs left counts from the start: the link measures the spool when
+    it is installed, not only after its first commit."""
+    spool.append_many([("old", msg(f"o{i}")) for i in range(1200)])  # ~10 MB
+    assert spool._writer.footprint is None  # a spool without the link measures nothing
+    store._db.create_session("s", "telegram")
+    install(store, spool, retry_interval=0.2, max_bytes=8 * 2**20, recover=False)
+    assert spool._writer.footprint > 8 * 2**20
+    sql(store, BREAK)
+    with caplog.at_level(logging.WARNING, logger="walspool.hermes"):
+        for i in range(201):
+            store.append_to_transcript("s", msg(f"m{i}"))
+        spool.flush()
+    refused = refusals(caplog, "s")
+    assert len(refused) == 1 and "at the link's cap of 8388608 bytes" in refused[0]
+    assert [r.session_id for r in spool.records()].count("s") == 0

@@ -399,7 +399,7 @@ class Link:
                 row = self.spool._row(session_id, pending[0], CAP_DROP, None)
                 refused = budget.refusal(
                     self.max_bytes,
-                    self.spool._writer.footprint,
+                    self.spool._writer.footprint or 0,
                     self._unconfirmed_bytes,
                     state.spooled_bytes,
                     row[5],
@@ -1199,6 +1199,8 @@ def install(
             "the SessionStore has no state.db (store._db is None)", path=spool.path
         )
     link = Link(store, spool, retry_interval, max_bytes)
+    if max_bytes is not None:
+        spool._writer.track_footprint()
     if recover:
         if _nothing_to_replay(spool):
             link._recovered = True

@@ -302,12 +302,9 @@ class Writer:
         self._abandoned = 0
         #: Bytes the spool takes on disk after the last commit: its pages in use
         #: (free pages left by replays do not count) plus its ``-wal`` file, which a
-        #: reader holding a snapshot lets grow.
-        self.footprint = 0
-        try:
-            self.footprint = conn.execute(LIVE_BYTES_SQL).get + _size(f"{path}-wal")
-        except apsw.Error:
-            pass  # measured again after the first commit
+        #: reader holding a snapshot lets grow. None until ``track_footprint``: only
+        #: the gateway link's cap needs it, so other commits do not pay for it.
+        self.footprint: int | None = None
         # A busy handler rather than the connection's busy timeout: its waits are
         # bounded per group, not per statement, and ``close`` can end them.
         conn.set_busy_handler(self._on_busy)
@@ -557,7 +554,6 @@ class Writer:
                     for request in requests:
                         request.run(group)
                     group.finish()
-                    live = self._conn.execute(LIVE_BYTES_SQL).get
             except apsw.BusyError as exc:
                 self._numbers.forget()
                 if self.busy_since is None:
@@ -577,8 +573,27 @@ class Writer:
             else:
                 group.committed()
                 self.busy_since = None
-                self.footprint = live + _size(f"{self._path}-wal")
+                if self.footprint is not None:
+                    self._measure()
                 return
+
+    def track_footprint(self) -> None:
+        """Keep ``footprint`` up to date from now on: measured now, unless a commit is
+        running (never waited for; then after it), and after every commit."""
+        if self.footprint is None:
+            self.footprint = 0
+        if self._commit_lock.acquire(blocking=False):
+            try:
+                self._measure()
+            finally:
+                self._commit_lock.release()
+
+    def _measure(self) -> None:
+        """``footprint`` now; the commit lock is held. A failed look keeps the last."""
+        try:
+            self.footprint = self._conn.execute(LIVE_BYTES_SQL).get + _size(f"{self._path}-wal")
+        except apsw.Error:
+            pass
 
     def _error(self, exc: BaseException, request: Request) -> BaseException:
         if isinstance(exc, WalspoolError):
