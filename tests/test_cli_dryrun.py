@@ -14,6 +14,7 @@ from typing import Any
 
 import apsw
 import pytest
+from _gateway import state_db
 from _helpers import run_python
 from test_operators import KILLED_READER, NOBODY, as_root, shared_tmp, spool_of, walspool_as
 
@@ -39,14 +40,6 @@ def files_of(directory: Path) -> dict[str, str]:
         for p in sorted(directory.iterdir())
         if p.is_file()
     }
-
-
-def state_db(path: Path, *sessions: str) -> Path:
-    db = hermes_state.SessionDB(db_path=path)
-    for session in sessions:
-        db.create_session(session, "telegram")
-    db.close()
-    return path
 
 
 def spool_of_two(path: Path) -> Path:

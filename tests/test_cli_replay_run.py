@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _gateway import state_db
 from _helpers import ROOT
 from _lock_holder import replay_lock_held
 
@@ -25,14 +26,6 @@ hermes_state = pytest.importorskip("hermes_state")
 
 #: Bound on every wait for a child process.
 CHILD_TIMEOUT = 120.0
-
-
-def state_db(path: Path, *sessions: str) -> Path:
-    db = hermes_state.SessionDB(db_path=path)
-    for session in sessions:
-        db.create_session(session, "telegram")
-    db.close()
-    return path
 
 
 def spool_of(path: Path, rows: int, session: str = "s1") -> Path:

@@ -8,32 +8,18 @@ import threading
 from pathlib import Path
 
 import pytest
+from _gateway import BREAK, HEAL, contents, sql
 
 import walspool
 from walspool.hermes import install, install_runner
 
 hermes_state = pytest.importorskip("hermes_state")
 
-BREAK = (
-    "CREATE TRIGGER broken BEFORE INSERT ON messages BEGIN "
-    "SELECT RAISE(ABORT, 'database disk image is malformed'); END"
-)
-HEAL = "DROP TRIGGER broken"
-
 
 @pytest.fixture
 def spool(hermes_home: Path):
     with walspool.Spool(hermes_home / "spool.db") as s:
         yield s
-
-
-def sql(store, statement: str) -> None:
-    with store._db._lock:
-        store._db._conn.execute(statement)
-
-
-def contents(store, session_id: str) -> list:
-    return [m["content"] for m in store._db.get_messages(session_id)]
 
 
 def test_released_gateway_loses_all_but_200(store):

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _gateway import BREAK, HEAL, sql
 from _lock_holder import read_snapshot_held
 
 import walspool
@@ -22,11 +23,6 @@ from walspool.hermes import install
 
 pytest.importorskip("hermes_state")
 
-BREAK = (
-    "CREATE TRIGGER broken BEFORE INSERT ON messages BEGIN "
-    "SELECT RAISE(ABORT, 'database disk image is malformed'); END"
-)
-HEAL = "DROP TRIGGER broken"
 CAP = 16 * 2**20
 PAD = "x" * 8000  # an 8 KB message: the cap is reached in about 2,000 evictions
 WAIT = 60.0
@@ -36,11 +32,6 @@ WAIT = 60.0
 def spool(hermes_home: Path) -> Iterator[walspool.Spool]:
     with walspool.Spool(hermes_home / "spool.db") as s:
         yield s
-
-
-def sql(store: Any, statement: str) -> None:
-    with store._db._lock:
-        store._db._conn.execute(statement)
 
 
 def msg(content: str) -> dict[str, str]:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _gateway import BREAK, HEAL, contents, msg, sql
 from _helpers import ROOT
 from _lock_holder import replay_lock_held, write_lock_held
 
@@ -30,11 +31,6 @@ from walspool.hermes import Link, install
 
 pytest.importorskip("hermes_state")
 
-BREAK = (
-    "CREATE TRIGGER broken BEFORE INSERT ON messages BEGIN "
-    "SELECT RAISE(ABORT, 'database disk image is malformed'); END"
-)
-HEAL = "DROP TRIGGER broken"
 #: An outage of session "a" only; other sessions write as usual.
 BREAK_A = (
     "CREATE TRIGGER broken BEFORE INSERT ON messages WHEN NEW.session_id = 'a' BEGIN "
@@ -53,19 +49,6 @@ WAIT = 30.0
 def spool(hermes_home: Path) -> Iterator[walspool.Spool]:
     with walspool.Spool(hermes_home / "spool.db") as s:
         yield s
-
-
-def sql(store: Any, statement: str) -> None:
-    with store._db._lock:
-        store._db._conn.execute(statement)
-
-
-def contents(store: Any, session_id: str) -> list[Any]:
-    return [m["content"] for m in store._db.get_messages(session_id)]
-
-
-def msg(content: str) -> dict[str, str]:
-    return {"role": "user", "content": content}
 
 
 def timed_append(store: Any, session_id: str, content: str) -> float:

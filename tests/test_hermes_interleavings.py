@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _gateway import BREAK, HEAL, contents, msg, sql
 
 import walspool
 import walspool.hermes as hermes
@@ -23,11 +24,6 @@ from walspool.hermes import Link, install
 
 pytest.importorskip("hermes_state")
 
-BREAK = (
-    "CREATE TRIGGER broken BEFORE INSERT ON messages BEGIN "
-    "SELECT RAISE(ABORT, 'database disk image is malformed'); END"
-)
-HEAL = "DROP TRIGGER broken"
 #: Bound on every wait for a stepped thread.
 STEP = 30.0
 
@@ -84,19 +80,6 @@ class Gate:
 def spool(hermes_home: Path):
     with walspool.Spool(hermes_home / "spool.db") as s:
         yield s
-
-
-def sql(store: Any, statement: str) -> None:
-    with store._db._lock:
-        store._db._conn.execute(statement)
-
-
-def contents(store: Any, session_id: str) -> list[Any]:
-    return [m["content"] for m in store._db.get_messages(session_id)]
-
-
-def msg(content: str) -> dict[str, str]:
-    return {"role": "user", "content": content}
 
 
 def in_thread(fn: Callable[[], Any]) -> threading.Thread:

@@ -19,17 +19,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _gateway import BREAK, HEAL, sql
 
 import walspool
 from walspool.hermes import install
 
 pytest.importorskip("hermes_state")
 
-BREAK = (
-    "CREATE TRIGGER broken BEFORE INSERT ON messages BEGIN "
-    "SELECT RAISE(ABORT, 'database disk image is malformed'); END"
-)
-HEAL = "DROP TRIGGER IF EXISTS broken"
 THREADS = 8
 SESSIONS = ["shared", "s1", "s2", "s3"]
 WAIT = 120.0
@@ -83,11 +79,6 @@ def quiet() -> Iterator[Drops]:
     loggers[0].removeHandler(drops)
     for lg, (propagate, level) in zip(loggers, saved, strict=True):
         lg.propagate, lg.level = propagate, level
-
-
-def sql(store: Any, statement: str) -> None:
-    with store._db._lock:
-        store._db._conn.execute(statement)
 
 
 @pytest.mark.parametrize(

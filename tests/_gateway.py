@@ -1,0 +1,41 @@
+"""What the tests on the real hermes-agent 0.19.0 gateway share: an outage of its
+``state.db`` (every insert into ``messages`` fails, as a database whose FTS index is
+damaged refuses them), statements on the store's own connection, and transcripts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+#: The outage: SessionDB reads the error as FTS corruption, rebuilds, and fails again.
+BREAK = (
+    "CREATE TRIGGER broken BEFORE INSERT ON messages BEGIN "
+    "SELECT RAISE(ABORT, 'database disk image is malformed'); END"
+)
+HEAL = "DROP TRIGGER IF EXISTS broken"
+
+
+def sql(store: Any, statement: str) -> None:
+    """Run ``statement`` on the store's SessionDB connection, under its lock."""
+    with store._db._lock:
+        store._db._conn.execute(statement)
+
+
+def contents(store: Any, session_id: str) -> list[Any]:
+    """The session's transcript in state.db, as its messages' contents."""
+    return [m["content"] for m in store._db.get_messages(session_id)]
+
+
+def msg(content: str) -> dict[str, str]:
+    return {"role": "user", "content": content}
+
+
+def state_db(path: Path, *sessions: str) -> Path:
+    """A closed state.db at ``path`` holding ``sessions``."""
+    import hermes_state
+
+    db = hermes_state.SessionDB(db_path=path)
+    for session in sessions:
+        db.create_session(session, "telegram")
+    db.close()
+    return path
