@@ -14,6 +14,18 @@ from walspool.records import Record
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def terminal_line(config: Any, line: str) -> None:
+    """Write ``line`` to the terminal whatever pytest's capture setting (a summary a
+    slow matrix prints: its counts belong in every run's output)."""
+    capture = config.pluginmanager.get_plugin("capturemanager")
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if capture is not None and reporter is not None:
+        with capture.global_and_fixture_disabled():
+            reporter.write_line("\n" + line)
+    else:
+        print(line)
+
+
 def run_python(code: str, *args: str, timeout: float = 120, **kw) -> subprocess.CompletedProcess:
     """Run ``code`` in a fresh interpreter with walspool importable."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), **kw.pop("env", {})}

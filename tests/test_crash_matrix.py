@@ -37,7 +37,7 @@ from typing import Any
 
 import apsw
 import pytest
-from _helpers import ROOT
+from _helpers import ROOT, terminal_line
 from _old_schemas import DOWNGRADE_TO_V1_SQL, make_v2_spool
 
 import walspool
@@ -65,13 +65,7 @@ def kill_summary(request: pytest.FixtureRequest):
         f"({', '.join(f'{k}: {v}' for k, v in sorted(KILLS.items()))}); planned "
         f"{sum(PLANNED.values())}"
     )
-    capture = request.config.pluginmanager.get_plugin("capturemanager")
-    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-    if capture is not None and reporter is not None:
-        with capture.global_and_fixture_disabled():
-            reporter.write_line("\n" + line)
-    else:
-        print(line)
+    terminal_line(request.config, line)
 
 
 # -- running the worker -----------------------------------------------------------------

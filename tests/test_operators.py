@@ -5,47 +5,23 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
-import subprocess
-import sys
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import apsw
 import pytest
-from _helpers import ROOT, run_python
+from _helpers import run_python
+from _users import NOBODY, as_root, shared_directory, walspool_as
 
 import walspool
 from walspool.cli import main
-
-NOBODY = 65534
-SETPRIV = shutil.which("setpriv")
-as_root = pytest.mark.skipif(
-    os.geteuid() != 0 or SETPRIV is None, reason="needs root and setpriv to switch users"
-)
 
 
 @pytest.fixture
 def shared_tmp() -> Iterator[Path]:
     """A directory other users can reach (pytest's own tmp_path is root's, 0700)."""
-    top = Path(tempfile.mkdtemp(prefix="walspool-ops-", dir="/tmp"))
-    os.chmod(top, 0o755)
-    try:
+    with shared_directory("walspool-ops-", 0o755) as top:
         yield top
-    finally:
-        shutil.rmtree(top, ignore_errors=True)
-
-
-def walspool_as(uid: int, *argv: object) -> subprocess.CompletedProcess[str]:
-    """``python -m walspool ARGV`` as ``uid`` (and its group, no others)."""
-    assert SETPRIV is not None
-    return subprocess.run(
-        [SETPRIV, f"--reuid={uid}", f"--regid={uid}", "--clear-groups",
-         sys.executable, "-m", "walspool", *map(str, argv)],
-        capture_output=True, text=True, timeout=120,
-        env={**os.environ, "PYTHONPATH": str(ROOT), "HOME": "/nonexistent"},
-    )  # fmt: skip
 
 
 def spool_of(uid: int, directory: Path, rows: int = 3) -> Path:

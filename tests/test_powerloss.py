@@ -44,7 +44,7 @@ from typing import Any
 
 import apsw
 import pytest
-from _helpers import MemorySink
+from _helpers import MemorySink, terminal_line
 from _old_schemas import DOWNGRADE_TO_V1_SQL, make_v2_spool
 from _powervfs import CrashState, PowerVFS, recording
 
@@ -81,14 +81,9 @@ def power_summary(request: pytest.FixtureRequest):
 
 def report(request: pytest.FixtureRequest, title: str, counts: Counter[str]) -> None:
     """Print a counts line to the terminal, whatever the capture setting."""
-    line = f"{title}: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
-    capture = request.config.pluginmanager.get_plugin("capturemanager")
-    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-    if capture is not None and reporter is not None:
-        with capture.global_and_fixture_disabled():
-            reporter.write_line("\n" + line)
-    else:
-        print(line)
+    terminal_line(
+        request.config, f"{title}: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
+    )
 
 
 def message(session: str, i: int, pad: int = 420) -> dict[str, Any]:

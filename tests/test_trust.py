@@ -16,17 +16,16 @@ import shutil
 import signal
 import sqlite3
 import stat
-import subprocess
-import sys
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import apsw
 import pytest
-from _helpers import ROOT, MemorySink
+from _helpers import MemorySink
 from _lock_holder import replay_lock_held
+from _users import NOBODY, as_root, shared_directory
+from _users import python_as as as_user
 
 import walspool
 import walspool.jsonspool
@@ -34,24 +33,15 @@ import walspool.spool
 from walspool.cli import main
 from walspool.replay import Replayer
 
-GATEWAY_USER = 65534  # nobody
+GATEWAY_USER = NOBODY
 NEIGHBOUR = 1  # daemon
-SETPRIV = shutil.which("setpriv")
-
-as_root = pytest.mark.skipif(
-    os.geteuid() != 0 or SETPRIV is None, reason="needs root and setpriv to switch users"
-)
 
 
 @pytest.fixture
 def shared_tmp() -> Iterator[Path]:
     """A directory other users can reach (pytest's own tmp_path is root's, 0700)."""
-    top = Path(tempfile.mkdtemp(prefix="walspool-trust-", dir="/tmp"))
-    os.chmod(top, 0o711)
-    try:
+    with shared_directory("walspool-trust-", 0o711) as top:
         yield top
-    finally:
-        shutil.rmtree(top, ignore_errors=True)
 
 
 def owned_dir(path: Path, uid: int, mode: int = 0o700) -> Path:
@@ -59,17 +49,6 @@ def owned_dir(path: Path, uid: int, mode: int = 0o700) -> Path:
     os.chown(path, uid, uid)
     os.chmod(path, mode)
     return path
-
-
-def as_user(uid: int, code: str, *args: str) -> subprocess.CompletedProcess[str]:
-    """Run ``code`` in a fresh interpreter as ``uid`` (and its group, no others)."""
-    assert SETPRIV is not None
-    return subprocess.run(
-        [SETPRIV, f"--reuid={uid}", f"--regid={uid}", "--clear-groups",
-         sys.executable, "-c", code, *args],
-        capture_output=True, text=True, timeout=120,
-        env={**os.environ, "PYTHONPATH": str(ROOT), "HOME": "/nonexistent"},
-    )  # fmt: skip
 
 
 OPEN_AND_APPEND = """
