@@ -253,6 +253,8 @@ def test_a_concurrent_cli_replay_never_blocks_the_gateway(hermes_home, store, sp
             str(spool.path),
             "--into",
             str(hermes_home / "state.db"),
+            "--wait",  # the gateway's own drain may hold the lock when it starts
+            str(WAIT),
         ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
