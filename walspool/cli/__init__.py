@@ -19,7 +19,7 @@ import apsw
 from ..errors import WalspoolError
 from ..records import AGENT_HISTORY, CAP_DROP, SHUTDOWN
 from ..spool import default_path
-from . import check, demo, export, import_json, ls, replay, show, stats
+from . import check, demo, export, import_json, ls, replay, show, stats, watch
 from ._filters import UsageError
 from ._interrupt import Interrupted
 from ._output import EXIT_ERROR, EXIT_USAGE, as_path, log_lines, warn
@@ -57,6 +57,7 @@ COMMANDS: tuple[tuple[str, Command, Callable[[argparse.ArgumentParser], None] | 
     ("export", export.run, export.add_arguments),
     ("import-json", import_json.run, import_json.add_arguments),
     ("check", check.run, None),
+    ("watch", watch.run, watch.add_arguments),
     ("demo", demo.run, None),
 )
 
