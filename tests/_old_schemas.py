@@ -102,3 +102,60 @@ def make_v2_spool(path: Path, rows: list[tuple[Any, ...]]) -> None:
         path.chmod(0o600)
     finally:
         conn.close()
+
+
+#: Schema 2 -> 3 as walspool's upgrade wrote it: the status column and its index, the
+#: spool's identity and ticket counter, the views that show both.
+UPGRADE_V2_TO_V3_SQL = """
+ALTER TABLE records ADD COLUMN status TEXT CHECK (status IN ('quarantined', 'superseded'));
+CREATE INDEX records_status_idx ON records (status) WHERE status IS NOT NULL;
+CREATE TABLE spool_meta (name TEXT PRIMARY KEY, value ANY NOT NULL) STRICT, WITHOUT ROWID;
+INSERT INTO spool_meta (name, value) VALUES
+    ('uid', lower(hex(randomblob(16)))), ('next_ticket', 1);
+DROP VIEW backlog;
+CREATE VIEW backlog AS
+SELECT
+    session_id,
+    CASE WHEN session_id IS NULL THEN session_key END AS session_key,
+    count(*) AS rows,
+    sum(size) AS bytes,
+    strftime('%Y-%m-%dT%H:%M:%fZ', min(created_at), 'unixepoch') AS oldest,
+    strftime('%Y-%m-%dT%H:%M:%fZ', max(created_at), 'unixepoch') AS newest,
+    max(attempts) AS max_attempts,
+    (SELECT h.last_error FROM records AS h
+      WHERE h.session_id IS r.session_id
+        AND (r.session_id IS NOT NULL OR h.session_key IS r.session_key)
+        AND h.last_error IS NOT NULL
+      ORDER BY h.seq LIMIT 1) AS last_error,
+    count(*) FILTER (WHERE status = 'quarantined') AS quarantined,
+    count(*) FILTER (WHERE status = 'superseded') AS superseded
+FROM records AS r
+GROUP BY session_id, CASE WHEN session_id IS NULL THEN session_key END;
+DROP VIEW failures;
+CREATE VIEW failures AS
+SELECT
+    id, session_id, session_key, seq, reason, attempts, last_error,
+    strftime('%Y-%m-%dT%H:%M:%fZ', last_attempt_at, 'unixepoch') AS last_attempt,
+    strftime('%Y-%m-%dT%H:%M:%fZ', created_at, 'unixepoch') AS created,
+    status
+FROM records
+WHERE last_error IS NOT NULL;
+PRAGMA user_version = 3;
+"""
+
+
+def make_v3_spool(
+    path: Path, rows: list[tuple[Any, ...]], drained: dict[str, int] | None = None
+) -> None:
+    """Write a schema 3 spool at ``path`` holding ``rows`` (as ``make_v2_spool``, none
+    in flight), whose ``sequences`` also keeps ``drained``: streams whose rows all left,
+    by name, with their next seq (schema 3 kept every stream's next seq on append)."""
+    make_v2_spool(path, rows)
+    conn = apsw.Connection(str(path))
+    try:
+        with conn:
+            conn.execute(UPGRADE_V2_TO_V3_SQL)
+            for name, next_seq in (drained or {}).items():
+                conn.execute("INSERT INTO sequences VALUES ('session_id', ?, ?)", (name, next_seq))
+    finally:
+        conn.close()

@@ -306,21 +306,20 @@ def test_export_pages_through_many_rows(capsys: pytest.CaptureFixture[str], tmp_
 def test_check_healthy(capsys: pytest.CaptureFixture[str], spool_file: Path) -> None:
     rc, out, err = run(capsys, "check", spool_file)
     assert (rc, err) == (0, "")
-    assert out.rstrip().endswith("ok") and "schema version 3" in out
+    assert out.rstrip().endswith("ok") and "schema version 4" in out
     rc, out, err = run(capsys, "check", spool_file, "--json")
     result = json.loads(out)
     assert set(result) == CHECK_KEYS
     assert result["ok"] is True and result["problems"] == []
     assert result["application_id"] == 0x5753504C
-    assert result["schema_version"] == SCHEMA_VERSION == 3
+    assert result["schema_version"] == SCHEMA_VERSION == 4
     assert result["rows"] == 7
 
 
 def test_check_bookkeeping_problems(capsys: pytest.CaptureFixture[str], spool_file: Path) -> None:
     patch(
         spool_file,
-        "DELETE FROM sequences WHERE name = 'session-2'",
-        "UPDATE sequences SET next_seq = 3 WHERE name = 'session-1'",
+        "UPDATE records SET seq = 10 WHERE session_id = 'session-2' AND seq = 1",
         "UPDATE records SET payload = '{\"role\": ' WHERE session_id = 'session-1' AND seq = 1",
         "UPDATE records SET inflight = 7 WHERE session_id = 'session-1' AND seq = 2",
     )
@@ -329,17 +328,28 @@ def test_check_bookkeeping_problems(capsys: pytest.CaptureFixture[str], spool_fi
     result = json.loads(out)
     assert result["ok"] is False
     problems = "\n".join(result["problems"])
-    assert "2 rows whose stream has no row in `sequences`" in problems
-    assert "2 rows whose seq is not below their stream's next_seq" in problems
+    assert "1 rows whose seq is not above the seq of the row before them" in problems
     assert "1 rows whose payload is not valid JSON: id 1 (session session-1, seq 1)" in problems
     # The hand edit left the row's size as it was: that is a problem of its own.
     assert "1 rows whose size is not their payload's length in bytes: id 1 (" in problems
-    assert len(result["problems"]) == 4
+    assert len(result["problems"]) == 3
     assert re.search(r"^\d+ rows? in flight", result["notes"][0])
-    assert "has 4 problems" in one_error_line(err)
+    assert "has 3 problems" in one_error_line(err)
 
     rc, out, err = run(capsys, "export", spool_file)
     assert rc == 1 and "not valid JSON" in one_error_line(err)
+
+
+def test_check_names_a_dropped_next_seq_trigger(
+    capsys: pytest.CaptureFixture[str], spool_file: Path
+) -> None:
+    """Without it a drained stream would reuse seqs: a schema problem, named."""
+    patch(spool_file, "DROP TRIGGER records_keep_next_seq_on_delete")
+    rc, out, err = run(capsys, "check", spool_file, "--json")
+    assert rc == 1
+    assert json.loads(out)["problems"] == [
+        "the schema lacks the trigger `records_keep_next_seq_on_delete`"
+    ]
 
 
 def test_check_seq_order(capsys: pytest.CaptureFixture[str], spool_file: Path) -> None:
@@ -844,7 +854,7 @@ def test_readme_queries_run_in_the_sqlite3_shell(tmp_path: Path) -> None:
     assert "session-1" in text and "session-2" in text and KEY in text
     assert "RuntimeError: state.db is locked" in text  # the failures view
     assert "I want a refund" in text  # json_extract on payloads
-    assert "1465077836\n3\n" in text  # application_id, user_version
+    assert "1465077836\n4\n" in text  # application_id, user_version
     exported = (tmp_path / "session-1.jsonl").read_text().splitlines()
     assert [json.loads(line).get("content") for line in exported] == [
         "hello", "hi, how can I help?", "I want a refund\nplease", None,

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import apsw
 import pytest
-from _helpers import ROOT, run_python
-from _old_schemas import DOWNGRADE_TO_V1_SQL, make_v2_spool
+from _helpers import ROOT, MemorySink, run_python
+from _old_schemas import DOWNGRADE_TO_V1_SQL, make_v2_spool, make_v3_spool
 
 import walspool
-from walspool.schema import APPLICATION_ID, SCHEMA_VERSION, open_reader
+from walspool.schema import APPLICATION_ID, SCHEMA_VERSION, open_reader, schema_problems
 
 MSG = {"role": "user", "content": "hello 世界", "n": 1}
 
@@ -31,20 +31,28 @@ def test_file_identity_wal_and_strict_tables(spool, spool_path):
     spool.append("s", MSG)
     conn = apsw.Connection(str(spool_path), flags=apsw.SQLITE_OPEN_READONLY)
     assert conn.execute("PRAGMA application_id").get == APPLICATION_ID
-    assert conn.execute("PRAGMA user_version").get == SCHEMA_VERSION == 3
+    assert conn.execute("PRAGMA user_version").get == SCHEMA_VERSION == 4
     assert conn.execute("PRAGMA journal_mode").get == "wal"
     strict = {
         name: s
         for _, name, _, _, _, s in conn.execute("PRAGMA table_list")
-        if name in ("records", "sequences", "spool_meta")
+        if name in ("records", "sequences", "spool_meta", "audit")
     }
-    assert strict == {"records": 1, "sequences": 1, "spool_meta": 1}
+    assert strict == {"records": 1, "sequences": 1, "spool_meta": 1, "audit": 1}
     names = {r[0] for r in conn.execute("SELECT name FROM sqlite_schema")}
-    assert {"records", "sequences", "spool_meta", "backlog", "failures"} <= names
+    assert {"records", "sequences", "spool_meta", "audit", "backlog", "failures"} <= names
     uid = conn.execute("SELECT value FROM spool_meta WHERE name = 'uid'").get
     assert len(uid) == 32 and int(uid, 16) >= 0
     assert not any("fts" in n.lower() for n in names)
-    assert conn.execute("SELECT count(*) FROM sqlite_schema WHERE type='trigger'").get == 0
+    # No trigger on the append path: the two that keep next seqs fire on delete and
+    # on an update of a row's stream or seq.
+    triggers = dict(conn.execute("SELECT name, sql FROM sqlite_schema WHERE type='trigger'"))
+    assert set(triggers) == {"records_keep_next_seq_on_delete", "records_keep_next_seq_on_update"}
+    assert "AFTER DELETE ON records" in triggers["records_keep_next_seq_on_delete"]
+    assert (
+        "AFTER UPDATE OF session_id, session_key, seq"
+        in triggers["records_keep_next_seq_on_update"]
+    )
     conn.close()
 
 
@@ -239,6 +247,64 @@ def test_stdlib_sqlite3_in_another_process_reads_the_spool(spool, spool_path):
     assert [r.seq for r in spool.records(session_id="s")] == [1, 2]
 
 
+def test_schema_3_spool_is_upgraded_in_place_and_keeps_every_next_seq(spool_path, caplog):
+    """Schema 3 kept every stream's next seq on append; schema 4 keeps it when rows
+    leave. The upgrade adds the triggers and the audit table and keeps `sequences`: a
+    stream drained under schema 3 goes on above its old seqs."""
+    make_v3_spool(spool_path, [("s", i + 1, f'{{"n":{i}}}', None) for i in range(3)], {"gone": 8})
+    with pytest.raises(walspool.NotASpool, match="open it once for writing"):
+        open_reader(spool_path)
+    with caplog.at_level(logging.WARNING, logger="walspool.schema"):
+        spool = walspool.Spool(spool_path)
+    assert [r.getMessage() for r in caplog.records if r.name == "walspool.schema"] == [
+        f"upgraded spool {spool_path} from schema 3 to {SCHEMA_VERSION}"
+    ]
+    with spool:
+        assert spool.append("gone", {"n": 0}).seq == 8
+        assert spool.append("s", {"n": 3}).seq == 4
+        assert spool.append("new", {"n": 0}).seq == 1
+        walspool.Replayer(spool, MemorySink()).replay()
+        assert spool.stats().rows == 0
+        assert [spool.append(name, {}).seq for name in ("gone", "s", "new")] == [9, 5, 2]
+    conn = open_reader(spool_path)
+    try:
+        assert conn.execute("PRAGMA user_version").get == SCHEMA_VERSION == 4
+        assert schema_problems(conn) == []
+    finally:
+        conn.close()
+
+
+def test_an_append_writes_no_sequences_row_and_three_pages(spool, spool_path):
+    """The append path writes the row and its two index entries, nothing else: a lone
+    commit is three WAL pages (records leaf, the (session_id, seq) index leaf, the
+    statistics index leaf), and `sequences` gets a row only when a stream loses rows."""
+    spool.append_many([(f"s{i % 8}", MSG) for i in range(400)])  # past the first pages
+    frames: list[int] = []
+
+    def on_wal(conn: apsw.Connection, name: str, pages: int) -> int:
+        frames.append(pages)
+        return apsw.SQLITE_OK
+
+    spool._writer._conn.set_wal_hook(on_wal)
+    for i in range(60):
+        spool.append(f"s{i % 8}", MSG)
+    spool._writer._conn.set_wal_hook(None)
+    per_commit = sorted(b - a for a, b in zip(frames, frames[1:], strict=False) if b > a)
+    assert per_commit[len(per_commit) // 2] == 3, per_commit
+    assert spool._execute(lambda conn: conn.execute("SELECT count(*) FROM sequences").get) == 0
+    spool._execute(lambda conn: conn.execute("DELETE FROM records WHERE session_id = 's0'"))
+    kept = spool._execute(lambda conn: conn.execute("SELECT * FROM sequences").fetchall())
+    assert kept == [("session_id", "s0", 59)]  # 50 + 8 appends to s0: its last seq was 58
+
+
+def test_a_key_only_stream_drained_never_reuses_a_seq(spool):
+    for _ in range(3):
+        spool.append(None, "slot", session_key="k", reason=walspool.SHUTDOWN)
+    spool._execute(lambda conn: conn.execute("DELETE FROM records"))
+    assert spool.append(None, "slot", session_key="k", reason=walspool.SHUTDOWN).seq == 4
+    assert spool.append("k", "by id").seq == 1  # a session id equal to the key: its own
+
+
 def test_schema_1_spool_is_upgraded_in_place(spool_path):
     make_v2_spool(spool_path, [("s", i + 1, f'{{"n":{i}}}', None) for i in range(3)])
     conn = apsw.Connection(str(spool_path))  # rewrite the file as schema 1 had it
@@ -251,7 +317,7 @@ def test_schema_1_spool_is_upgraded_in_place(spool_path):
         assert spool.stats().bytes == 3 * len('{"n":0}')
         assert spool.append("s", {"n": 3}).seq == 4
     conn = apsw.Connection(str(spool_path), flags=apsw.SQLITE_OPEN_READONLY)
-    assert conn.execute("PRAGMA user_version").get == SCHEMA_VERSION == 3
+    assert conn.execute("PRAGMA user_version").get == SCHEMA_VERSION == 4
     assert conn.execute("SELECT rows, bytes FROM backlog").fetchall() == [(4, 4 * 7)]
     conn.close()
     assert not [p for p in spool_path.parent.iterdir() if ".damaged-" in p.name]

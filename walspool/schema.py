@@ -32,7 +32,7 @@ log = text.logger("walspool.schema")
 #: ``PRAGMA application_id`` of a spool: "WSPL".
 APPLICATION_ID = 0x5753504C
 #: ``PRAGMA user_version`` of the schema this module creates.
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 DURABILITY_SYNCHRONOUS = {"full": "FULL", "normal": "NORMAL"}
 #: ``PRAGMA fullfsync`` and ``checkpoint_fullfsync`` per durability (macOS's F_FULLFSYNC).
@@ -134,6 +134,51 @@ DROP VIEW failures;
 PRAGMA user_version = 3;
 """
 
+#: The largest seq a stream's kept next seq is made from (SQLite's INTEGER ends at
+#: 2**63 - 1): a hand-edited seq there cannot make the delete that keeps it fail.
+MAX_KEPT_SEQ = 2**63 - 2
+#: A stream's next seq, kept in ``sequences`` when its rows leave (the replayer's
+#: delete, an operator's drop, a hand edit in the ``sqlite3`` shell) instead of on
+#: every append: an append takes the larger of the stream's highest seq still in
+#: ``records`` plus one and this number, so no seq is ever reused, and an append
+#: writes no ``sequences`` page.
+_KEEP_NEXT_SEQ_BODY = f"""
+BEGIN
+    INSERT INTO sequences (stream, name, next_seq)
+    VALUES (CASE WHEN old.session_id IS NULL THEN 'session_key' ELSE 'session_id' END,
+            coalesce(old.session_id, old.session_key),
+            min(old.seq, {MAX_KEPT_SEQ}) + 1)
+    ON CONFLICT (stream, name) DO UPDATE SET next_seq = max(next_seq, excluded.next_seq);
+END;"""
+KEEP_NEXT_SEQ_SQL = f"""
+CREATE TRIGGER records_keep_next_seq_on_delete AFTER DELETE ON records{_KEEP_NEXT_SEQ_BODY}
+CREATE TRIGGER records_keep_next_seq_on_update
+    AFTER UPDATE OF session_id, session_key, seq ON records{_KEEP_NEXT_SEQ_BODY}
+"""
+AUDIT_SQL = """
+-- What operators did to rows through the command line (walspool drop, requeue):
+-- when, who (user, uid, host, pid), the row, and for a dropped row its whole
+-- content, so that a drop can be undone by hand.
+CREATE TABLE audit (
+    id INTEGER PRIMARY KEY,
+    at REAL NOT NULL,
+    actor TEXT NOT NULL,
+    action TEXT NOT NULL,
+    record_id INTEGER,
+    session_id TEXT,
+    session_key TEXT,
+    seq INTEGER,
+    detail TEXT
+) STRICT;
+"""
+#: Schema 3 -> 4: the next seq kept on delete (triggers) instead of on each append,
+#: and the operators' audit table. ``sequences`` as schema 3 kept it stays valid.
+MIGRATE_V3_SQL = f"""
+{KEEP_NEXT_SEQ_SQL}
+{AUDIT_SQL}
+PRAGMA user_version = 4;
+"""
+
 SCHEMA_SQL = f"""
 PRAGMA application_id = {APPLICATION_ID};
 PRAGMA user_version = {SCHEMA_VERSION};
@@ -168,8 +213,9 @@ CREATE UNIQUE INDEX records_session_key_seq_idx
 
 {INDEXES_SQL}
 {STATUS_INDEX_SQL}
--- The next seq of every stream ever appended to, kept after its rows are gone so
--- that a seq is never reused. stream is 'session_id' or 'session_key'.
+-- A number above every seq a stream has lost (its rows deleted, or moved by a hand
+-- edit), kept after its rows are gone so that a seq is never reused; streams that
+-- never lost a row have none. stream is 'session_id' or 'session_key'.
 CREATE TABLE sequences (
     stream TEXT NOT NULL CHECK (stream IN ('session_id', 'session_key')),
     name TEXT NOT NULL,
@@ -177,7 +223,9 @@ CREATE TABLE sequences (
     PRIMARY KEY (stream, name)
 ) STRICT, WITHOUT ROWID;
 
+{KEEP_NEXT_SEQ_SQL}
 {SPOOL_META_SQL}
+{AUDIT_SQL}
 {BACKLOG_VIEW_SQL}
 {FAILURES_VIEW_SQL}
 """
@@ -186,6 +234,9 @@ EXPECTED_OBJECTS = {
     ("table", "records"),
     ("table", "sequences"),
     ("table", "spool_meta"),
+    ("table", "audit"),
+    ("trigger", "records_keep_next_seq_on_delete"),
+    ("trigger", "records_keep_next_seq_on_update"),
     ("view", "backlog"),
     ("view", "failures"),
     ("index", "records_session_key_seq_idx"),
@@ -487,6 +538,9 @@ def _migrate(conn: apsw.Connection, path: Path) -> None:
                     path,
                     quarantined,
                 )
+            version = 3
+        if version == 3:
+            conn.execute(MIGRATE_V3_SQL)
     log.warning("upgraded spool %s from schema %d to %d", path, found, SCHEMA_VERSION)
 
 
@@ -513,8 +567,8 @@ def cheap_check(conn: apsw.Connection) -> None:
 
 
 def schema_problems(conn: apsw.Connection) -> list[str]:
-    """What in the file's schema is not walspool's: missing objects, views or indexes
-    whose stored SQL differs from walspool's definitions, and any trigger.
+    """What in the file's schema is not walspool's: missing objects, views, indexes or
+    triggers whose stored SQL differs from walspool's definitions, and any other trigger.
 
     A crafted spool could otherwise run its own SQL whenever walspool reads a view
     (an endless recursive ``backlog``) or appends (a trigger).
@@ -526,7 +580,7 @@ def schema_problems(conn: apsw.Connection) -> list[str]:
     ]
     expected = _expected_definitions()
     for (kind, name), sql in sorted(found.items()):
-        if kind == "trigger":
+        if kind == "trigger" and (kind, name) not in expected:
             problems.append(f"the trigger `{name}` is not walspool's")
         elif (kind, name) in expected and _words(sql) != expected[(kind, name)]:
             problems.append(f"the {kind} `{name}` is not walspool's definition")
@@ -538,13 +592,14 @@ _definitions: dict[tuple[str, str], str] = {}
 
 
 def _expected_definitions() -> dict[tuple[str, str], str]:
-    """The stored SQL of walspool's own views and indexes, from a scratch database."""
+    """The stored SQL of walspool's own views, indexes and triggers, from a scratch
+    database."""
     if not _definitions:
         scratch = apsw.Connection(":memory:")
         try:
             scratch.execute(SCHEMA_SQL)
             for kind, name, sql in scratch.execute(SCHEMA_OBJECTS_SQL):
-                if kind in ("view", "index"):
+                if kind in ("view", "index", "trigger"):
                     _definitions[(kind, name)] = _words(sql)
         finally:
             scratch.close()

@@ -71,8 +71,9 @@ CLOSE_GRACE = 2.0
 #: released lock is taken at once, long enough not to spin.
 BUSY_POLL_SECONDS = 0.05
 
-# A stream's next seq: the bookkeeping row, but never below what records hold, so a
-# hand-edited or deleted bookkeeping row cannot make a seq be reused.
+# A stream's next seq: one above its highest seq in records, but never below the
+# number ``sequences`` kept when its rows left (schema.KEEP_NEXT_SEQ_SQL), so a drained
+# stream never reuses a seq and an append never writes ``sequences``.
 NEXT_SEQ_BY_ID_SQL = """
 SELECT max(
     coalesce((SELECT next_seq FROM sequences WHERE stream = 'session_id' AND name = ?1), 1),
@@ -87,10 +88,6 @@ MAX_ID_SQL = "SELECT coalesce(max(id), 0) FROM records"
 INSERT_RECORD_SQL = """
 INSERT INTO records (id, session_id, seq, reason, session_key, created_at, payload, size)
 VALUES (?, ?, ?, ?, ?, ?, ?, ?)
-"""
-SAVE_NEXT_SEQ_SQL = """
-INSERT INTO sequences (stream, name, next_seq) VALUES (?, ?, ?)
-ON CONFLICT (stream, name) DO UPDATE SET next_seq = excluded.next_seq
 """
 
 #: One row to append: (session_id, session_key, reason, created_at, payload, size).
@@ -176,11 +173,6 @@ class _Group:
 
     def finish(self) -> None:
         self.flush()
-        if self.next_seq:
-            self.conn.executemany(
-                SAVE_NEXT_SEQ_SQL,
-                [(stream, name, nxt) for (stream, name), nxt in self.next_seq.items()],
-            )
 
     def committed(self) -> None:
         """Keep what this group handed out for the next one, unless it ran other SQL."""
