@@ -10,7 +10,9 @@ Groups put each walspool case next to its baseline:
 - ``64 threads`` / ``64 asyncio tasks``: the JSON-file design and walspool, each
   producer appending to its own session;
 - ``batches of 1000``: the JSON-file design's loop over a batch, walspool
-  ``append_many``.
+  ``append_many``, in one benchmark whose rounds alternate the two designs (so a change
+  of load on a shared machine hits both), reported as two rates from their medians and
+  the spread of the ratio over the rounds.
 
 Walspool cases also record commits per round (an apsw commit hook on the writer's
 connection), so ``msgs_per_commit`` shows how well group commit shares fsyncs.
@@ -22,7 +24,9 @@ import _thread
 import asyncio
 import json
 import os
+import statistics
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -60,6 +64,20 @@ WALSPOOL_BATCHES = 20
 #: The JSON-file loop writes ~1,500 files/s here; 2 batches keep a round near a second.
 JSONFILE_BATCHES = 2
 ROUNDS = 7
+#: Rounds of the interleaved ``append_many`` comparison (each times both designs).
+INTERLEAVED_ROUNDS = 9
+
+
+def count_commits(spool: walspool.Spool) -> list[int]:
+    """A one-item list the spool's writer connection counts its commits in."""
+    count = [0]
+
+    def on_commit() -> bool:
+        count[0] += 1
+        return False  # False lets the commit go ahead
+
+    spool._conn.set_commit_hook(on_commit)
+    return count
 
 
 def run(
@@ -71,14 +89,7 @@ def run(
 ) -> None:
     """Time ``rounds`` calls of ``fn`` (after one warm-up) and record the message rate."""
     commits: list[int] = []
-    count = [0]
-    if spool is not None:
-
-        def on_commit() -> bool:
-            count[0] += 1
-            return False  # False lets the commit go ahead
-
-        spool._conn.set_commit_hook(on_commit)
+    count = count_commits(spool) if spool is not None else [0]
 
     def round_() -> None:
         before = count[0]
@@ -97,6 +108,93 @@ def run(
     if benchmark.stats is not None:  # None under --benchmark-disable
         rate = record(benchmark.name, benchmark.group, msgs, benchmark.stats.stats.median, **extra)
         benchmark.extra_info["msgs_per_s"] = rate
+
+
+def run_interleaved(
+    benchmark: Any,
+    designs: dict[str, tuple[Callable[[], object], int]],
+    ratio: tuple[str, str],
+    rounds: int = INTERLEAVED_ROUNDS,
+    pieces: int = 2,
+    spool: tuple[str, walspool.Spool] | None = None,
+) -> dict[str, dict[str, Any]]:
+    """Time several designs in the same rounds, alternating, and record each one's rate.
+
+    ``designs`` maps a result name to (one piece of a round, messages in that piece).
+    A round runs each design's piece ``pieces`` times, taking turns; which design goes
+    first alternates from round to round (with two designs and two pieces: BABA, then
+    ABAB), so a change of load on the shared machine lands on every design rather than
+    on whichever benchmark ran at the time. A design's round time is the sum of its
+    pieces. One warm-up round, then ``rounds`` timed.
+
+    Each design is recorded under its own name with its median round, as ``run`` does
+    (``report.py`` prints it in the benchmark's group). For ``ratio`` (numerator,
+    denominator) the two rates within each round give the spread: ``round_ratios`` and
+    their min, median and max, kept with the numerator's result. ``spool`` (the name of
+    a walspool design, its spool) adds that design's commits per round. Returns the
+    results by name, also kept in ``extra_info["designs"]``.
+    """
+    names = list(designs)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    commits: list[int] = []
+    count = count_commits(spool[1]) if spool is not None else [0]
+
+    def round_() -> None:
+        order = names if len(commits) % 2 else names[::-1]
+        took = dict.fromkeys(names, 0.0)
+        before = count[0]
+        for name in order * pieces:
+            piece = designs[name][0]
+            start = time.perf_counter()
+            piece()
+            took[name] += time.perf_counter() - start
+        commits.append(count[0] - before)
+        for name, seconds in took.items():
+            times[name].append(seconds)
+
+    benchmark.extra_info["message_bytes"] = MESSAGE_BYTES
+    benchmark.pedantic(round_, rounds=rounds, warmup_rounds=1, iterations=1)
+    if benchmark.stats is None:  # --benchmark-disable: one untimed call, nothing to report
+        return {}
+    timed = {name: seconds[1:] for name, seconds in times.items()}  # the first: warm-up
+    msgs = {name: designs[name][1] * pieces for name in names}
+    extras: dict[str, dict[str, Any]] = {name: {} for name in names}
+    if spool is not None:
+        per_round = sum(commits[1:]) / len(commits[1:])
+        extras[spool[0]] = {
+            "commits_per_round": per_round,
+            "msgs_per_commit": msgs[spool[0]] / per_round,
+        }
+    top, bottom = ratio
+    round_ratios = [
+        (msgs[top] / t) / (msgs[bottom] / b) for t, b in zip(timed[top], timed[bottom], strict=True)
+    ]
+    spread = {
+        "ratio_to": bottom,
+        "rounds": len(round_ratios),
+        "round_ratios": round_ratios,
+        "round_ratio_min": min(round_ratios),
+        "round_ratio_median": statistics.median(round_ratios),
+        "round_ratio_max": max(round_ratios),
+    }
+    extras[top].update(spread)
+    results = {}
+    for name in names:
+        median = statistics.median(timed[name])
+        rate = record(name, benchmark.group, msgs[name], median, **extras[name])
+        results[name] = {
+            "msgs_per_round": msgs[name],
+            "round_s": timed[name],
+            "median_s": median,
+            "msgs_per_s": rate,
+            **extras[name],
+        }
+    benchmark.extra_info["designs"] = results
+    benchmark.extra_info["ratio_of_medians"] = (
+        results[top]["msgs_per_s"] / results[bottom]["msgs_per_s"]
+    )
+    benchmark.extra_info.update(spread)
+    return results
 
 
 def in_threads(
@@ -209,26 +307,39 @@ def test_walspool_64_async(
 # -- batches of 1,000 ----------------------------------------------------------------
 
 
-@pytest.mark.benchmark(group="batches of 1000")
-def test_jsonfile_append_many(benchmark: Any, jsonfile: JsonFileSpool) -> None:
-    items = batch()
-
-    def round_() -> None:
-        for _ in range(JSONFILE_BATCHES):
-            jsonfile.append_many(items)
-
-    run(benchmark, round_, JSONFILE_BATCHES * BATCH, rounds=5)
+WALSPOOL_MANY = "test_walspool_append_many"
+JSONFILE_MANY = "test_jsonfile_append_many"
 
 
 @pytest.mark.benchmark(group="batches of 1000")
-def test_walspool_append_many(benchmark: Any, spool: walspool.Spool) -> None:
+def test_append_many_interleaved(
+    benchmark: Any, spool: walspool.Spool, jsonfile: JsonFileSpool
+) -> None:
+    """walspool ``append_many`` and the JSON-file loop, alternating within each round.
+
+    Recorded as two results, ``test_walspool_append_many`` and
+    ``test_jsonfile_append_many`` (see ``run_interleaved``): each round is one JSON-file
+    batch and half of walspool's batches, twice over.
+    """
     items = batch()
 
-    def round_() -> None:
-        for _ in range(WALSPOOL_BATCHES):
+    def walspool_half() -> None:
+        for _ in range(WALSPOOL_BATCHES // 2):
             spool.append_many(items)
 
-    run(benchmark, round_, WALSPOOL_BATCHES * BATCH, spool=spool)
+    def jsonfile_half() -> None:
+        for _ in range(JSONFILE_BATCHES // 2):
+            jsonfile.append_many(items)
+
+    run_interleaved(
+        benchmark,
+        {
+            WALSPOOL_MANY: (walspool_half, WALSPOOL_BATCHES // 2 * BATCH),
+            JSONFILE_MANY: (jsonfile_half, JSONFILE_BATCHES // 2 * BATCH),
+        },
+        ratio=(WALSPOOL_MANY, JSONFILE_MANY),
+        spool=(WALSPOOL_MANY, spool),
+    )
 
 
 # -- where the time goes ------------------------------------------------------------
