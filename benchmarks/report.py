@@ -3,7 +3,9 @@
     python benchmarks/report.py /tmp/bench.json
 
 prints, for each benchmark, messages per second (messages per round over the median
-round time), then each walspool/baseline ratio against its target (DESIGN.md section 6).
+round time), then each walspool/baseline ratio against its target (DESIGN.md section 6),
+with its spread round by round where the two designs ran interleaved, then each peer
+library's rate against walspool's (``bench_peers.py``).
 """
 
 from __future__ import annotations
@@ -96,13 +98,13 @@ def from_json(data: dict[str, Any]) -> dict[str, dict[str, Any]]:
 def format_report(results: dict[str, dict[str, Any]]) -> str:
     """A table of rates by group, then the ratios and whether each meets its target."""
     lines = [
-        f"{'group':<18} {'benchmark':<28} {'msgs/round':>10} {'median s':>9} "
+        f"{'group':<18} {'benchmark':<40} {'msgs/round':>10} {'median s':>9} "
         f"{'msgs/s':>9} {'msgs/commit':>11}"
     ]
     for name, r in sorted(results.items(), key=lambda kv: (kv[1]["group"], kv[0])):
         per_commit = r.get("msgs_per_commit")
         lines.append(
-            f"{r['group']:<18} {name.removeprefix('test_'):<28} {r['msgs_per_round']:>10} "
+            f"{r['group']:<18} {name.removeprefix('test_'):<40} {r['msgs_per_round']:>10} "
             f"{r['median_s']:>9.3f} {r['msgs_per_s']:>9.0f} "
             f"{'' if per_commit is None else f'{per_commit:.1f}':>11}"
         )
@@ -114,6 +116,7 @@ def format_report(results: dict[str, dict[str, Any]]) -> str:
             lines.append(f"{what:<52} {ratio:7.2f}x  target >= {target:g}x  {verdict}")
             if "round_ratio_min" in results[ours]:
                 lines.append(spread_line(results[ours], target))
+    lines.extend(peer_lines(results))
     return "\n".join(lines)
 
 
@@ -125,6 +128,38 @@ def spread_line(result: dict[str, Any], target: float) -> str:
         f"{'':<4}over {result['rounds']} interleaved rounds: min {low:.2f}x, "
         f"median {mid:.2f}x, max {high:.2f}x; {below} round(s) below {target:g}x"
     )
+
+
+#: Groups of bench_peers.py: each peer's result has ``ratio_to``, walspool's result in
+#: the same case (the two interleaved in the same rounds).
+PEER_GROUP_PREFIX = "peers: "
+
+
+def peer_lines(results: dict[str, dict[str, Any]]) -> list[str]:
+    """Each peer library's rate against walspool's in the same case and rounds."""
+    lines: list[str] = []
+    for name, r in sorted(results.items(), key=lambda kv: (kv[1]["group"], kv[0])):
+        ours = results.get(r.get("ratio_to", ""))
+        if not r["group"].startswith(PEER_GROUP_PREFIX) or ours is None:
+            continue
+        if not lines:
+            lines += [
+                "",
+                "peers beside walspool (same case, interleaved rounds; walspool leads below 1x):",
+                f"{'case':<12} {'peer':<14} {'peer/s':>7} {'walspool/s':>10} {'peer/ws':>8} "
+                f"{'rounds min-max':>15}  {'WAL pages/append':>16}",
+            ]
+        ratio = r["msgs_per_s"] / ours["msgs_per_s"]
+        spread = f"{r['round_ratio_min']:.2f}-{r['round_ratio_max']:.2f}x"
+        frames = [x.get("wal_frames_per_append") for x in (r, ours)]
+        pages = "" if None in frames else f"{frames[0]:.2f} vs {frames[1]:.2f}"
+        peer = name.removesuffix("]").rsplit("[", 1)[-1]
+        lines.append(
+            f"{r['group'].removeprefix(PEER_GROUP_PREFIX):<12} {peer:<14} "
+            f"{r['msgs_per_s']:>7.0f} {ours['msgs_per_s']:>10.0f} {ratio:>7.2f}x "
+            f"{spread:>15}  {pages:>16}  {'walspool leads' if ratio < 1 else 'PEER LEADS'}"
+        )
+    return lines
 
 
 def main(argv: list[str]) -> int:
