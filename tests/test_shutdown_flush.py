@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import stat
+import sys
 from pathlib import Path
 
 import pytest
@@ -296,3 +297,359 @@ def test_leftover_json_files_are_imported_at_recovery_once(home, db, caplog):
     assert sorted(p.name for p in flush_dir.iterdir()) == ["pending-x.json.bad"]
     assert "Imported 2 pending-message file(s)" in caplog.text
     assert sf.recover_pending_to_db(db) == 0
+
+
+# -- mutation testing (issue 16): each test below kills mutants that survived the others ----
+
+
+def logged(caplog, level: int = logging.DEBUG) -> list[str]:
+    """The module's own log lines at ``level``, formatted (a mutated format raises here)."""
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "walspool.shutdown_flush" and r.levelno == level
+    ]
+
+
+@pytest.fixture
+def lock_held(home):
+    """The spool's replay lock held (as by a replay elsewhere); yields the wait budgets
+    each replay of the spool then asks for, and never lets one wait."""
+    from walspool import replay as replay_module
+
+    budgets: list[float] = []
+    real = replay_module._lock_within
+
+    def no_wait(fd, seconds, spool_path):
+        budgets.append(seconds)
+        return real(fd, 0, spool_path)
+
+    sf.shared_spool()  # the home and its spool exist before the lock file does
+    lock = Path(f"{home / 'spool.db'}{replay_module.LOCK_SUFFIX}")
+    with replay_module._exclusive(lock, wait=False), pytest.MonkeyPatch.context() as patch:
+        patch.setattr(replay_module, "_lock_within", no_wait)
+        yield budgets
+
+
+def test_without_hermes_constants_the_home_is_hermes_home_else_dot_hermes(
+    home, monkeypatch, tmp_path
+):
+    monkeypatch.setitem(sys.modules, "hermes_constants", None)  # its import fails
+    assert sf.home() == home
+    monkeypatch.setenv("HERMES_HOME", "")
+    monkeypatch.setenv("HOME", str(tmp_path / "user"))
+    assert sf.home() == tmp_path / "user" / ".hermes"
+    monkeypatch.delenv("HERMES_HOME")
+    assert sf.spool_path() == tmp_path / "user" / ".hermes" / "spool.db"
+
+
+def test_one_shared_spool_per_home_as_get_hermes_home_says(home, monkeypatch, tmp_path):
+    import hermes_constants
+
+    first = sf.shared_spool()
+    assert first.path == home / "spool.db"
+    assert sf.shared_spool() is first
+    other = tmp_path / "override"
+    monkeypatch.setattr(hermes_constants, "get_hermes_home", lambda: other)  # env unchanged
+    second = sf.shared_spool()
+    assert second is not first
+    assert second.path == other / "spool.db"
+    assert sf.shared_spool() is second
+
+
+def test_a_message_that_cannot_be_spooled_is_logged_at_debug_word_for_word(home, caplog):
+    caplog.set_level(logging.DEBUG, logger="walspool.shutdown_flush")
+    assert sf.spool_dropped_transcript_message("", {"content": "x"}) is None
+    assert logged(caplog) == [
+        "Failed to spool cap-dropped transcript message for : session_id must not be empty"
+    ]
+
+
+def test_slots_are_spooled_in_one_transaction(home, monkeypatch):
+    def no_single_appends(*args, **kwargs):
+        raise AssertionError("a slot was spooled on its own")
+
+    monkeypatch.setattr(walspool.Spool, "append", no_single_appends)
+    assert sf.flush_pending_to_file({"k1": "a", "k2": "b", "k3": "c"}, reason="x") == 3
+    assert sf.flush_overflow_to_file({"k1": ["d", "e"], "": ["no key"], "k4": []}) == 2
+    assert [(r.session_key, r.message["text"]) for r in spooled(home)] == [
+        ("k1", "a"),
+        ("k2", "b"),
+        ("k3", "c"),
+        ("k1", "d"),
+        ("k1", "e"),
+    ]
+
+
+def test_slots_default_to_the_shutdown_reason_and_log_what_they_flushed(home, caplog):
+    caplog.set_level(logging.DEBUG, logger="walspool.shutdown_flush")
+    assert sf.flush_pending_to_file({"k1": "a", "k2": None}) == 1
+    assert sf.flush_overflow_to_file({"k1": ["b", "c"], "": ["no key"]}) == 2
+    assert sf.flush_pending_to_file({"k3": None}) == 0
+    assert [r.reason for r in spooled(home)] == ["shutdown"] * 3
+    path = home / "spool.db"
+    assert logged(caplog) == []  # the empty key is skipped, not tried and refused
+    assert logged(caplog, logging.INFO) == [
+        f"Flushed 1 pending message(s) to {path} (reason=shutdown)",
+        f"Flushed 2 queued overflow message(s) to {path} (reason=shutdown)",
+    ]
+
+
+def test_a_slot_spooled_on_its_own_keeps_its_session_id_and_reason(home, caplog):
+    caplog.set_level(logging.DEBUG, logger="walspool.shutdown_flush")
+    slots = {"": "no key", "good": {"text": "kept", "session_id": "sess-1"}}
+    assert sf.flush_pending_to_file(slots, reason="adapter_shutdown") == 1
+    (row,) = spooled(home)
+    assert (row.session_id, row.session_key, row.reason) == ("sess-1", "good", "adapter_shutdown")
+    assert logged(caplog) == [
+        "Failed to flush pending message for '': session_key must not be empty"
+    ]
+
+
+def test_a_slots_session_id_is_its_own_if_it_is_a_nonempty_string(home):
+    from types import SimpleNamespace
+
+    slots = {
+        "k1": {"text": "empty id", "session_id": ""},
+        "k2": {"text": "int id", "session_id": 5},
+        "k3": SimpleNamespace(text="event", session_id="sess-1"),
+    }
+    assert sf.flush_pending_to_file(slots) == 3
+    assert [(r.session_key, r.session_id) for r in spooled(home)] == [
+        ("k1", None),
+        ("k2", None),
+        ("k3", "sess-1"),
+    ]
+
+
+def test_an_agent_history_without_a_session_is_kept_under_unknown(home, caplog):
+    caplog.set_level(logging.DEBUG, logger="walspool.shutdown_flush")
+    sf.flush_agent_history_to_file(None, [{"role": "user", "content": "u"}])
+    (row,) = spooled(home, reasons=[AGENT_HISTORY])
+    assert (row.session_id, row.message["session_id"]) == ("unknown", None)
+    assert logged(caplog, logging.WARNING) == [
+        "Preserved 1 in-memory message(s) for session None (possible FTS corruption - recover "
+        "after repairing state.db)"
+    ]
+
+
+def test_the_drop_ins_say_word_for_word_when_the_spool_cannot_be_opened(home, monkeypatch, caplog):
+    monkeypatch.setattr(
+        sf, "shared_spool", lambda: (_ for _ in ()).throw(walspool.SpoolIOError("disk gone"))
+    )
+    caplog.set_level(logging.DEBUG, logger="walspool.shutdown_flush")
+    sf.flush_agent_history_to_file("s", [{"role": "user"}])
+    assert sf.drain_transcript_spool("s", lambda m: None) == (0, 0)
+    assert sf.recover_pending_spool() == (0, set())
+    assert logged(caplog, logging.WARNING) == [
+        "Agent-history shutdown preservation failed for session s: disk gone",
+        "Cannot open the transcript spool to drain s: disk gone",
+        "Failed to recover pending messages: disk gone",
+    ]
+
+
+def test_a_drain_of_an_id_the_spool_cannot_hold_is_empty(home):
+    assert sf.drain_transcript_spool("", lambda m: None) == (0, 0)
+
+
+def test_a_drain_takes_only_cap_drops(home):
+    sf.spool_dropped_transcript_message("a", {"content": "dropped"})
+    assert sf.flush_pending_to_file({"k": {"text": "slot", "session_id": "a"}}) == 1
+    seen = []
+    assert sf.drain_transcript_spool("a", seen.append) == (1, 0)
+    assert seen == [{"content": "dropped"}]
+    assert [(r.session_id, r.reason) for r in spooled(home)] == [("a", "shutdown")]
+
+
+def test_a_drain_never_waits_for_a_replay_elsewhere_and_counts_what_remains(
+    home, lock_held, caplog
+):
+    for i in range(2):
+        sf.spool_dropped_transcript_message("s", {"content": f"c{i}"})
+    sf.spool_dropped_transcript_message("t", {"content": "other"})
+    caplog.set_level(logging.DEBUG, logger="walspool.shutdown_flush")
+    assert sf.drain_transcript_spool("s", lambda m: None) == (0, 2)
+    assert lock_held == [0]
+    assert logged(caplog) == [f"Another replay of {home / 'spool.db'} runs; s keeps 2 row(s)"]
+
+
+def test_a_drain_that_fails_counts_what_remains_at_least_one(home, monkeypatch, caplog):
+    for i in range(3):
+        sf.spool_dropped_transcript_message("s", {"content": f"c{i}"})
+
+    class Failing:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def replay(self, **kwargs):
+            raise RuntimeError("boom")
+
+    monkeypatch.setattr(sf, "Replayer", Failing)
+    caplog.set_level(logging.DEBUG, logger="walspool.shutdown_flush")
+    assert sf.drain_transcript_spool("s", lambda m: None) == (0, 3)
+    assert sf.drain_transcript_spool("t", lambda m: None) == (0, 1)
+    monkeypatch.setattr(
+        walspool.Spool, "_read", lambda *a: (_ for _ in ()).throw(RuntimeError("no read"))
+    )
+    assert sf.drain_transcript_spool("s", lambda m: None) == (0, 1)
+    assert logged(caplog, logging.WARNING) == [
+        f"Cannot drain the transcript spool for {sid}: boom" for sid in ("s", "t", "s")
+    ]
+
+
+def test_a_drain_says_word_for_word_what_it_replayed_and_what_it_kept(home, caplog):
+    for i in range(3):
+        sf.spool_dropped_transcript_message("s", {"content": f"c{i}"})
+
+    def replay(message):
+        if message["content"] == "c1":
+            raise RuntimeError("database is locked")
+
+    caplog.set_level(logging.DEBUG, logger="walspool.shutdown_flush")
+    assert sf.drain_transcript_spool("s", replay) == (1, 2)
+    assert sf.drain_transcript_spool("s", replay, db_known_failing=True) == (0, 2)
+    kept = (
+        f"Replay of spooled transcript message for s failed; keeping 2 row(s) in "
+        f"{home / 'spool.db'} for retry: RuntimeError: database is locked"
+    )
+    assert logged(caplog, logging.WARNING) == [kept]
+    assert logged(caplog, logging.DEBUG) == [kept]
+    assert logged(caplog, logging.INFO) == [
+        "Replayed 1 spooled transcript message(s) for s after DB recovery"
+    ]
+
+
+def test_recovery_with_nothing_to_replay_opens_no_state_db(home):
+    sf.flush_agent_history_to_file("s", [{"role": "user", "content": "h"}])
+    assert sf.recover_pending_to_db() == 0
+    assert not (home / "state.db").exists()
+
+
+def test_recovery_writes_into_the_session_db_it_is_given(home, tmp_path):
+    sf.spool_dropped_transcript_message("sess-1", {"role": "user", "content": "x"})
+    other = hermes_state.SessionDB(db_path=tmp_path / "other.db")
+    try:
+        other.create_session("sess-1", "telegram")
+        assert sf.recover_pending_to_db(other) == 1
+        assert [m["content"] for m in other.get_messages("sess-1")] == ["x"]
+    finally:
+        other.close()
+    assert not (home / "state.db").exists()
+
+
+def test_a_recovery_never_waits_for_a_replay_elsewhere_and_holds_every_session(
+    home, db, lock_held, caplog
+):
+    sf.spool_dropped_transcript_message("sess-1", {"role": "user", "content": "x"})
+    sf.spool_dropped_transcript_message("sess-2", {"role": "user", "content": "y"})
+    caplog.set_level(logging.DEBUG, logger="walspool.shutdown_flush")
+    assert sf.recover_pending_spool(db) == (0, {"sess-1", "sess-2"})
+    assert lock_held == [0]
+    assert logged(caplog, logging.WARNING) == [
+        f"Another replay of {home / 'spool.db'} is running; 2 session(s) will drain their "
+        "spooled rows before their next message"
+    ]
+
+
+def test_a_recovery_that_fails_holds_every_session_with_rows(home, db, monkeypatch, caplog):
+    sf.spool_dropped_transcript_message("sess-1", {"role": "user", "content": "x"})
+    monkeypatch.setattr(sf, "_replay_all", lambda *a: (_ for _ in ()).throw(RuntimeError("boom")))
+    caplog.set_level(logging.DEBUG, logger="walspool.shutdown_flush")
+    assert sf.recover_pending_spool(db) == (0, {"sess-1"})
+    assert logged(caplog, logging.WARNING) == ["Failed to recover pending messages: boom"]
+
+
+def test_recovery_counts_a_write_that_landed_before_a_crash_once(home, db, caplog):
+    sf.spool_dropped_transcript_message("sess-1", {"role": "user", "content": "x"})
+    real = db.append_message
+
+    def landed_then_crashed(*args, **kwargs):
+        real(*args, **kwargs)
+        raise KeyboardInterrupt
+
+    db.append_message = landed_then_crashed
+    with pytest.raises(KeyboardInterrupt):
+        sf.recover_pending_spool(db)
+    db.append_message = real
+    caplog.set_level(logging.DEBUG, logger="walspool.shutdown_flush")
+    assert sf.recover_pending_spool(db) == (0, set())
+    assert [m["content"] for m in db.get_messages("sess-1")] == ["x"]
+    assert spooled(home) == []
+    assert logged(caplog, logging.INFO) == [
+        f"Recovered 1 pending message(s) from {home / 'spool.db'}"
+    ]
+
+
+def test_recovery_says_word_for_word_what_it_held_back_and_quarantined(home, db, caplog):
+    sf.spool_dropped_transcript_message("sess-1", {"role": "user", "content": "ok"})
+    history = {"session_id": "sess-2", "count": 1, "messages": [{"role": "user"}]}
+    sf.spool_dropped_transcript_message("sess-2", history)  # not one message: refused
+    for sid in ("gone-1", "gone-2"):
+        sf.spool_dropped_transcript_message(sid, {"role": "user", "content": "lost"})
+    caplog.set_level(logging.DEBUG, logger="walspool.shutdown_flush")
+    assert sf.recover_pending_spool(db) == (1, {"gone-1", "gone-2"})
+    path = home / "spool.db"
+    missing = (
+        "session {0} does not exist in state.db (FOREIGN KEY constraint failed); replay with "
+        "create_missing=True to create it"
+    )
+    assert logged(caplog, logging.INFO) == [
+        f"Recovered 1 pending message(s) from {path}",
+        "Held back 2 spooled message(s) for the next start after a failed replay: "
+        f"gone-1 ({missing.format('gone-1')}), gone-2 ({missing.format('gone-2')})",
+    ]
+    assert logged(caplog, logging.WARNING) == [
+        f"Quarantined 1 spooled message(s) in {path} that state.db refused; see `walspool ls`"
+    ]
+
+
+def test_imported_files_say_word_for_word_what_was_imported(home, db, caplog):
+    import json
+
+    flush_dir = home / "pending_messages"
+    flush_dir.mkdir(parents=True)
+    payload = {
+        "session_key": "missing",
+        "reason": CAP_DROP,
+        "ts": 100,
+        "seq": 0,
+        "data": {"session_id": "missing", "message": {"role": "user", "content": "j"}},
+    }
+    (flush_dir / "pending-0.json").write_text(json.dumps(payload))
+    (flush_dir / "pending-x.json.bad").write_text("{}")
+    caplog.set_level(logging.DEBUG, logger="walspool.shutdown_flush")
+    assert sf.recover_pending_spool(db) == (0, {"missing"})
+    (row,) = spooled(home)
+    assert row.message[sf.IMPORT_SOURCE_KEY] == "pending-0.json"  # imported exactly once
+    assert logged(caplog, logging.WARNING)[0] == (
+        f"Imported 1 pending-message file(s) from {flush_dir} into {home / 'spool.db'}; "
+        "0 left in place, 1 quarantined file(s) left alone"
+    )
+
+
+def test_quarantined_files_alone_are_reported_word_for_word(home, db, caplog):
+    flush_dir = home / "pending_messages"
+    flush_dir.mkdir(parents=True)
+    (flush_dir / "pending-x.json.bad").write_text("{}")
+    (flush_dir / "notes.txt").write_text("")
+    caplog.set_level(logging.DEBUG, logger="walspool.shutdown_flush")
+    assert sf.recover_pending_spool(db) == (0, set())
+    assert logged(caplog, logging.WARNING) == [
+        f"1 quarantined file(s) (*.json.bad) in {flush_dir} are left alone; inspect them by hand"
+    ]
+
+
+def test_an_import_that_fails_is_reported_word_for_word(home, db, monkeypatch, caplog):
+    flush_dir = home / "pending_messages"
+    flush_dir.mkdir(parents=True)
+    (flush_dir / "pending-0.json").write_text("{}")
+    monkeypatch.setattr(
+        sf,
+        "import_json_spool",
+        lambda *a, **kw: (_ for _ in ()).throw(walspool.WalspoolError("cannot list")),
+    )
+    caplog.set_level(logging.DEBUG, logger="walspool.shutdown_flush")
+    assert sf.recover_pending_spool(db) == (0, set())
+    assert logged(caplog, logging.WARNING) == [
+        f"Cannot import the JSON spool files in {flush_dir}: cannot list"
+    ]
