@@ -155,7 +155,8 @@ def damaged_copy(tmp_path: Path) -> Path:
 def test_every_command_has_help_and_a_readme_entry(capsys: pytest.CaptureFixture[str]) -> None:
     commands = section("Command line")
     assert {name for name, *_ in COMMANDS} == {
-        "stats", "ls", "show", "replay", "export", "import-json", "check", "demo",
+        "stats", "ls", "show", "replay", "export", "import-json", "check", "requeue",
+        "drop", "vacuum", "watch", "demo",
     }  # fmt: skip
     for name, fn, *_ in COMMANDS:
         assert fn.__doc__ and fn.__doc__.strip(), name

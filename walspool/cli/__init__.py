@@ -19,7 +19,20 @@ import apsw
 from ..errors import WalspoolError
 from ..records import AGENT_HISTORY, CAP_DROP, SHUTDOWN
 from ..spool import default_path
-from . import check, demo, export, import_json, ls, replay, show, stats, watch
+from . import (
+    check,
+    demo,
+    drop,
+    export,
+    import_json,
+    ls,
+    replay,
+    requeue,
+    show,
+    stats,
+    vacuum,
+    watch,
+)
 from ._filters import UsageError
 from ._interrupt import Interrupted
 from ._output import EXIT_ERROR, EXIT_USAGE, as_path, log_lines, warn
@@ -43,9 +56,9 @@ reasons (--reason), besides any other a caller chose:
 
 exit status: 0 done; 1 error (one line on stderr, `walspool COMMAND: ...`); 2 bad
 usage; 3 done, but rows were held back (replay) or files left in place (import-json);
-4 another replay of the spool is running (replay; --wait SECONDS waits for it);
-130 interrupted (SIGINT); 143 stopped by SIGTERM (replay); 141 stdout closed early
-(`walspool export | head`)."""
+4 another replay of the spool is running (replay, requeue, drop; --wait SECONDS
+waits for it); 130 interrupted (SIGINT); 143 stopped by SIGTERM (replay); 141 stdout
+closed early (`walspool export | head`)."""
 
 Command = Callable[[argparse.Namespace], int]
 #: name, function (its docstring is its help), and the function that adds its own arguments
@@ -57,6 +70,9 @@ COMMANDS: tuple[tuple[str, Command, Callable[[argparse.ArgumentParser], None] | 
     ("export", export.run, export.add_arguments),
     ("import-json", import_json.run, import_json.add_arguments),
     ("check", check.run, None),
+    ("requeue", requeue.run, requeue.add_arguments),
+    ("drop", drop.run, drop.add_arguments),
+    ("vacuum", vacuum.run, vacuum.add_arguments),
     ("watch", watch.run, watch.add_arguments),
     ("demo", demo.run, None),
 )

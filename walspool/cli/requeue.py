@@ -1,0 +1,25 @@
+"""``walspool requeue``: put set-aside rows back in line for the next replay."""
+
+from __future__ import annotations
+
+import argparse
+
+from ..maintenance import requeue
+from ._rowchange import add_arguments as add_row_arguments
+from ._rowchange import run_change
+
+
+def run(args: argparse.Namespace) -> int:
+    """Make quarantined or superseded rows replayable again (attempts and error cleared).
+
+    For a row set aside that should move after all: state.db was fixed, or it was
+    checked and the message is not there. All the rows named, or none: a row that is
+    missing, replayable already or in flight is named and nothing changes (exit 1).
+    Each change is recorded in the spool's audit table with who made it. Waits for a
+    running replay (--wait SECONDS; exit 4 when it outlasts that).
+    """
+    return run_change(args, "requeue", requeue, "requeued")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_row_arguments(p)

@@ -1,0 +1,225 @@
+"""Operators' changes to a spool: set-aside rows put back in line or dropped, space
+reclaimed.
+
+Rows a replay set aside (``status`` quarantined or superseded) stay until an operator
+decides. ``requeue`` makes them replayable again; ``drop`` deletes them. Each is one
+transaction that changes every named row or none, and records in the ``audit`` table
+who did what; a dropped row's whole content goes into its audit record, so a drop can
+be undone by hand. Both take the spool's replay lock, so no replay (the command line's
+or the gateway link's) has one of those rows half taken. ``vacuum`` gives the pages of
+drained rows back to the file system.
+
+Not guaranteed: an audit record names the operating-system user that ran the command,
+not a person; anyone who can write the spool can also edit the audit table.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import getpass
+import os
+import socket
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import apsw
+import msgspec
+
+from . import codec, schema
+from .errors import InvalidArgument, WalspoolError
+from .replay import LOCK_SUFFIX, _exclusive
+from .spool import Spool
+from .writer import LIVE_BYTES_SQL
+
+__all__ = [
+    "VACUUM_MAX_LIVE_BYTES",
+    "NotSetAside",
+    "VacuumReport",
+    "actor",
+    "drop",
+    "requeue",
+    "vacuum",
+]
+
+#: ``vacuum`` refuses a spool holding more than this in live pages unless forced: it
+#: copies them while holding the write lock, and the gateway's writer waits at most
+#: ``writer.BUSY_RETRY_SECONDS`` (10 s) for that lock; this much copies in about a
+#: second here.
+VACUUM_MAX_LIVE_BYTES = 64 * 1024 * 1024
+#: Seconds ``requeue`` and ``drop`` wait for a running replay's lock by default.
+LOCK_WAIT = 30.0
+
+ROW_SQL = """
+SELECT id, session_id, session_key, seq, reason, created_at, payload, attempts,
+       last_error, last_attempt_at, status, inflight
+FROM records WHERE id = ?
+"""
+REQUEUE_SQL = """
+UPDATE records SET status = NULL, attempts = 0, last_error = NULL, last_attempt_at = NULL
+WHERE id = ?
+"""
+DROP_SQL = "DELETE FROM records WHERE id = ?"
+AUDIT_INSERT_SQL = """
+INSERT INTO audit (at, actor, action, record_id, session_id, session_key, seq, detail)
+VALUES (?, ?, ?, ?, ?, ?, ?, ?)
+"""
+FREELIST_SQL = "PRAGMA freelist_count"
+PAGE_SIZE_SQL = "PRAGMA page_size"
+
+
+class NotSetAside(WalspoolError):
+    """A row named for ``requeue`` or ``drop`` is missing, replayable or in flight."""
+
+
+class VacuumReport(msgspec.Struct, frozen=True):
+    """What ``vacuum`` did: file sizes before and after, in bytes."""
+
+    db_bytes_before: int
+    wal_bytes_before: int
+    db_bytes: int
+    wal_bytes: int
+    #: False when a reader's snapshot kept the checkpoint from finishing: the file
+    #: shrinks at a later checkpoint.
+    checkpointed: bool
+
+
+def actor() -> str:
+    """Who runs this: the effective user, the user sudo ran as, the host and pid."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = "?"
+    via = os.environ.get("SUDO_USER")
+    name = f"{user} (uid {os.geteuid()}{f', via sudo from {via}' if via else ''})"
+    return f"{name} on {socket.gethostname()}, pid {os.getpid()}"
+
+
+def requeue(
+    spool: Spool, ids: Sequence[int], *, by: str | None = None, wait: float = LOCK_WAIT
+) -> list[int]:
+    """Make the set-aside rows ``ids`` replayable again (attempts and error cleared);
+    all or none. Returns the ids. Raises ``NotSetAside`` naming every id that is
+    missing, replayable or in flight, and ``ReplayBusy`` if a replay held the lock
+    past ``wait`` seconds."""
+    return _change(spool, ids, "requeue", by, wait)
+
+
+def drop(
+    spool: Spool, ids: Sequence[int], *, by: str | None = None, wait: float = LOCK_WAIT
+) -> list[int]:
+    """Delete the set-aside rows ``ids``, each copied whole into its audit record; all
+    or none. Their streams never reuse their seqs. Raises as ``requeue`` does."""
+    return _change(spool, ids, "drop", by, wait)
+
+
+def _change(
+    spool: Spool, ids: Sequence[int], action: str, by: str | None, wait: float
+) -> list[int]:
+    wanted = _ids(ids, spool.path)
+    who = by if by is not None else actor()
+
+    def change(conn: apsw.Connection) -> list[int]:
+        rows = {}
+        problems = []
+        for record_id in wanted:
+            row = conn.execute(ROW_SQL, (record_id,)).fetchone()
+            if row is None:
+                problems.append(f"{record_id} (no such row)")
+            elif row[11] is not None:
+                problems.append(f"{record_id} (a replay has it out)")
+            elif row[10] is None:
+                problems.append(f"{record_id} (replayable, not set aside)")
+            else:
+                rows[record_id] = row
+        if problems:
+            raise NotSetAside(
+                f"spool {spool.path}: nothing was changed; {action} takes only rows set "
+                f"aside (quarantined or superseded): {', '.join(problems)}",
+                path=spool.path,
+            )
+        now = time.time()
+        for record_id, row in rows.items():
+            conn.execute(
+                AUDIT_INSERT_SQL,
+                (now, who, action, record_id, row[1], row[2], row[3], _detail(row, action)),
+            )
+            conn.execute(DROP_SQL if action == "drop" else REQUEUE_SQL, (record_id,))
+        return list(rows)
+
+    with _exclusive(Path(f"{spool.path}{LOCK_SUFFIX}"), wait, owner=spool._owner):
+        return spool._execute(change)
+
+
+def _ids(ids: Sequence[int], path: Path) -> list[int]:
+    if not ids:
+        raise InvalidArgument("name at least one row id", path=path)
+    wanted = []
+    for record_id in ids:
+        if isinstance(record_id, bool) or not isinstance(record_id, int) or record_id < 1:
+            raise InvalidArgument(f"a row id is a positive integer, not {record_id!r}", path=path)
+        if record_id not in wanted:
+            wanted.append(record_id)
+    return wanted
+
+
+def _detail(row: tuple[Any, ...], action: str) -> str:
+    """The audit record's detail: what the row was, whole for a drop."""
+    detail: dict[str, Any] = {
+        "status": row[10],
+        "attempts": row[7],
+        "last_error": row[8],
+        "last_attempt_at": row[9],
+    }
+    if action == "drop":
+        detail |= {"reason": row[4], "created_at": row[5], "payload": row[6]}
+    return codec.encode(detail).decode()
+
+
+def vacuum(spool: Spool, *, force: bool = False) -> VacuumReport:
+    """Rewrite the spool without its free pages, then checkpoint and truncate its
+    ``-wal``: the space drained rows held goes back to the file system.
+
+    Refuses (``InvalidArgument``) a spool with more than ``VACUUM_MAX_LIVE_BYTES`` of
+    live pages unless ``force``: the gateway's appends would wait for the copy.
+    """
+    path = spool.path
+    before = (_size(path), _size(Path(f"{path}-wal")))
+    conn = apsw.Connection(
+        f"file:{schema._uri_path(path)}",
+        flags=apsw.SQLITE_OPEN_READWRITE | apsw.SQLITE_OPEN_NOFOLLOW | apsw.SQLITE_OPEN_URI,
+    )
+    try:
+        schema.set_busy_timeout(conn)
+        schema.set_synchronous(conn, spool.durability)
+        live = conn.execute(LIVE_BYTES_SQL).get
+        if live > VACUUM_MAX_LIVE_BYTES and not force:
+            raise InvalidArgument(
+                f"spool {path} holds {live / 2**20:.0f} MiB of live rows: a vacuum copies "
+                f"them while the gateway's appends wait (at most 10 s); replay it first, "
+                f"or stop the gateway and force it",
+                path=path,
+            )
+        if conn.execute(FREELIST_SQL).get:
+            conn.execute("VACUUM")
+        busy, _, _ = conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+    except apsw.Error as exc:
+        raise schema.sqlite_error(exc, path) from exc
+    finally:
+        with contextlib.suppress(apsw.Error):
+            conn.close()
+    return VacuumReport(
+        db_bytes_before=before[0],
+        wal_bytes_before=before[1],
+        db_bytes=_size(path),
+        wal_bytes=_size(Path(f"{path}-wal")),
+        checkpointed=not busy,
+    )
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
