@@ -123,12 +123,12 @@ def try_snapshot(path: Path, stop: Callable[[], bool] | None = None) -> Snapshot
     damaged, unreadable); never raises for those."""
     taken, at = time.monotonic(), time.time()
     if not os.path.lexists(path):
-        missing = f"no spool at {path} (not created yet, or moved aside)"
-        return Snapshot(str(path), taken, at, missing)
+        missing = "no spool there: not created yet, or moved aside"
+        return Snapshot(str(path), taken, at, error=missing)
     try:
         return read_snapshot(path, stop)
     except (WalspoolError, OSError) as exc:
-        return Snapshot(str(path), taken, at, str(exc), took=time.monotonic() - taken)
+        return Snapshot(str(path), taken, at, time.monotonic() - taken, error=str(exc))
 
 
 def _read(
@@ -173,7 +173,7 @@ def rates(before: Snapshot | None, after: Snapshot) -> Rates | None:
 
     Appended: the growth of the rows ever appended (``APPENDED_SQL``). Replayed: the
     rows that left the spool, those appended less the growth of the row count (a
-    replay moved them into state.db or found them there; a hand delete counts too).
+    replay moved them into state.db or found them there, or they were dropped).
     None when either reading failed, the file was replaced in between (another spool
     ``uid``), or a count went back (the spool edited by hand).
     """
@@ -194,10 +194,10 @@ def render(
     width: int | None = None,
     height: int | None = None,
 ) -> list[str]:
-    """The frame: ``title`` and the time, the totals, the rates, then one line per
-    stream, oldest first; at most ``height`` lines of at most ``width`` columns (None:
-    no bound), streams that do not fit counted in a last ``+N more sessions`` line."""
-    head = [f"{title}  {iso(snap.at)}"]
+    """The frame: ``title`` and the time, the spool, the totals, the rates, then one
+    line per stream, oldest first; at most ``height`` lines of at most ``width`` columns
+    (None: no bound), streams that do not fit counted in a last ``+N more`` line."""
+    head = [f"{title}  {iso(snap.at)}", f"spool        {printable(snap.spool)}"]
     if snap.error is not None:
         head += textwrap.wrap(printable(snap.error), width or 1_000_000) or [""]
         head.append("(read again at each refresh)")
@@ -227,17 +227,18 @@ def render(
     return _fitted(lines, width, height)
 
 
-def render_reading(title: str, width: int, height: int) -> list[str]:
+def render_reading(title: str, spool: str, width: int, height: int) -> list[str]:
     """The frame before the first reading is done."""
-    return _fitted([title, "reading the spool..."], width, height)
+    lines = [title, f"spool        {printable(spool)}", "reading it..."]
+    return _fitted(lines, width, height)
 
 
 def _rates_text(rate: Rates | None) -> str:
     if rate is None:
-        return "appended -, replayed - (from the next reading)"
+        return "appended -, replayed or dropped - (from the next reading)"
     return (
-        f"appended {rate.appended:,.1f} rows/s, replayed {rate.replayed:,.1f} rows/s "
-        f"(over the last {rate.seconds:.1f}s)"
+        f"appended {rate.appended:,.1f} rows/s, replayed or dropped {rate.replayed:,.1f} "
+        f"rows/s (over the last {rate.seconds:.1f}s)"
     )
 
 

@@ -16,7 +16,6 @@ from collections.abc import Iterator
 from types import TracebackType
 from typing import Any, TextIO
 
-from ..text import printable
 from ._interrupt import Interrupted, interruptible
 from ._output import EXIT_OK, dump, iso
 from ._watching import (
@@ -50,11 +49,11 @@ def run(args: argparse.Namespace) -> int:
 
     appended: rows appended per second between the last two readings, counted from
     each stream's sequence numbers (every append takes the next one; they never go
-    back, even after rows leave). replayed: rows that left the spool per second, that
-    is rows appended less the growth of the row count; rows leave when a replay moves
-    them into state.db (or finds them there already), and a row removed by hand counts
-    too. Both show "-" until the second reading, and when the spool file was replaced
-    (or edited to count backwards) between two readings.
+    back, even after rows leave). replayed or dropped: rows that left the spool per
+    second, that is rows appended less the growth of the row count; rows leave when a
+    replay moves them into state.db (or finds them there already) and when they are
+    dropped (walspool drop, or by hand). Both show "-" until the second reading, and
+    when the spool file was replaced (or edited to count backwards) in between.
 
     A reading takes its time (seconds for a million rows: it reads every row, as ls
     does); one slower than --interval is followed by a pause as long as it took, and
@@ -106,7 +105,7 @@ def _once(args: argparse.Namespace) -> int:
     if args.json:
         print(dump(_json(last, rate)))
     else:
-        print("\n".join(render(last, rate, f"walspool watch {printable(args.spool)}")))
+        print("\n".join(render(last, rate, "walspool watch")))
     return EXIT_OK
 
 
@@ -134,10 +133,11 @@ def _json(snap: Snapshot, rate: Rates | None) -> dict[str, Any]:
 
 
 def _live(args: argparse.Namespace, screen: Screen) -> None:
-    title = f"walspool watch {printable(args.spool)}  every {args.interval:g}s  q or Ctrl-C quits"
+    title = f"walspool watch  every {args.interval:g}s  q or Ctrl-C quits"
     base: Snapshot | None = None  # the last reading that succeeded
     width, height = screen.size()
-    screen.draw(render_reading(title, width, height), height)  # a big spool takes seconds
+    # A big spool takes seconds to read: say so at once.
+    screen.draw(render_reading(title, str(args.spool), width, height), height)
     while True:
         snap = try_snapshot(args.spool, stop=screen.quit_typed)
         if screen.quitting:

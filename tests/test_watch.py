@@ -1,0 +1,472 @@
+"""``walspool watch``: the frame as a pure function of a reading, the readings of a real
+spool, and the live view in a real terminal (a detached tmux session on a private
+socket), driven by keys and waited on by polling the pane with a bound.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from _helpers import ROOT, MemorySink
+
+import walspool
+from walspool.cli import main
+from walspool.cli._watching import (
+    MAX_STREAMS,
+    Rates,
+    Snapshot,
+    Stream,
+    fit,
+    rates,
+    read_snapshot,
+    render,
+    try_snapshot,
+)
+from walspool.replay import Replayer
+
+MSG = {"role": "user", "content": "hello"}
+TMUX = shutil.which("tmux")
+#: The longest any one wait on the pane may take before the test fails (a bound, not
+#: an expectation: each wait ends as soon as the pane shows what it waits for).
+WAIT = 20.0
+#: Pause between two looks at the pane.
+POLL = 0.05
+ENV = {k: v for k, v in os.environ.items() if k != "TMUX"} | {"PYTHONPATH": str(ROOT)}
+TOTALS = re.compile(r"^rows +([\d,]+) in ([\d,]+) sessions?,", re.M)
+EVIL = "evil\x1b[2J\x1b[31mred\nline\u202e"
+EVIL_SHOWN = r"evil\x1b[2J\x1b[31mred\nline\u202e"
+
+needs_tmux = pytest.mark.skipif(
+    TMUX is None, reason="tmux is not installed (scripts/test installs it)"
+)
+
+
+# -- the frame, from a reading ---------------------------------------------------------
+
+
+def snap(**fields) -> Snapshot:
+    return Snapshot(**{"spool": "/s/spool.db", "taken": 100.0, "at": 1_700_000_100.0} | fields)
+
+
+def streams(n: int, name: str = "session-{}") -> tuple[Stream, ...]:
+    return tuple(
+        Stream(
+            name.replace("{}", str(i)),
+            None,
+            i + 1,
+            100 * (i + 1),
+            1_700_000_000.0 + i,
+            i % 2,
+            i % 3,
+        )
+        for i in range(n)
+    )
+
+
+def test_rates_are_appends_and_rows_that_left_per_second_between_two_readings():
+    before = snap(uid="u", rows=10, appended=10)
+    after = snap(uid="u", rows=25, appended=30, taken=102.0)
+    assert rates(before, after) == Rates(seconds=2.0, appended=10.0, replayed=2.5)
+    # Nothing to compare with, a failed reading, another file, a count gone back: unknown.
+    assert rates(None, after) is None
+    assert rates(snap(error="no spool"), after) is None
+    assert rates(before, snap(error="no spool", taken=102.0)) is None
+    assert rates(snap(uid="other", rows=10, appended=10), after) is None
+    assert rates(snap(uid="u", rows=10, appended=40), after) is None
+    assert rates(snap(uid="u", rows=30, appended=10), snap(uid="u", rows=40, appended=12)) is None
+
+
+def test_the_frame_shows_totals_rates_and_streams_oldest_first():
+    reading = snap(
+        uid="u", rows=6, sessions=3, bytes=600, oldest=1_700_000_000.0, inflight=1, failing=2,
+        quarantined=3, superseded=4, appended=9, db_bytes=4096, wal_bytes=0,
+        streams=(*streams(2), Stream(None, "agent:main:x", 3, 300, 1_700_000_050.0, 0, 0)),
+    )  # fmt: skip
+    lines = render(reading, Rates(2.0, 10.0, 2.5), "walspool watch")
+    assert lines[:4] == [
+        "walspool watch  2023-11-14T22:15:00.000Z",
+        "spool        /s/spool.db",
+        "rows         6 in 3 sessions, 600 B; oldest row 1m40s old",
+        "in flight    1; failing 2 (with a last error); quarantined 3; superseded 4",
+    ]
+    assert lines[4] == (
+        "rates        appended 10.0 rows/s, replayed or dropped 2.5 rows/s (over the last 2.0s)"
+    )
+    assert lines[5].startswith("files        db 4.0 KiB, WAL 0 B; read in ")
+    assert lines[7:] == [
+        "ROWS  BYTES  OLDEST  IN FLIGHT  FAILING  SESSION",
+        "1     100 B  1m40s   0          0        session-0",
+        "2     200 B  1m39s   1          1        session-1",
+        "3     300 B  50s     0          0        key:agent:main:x",
+    ]
+    first = render(reading, None, "t")
+    assert first[4] == "rates        appended -, replayed or dropped - (from the next reading)"
+    assert render(snap(uid="u"), None, "t")[-1] == "no rows in the spool"
+
+
+def test_the_frame_fits_the_terminal_and_counts_the_streams_left_out():
+    reading = snap(uid="u", rows=40, sessions=40, streams=streams(40, "a-long-session-id-{}" * 3))
+    lines = render(reading, None, "walspool watch  every 1s  q or Ctrl-C quits", 40, 15)
+    assert len(lines) == 15
+    assert all(len(line) <= 40 for line in lines)
+    assert lines[0] == "walspool watch  every 1s  q or Ctrl-C q…"
+    assert lines[7].startswith("ROWS  BYTES")
+    assert len(lines[8:14]) == 6 and lines[13].endswith("…")
+    assert lines[14] == "+34 more sessions"
+    # Exactly as many as fit: no "+N more" line; one more, and two make way for it.
+    assert render(snap(uid="u", sessions=7, streams=streams(7)), None, "t", 80, 15)[-1].endswith(
+        "  session-6"
+    )
+    one_more = render(snap(uid="u", sessions=8, streams=streams(8)), None, "t", 80, 15)
+    assert one_more[-2].endswith("  session-5") and one_more[-1] == "+2 more sessions"
+    # More streams than a reading holds: counted even without a height.
+    many = snap(uid="u", sessions=MAX_STREAMS + 7, streams=streams(MAX_STREAMS))
+    assert render(many, None, "t")[-1] == "+7 more sessions"
+    # A terminal smaller than the totals.
+    assert len(render(reading, None, "t", 10, 3)) == 3
+
+
+def test_fit_counts_terminal_columns():
+    assert fit("abc", 3) == "abc"
+    assert fit("abcd", 3) == "ab…"
+    assert fit("会話会話", 5) == "会話…"  # wide characters take two columns
+    assert fit("e\u0301e\u0301", 2) == "e\u0301e\u0301"  # combining ones none
+    assert fit("abc", 0) == ""
+
+
+def test_session_ids_are_escaped_in_the_frame():
+    reading = snap(uid="u", rows=1, sessions=1, streams=(Stream(EVIL, None, 1, 5, 0.0, 0, 0),))
+    lines = render(reading, None, "t")
+    assert lines[-1].endswith(EVIL_SHOWN)
+    assert not any("\x1b" in line or "\n" in line for line in lines)
+
+
+# -- readings of a real spool --------------------------------------------------------
+
+
+def test_a_reading_counts_rows_ever_appended_and_rows_that_left(tmp_path):
+    path = tmp_path / "spool.db"
+    with walspool.Spool(path) as spool:
+        for sid in ("s1", "s1", "s1", "s2", "s2"):
+            spool.append(sid, MSG)
+        spool.append(None, MSG, session_key="agent:main:k")
+        before = read_snapshot(path)
+        Replayer(spool, MemorySink()).replay(session_id="s1")
+        spool.append("s2", MSG)
+    after = read_snapshot(path)
+    assert (before.rows, before.appended, before.sessions) == (6, 6, 3)
+    assert (after.rows, after.appended, after.sessions) == (4, 7, 2)
+    assert [s.session_id or s.session_key for s in after.streams] == ["s2", "agent:main:k"]
+    rate = rates(before, after)
+    assert rate is not None
+    assert round(rate.appended * rate.seconds) == 1
+    assert round(rate.replayed * rate.seconds) == 3
+
+
+def test_a_missing_spool_is_a_frame_that_says_so(tmp_path, capsys):
+    path = tmp_path / "nowhere" / "spool.db"
+    reading = try_snapshot(path)
+    assert reading.error == "no spool there: not created yet, or moved aside"
+    assert render(reading, None, "t", 100, 30)[1:] == [
+        f"spool        {path}",
+        "no spool there: not created yet, or moved aside",
+        "(read again at each refresh)",
+    ]
+    # Not a terminal: one reading, so a missing spool is an error, as in stats.
+    assert main(["watch", str(path), "--interval", "0.1"]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1
+    assert err.startswith(f"walspool watch: no spool at {path} (no such file)")
+
+
+def test_a_damaged_file_is_a_frame_that_says_so(tmp_path):
+    path = tmp_path / "spool.db"
+    path.write_text("not a database")
+    assert "not a SQLite database" in (try_snapshot(path).error or "")
+
+
+def test_json_is_one_reading_with_rates(tmp_path, capsys):
+    path = tmp_path / "spool.db"
+    with walspool.Spool(path) as spool:
+        spool.append("s1", MSG)
+    assert main(["watch", str(path), "--interval", "0.1", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert set(got) == {
+        "spool", "at", "rows", "sessions", "bytes", "oldest", "oldest_age", "inflight",
+        "failing", "quarantined", "superseded", "db_bytes", "wal_bytes", "appended", "seconds",
+        "append_rate", "replay_rate",
+    }  # fmt: skip
+    assert (got["spool"], got["rows"], got["sessions"], got["appended"]) == (str(path), 1, 1, 1)
+    assert (got["append_rate"], got["replay_rate"]) == (0.0, 0.0)
+    assert got["seconds"] > 0
+
+
+def test_interval_must_be_a_number_of_seconds(capsys):
+    for bad in ("0", "0.01", "-1", "nan", "soon"):
+        with pytest.raises(SystemExit) as exit_:
+            main(["watch", "spool.db", "--interval", bad])
+        assert exit_.value.code == 2
+        assert "--interval" in capsys.readouterr().err
+
+
+def test_one_frame_when_stdout_is_not_a_terminal(tmp_path):
+    home = tmp_path / "hermes"
+    with walspool.Spool(home / "spool.db") as spool:
+        spool.append_many([(f"session-{i:02d}", MSG) for i in range(40)])
+    done = subprocess.run(
+        [sys.executable, "-m", "walspool", "watch", "--interval", "0.1"],  # SPOOL: the default
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=ENV | {"HERMES_HOME": str(home)},
+    )
+    assert (done.returncode, done.stderr) == (0, "")
+    assert "\x1b" not in done.stdout
+    assert done.stdout.count("walspool watch") == 1
+    assert done.stdout.startswith("walspool watch  ")
+    assert done.stdout.splitlines()[1] == f"spool        {home / 'spool.db'}"
+    assert TOTALS.findall(done.stdout) == [("40", "40")]
+    assert "appended 0.0 rows/s, replayed or dropped 0.0 rows/s" in done.stdout
+    assert all(f" session-{i:02d}\n" in done.stdout for i in range(40))
+    assert "more sessions" not in done.stdout
+
+
+# -- the live view in a real terminal --------------------------------------------------
+
+
+class Pane:
+    """``walspool watch`` in a detached tmux session of a fixed size, on a private
+    socket. A bash wrapper records the exit status and ``stty -a`` before and after,
+    then keeps the pane open (``cat``) so the restored terminal can be looked at;
+    ``trap : INT`` lets the wrapper outlive the Ctrl-C meant for watch."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.dir = tmp_path
+        socket = tmp_path / "tmux.sock"
+        # A Unix socket's path has a length limit; -L names one in tmux's private directory.
+        self.where = ["-S", str(socket)]
+        if len(str(socket)) > 100:
+            self.where = ["-L", f"walspool-test-{uuid.uuid4().hex}"]
+
+    def tmux(self, *args: str) -> str:
+        done = subprocess.run(
+            [TMUX or "tmux", "-u", "-f", "/dev/null", *self.where, *args],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            env=ENV,
+        )
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    def start(self, *argv: object, width: int = 100, height: int = 30) -> None:
+        before, after, rc = (shlex.quote(str(self.dir / n)) for n in ("before", "after", "rc"))
+        script = (
+            f'trap : INT; stty -a > {before}; "$@"; s=$?; stty -a > {after}; '
+            f"echo $s > {rc}.tmp; mv {rc}.tmp {rc}; exec cat"
+        )
+        watch = [sys.executable, "-m", "walspool", "watch", *map(str, argv)]
+        command = shlex.join(["bash", "-c", script, "wrapper", *watch])
+        self.tmux("new-session", "-d", "-x", str(width), "-y", str(height), "-s", "w", command)
+
+    def screen(self) -> str:
+        return self.tmux("capture-pane", "-p", "-t", "w")
+
+    def show(self, fmt: str) -> str:
+        return self.tmux("display-message", "-p", "-t", "w", fmt).strip()
+
+    def keys(self, *keys: str) -> None:
+        self.tmux("send-keys", "-t", "w", *keys)
+
+    def wait_for(self, what: str, check: Callable[[str], bool]) -> str:
+        """The screen once ``check`` holds for it."""
+        deadline = time.monotonic() + WAIT
+        while True:
+            screen = self.screen()
+            if check(screen):
+                return screen
+            if time.monotonic() > deadline:
+                pytest.fail(f"the pane never showed {what}; it shows:\n{screen}")
+            time.sleep(POLL)
+
+    def exit_status(self) -> int:
+        rc = self.dir / "rc"
+        deadline = time.monotonic() + WAIT
+        while not rc.exists():
+            if time.monotonic() > deadline:
+                pytest.fail(f"watch did not exit; the pane shows:\n{self.screen()}")
+            time.sleep(POLL)
+        return int(rc.read_text())
+
+    def watch_pid(self) -> int:
+        """The watch process: the one child of the wrapper (the pane's process)."""
+        wrapper = int(self.show("#{pane_pid}"))
+        (child,) = Path(f"/proc/{wrapper}/task/{wrapper}/children").read_text().split()
+        return int(child)
+
+    def assert_terminal_restored(self, printed: str = "") -> None:
+        """Modes as before (``stty``), the main screen back with the cursor shown, and
+        nothing on it but ``printed``."""
+        assert (self.dir / "after").read_text() == (self.dir / "before").read_text()
+        assert self.show("#{alternate_on} #{cursor_flag}") == "0 1"
+        assert self.screen().strip() == printed
+
+    def kill(self) -> None:
+        subprocess.run(
+            [TMUX or "tmux", *self.where, "kill-server"], capture_output=True, timeout=30, env=ENV
+        )
+
+
+@pytest.fixture
+def pane(tmp_path: Path) -> Iterator[Pane]:
+    p = Pane(tmp_path)
+    try:
+        yield p
+    finally:
+        p.kill()
+
+
+def no_spool(screen: str) -> bool:
+    return "no spool there: not created yet, or moved aside" in screen
+
+
+def totals(rows: int, sessions: int) -> Callable[[str], bool]:
+    return lambda screen: TOTALS.findall(screen) == [(f"{rows:,}", f"{sessions:,}")]
+
+
+def stream_rows(screen: str, name: str) -> int:
+    (line,) = [line for line in screen.splitlines() if line.endswith(f"  {name}")]
+    return int(line.split()[0].replace(",", ""))
+
+
+def one_frame(screen: str, spool: Path) -> None:
+    """The pane holds one frame at its top: no copy scrolled up, no second title."""
+    lines = screen.splitlines()
+    assert lines[0].startswith("walspool watch  every 0.2s  q or Ctrl-C quits  ")
+    assert lines[1] == fit(f"spool        {spool}", 100)
+    assert screen.count("walspool watch") == 1
+    assert len(TOTALS.findall(screen)) == 1
+
+
+@needs_tmux
+def test_the_frame_is_redrawn_in_place_as_rows_arrive_and_q_quits(tmp_path, pane):
+    path = tmp_path / "spool.db"
+    with walspool.Spool(path) as spool:
+        spool.append("session-1", MSG)
+    pane.start(path, "--interval", "0.2")
+    one_frame(pane.wait_for("the first frame", totals(1, 1)), path)
+    assert pane.show("#{alternate_on} #{cursor_flag}") == "1 0"
+    with walspool.Spool(path) as spool:  # a writer meanwhile: watch never blocks it
+        spool.append_many([("session-2", MSG)] * 3)
+    screen = pane.wait_for("the new backlog", totals(4, 2))
+    one_frame(screen, path)
+    assert (stream_rows(screen, "session-1"), stream_rows(screen, "session-2")) == (1, 3)
+    assert re.search(
+        r"^rates +appended [\d,.]+ rows/s, replayed or dropped [\d,.]+ rows/s", screen, re.M
+    )
+    pane.keys("q")
+    assert pane.exit_status() == 0
+    pane.assert_terminal_restored()
+
+
+@needs_tmux
+def test_ctrl_c_quits_with_status_0_and_restores_the_terminal(tmp_path, pane):
+    path = tmp_path / "spool.db"
+    with walspool.Spool(path) as spool:
+        spool.append("session-1", MSG)
+    pane.start(path, "--interval", "0.2")
+    pane.wait_for("the first frame", totals(1, 1))
+    pane.keys("C-c")
+    assert pane.exit_status() == 0
+    pane.assert_terminal_restored()
+
+
+@needs_tmux
+def test_sigterm_restores_the_terminal_and_exits_143(tmp_path, pane):
+    path = tmp_path / "spool.db"
+    with walspool.Spool(path) as spool:
+        spool.append("session-1", MSG)
+    pane.start(path, "--interval", "0.2")
+    pane.wait_for("the first frame", totals(1, 1))
+    os.kill(pane.watch_pid(), signal.SIGTERM)
+    assert pane.exit_status() == 143
+    pane.assert_terminal_restored("walspool watch: interrupted by SIGTERM")
+
+
+@needs_tmux
+def test_a_session_id_with_control_characters_shows_escaped(tmp_path, pane):
+    path = tmp_path / "spool.db"
+    with walspool.Spool(path) as spool:
+        spool.append(EVIL, MSG)
+        spool.append("session-1", MSG)
+    pane.start(path, "--interval", "0.2")
+    screen = pane.wait_for("the first frame", totals(2, 2))
+    one_frame(screen, path)  # ESC[2J did not clear it, the newline did not split a line
+    assert stream_rows(screen, EVIL_SHOWN) == 1
+    assert not any(line.startswith("line") for line in screen.splitlines())
+    pane.keys("q")
+    assert pane.exit_status() == 0
+
+
+@needs_tmux
+def test_no_file_is_created_beside_a_closed_spool_moved_aside_and_back(tmp_path, pane):
+    home = tmp_path / "home"
+    path = home / "spool.db"
+    with walspool.Spool(path) as spool:
+        spool.append_many([("session-1", MSG)] * 2)
+    before = sorted(os.listdir(home)), path.read_bytes()
+    assert not any(name.endswith(("-wal", "-shm")) for name in before[0])
+    pane.start(path, "--interval", "0.2")
+    pane.wait_for("the first frame", totals(2, 1))
+    path.rename(home / "spool.db.aside")
+    pane.wait_for("the spool gone", no_spool)
+    (home / "spool.db.aside").rename(path)
+    one_frame(pane.wait_for("the spool back", totals(2, 1)), path)
+    pane.keys("q")
+    assert pane.exit_status() == 0
+    assert (sorted(os.listdir(home)), path.read_bytes()) == before
+
+
+@needs_tmux
+def test_a_spool_created_while_watching_is_shown(tmp_path, pane):
+    path = tmp_path / "home" / "spool.db"
+    pane.start(path, "--interval", "0.2")
+    pane.wait_for("no spool yet", no_spool)
+    with walspool.Spool(path) as spool:
+        spool.append("session-1", MSG)
+    one_frame(pane.wait_for("the new spool", totals(1, 1)), path)
+    pane.keys("q")
+    assert pane.exit_status() == 0
+
+
+@needs_tmux
+def test_the_frame_fits_the_terminal_and_follows_a_resize(tmp_path, pane):
+    path = tmp_path / "spool.db"
+    names = [f"session-{i:02d}-" + "x" * 60 for i in range(30)]
+    with walspool.Spool(path) as spool:
+        spool.append_many([(name, MSG) for name in names])
+    pane.start(path, "--interval", "0.2", width=60, height=12)
+    screen = pane.wait_for("the first frame", totals(30, 30))
+    lines = screen.splitlines()
+    assert len(lines) <= 12 and all(len(line) <= 60 for line in lines)
+    assert lines[0].startswith("walspool watch") and screen.count("walspool watch") == 1
+    assert "+27 more sessions" in screen
+    pane.tmux("resize-window", "-t", "w", "-x", "160", "-y", "45")
+    screen = pane.wait_for("every session", lambda s: s.count(" session-") == 30)
+    assert "more sessions" not in screen and screen.count("walspool watch") == 1
+    table = [line for line in screen.splitlines()[8:] if line]
+    assert all(line.endswith(f"  {name}") for line, name in zip(table, names, strict=True))
+    pane.keys("q")
+    assert pane.exit_status() == 0
