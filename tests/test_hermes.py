@@ -443,3 +443,122 @@ def test_queue_overflow_is_spooled_after_its_head_and_replayed(hermes_home):
         assert got == ["queued head", "queued 1", "queued 2"]
         assert list(spool2.records()) == []
     store2._db.close()
+
+
+# -- mutation testing (issue 16): each test below kills mutants that survived the others ----
+
+
+def _lines(caplog, level: int) -> list[str]:
+    """The link's own log lines at ``level``, formatted (a mutated format raises here)."""
+    return [
+        r.getMessage() for r in caplog.records if r.name == "walspool.hermes" and r.levelno == level
+    ]
+
+
+def _m(content: str) -> dict[str, str]:
+    return {"role": "user", "content": content}
+
+
+def test_an_agent_history_is_one_row_with_its_session_and_count(store, spool, caplog):
+    link = install(store, spool, retry_interval=0)
+    caplog.set_level(logging.DEBUG, logger="walspool.hermes")
+    assert link.flush_agent_history("s", [_m("a"), _m("b")]) is True
+    assert link.flush_agent_history(None, [_m("c")]) is True
+    assert link.flush_agent_history("s", []) is False
+    rows = list(spool.records(reasons=[walspool.AGENT_HISTORY]))
+    assert [(r.session_id, r.message) for r in rows] == [
+        ("s", {"session_id": "s", "count": 2, "messages": [_m("a"), _m("b")]}),
+        ("unknown", {"session_id": None, "count": 1, "messages": [_m("c")]}),
+    ]
+    said = "in {} (state.db did not take them); recover by hand after repairing state.db"
+    assert _lines(caplog, logging.WARNING) == [
+        f"Preserved 2 in-memory message(s) for session s {said.format(spool.path)}",
+        f"Preserved 1 in-memory message(s) for session None {said.format(spool.path)}",
+    ]
+
+
+def test_a_rewrite_of_a_session_with_nothing_queued_is_quiet_and_keeps_no_state(
+    store, spool, caplog
+):
+    store._db.create_session("s", "telegram")
+    link = install(store, spool, retry_interval=0)
+    caplog.set_level(logging.DEBUG, logger="walspool")
+    assert store.rewrite_transcript("s", [_m("r")])
+    store.append_to_transcript("s", _m("next"))
+    assert store.rewrite_transcript("s", [_m("r2")])
+    assert contents(store, "s") == ["r2"]
+    assert "s" not in link._sessions  # an idle session's state is dropped
+    assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
+
+
+def test_a_rewrite_resets_a_failing_session_so_the_next_message_is_written_at_once(
+    store, spool, caplog
+):
+    store._db.create_session("s", "telegram")
+    link = install(store, spool, retry_interval=3600)  # no background retry meanwhile
+    sql(store, BREAK)
+    for i in range(205):
+        store.append_to_transcript("s", _m(f"m{i}"))
+    spool.flush()
+    assert store._transcript_append_failures["s"] == 1
+    sql(store, HEAL)
+    caplog.set_level(logging.DEBUG, logger="walspool.hermes")
+    caplog.clear()
+    assert store.rewrite_transcript("s", [_m("rewritten")])
+    assert _lines(caplog, logging.WARNING) == [
+        f"Transcript of s rewritten: 5 spooled message(s) in {spool.path} superseded (kept for "
+        "operators, not replayed)"
+    ]
+    assert "s" not in store._transcript_append_failures
+    store.append_to_transcript("s", _m("next"))  # not held back by the failures before
+    assert contents(store, "s") == ["rewritten", "next"]
+    # The session's counts start again from 0: later evictions are spooled as before.
+    sql(store, BREAK)
+    for i in range(205):
+        store.append_to_transcript("s", _m(f"n{i}"))
+    spool.flush()
+    assert [r.message["content"] for r in spool.records() if r.status is None] == [
+        f"n{i}" for i in range(5)
+    ]
+    assert link._sessions["s"].spooled == 5
+
+
+def test_a_rewrite_whose_supersede_fails_says_so_word_for_word(store, spool, caplog):
+    store._db.create_session("s", "telegram")
+    install(store, spool, retry_interval=0)
+    spool.close()
+    caplog.set_level(logging.DEBUG, logger="walspool.hermes")
+    assert store.rewrite_transcript("s", [_m("r")])  # the rewrite goes on
+    assert _lines(caplog, logging.ERROR) == [
+        f"walspool could not supersede the spooled rows of session s in {spool.path} after "
+        "its transcript was rewritten; a replay would put them after it"
+    ]
+
+
+def test_a_rewrite_never_waits_for_a_replay_elsewhere_and_supersedes_all_it_can(
+    store, spool, monkeypatch
+):
+    from walspool import replay as replay_module
+
+    store._db.create_session("s", "telegram")
+    install(store, spool, retry_interval=3600)  # no drain, no row in flight
+    sql(store, BREAK)
+    for i in range(203):
+        store.append_to_transcript("s", _m(f"m{i}"))
+    spool.flush()
+    sql(store, HEAL)
+    budgets: list[float] = []
+    real = replay_module._lock_within
+
+    def no_wait(fd, seconds, spool_path):
+        budgets.append(seconds)
+        return real(fd, 0, spool_path)
+
+    lock = Path(f"{spool.path}{replay_module.LOCK_SUFFIX}")
+    with replay_module._exclusive(lock, wait=False):
+        monkeypatch.setattr(replay_module, "_lock_within", no_wait)
+        assert store.rewrite_transcript("s", [_m("r")])
+    assert budgets == [0]
+    assert [(r.message["content"], r.status) for r in spool.records()] == [
+        (f"m{i}", "superseded") for i in range(3)
+    ]

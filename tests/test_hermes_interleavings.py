@@ -296,3 +296,75 @@ def test_shutdown_during_a_drain_then_restart(hermes_home, store, spool):
         assert contents(store2, "s") == [f"m{i}" for i in range(231)]
         assert spool2.stats().rows == 0
     store2._db.close()
+
+
+# -- mutation testing (issue 16): each test below kills mutants that survived the others ----
+
+
+class _CountedWaits(threading.Condition):
+    """The link's ``_settled`` condition, counting the waits on it (``waits``)."""
+
+    def __init__(self, lock: Any) -> None:
+        super().__init__(lock)
+        self.waits = threading.Semaphore(0)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.waits.release()  # the store's lock is held until the wait releases it
+        return super().wait(timeout)
+
+
+def test_gateway_threads_past_twice_the_cap_wait_for_the_head_counted_as_waiters(
+    store, spool, monkeypatch
+):
+    monkeypatch.setattr(hermes, "HANDOFF_WAIT", STEP)
+    monkeypatch.setattr(store, "_MAX_PENDING_PER_SESSION", 3, raising=False)
+    store._db.create_session("s", "telegram")
+    link = install(store, spool, retry_interval=0)
+    link._settled = counted = _CountedWaits(link._lock)
+    gate = gate_live_writes(store)
+    gate.arm()
+    a = in_thread(lambda: store.append_to_transcript("s", msg("m0")))
+    assert gate.entered.wait(STEP)  # A writes m0
+    for i in range(1, 6):  # up to twice the cap: queued at once, nothing evicted
+        store.append_to_transcript("s", msg(f"m{i}"))
+    state = link._sessions["s"]
+    b = in_thread(lambda: store.append_to_transcript("s", msg("m6")))
+    assert counted.waits.acquire(timeout=STEP)  # B waits for m0's write to end
+    c = in_thread(lambda: store.append_to_transcript("s", msg("m7")))
+    assert counted.waits.acquire(timeout=STEP)  # and C
+    with link._lock:
+        assert state.waiters == 2
+        assert len(store._dirty_transcripts["s"]) == 8
+    gate.open()
+    assert joined(a) and joined(b) and joined(c)
+    assert link.wait_idle(STEP)
+    assert contents(store, "s") == [f"m{i}" for i in range(8)]
+    assert state.waiters == 0
+    assert "s" not in link._sessions
+
+
+def test_a_gateway_thread_waits_for_the_head_at_most_its_bound_then_drops(
+    store, spool, monkeypatch, caplog
+):
+    monkeypatch.setattr(hermes, "HANDOFF_WAIT", 0.01)
+    monkeypatch.setattr(store, "_MAX_PENDING_PER_SESSION", 3, raising=False)
+    store._db.create_session("s", "telegram")
+    link = install(store, spool, retry_interval=0)
+    gate = gate_live_writes(store)
+    gate.arm()
+    a = in_thread(lambda: store.append_to_transcript("s", msg("m0")))
+    assert gate.entered.wait(STEP)
+    for i in range(1, 6):
+        store.append_to_transcript("s", msg(f"m{i}"))
+    with caplog.at_level(logging.WARNING, logger="walspool.hermes"):
+        b = in_thread(lambda: store.append_to_transcript("s", msg("m6")))
+        assert joined(b)  # while m0 is still being written
+    assert gate.entered.is_set() and not gate.release.is_set()
+    assert [r.getMessage() for r in caplog.records if r.name == "walspool.hermes"] == [
+        "Session DB transcript pending queue full for s (cap=3); dropping oldest message to "
+        "make room (on-disk spool unavailable: oldest being written)"
+    ]
+    gate.open()
+    assert joined(a)
+    assert link.wait_idle(STEP)
+    assert contents(store, "s") == ["m0", *(f"m{i}" for i in range(2, 7))]
