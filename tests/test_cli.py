@@ -48,7 +48,7 @@ RECORD_KEYS = {
 CHECK_KEYS = {"spool", "ok", "application_id", "schema_version", "rows", "problems", "notes"}
 REPLAY_KEYS = {
     "spool", "state_db", "dry_run", "moved", "held", "errors", "recovered", "sessions",
-    "quarantined", "inflight", "inflight_landed", "interrupted",
+    "quarantined", "keys", "key_errors", "inflight", "inflight_landed", "interrupted",
 }  # fmt: skip
 IMPORT_KEYS = {"spool", "directory", "imported", "skipped", "by_reason", "quarantined"}
 ISO = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z$")

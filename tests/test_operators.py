@@ -109,7 +109,10 @@ def test_a_state_db_the_user_cannot_write_is_refused_before_the_spool_is_touched
     assert not Path(f"{path}-wal").exists()
 
 
-READ_COMMANDS = (["stats"], ["ls"], ["show", "s1", "--full"], ["export"], ["check"])
+READ_COMMANDS = (
+    ["stats"], ["ls"], ["show", "s1", "--full"], ["export"], ["check"],
+    ["watch", "--interval", "0.1"],
+)  # fmt: skip
 
 
 def test_read_commands_create_no_file_beside_a_closed_spool(tmp_path, capsys):
@@ -329,10 +332,35 @@ def test_a_session_id_equal_to_a_session_key_stays_a_stream_of_its_own(tmp_path,
     assert main([*argv, "--json"]) == 3
     report = json.loads(capsys.readouterr().out)
     assert (report["moved"], report["held"]) == (2, 1)
-    assert report["sessions"]["same"]["moved"] == 2
-    assert report["sessions"]["key:same"]["held"] == 1
+    assert report["sessions"] == {"same": stream("same", None, moved=2)}
+    assert report["keys"] == {"same": stream(None, "same", held=1, error=DRY_UNRESOLVED)}
+    assert (report["errors"], report["key_errors"]) == ({}, {"same": DRY_UNRESOLVED})
     assert main(argv) == 3
-    assert "key:same  1" in capsys.readouterr().out
+    out, err = capsys.readouterr()
+    assert "key:same  1" in out and "1 row would be held in 1 session" in err
+    # The replay itself (the library's report) keeps them apart the same way.
+    assert main([*(a for a in argv if a != "--dry-run"), "--json"]) == 3
+    report = json.loads(capsys.readouterr().out)
+    assert (report["moved"], report["held"], report["dry_run"]) == (2, 1, False)
+    assert report["sessions"] == {"same": stream("same", None, moved=2)}
+    assert report["keys"] == {"same": stream(None, "same", held=1, error=UNRESOLVED)}
+
+
+DRY_UNRESOLVED = (
+    "rows spooled with session_key 'same' but no session_id need a resolver to find their "
+    "session; the gateway's link replays them"
+)
+UNRESOLVED = (
+    "rows spooled with session_key 'same' but no session_id need a resolver "
+    "(Replayer(..., resolver=...)) to find their session"
+)
+
+
+def stream(session_id, session_key, moved=0, held=0, error=None):
+    return {
+        "session_id": session_id, "session_key": session_key, "moved": moved, "held": held,
+        "error": error, "quarantined": 0,
+    }  # fmt: skip
 
 
 def test_version_default_spool_and_top_level_help(tmp_path, capsys, monkeypatch):

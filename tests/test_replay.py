@@ -216,12 +216,13 @@ def test_rows_by_session_key_go_through_the_resolver(spool, sink):
     report = Replayer(spool, sink, resolver=keys.get).replay()
     assert (report.moved, report.held) == (3, 1)
     assert sink.messages("sess-1") == ["cap drop first", "one", "two"]
-    assert report.sessions["agent:main:tg:dm:1"] == StreamReport(
+    assert report.keys["agent:main:tg:dm:1"] == StreamReport(
         "sess-1", "agent:main:tg:dm:1", moved=2, held=0
     )
-    assert report.errors == {
+    assert report.key_errors == {
         "agent:main:tg:dm:2": "resolver found no session for session_key 'agent:main:tg:dm:2'"
     }
+    assert report.errors == {} and list(report.sessions) == ["sess-1"]
     (left,) = spool.records()
     assert (left.session_key, left.attempts) == ("agent:main:tg:dm:2", 1)
 
@@ -230,7 +231,7 @@ def test_rows_by_session_key_without_a_resolver_stay(spool, sink):
     spool.append(None, "x", session_key="k", reason=SHUTDOWN)
     report = Replayer(spool, sink).replay()
     assert report.held == 1
-    assert report.errors["k"] == (
+    assert report.key_errors["k"] == (
         "rows spooled with session_key 'k' but no session_id need a resolver "
         "(Replayer(..., resolver=...)) to find their session"
     )
@@ -242,9 +243,23 @@ def test_a_resolver_that_raises_is_unresolvable(spool, sink):
     def resolver(key: str) -> str:
         raise LookupError(key)
 
-    assert Replayer(spool, sink, resolver=resolver).replay().errors == {
+    assert Replayer(spool, sink, resolver=resolver).replay().key_errors == {
         "k": "resolver found no session for session_key 'k'"
     }
+
+
+def test_a_session_id_equal_to_a_key_keeps_its_own_report(spool, sink):
+    """Rows spooled with session id "k" and rows spooled with only the key "k" are two
+    streams: the report keeps them apart (issue 13, defect 10)."""
+    spool.append_many([("k", msg("k", i)) for i in range(2)])
+    spool.append_many([(None, msg("key", i), "k") for i in range(3)])
+    sink.refuse = lambda sid, rec: OSError("down") if rec.session_id is None else None
+    report = Replayer(spool, sink, resolver={"k": "other"}.get).replay()
+    assert (report.moved, report.held) == (2, 3)
+    assert report.sessions == {"k": StreamReport("k", None, moved=2, held=0)}
+    assert report.keys == {"k": StreamReport("other", "k", 0, 3, "OSError: down")}
+    assert (report.errors, report.key_errors) == ({}, {"k": "OSError: down"})
+    assert report.streams() == [report.sessions["k"], report.keys["k"]]
 
 
 # -- exactly once across crashes -------------------------------------------------
@@ -921,7 +936,7 @@ def test_rows_freed_by_two_key_streams_in_one_batch_are_all_freed(spool, sink):
     sink.refuse = lambda sid, rec: OSError("down")
     report = Replayer(spool, sink, resolver={"k1": "session-1"}.get).replay()
     assert (report.moved, report.held) == (0, 4)
-    assert report.errors == {
+    assert report.key_errors == {
         "k1": "OSError: down",
         "k2": "resolver found no session for session_key 'k2'",
     }

@@ -1077,7 +1077,7 @@ class Link:
             with self._lock:
                 self._end_recovery()
             raise
-        held = {s.session_id for s in report.sessions.values() if s.error and not s.session_key}
+        held = {s.session_id for s in report.sessions.values() if s.error}
         ready: list[tuple[str, _Session, _Writer]] = []
         background = threading.current_thread() is self._thread
         with self._lock:

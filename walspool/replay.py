@@ -154,13 +154,14 @@ class ReplayReport(msgspec.Struct, frozen=True):
 
     ``moved``: rows written to the sink and removed from the spool by this call.
     ``held``: rows left behind in streams that failed (the failing row and the
-    later rows of its stream). ``errors``: each held stream's error, keyed by the
-    stream's name (its session_id, or its session_key for rows spooled without
-    one). ``recovered``: rows a crashed replay had written but not removed, found
-    in the sink and removed now (not counted in ``moved``). ``sessions``: per
-    stream detail, keyed like ``errors``. ``quarantined``: rows this call set
-    aside (content the sink refused, or a landing nobody can know), with their
-    error in the spool; their streams went on.
+    later rows of its stream). ``sessions``: per stream detail of the rows spooled
+    with a session id, keyed by it; ``errors``: each of those streams' error when it
+    was held. ``keys`` and ``key_errors``: the same for rows spooled with only a
+    session key, keyed by the key, kept apart, so a session id equal to some key
+    never merges the two. ``recovered``: rows a crashed replay had written but not
+    removed, found in the sink and removed now (not counted in ``moved``).
+    ``quarantined``: rows this call set aside (content the sink refused, or a
+    landing nobody can know), with their error in the spool; their streams went on.
     """
 
     moved: int
@@ -169,6 +170,12 @@ class ReplayReport(msgspec.Struct, frozen=True):
     recovered: int = 0
     sessions: dict[str, StreamReport] = msgspec.field(default_factory=dict)
     quarantined: int = 0
+    keys: dict[str, StreamReport] = msgspec.field(default_factory=dict)
+    key_errors: dict[str, str] = msgspec.field(default_factory=dict)
+
+    def streams(self) -> list[StreamReport]:
+        """Every stream's report: session ids first, then keys."""
+        return [*self.sessions.values(), *self.keys.values()]
 
 
 class Replayer:
@@ -265,7 +272,7 @@ class Replayer:
                 self.spool.path,
                 self.sink,
                 report.held,
-                len(report.errors),
+                len(report.errors) + len(report.key_errors),
                 report.quarantined,
             )
         return report
@@ -586,8 +593,9 @@ class _Run:
             return None
 
     def report(self) -> ReplayReport:
-        sessions = {
-            name: StreamReport(
+        by_kind: dict[str, dict[str, StreamReport]] = {"session_id": {}, "session_key": {}}
+        for (kind, name), t in self.tallies.items():
+            by_kind[kind][name] = StreamReport(
                 session_id=t.session_id,
                 session_key=name if kind == "session_key" else None,
                 moved=t.moved,
@@ -595,16 +603,24 @@ class _Run:
                 error=t.error,
                 quarantined=t.quarantined,
             )
-            for (kind, name), t in self.tallies.items()
-        }
-        return ReplayReport(
-            moved=sum(t.moved for t in self.tallies.values()),
-            held=sum(t.held for t in self.tallies.values()),
-            errors={name: s.error for name, s in sessions.items() if s.error is not None},
-            recovered=self.recovered,
-            sessions=sessions,
-            quarantined=sum(t.quarantined for t in self.tallies.values()),
-        )
+        return report_of(by_kind["session_id"], by_kind["session_key"], self.recovered)
+
+
+def report_of(
+    sessions: dict[str, StreamReport], keys: dict[str, StreamReport], recovered: int
+) -> ReplayReport:
+    """A ``ReplayReport`` of these streams' reports, its totals summed."""
+    streams = [*sessions.values(), *keys.values()]
+    return ReplayReport(
+        moved=sum(s.moved for s in streams),
+        held=sum(s.held for s in streams),
+        errors={name: s.error for name, s in sessions.items() if s.error is not None},
+        recovered=recovered,
+        sessions=sessions,
+        quarantined=sum(s.quarantined for s in streams),
+        keys=keys,
+        key_errors={name: s.error for name, s in keys.items() if s.error is not None},
+    )
 
 
 def statuses_filter(quarantined: bool, superseded: bool) -> str:

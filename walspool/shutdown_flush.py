@@ -372,9 +372,7 @@ def recover_pending_spool(
     finally:
         if owned:
             release(session_db)
-    held_back = {
-        s.session_id for s in report.sessions.values() if s.error is not None and s.session_id
-    }
+    held_back = {s.session_id for s in report.streams() if s.error is not None and s.session_id}
     if report.moved or report.recovered:
         log.info(
             "Recovered %d pending message(s) from %s", report.moved + report.recovered, spool.path
@@ -383,7 +381,10 @@ def recover_pending_spool(
         log.info(
             "Held back %d spooled message(s) for the next start after a failed replay: %s",
             report.held,
-            ", ".join(f"{k} ({v})" for k, v in report.errors.items()),
+            ", ".join(
+                [f"{k} ({v})" for k, v in report.errors.items()]
+                + [f"key:{k} ({v})" for k, v in report.key_errors.items()]
+            ),
         )
     if report.quarantined:
         log.warning(

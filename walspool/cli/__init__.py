@@ -45,8 +45,9 @@ Inspect the gateway's overflow spool, replay it into state.db, export it.
 
 usage: walspool COMMAND [SPOOL] [options]; `walspool COMMAND --help` for each command.
 SPOOL defaults to $HERMES_HOME/spool.db (HERMES_HOME defaults to ~/.hermes), the
-gateway's own spool. Read commands (stats, ls, show, export, check) never write to
-the spool and never block a gateway writing to it."""
+gateway's own spool. Read commands (stats, ls, show, export, check, watch) never write
+to the spool and never block a gateway writing to it; requeue and drop (each change
+recorded in the spool's audit table) and vacuum are the operators' changes to it."""
 EPILOG = f"""\
 reasons (--reason), besides any other a caller chose:
   {CAP_DROP:<40} evicted at the gateway's 200-message cap

@@ -19,7 +19,7 @@ import apsw
 from .. import codec
 from ..errors import SessionMissing, WalspoolError
 from ..records import AGENT_HISTORY, Record
-from ..replay import REASON_FILTER, ReplayReport, StreamReport
+from ..replay import REASON_FILTER, ReplayReport, StreamReport, report_of
 from ..sinks import LANDED_SQL, LANDED_TABLE, LANDED_TABLE_EXISTS_SQL, rejects_content
 from ..spool import RECORD_COLUMNS, UID_SQL, record_from_row
 from ._statedb import session_exists
@@ -144,8 +144,8 @@ def dry_run_report(
     db = trial_session_db(state, path)
     trial = Trial(state, db, create_missing) if db is not None else None
     sessions: dict[str, StreamReport] = {}
+    keys: dict[str, StreamReport] = {}
     recovered_in_all = 0
-    ids = {s.session_id for s in plan.streams if s.session_id is not None}
     for s in plan.streams:
         recovered, rejected, error = 0, 0, None
         if s.session_id is None:
@@ -167,19 +167,12 @@ def dry_run_report(
         else:
             quarantined = s.bad + rejected
             moved, held = s.rows - recovered - quarantined, 0
-        # A key stream named like a session id stays apart from it (``key:`` prefix).
-        name = s.session_id if s.session_id is not None else str(s.session_key)
-        if s.session_id is None and name in ids:
-            name = f"key:{name}"
-        sessions[name] = StreamReport(s.session_id, s.session_key, moved, held, error, quarantined)
-    return ReplayReport(
-        moved=sum(s.moved for s in sessions.values()),
-        held=sum(s.held for s in sessions.values()),
-        errors={n: s.error for n, s in sessions.items() if s.error is not None},
-        recovered=recovered_in_all,
-        sessions=sessions,
-        quarantined=sum(s.quarantined for s in sessions.values()),
-    )
+        report = StreamReport(s.session_id, s.session_key, moved, held, error, quarantined)
+        if s.session_id is not None:
+            sessions[s.session_id] = report
+        else:
+            keys[str(s.session_key)] = report
+    return report_of(sessions, keys, recovered_in_all)
 
 
 def _try(

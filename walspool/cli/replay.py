@@ -89,10 +89,11 @@ def run(args: argparse.Namespace) -> int:
         inflight = in_flight(args.spool, args.into)
     _print_replay(args, report, inflight)
     if report.held:
-        missing = any("FOREIGN KEY" in e for e in report.errors.values())
+        errors = [s.error for s in report.streams() if s.error is not None]
+        missing = any("FOREIGN KEY" in e for e in errors)
         hint = "; --create-missing creates missing sessions" if missing else ""
         verb = "would be held" if args.dry_run else "held"
-        where = plural(len(report.errors), "session")
+        where = plural(len(errors), "session")
         warn("replay", f"{plural(report.held, 'row')} {verb} in {where}{hint}")
         return EXIT_HELD
     return EXIT_OK
@@ -185,11 +186,9 @@ def _print_replay(
             "content (see `walspool show`; replay again with --quarantined once fixed)"
         )
     if report.held:
-        print(f"{held} {plural(report.held, 'row')} in {plural(len(report.errors), 'session')}:")
-        rows = [
-            (_stream(report.sessions[name]), report.sessions[name].held, error)
-            for name, error in report.errors.items()
-        ]
+        failing = [s for s in report.streams() if s.error is not None]
+        print(f"{held} {plural(report.held, 'row')} in {plural(len(failing), 'session')}:")
+        rows = [(_stream(s), s.held, s.error) for s in failing]
         print(table(("SESSION", "HELD", "WHY"), rows))
     if inflight.rows and not args.dry_run:
         print(
@@ -201,4 +200,4 @@ def _print_replay(
 
 def _stream(s: StreamReport) -> str:
     """A stream as ``ls`` shows it: its session id, or ``key:<KEY>``."""
-    return s.session_id if s.session_id is not None else f"key:{s.session_key}"
+    return f"key:{s.session_key}" if s.session_key is not None else str(s.session_id)
