@@ -290,3 +290,69 @@ def test_the_ticket_trigger_is_exact_on_the_fork_in_rollback_mode(home, store):
     db.close()  # 0.22 reopens its connection at the next write
     sink.write("s1", rec, ("u", 3, 3))
     assert sink.landed([("u", 1, 1), ("u", 3, 3)]) == {("u", 1, 1), ("u", 3, 3)}
+
+
+def test_a_multiplex_gateway_recovers_each_served_profile_in_its_own_home(
+    home, store, tmp_path, monkeypatch, caplog
+):
+    """As upstream: the launch home, then each served profile with a spool or JSON files,
+    inside its own home (its spool, its state.db); held-back sessions are marked on the
+    store; a profile whose recovery fails is logged and the others go on."""
+    import gateway.run
+    import hermes_state
+    from hermes_constants import get_hermes_home, reset_hermes_home_override
+    from hermes_constants import set_hermes_home_override as inside
+
+    db = store._db
+    db.create_session("s1", "telegram")
+    wsf.spool_dropped_transcript_message("s1", {"role": "user", "content": "launch"})
+    names = ("work", "idle", "legacy", "broken")
+    served = {name: tmp_path / "profiles" / name for name in names}
+    for name, profile in served.items():
+        profile.mkdir(parents=True)
+        with hermes_state.SessionDB(db_path=profile / "state.db") as profile_db:
+            profile_db.create_session(f"{name}-1", "telegram")
+    token = inside(str(served["work"]))
+    wsf.spool_dropped_transcript_message("work-1", {"role": "user", "content": "w"})
+    wsf.spool_dropped_transcript_message("work-gone", {"role": "user", "content": "held"})
+    reset_hermes_home_override(token)
+    token = inside(str(served["legacy"]))
+    assert upstream_module().spool_dropped_transcript_message(
+        "legacy-1", {"role": "user", "content": "j"}
+    )
+    reset_hermes_home_override(token)
+    token = inside(str(served["broken"]))
+    wsf.spool_dropped_transcript_message("broken-1", {"role": "user", "content": "b"})
+    reset_hermes_home_override(token)
+    wsf.close_shared_spools()
+    monkeypatch.setattr(
+        gateway.run,
+        "_multiplex_profile_homes",
+        lambda config: [("default", home), *served.items()],
+    )
+    recover = wsf.recover_pending_spool
+
+    def failing_in_broken(**kw: Any) -> Any:
+        if Path(get_hermes_home()) == served["broken"]:
+            raise RuntimeError("profile recovery failed")
+        return recover(**kw)
+
+    monkeypatch.setattr(wsf, "recover_pending_spool", failing_in_broken)
+    runner = types.SimpleNamespace(
+        session_store=store, config=types.SimpleNamespace(multiplex_profiles=True)
+    )
+    with caplog.at_level(logging.WARNING, logger="walspool"):
+        assert wsf.recover_gateway_pending(runner) == 3  # launch, work-1, legacy-1
+    assert Path(get_hermes_home()) == home  # every override undone
+    assert contents(db, "s1") == ["launch"]
+    for name, expected in (("work", ["w"]), ("legacy", ["j"]), ("broken", [])):
+        with hermes_state.SessionDB(db_path=served[name] / "state.db") as profile_db:
+            assert contents(profile_db, f"{name}-1") == expected
+    assert "work-gone" in store._spooled_drop_sessions
+    assert [r.session_id for r in spooled(served["work"])] == ["work-gone"]
+    assert [r.session_id for r in spooled(served["broken"])] == ["broken-1"]
+    assert not (served["idle"] / "spool.db").exists()  # nothing to recover: never opened
+    failed = [r for r in caplog.records if r.name == "walspool.shutdown_flush" and r.exc_info]
+    assert [r.getMessage() for r in failed] == [
+        "Pending-message recovery failed for profile broken"
+    ]
