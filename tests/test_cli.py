@@ -7,6 +7,7 @@ state.db locks are held by a child process.
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import io
 import json
@@ -27,6 +28,7 @@ from _helpers import ROOT
 import walspool
 from walspool import AGENT_HISTORY, CAP_DROP, SHUTDOWN
 from walspool.cli import COMMANDS, _statedb, main
+from walspool.cli.ls import BACKLOG_KEYS
 from walspool.replay import Replayer
 from walspool.schema import SCHEMA_VERSION
 
@@ -212,6 +214,60 @@ def test_stats(capsys: pytest.CaptureFixture[str], spool_file: Path) -> None:
     # The failed write keeps its row in flight (its ticket), to be probed first by the
     # next replay: FailingSink can look tickets up, so the failure is not trusted blindly.
     assert stats["inflight"] == 1
+
+
+def test_ls_reads_what_the_backlog_view_shows(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """ls reads only indexes; the backlog view reads every row: both say the same of
+    a spool with every kind of stream and row (several reasons in one session, a
+    session id that also carries a key, key-only streams, one named like a session,
+    rows with errors, quarantined and superseded rows)."""
+    path = tmp_path / "spool.db"
+    with walspool.Spool(path) as spool:
+        spool.append_many([("s1", {"n": i}) for i in range(5)])
+        spool.append("s1", {"n": 5}, reason=SHUTDOWN, session_key="k1")
+        spool.append("s2", "x" * 300, reason=AGENT_HISTORY)
+        spool.append_many([(None, "slot", "same"), (None, "slot2", "k3"), ("same", "id")])
+        spool.append_many([("s3", {"n": i}) for i in range(4)], reason=SHUTDOWN)
+    patch(
+        path,
+        "UPDATE records SET attempts = 3, last_error = 'locked' WHERE session_id = 's1' "
+        "AND seq IN (2, 4)",
+        "UPDATE records SET attempts = 1, last_error = 'first' WHERE session_id = 's1' AND seq = 3",
+        "UPDATE records SET status = 'quarantined', attempts = 2, last_error = 'bad' "
+        "WHERE session_key = 'same'",
+        "UPDATE records SET status = 'superseded' WHERE session_id = 's3' AND seq < 3",
+    )
+    conn = apsw.Connection(str(path), flags=apsw.SQLITE_OPEN_READONLY)
+    try:
+        view = [
+            dict(zip(BACKLOG_KEYS, row, strict=True))
+            for row in conn.execute(f"SELECT {', '.join(BACKLOG_KEYS)} FROM backlog")
+        ]
+    finally:
+        conn.close()
+    rc, out, _ = run(capsys, "ls", path, "--json")
+    listed = json.loads(out)
+    assert rc == 0 and len(listed) == 6
+
+    def by_stream(rows: list[dict[str, Any]]) -> dict[Any, dict[str, Any]]:
+        return {(r["session_id"], r["session_key"]): r for r in rows}
+
+    def ms(text: str) -> float:
+        return datetime.datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+
+    shown, seen = by_stream(listed), by_stream(view)
+    assert shown.keys() == seen.keys()
+    for stream, row in shown.items():
+        times = ("oldest", "newest")
+        assert {k: v for k, v in row.items() if k not in times} == {
+            k: v for k, v in seen[stream].items() if k not in times
+        }, stream
+        # The view's strftime rounds to the millisecond where walspool truncates.
+        assert all(0 <= ms(seen[stream][t]) - ms(row[t]) <= 0.0011 for t in times), stream
+    assert by_stream(listed)["s1", None]["last_error"] == "locked"  # the first by seq
+    assert by_stream(listed)["s1", None]["max_attempts"] == 3
 
 
 def test_ls(capsys: pytest.CaptureFixture[str], spool_file: Path) -> None:

@@ -11,18 +11,23 @@ from ..text import printable
 from ._output import EXIT_OK, clip, dump, iso, table
 from ._reading import reading
 
-#: The ``backlog`` view's columns, in one pass over ``records`` (the view finds each
-#: stream's last error with a subquery per stream; here it comes from the index of
-#: rows with an error). Times stay epoch seconds until printed, by one rule (``iso``).
+#: The ``backlog`` view's columns from indexes only, never a row's page: rows, bytes and
+#: times per stream and reason from the statistics index (in its order, so no sort),
+#: merged per stream here; set-aside counts from the status index; attempts and each
+#: stream's first error from the index of rows with an error (a row's attempts grow
+#: only with an error). The view reads every row instead. Times stay epoch seconds
+#: until printed, by one rule (``iso``).
 STREAMS_SQL = """
-SELECT session_id, CASE WHEN session_id IS NULL THEN session_key END, count(*), sum(size),
-       min(created_at), max(created_at), max(attempts),
-       count(*) FILTER (WHERE status = 'quarantined'),
-       count(*) FILTER (WHERE status = 'superseded')
-FROM records GROUP BY 1, 2
+SELECT session_id, session_key, count(*), sum(size), min(created_at), max(created_at)
+FROM records INDEXED BY records_reason_session_id_session_key_created_at_size_idx
+GROUP BY reason, session_id, session_key
 """
-FIRST_ERRORS_SQL = """
-SELECT session_id, CASE WHEN session_id IS NULL THEN session_key END, seq, last_error
+SET_ASIDE_SQL = """
+SELECT session_id, CASE WHEN session_id IS NULL THEN session_key END, status, count(*)
+FROM records INDEXED BY records_status_idx WHERE status IS NOT NULL GROUP BY 1, 2, 3
+"""
+ERRORS_SQL = """
+SELECT session_id, CASE WHEN session_id IS NULL THEN session_key END, seq, attempts, last_error
 FROM records INDEXED BY records_last_error_idx WHERE last_error IS NOT NULL
 """
 BACKLOG_KEYS = (
@@ -59,23 +64,42 @@ def run(args: argparse.Namespace) -> int:
 
 def read_backlog(conn: apsw.Connection) -> list[dict[str, Any]]:
     """The ``backlog`` view's rows, one object per stream, oldest first."""
+    streams: dict[tuple[str | None, str | None], list[Any]] = {}
     with conn:
-        streams = conn.execute(STREAMS_SQL).fetchall()
-        first_error: dict[tuple[str | None, str | None], tuple[int, str]] = {}
-        for session_id, key, seq, error in conn.execute(FIRST_ERRORS_SQL):
-            if (session_id, key) not in first_error or seq < first_error[session_id, key][0]:
-                first_error[session_id, key] = (seq, error)
-    streams.sort(key=lambda r: (r[4], r[0] is not None, r[0] or "", r[1] or ""))  # NULLs first
+        for session_id, key, rows, size, oldest, newest in conn.execute(STREAMS_SQL):
+            stream = (session_id, key if session_id is None else None)
+            s = streams.get(stream)
+            if s is None:
+                # rows, bytes, oldest, newest, max attempts, first error (seq, text),
+                # quarantined, superseded
+                streams[stream] = [rows, size, oldest, newest, 0, None, 0, 0]
+            else:
+                s[0] += rows
+                s[1] += size
+                s[2] = min(s[2], oldest)
+                s[3] = max(s[3], newest)
+        for session_id, key, status, n in conn.execute(SET_ASIDE_SQL):
+            streams[session_id, key][6 if status == "quarantined" else 7] += n
+        for session_id, key, seq, attempts, error in conn.execute(ERRORS_SQL):
+            s = streams[session_id, key]
+            s[4] = max(s[4], attempts)
+            if s[5] is None or seq < s[5][0]:
+                s[5] = (seq, error)
+    # oldest first; on a tie, NULL (key streams) first, as the view orders them
+    ordered = sorted(
+        streams.items(), key=lambda i: (i[1][2], i[0][0] is not None, i[0][0] or "", i[0][1] or "")
+    )
     return [
         dict(
             zip(
                 BACKLOG_KEYS,
                 (sid, key, rows, size, iso(oldest), iso(newest), attempts,
-                 first_error.get((sid, key), (0, None))[1], quarantined, superseded),
+                 error[1] if error else None, quarantined, superseded),
                 strict=True,
             )
         )
-        for sid, key, rows, size, oldest, newest, attempts, quarantined, superseded in streams
+        for (sid, key), (rows, size, oldest, newest, attempts, error, quarantined, superseded)
+        in ordered
     ]  # fmt: skip
 
 
