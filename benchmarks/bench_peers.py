@@ -64,6 +64,7 @@ from bench_append import (
     MESSAGE,
     PER_PRODUCER,
     PRODUCERS,
+    ROUNDS,
     SINGLE_MSGS,
     in_threads,
     run_interleaved,
@@ -72,8 +73,6 @@ from report import RESULTS
 
 import walspool
 
-#: Timed rounds per case (after one warm-up): the peers' 64-thread rounds take seconds.
-PEER_ROUNDS = 5
 #: Appends counted for WAL pages per append: few enough that no auto-checkpoint
 #: (1,000 pages) resets the WAL meanwhile.
 FRAME_PROBE_APPENDS = 100
@@ -241,7 +240,7 @@ def side_by_side(
         benchmark,
         {mine: (piece(ours), msgs), theirs: (piece(peer), msgs)},
         ratio=(theirs, mine),
-        rounds=PEER_ROUNDS,
+        rounds=ROUNDS,
         pieces=pieces,
         spool=(mine, ours.spool) if ours.spool is not None else None,
     )
