@@ -48,10 +48,12 @@ INDEXES_SQL = """
 CREATE INDEX IF NOT EXISTS records_inflight_idx ON records (id) WHERE inflight IS NOT NULL;
 
 -- Statistics without reading payloads: rows, bytes and age by reason (stats) and by
--- stream (ls), each one walk of this index (size is the payload's length in bytes);
--- and the rows with an error.
-CREATE INDEX IF NOT EXISTS records_reason_session_id_session_key_created_at_size_idx
-    ON records (reason, session_id, session_key, created_at, size);
+-- stream (ls), each one walk of this index, never of the rows' pages (size is the
+-- payload's length in bytes); and the rows with an error. Ordered by time, so an
+-- append writes its entry at the end: one leaf per commit, however many sessions a
+-- group holds (an index led by the session would write one leaf per session).
+CREATE INDEX IF NOT EXISTS records_reason_created_at_size_session_id_session_key_idx
+    ON records (reason, created_at, size, session_id, session_key);
 CREATE INDEX IF NOT EXISTS records_last_error_idx ON records (id) WHERE last_error IS NOT NULL;
 """
 
@@ -173,8 +175,8 @@ CREATE TABLE audit (
 ) STRICT;
 """
 #: Schema 3 -> 4: the next seq kept on delete (triggers) instead of on each append,
-#: the operators' audit table, and the statistics index by stream as well as by reason
-#: (built once, from the rows there: seconds on a million). ``sequences`` as schema 3
+#: the operators' audit table, and the statistics index covering streams as well as
+#: reasons (built once, from the rows there: seconds on a million). ``sequences`` as schema 3
 #: kept it stays valid.
 MIGRATE_V3_SQL = f"""
 {KEEP_NEXT_SEQ_SQL}
@@ -246,7 +248,7 @@ EXPECTED_OBJECTS = {
     ("view", "failures"),
     ("index", "records_session_key_seq_idx"),
     ("index", "records_inflight_idx"),
-    ("index", "records_reason_session_id_session_key_created_at_size_idx"),
+    ("index", "records_reason_created_at_size_session_id_session_key_idx"),
     ("index", "records_last_error_idx"),
     ("index", "records_status_idx"),
 }
