@@ -6,12 +6,13 @@ import asyncio
 import logging
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 from _gateway import BREAK, HEAL, contents, sql
 
 import walspool
-from walspool.hermes import install, install_runner
+from walspool.hermes import Link, install, install_runner
 
 hermes_state = pytest.importorskip("hermes_state")
 
@@ -562,3 +563,129 @@ def test_a_rewrite_never_waits_for_a_replay_elsewhere_and_supersedes_all_it_can(
     assert [(r.message["content"], r.status) for r in spool.records()] == [
         (f"m{i}", "superseded") for i in range(3)
     ]
+
+
+def _runner(hermes_home: Path):
+    from gateway.config import GatewayConfig
+    from gateway.run import GatewayRunner
+
+    return GatewayRunner(GatewayConfig(sessions_dir=hermes_home / "sessions"))
+
+
+def test_a_runner_the_link_does_not_know_is_refused_word_for_word(store, spool):
+    class NotARunner:
+        session_store = adapters = _pending_messages = None
+
+    link = install(store, spool, retry_interval=0)
+    with pytest.raises(walspool.UnsupportedGateway) as refused:
+        install_runner(NotARunner(), link)
+    assert str(refused.value) == (
+        "NotARunner lacks _queued_events, _bounded_adapter_teardown, _finalize_shutdown_agents; "
+        "walspool.hermes supports hermes-agent 0.19.0's gateway.run.GatewayRunner"
+    )
+    assert refused.value.path == str(spool.path)
+
+
+def test_slots_are_spooled_as_text_messages_and_logged_word_for_word(store, spool, caplog):
+    link = install(store, spool, retry_interval=0)
+    caplog.set_level(logging.DEBUG, logger="walspool.hermes")
+    assert link.flush_slots([("k1", "hello"), ("k2", None), ("k3", {"text": "event"})]) == 2
+    assert link.flush_slots([("k4", None)]) == 0
+    assert [(r.session_key, r.reason, r.message) for r in spool.records()] == [
+        ("k1", "shutdown", {"text": "hello"}),
+        ("k3", "shutdown", {"text": "event"}),
+    ]
+    assert _lines(caplog, logging.INFO) == [
+        f"Spooled 2 pending message(s) to {spool.path} (reason=shutdown)"
+    ]
+
+
+def test_shutdown_with_a_closed_spool_says_what_is_lost_and_goes_on(hermes_home, caplog):
+    runner = _runner(hermes_home)
+    spool = walspool.Spool(hermes_home / "spool.db")
+    install_runner(runner, install(runner.session_store, spool, retry_interval=0))
+    spool.close()
+    runner._pending_messages["k"] = "lost"
+    caplog.set_level(logging.DEBUG, logger="walspool.hermes")
+    runner._pending_messages.clear()  # never raises
+    assert runner._pending_messages == {}
+    assert _lines(caplog, logging.ERROR)[0] == (
+        "walspool could not spool at shutdown; these messages are lost"
+    )
+    runner.session_store._db.close()
+
+
+def test_shutdown_takes_adapters_and_agents_without_slots_or_ids(hermes_home):
+    from gateway.config import Platform
+
+    runner = _runner(hermes_home)
+    spool = walspool.Spool(hermes_home / "spool.db")
+    install_runner(runner, install(runner.session_store, spool, retry_interval=0))
+    torn: list[str] = []
+
+    class Bare:  # no pending slots at all, or None for them
+        def __init__(self, name: str, slots: Any = ...) -> None:
+            self.name = name
+            if slots is not ...:
+                self._pending_messages = slots
+
+        async def cancel_background_tasks(self) -> None:
+            pass
+
+        async def disconnect(self) -> None:
+            torn.append(self.name)
+
+    class Agent:  # one without a session id, one without a history
+        def __init__(self, **kw: Any) -> None:
+            self.__dict__.update(kw)
+
+    bare, none = Bare("bare"), Bare("none", None)
+    agents = {"a": Agent(_session_messages=[_m("unsaved")]), "b": Agent(session_id="s")}
+
+    async def shutdown() -> None:
+        await runner._finalize_shutdown_agents(agents)
+        await runner._bounded_adapter_teardown(bare, Platform.TELEGRAM)
+        await runner._bounded_adapter_teardown(none, Platform.TELEGRAM, profile="work")
+
+    asyncio.run(shutdown())
+    assert torn == ["bare", "none"]
+    assert none._pending_messages is None and not hasattr(bare, "_pending_messages")
+    assert [(r.session_id, r.message["messages"]) for r in spool.records()] == [
+        ("unknown", [_m("unsaved")])
+    ]
+    spool.close()
+    runner.session_store._db.close()
+
+
+def test_the_teardown_passes_its_keywords_on(hermes_home, monkeypatch):
+    from gateway.config import Platform
+    from gateway.run import GatewayRunner
+
+    seen: list[dict] = []
+
+    async def teardown(self, adapter, platform, **kw):
+        seen.append(kw)
+
+    monkeypatch.setattr(GatewayRunner, "_bounded_adapter_teardown", teardown)
+    runner = _runner(hermes_home)
+    spool = walspool.Spool(hermes_home / "spool.db")
+    install_runner(runner, install(runner.session_store, spool, retry_interval=0))
+    asyncio.run(runner._bounded_adapter_teardown(object(), Platform.TELEGRAM, profile="work"))
+    assert seen == [{"profile": "work"}]
+    spool.close()
+    runner.session_store._db.close()
+
+
+def test_close_stops_the_background_thread_and_is_safe_without_one(store, spool, monkeypatch):
+    import walspool.hermes as hermes
+
+    monkeypatch.setattr(hermes, "HANDOFF_WAIT", 30.0)
+    link = install(store, spool, retry_interval=0.05)
+    thread = link._thread
+    assert thread.is_alive()
+    link.close()
+    assert not thread.is_alive()  # joined before close returned
+    link.close()  # idempotent
+    unthreaded = Link(store, spool, retry_interval=0)  # never started a thread
+    unthreaded.close()
+    assert unthreaded._closed

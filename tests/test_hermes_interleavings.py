@@ -368,3 +368,80 @@ def test_a_gateway_thread_waits_for_the_head_at_most_its_bound_then_drops(
     assert joined(a)
     assert link.wait_idle(STEP)
     assert contents(store, "s") == ["m0", *(f"m{i}" for i in range(2, 7))]
+
+
+def test_a_shutdown_flush_the_spool_refuses_goes_back_in_front_and_is_retried(
+    hermes_home, store, monkeypatch, caplog
+):
+    """The flush's rows fail to commit (the spool is full): its messages go back to the
+    front of their queue, ahead of one queued meanwhile, and the background thread
+    writes them once state.db heals (no new message needed)."""
+    store._db.create_session("s", "telegram")
+    big = "x" * 40_000
+    with walspool.Spool(hermes_home / "spool.db", max_bytes=128 * 1024) as spool:
+        link = install(store, spool, retry_interval=0.05, max_bytes=None)
+        sql(store, BREAK)
+        for i in range(3):
+            store.append_to_transcript("s", msg(f"m{i}{big}"))
+        stuck, go_on = threading.Event(), threading.Event()
+        spool._writer.submit(writer.Operation(lambda conn: stuck.set() or go_on.wait(STEP)))
+        assert stuck.wait(STEP)  # the flush's rows queue behind this
+        flushed: list[int] = []
+        with caplog.at_level(logging.ERROR, logger="walspool.hermes"):
+            flusher = in_thread(lambda: flushed.append(link.flush_queues()))
+            with link._lock:
+                assert link._settled.wait_for(lambda: store._dirty_transcripts.get("s") == [], STEP)
+            store.append_to_transcript("s", msg("late"))  # queued while the flush waits
+            go_on.set()
+            assert joined(flusher)
+        assert flushed == [0]
+        with link._lock:
+            assert [m["content"][:2] for m in store._dirty_transcripts["s"]] == [
+                "m0",
+                "m1",
+                "m2",
+                "la",
+            ]
+        (error,) = [
+            r.getMessage()
+            for r in caplog.records
+            if r.name == "walspool.hermes" and r.levelno == logging.ERROR
+        ]
+        assert error == (
+            f"could not spool 3 queued transcript message(s) at shutdown to {spool.path}; they "
+            f"stay queued: spool {spool.path} is full (max_bytes=131072); replay it into "
+            "state.db or raise max_bytes"
+        )
+        sql(store, HEAL)
+        assert link.wait_idle(STEP)  # the background thread wrote them: nothing new came
+        assert [c[:2] for c in contents(store, "s")] == ["m0", "m1", "m2", "la"]
+        link.close()
+
+
+def test_a_busy_spool_keeps_the_oldest_in_memory_and_says_so_word_for_word(
+    store, spool, monkeypatch, caplog
+):
+    monkeypatch.setattr(writer, "QUEUE_REQUESTS", 2)
+    monkeypatch.setattr(store, "_MAX_PENDING_PER_SESSION", 3, raising=False)
+    store._db.create_session("s", "telegram")
+    link = install(store, spool, retry_interval=0)
+    sql(store, BREAK)
+    stuck, go_on = threading.Event(), threading.Event()
+    spool._writer.submit(writer.Operation(lambda conn: stuck.set() or go_on.wait(STEP)))
+    assert stuck.wait(STEP)
+    fillers = [spool.submit("z", msg(f"z{i}")) for i in range(2)]
+    with caplog.at_level(logging.WARNING, logger="walspool.hermes"):
+        for i in range(5):
+            store.append_to_transcript("s", msg(f"m{i}"))
+    kept = {r.getMessage() for r in caplog.records if "stays in memory" in r.getMessage()}
+    assert kept == {
+        f"Session DB transcript pending queue full for s (cap=3); the spool {spool.path} is "
+        f"busy, so the oldest message stays in memory ({n} queued; the oldest is dropped past 6)"
+        for n in (4, 5)
+    }
+    go_on.set()
+    assert [f.result(STEP).seq for f in fillers] == [1, 2]
+    sql(store, HEAL)
+    store.append_to_transcript("s", msg("fin"))
+    assert link.wait_idle(STEP)
+    assert contents(store, "s") == [f"m{i}" for i in range(5)] + ["fin"]
