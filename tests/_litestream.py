@@ -214,7 +214,7 @@ class GatewayHost:
     def __init__(self, home: Path, threads: int, rate: int) -> None:
         self.acks: list[tuple[tuple[str, int, int], float]] = []
         self._cond = threading.Condition()
-        self._err = open(home.parent / "gateway.err", "w+b")  # noqa: SIM115 - closed in kill
+        self._err = open(home.parent / "gateway.err", "w+b")  # closed in kill()
         self.proc = subprocess.Popen(
             [sys.executable, __file__, "gateway", str(home), str(threads), str(rate)],
             stdout=subprocess.PIPE,
