@@ -445,3 +445,126 @@ def test_a_busy_spool_keeps_the_oldest_in_memory_and_says_so_word_for_word(
     store.append_to_transcript("s", msg("fin"))
     assert link.wait_idle(STEP)
     assert contents(store, "s") == [f"m{i}" for i in range(5)] + ["fin"]
+
+
+def _held_by_the_background_thread(store, spool, gate_skip: int = 1):
+    """A session whose background retry is writing its queue's head, held at the gate."""
+    store._db.create_session("s", "telegram")
+    link = install(store, spool, retry_interval=0.05)
+    sql(store, BREAK)
+    store.append_to_transcript("s", msg("first"))  # fails: the background retries it
+    store.append_to_transcript("s", msg("old"))  # the session is failing: queued only
+    gate = gate_live_writes(store)
+    writers: list[str] = []
+    write = gate.write
+
+    def named(*args: Any, **kw: Any) -> Any:
+        writers.append(threading.current_thread().name)
+        return write(*args, **kw)
+
+    gate.write = named
+    gate.arm(skip=gate_skip)
+    sql(store, HEAL)
+    assert gate.entered.wait(STEP)  # the background thread wrote "first", holds "old"
+    assert link._sessions["s"].writer.background
+    link._settled = counted = _CountedWaits(link._lock)
+    return link, gate, counted, writers
+
+
+def test_a_gateway_thread_takes_the_session_over_and_writes_its_own_message(
+    store, spool, monkeypatch
+):
+    monkeypatch.setattr(hermes, "HANDOFF_WAIT", STEP)
+    link, gate, counted, writers = _held_by_the_background_thread(store, spool)
+    g = threading.Thread(
+        target=lambda: store.append_to_transcript("s", msg("new")), name="gateway", daemon=True
+    )
+    g.start()
+    assert counted.waits.acquire(timeout=STEP)  # g waits for the background writer
+    with link._lock:
+        assert link._sessions["s"].waiters == 1
+    gate.open()
+    assert joined(g)
+    assert contents(store, "s") == ["first", "old", "new"]  # written before g returned
+    assert writers[-1] == "gateway"
+    assert link.wait_idle(STEP) and "s" not in link._sessions
+
+
+def test_a_take_over_waits_at_most_its_bound_then_leaves_the_message_queued(
+    store, spool, monkeypatch
+):
+    monkeypatch.setattr(hermes, "HANDOFF_WAIT", 0.01)
+    link, gate, counted, writers = _held_by_the_background_thread(store, spool)
+    g = in_thread(lambda: store.append_to_transcript("s", msg("new")))
+    assert joined(g)  # while "old" is still being written
+    assert not gate.release.is_set()
+    with link._lock:
+        assert [m["content"] for m in store._dirty_transcripts["s"]] == ["old", "new"]
+    gate.open()
+    assert link.wait_idle(STEP)
+    assert contents(store, "s") == ["first", "old", "new"]
+    assert "gateway" not in writers
+
+
+def test_after_close_a_gateway_thread_never_waits_for_the_background_writer(
+    store, spool, monkeypatch
+):
+    monkeypatch.setattr(hermes, "HANDOFF_WAIT", STEP)
+    link, gate, counted, writers = _held_by_the_background_thread(store, spool)
+    with link._lock:  # what close() does first; its join would wait for the gate
+        link._closed = True
+    store.append_to_transcript("s", msg("new"))  # returns at once: queued
+    assert not counted.waits.acquire(blocking=False)
+    gate.open()
+    assert joined(link._thread)
+    store.append_to_transcript("s", msg("after"))  # closed: each message retries at once
+    assert contents(store, "s") == ["first", "old", "new", "after"]
+
+
+def test_flush_queues_with_nothing_queued_spools_nothing(store, spool):
+    link = install(store, spool, retry_interval=0)
+    assert link.flush_queues() == 0
+    assert list(spool.records()) == []
+
+
+def test_a_shutdown_flush_waits_for_a_slow_commit_up_to_its_bound(store, spool, monkeypatch):
+    monkeypatch.setattr(hermes, "FLUSH_TIMEOUT", STEP)
+    monkeypatch.setattr(hermes, "CONFIRM_WAIT", 0.0)
+    store._db.create_session("s", "telegram")
+    link = install(store, spool, retry_interval=0)
+    sql(store, BREAK)
+    for i in range(3):
+        store.append_to_transcript("s", msg(f"m{i}"))
+    stuck, go_on = threading.Event(), threading.Event()
+    spool._writer.submit(writer.Operation(lambda conn: stuck.set() or go_on.wait(STEP)))
+    assert stuck.wait(STEP)
+    flushed: list[int] = []
+    flusher = in_thread(lambda: flushed.append(link.flush_queues()))
+    with link._lock:
+        assert link._settled.wait_for(lambda: not store._dirty_transcripts.get("s"), STEP)
+    go_on.set()
+    assert joined(flusher)
+    assert flushed == [3]
+    assert [r.message["content"] for r in spool.records()] == ["m0", "m1", "m2"]
+
+
+def test_a_shutdown_flush_while_evictions_are_uncommitted_counts_each_once(store, spool):
+    store._db.create_session("s", "telegram")
+    link = install(store, spool, retry_interval=0.05)
+    sql(store, BREAK)
+    stuck, go_on = threading.Event(), threading.Event()
+    spool._writer.submit(writer.Operation(lambda conn: stuck.set() or go_on.wait(STEP)))
+    assert stuck.wait(STEP)
+    for i in range(202):  # two evictions handed to the stuck writer
+        store.append_to_transcript("s", msg(f"m{i}"))
+    flushed: list[int] = []
+    flusher = in_thread(lambda: flushed.append(link.flush_queues()))
+    with link._lock:
+        assert link._settled.wait_for(lambda: not store._dirty_transcripts.get("s"), STEP)
+        assert link._sessions["s"].unconfirmed == 3
+    go_on.set()
+    assert joined(flusher) and flushed == [200]
+    sql(store, HEAL)
+    assert link.wait_idle(STEP)
+    assert contents(store, "s") == [f"m{i}" for i in range(202)]
+    link.close()
