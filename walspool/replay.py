@@ -448,7 +448,11 @@ class _Run:
             forget(self.uid, below, keep)
 
     def _write_stream(self, stream: Stream, taken: list[Taken], done: _Settlement) -> None:
-        """Write one stream's rows of a batch in order, stopping at the first held row."""
+        """Write one stream's rows of a batch in order, stopping at the first held row.
+
+        Runs of rows the sink can write together (``write_many``) go as one write;
+        a run that fails is written again row by row, which finds the row at fault.
+        """
         if not taken:
             return
         tally = self._tally(stream)
@@ -458,7 +462,16 @@ class _Run:
             self._fail(stream, taken[0][0], error or "no target session", done)
             done.release += [rec.id for rec, _ in taken]
             return
-        for i, (rec, ticket) in enumerate(taken):
+        i = 0
+        while i < len(taken):
+            run = self._batchable_run(taken, i)
+            if len(run) > 1 and self._write_run(target, run):
+                done.delete += [rec.id for rec, _ in run]
+                tally.moved += len(run)
+                i += len(run)
+                continue
+            rec, ticket = taken[i]
+            i += 1
             if rec.id in self.undecodable:
                 self._quarantine(stream, rec, self.undecodable[rec.id], done)
                 continue
@@ -473,10 +486,50 @@ class _Run:
                     tally.moved += 1
                     continue
                 self._fail(stream, rec, _describe(exc), done)
-                done.release += [later.id for later, _ in taken[i + 1 :]]
+                done.release += [later.id for later, _ in taken[i:]]
                 return
             done.delete.append(rec.id)
             tally.moved += 1
+
+    def _batchable_run(self, taken: list[Taken], start: int) -> list[Taken]:
+        """The rows from ``start`` on that the sink can write as one batch."""
+        batchable = getattr(self.sink, "batchable", None)
+        if batchable is None or not hasattr(self.sink, "write_many"):
+            return []
+        end = start
+        while (
+            end < len(taken)
+            and taken[end][0].id not in self.undecodable
+            and batchable(taken[end][0])
+        ):
+            end += 1
+        return taken[start:end]
+
+    def _write_run(self, target: str, run: list[Taken]) -> bool:
+        """Write ``run`` as one batch; True if it landed (all of it: a batch is one
+        transaction). False: nothing of it landed, and it is written row by row."""
+        items = [(rec, (self.uid, ticket, rec.id)) for rec, ticket in run]
+        tickets = [t for _, t in items]
+        try:
+            self.sink.write_many(target, items)
+        except Exception as exc:  # noqa: BLE001 - the rows are tried one by one next
+            try:
+                found = self.sink.landed(tickets)
+            except Exception:  # noqa: BLE001 - unknown: the row-by-row writes look first
+                found = None
+            if found is not None and found >= set(tickets):
+                return True  # it committed, then raised
+            # Written again row by row: a row whose ticket is recorded after all
+            # cannot land twice (the ticket's record is unique; see SessionDBSink).
+            log.info(
+                "%s: a batch of %d rows for %s failed (%s); writing them one by one",
+                self.spool.path,
+                len(run),
+                target,
+                _describe(exc),
+            )
+            return False
+        return True
 
     def _landed_after_all(self, rec: Record, ticket: int) -> bool:
         """After a write raised: did it commit anyway? Decides the row's in-flight mark.

@@ -94,6 +94,28 @@ BEGIN
        AND ticket NOT IN (SELECT value FROM json_each(walspool_ticket(4)));
 END
 """
+# The same for a batch (``write_many``): the first message the batch inserts records
+# every ticket of the batch, which commits exactly when all of its messages do; the
+# next inserts of the batch find the first ticket there and record nothing more. A
+# transaction the gateway retries after a lock starts again with none recorded.
+BATCH_TRIGGER_SQL = f"""
+CREATE TEMP TRIGGER IF NOT EXISTS walspool_tickets_on_insert
+AFTER INSERT ON main.messages
+WHEN walspool_tickets(0) IS NOT NULL
+ AND NOT EXISTS (SELECT 1 FROM {LANDED_TABLE}
+                  WHERE spool = walspool_tickets(0) AND ticket = walspool_tickets(2)
+                    AND record_id = walspool_tickets(3))
+BEGIN
+    INSERT INTO {LANDED_TABLE} (spool, ticket, record_id, message_id, landed_at)
+    SELECT walspool_tickets(0), json_extract(value, '$[0]'), json_extract(value, '$[1]'),
+           new.id, (julianday('now') - 2440587.5) * 86400.0
+      FROM json_each(walspool_tickets(1));
+    DELETE FROM {LANDED_TABLE}
+     WHERE spool = walspool_tickets(0)
+       AND ticket < walspool_tickets(4)
+       AND ticket NOT IN (SELECT value FROM json_each(walspool_tickets(5)));
+END
+"""
 LANDED_SQL = f"""
 SELECT ticket, record_id FROM {LANDED_TABLE}
 WHERE spool = ? AND ticket IN (SELECT value FROM json_each(?))
@@ -107,6 +129,14 @@ _thread = threading.local()
 def _ticket_part(i: int) -> Any:
     """SQL ``walspool_ticket(i)``: part ``i`` of the calling thread's ticket, or NULL."""
     parts = getattr(_thread, "parts", None)
+    return None if parts is None else parts[i]
+
+
+def _batch_part(i: int) -> Any:
+    """SQL ``walspool_tickets(i)``: part ``i`` of the calling thread's batch of tickets
+    (spool, JSON ``[[number, record id], ...]``, the first number, its record id, prune
+    below, prune keep), or NULL."""
+    parts = getattr(_thread, "batch", None)
     return None if parts is None else parts[i]
 
 
@@ -254,6 +284,10 @@ class SessionDBSink:
         self.create_missing = create_missing
         self.mapping = gateway_mapping() if isinstance(mapping, _Default) else mapping
         self._accepted = _accepted_keywords(session_db.append_message)
+        #: The gateway's batch write (0.22's ``append_messages_batch``), if it has one.
+        self._batch: Callable[[str, list[dict[str, Any]]], Any] | None = getattr(
+            session_db, "append_messages_batch", None
+        )
         self._prepared: Any = None
         self._prune: tuple[str, int, str] | None = None
 
@@ -291,6 +325,57 @@ class SessionDBSink:
         create(session_id, source=CREATED_SOURCE)
         with self.tracking(ticket if tracked else None):
             self._append(session_id, kwargs)
+
+    def batchable(self, record: Record) -> bool:
+        """Can ``write_many`` take this record? A transcript message, for a gateway
+        with a batch write (``append_messages_batch``, 0.22) and its own row mapping,
+        on a ``SessionDB`` whose inserts record tickets."""
+        message = record.message
+        return (
+            self._batch is not None
+            and self.mapping is not None
+            and isinstance(message, dict)
+            and ("role" in message or "content" in message or "text" not in message)
+            and not _is_history(message)
+        )
+
+    def write_many(self, session_id: str, items: Sequence[tuple[Record, Ticket]]) -> None:
+        """Append ``batchable`` records to ``session_id`` in one transaction, in order,
+        each with its ticket: all of them are committed on return, or none.
+
+        Each row is the one ``write`` would make: the message the gateway's mapping
+        gives (``append_message``'s keywords, which are the message's own fields),
+        written by the gateway's batch write. Any error propagates, with nothing
+        written; the caller writes the rows one by one then, to find the row at
+        fault (``write`` names a missing session or a refused row).
+        """
+        if not items or self._batch is None or not self._prepare():
+            raise NotBatchable("this SessionDB has no batch write that records tickets")
+        messages = []
+        for record, _ in items:
+            if not self.batchable(record):
+                raise NotBatchable(f"record {record.id} is not a transcript message")
+            kwargs = self._filter(bindable(append_kwargs(record, self.mapping)))
+            messages.append({k: v for k, v in kwargs.items() if k not in _NOT_MESSAGE_FIELDS})
+        spool = items[0][1][0]
+        if any(ticket[0] != spool for _, ticket in items):
+            raise NotBatchable("a batch's tickets come from one spool")
+        prune = self._prune if self._prune is not None and self._prune[0] == spool else None
+        first = items[0][1]
+        numbers = codec.encode([[t[1], t[2]] for _, t in items]).decode()
+        _thread.batch = (
+            spool,
+            numbers,
+            first[1],
+            first[2],
+            *(prune[1:] if prune else (None, "[]")),
+        )
+        try:
+            self._batch(session_id, messages)
+        finally:
+            _thread.batch = None
+        if prune is not None and self._prune is prune:
+            self._prune = None
 
     def _append(self, session_id: str, kwargs: dict[str, Any]) -> None:
         """One ``append_message``, its errors named: a missing session, a refused row."""
@@ -380,6 +465,8 @@ class SessionDBSink:
         with lock:
             conn.create_function("walspool_ticket", 1, _ticket_part)
             conn.execute(TICKET_TRIGGER_SQL)
+            conn.create_function("walspool_tickets", 1, _batch_part)
+            conn.execute(BATCH_TRIGGER_SQL)
         self._prepared = conn
         return True
 
@@ -390,6 +477,14 @@ class SessionDBSink:
 
     def __repr__(self) -> str:
         return f"SessionDBSink({self.session_db!r}, create_missing={self.create_missing})"
+
+
+#: ``append_message`` keywords that are not fields of the message dict it builds.
+_NOT_MESSAGE_FIELDS = frozenset({"session_id", "compression_lock_holder", "turn_lease_holder"})
+
+
+class NotBatchable(Exception):
+    """``write_many`` was given what it cannot write as one batch; nothing was written."""
 
 
 class SessionDBClosed(Exception):

@@ -1,0 +1,263 @@
+"""Replay through the newer gateway's batch write (``append_messages_batch``): the rows
+it writes are the rows one ``append_message`` each would write, every batch lands
+whole or not at all with its tickets, and a crash anywhere leaves each message once."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import walspool
+from walspool.sinks import LANDED_TABLE, SessionDBSink
+
+ROOT = Path(__file__).resolve().parents[2]
+#: Columns a replay does not choose: the row id, and the durable ids a write mints. A
+#: batch also pairs a tool result with its call (``tool_call_uid``, the uid minted for
+#: the call in the assistant row), as the gateway's own batch flush does; one
+#: ``append_message`` per row cannot see the call and leaves it empty.
+MINTED = {
+    "id", "message_uid", "tool_call_uids", "tool_call_uid", "display_identity", "display_order"
+}  # fmt: skip
+
+
+def new_db(path: Path) -> Any:
+    import hermes_state
+
+    db = hermes_state.SessionDB(db_path=path)
+    for s in ("s1", "s2"):
+        db.create_session(s, "telegram")
+    return db
+
+
+def traffic() -> list[tuple[str, Any]]:
+    """Transcript messages as the gateway spools them: one agent turn's rows share
+    one timestamp, user messages carry whole seconds, a message repeats within the
+    second, tool calls and their results, reasoning, the 0.22 fields."""
+    turn = 1_750_000_100.25
+    rows: list[tuple[str, Any]] = []
+    for k in range(40):
+        s = "s1" if k % 3 else "s2"
+        rows += [
+            (s, {"role": "user", "content": f"question {k}", "timestamp": 1_750_000_000 + k}),
+            (s, {"role": "user", "content": f"question {k}", "timestamp": 1_750_000_000 + k}),
+            (
+                s,
+                {
+                    "role": "assistant",
+                    "content": "",
+                    "tool_calls": [
+                        {
+                            "id": f"call-{k}",
+                            "type": "function",
+                            "function": {"name": "search", "arguments": '{"q": "x"}'},
+                        }
+                    ],
+                    "reasoning": "look it up",
+                    "timestamp": turn + k,
+                },
+            ),
+            (
+                s,
+                {
+                    "role": "tool",
+                    "content": '{"hits": 3}',
+                    "tool_call_id": f"call-{k}",
+                    "tool_name": "search",
+                    "timestamp": turn + k,
+                },
+            ),
+            (
+                s,
+                {
+                    "role": "assistant",
+                    "content": f"answer {k} \u00e9\u4e16",
+                    "finish_reason": "stop",
+                    "display_kind": "internal_notification" if k % 5 == 0 else None,
+                    "display_metadata": {"k": k} if k % 5 == 0 else None,
+                    "api_content": f"[api] answer {k}" if k % 7 == 0 else None,
+                    "message_uid": f"uid-{k}" if k % 4 == 0 else None,
+                    "timestamp": turn + k,
+                },
+            ),
+        ]
+    return rows
+
+
+def rows(db: Any, session_id: str) -> list[dict[str, Any]]:
+    return [{k: v for k, v in r.items() if k not in MINTED} for r in db.get_messages(session_id)]
+
+
+def replay(spool: walspool.Spool, db: Any, *, batch: bool) -> walspool.ReplayReport:
+    sink = SessionDBSink(db)
+    if not batch:
+        sink._batch = None  # the row-by-row path, as on a gateway without a batch write
+    return walspool.Replayer(spool, sink).replay()
+
+
+def assert_tool_results_paired(messages: list[dict[str, Any]]) -> None:
+    """Each tool result carries the uid its call got in the assistant row before it."""
+    import json
+
+    calls = {}
+    for m in messages:
+        if m["role"] == "assistant" and m["tool_call_uids"]:
+            calls.update(json.loads(m["tool_call_uids"]))
+    results = [m for m in messages if m["role"] == "tool"]
+    assert results and all(calls.get(m["tool_call_id"]) == m["tool_call_uid"] for m in results)
+
+
+def counted(fn: Any, calls: list[int]) -> Any:
+    def batch(session_id: str, messages: list[Any], **kw: Any) -> Any:
+        calls.append(len(messages))
+        return fn(session_id, messages, **kw)
+
+    return batch
+
+
+def test_a_batched_replay_writes_what_one_append_message_per_row_writes(tmp_path):
+    messages = traffic()
+    results = {}
+    for batch in (False, True):
+        with walspool.Spool(tmp_path / f"spool-{batch}.db") as spool:
+            spool.append_many(messages)
+            db = new_db(tmp_path / f"state-{batch}.db")
+            calls: list[int] = []
+            db.append_messages_batch = counted(db.append_messages_batch, calls)
+            report = replay(spool, db, batch=batch)
+            assert (report.moved, report.held, report.quarantined) == (len(messages), 0, 0)
+            assert spool.stats().rows == 0
+            assert bool(calls) is batch and sum(calls) == (len(messages) if batch else 0)
+            if batch:
+                assert_tool_results_paired(db.get_messages("s1"))
+            results[batch] = (
+                rows(db, "s1"),
+                rows(db, "s2"),
+                [db.get_session(s)["message_count"] for s in ("s1", "s2")],
+                [db.get_session(s)["tool_call_count"] for s in ("s1", "s2")],
+            )
+            db.close()
+    assert results[True] == results[False]
+    s1 = results[True][0]
+    assert [r["content"] for r in s1[:2]] == ["question 1", "question 1"]  # both kept
+    assert len(s1) + len(results[True][1]) == len(messages)
+
+
+def test_one_refused_row_in_a_batch_is_quarantined_and_the_rest_land_once(tmp_path):
+    db = new_db(tmp_path / "state.db")
+    with walspool.Spool(tmp_path / "spool.db") as spool:
+        spool.append_many([("s1", {"role": "user", "content": f"m{i}"}) for i in range(5)])
+        spool.append("s1", {"role": "assistant", "content": "x", "tool_calls": 5})  # refused
+        spool.append_many([("s1", {"role": "user", "content": f"m{i}"}) for i in range(5, 9)])
+        report = replay(spool, db, batch=True)
+        assert (report.moved, report.held, report.quarantined) == (9, 0, 1)
+        (kept,) = spool.records()
+        assert (kept.status, kept.message["tool_calls"]) == (walspool.QUARANTINED, 5)
+        assert kept.last_error.startswith("RowRejected: ") and "TypeError" in kept.last_error
+    assert [m["content"] for m in db.get_messages("s1")] == [f"m{i}" for i in range(9)]
+    db.close()
+
+
+def test_a_batch_into_a_locked_state_db_holds_the_session_and_lands_once_later(tmp_path):
+    from _fork import break_db, heal_db
+
+    db = new_db(tmp_path / "state.db")
+    with walspool.Spool(tmp_path / "spool.db") as spool:
+        spool.append_many([("s1", {"role": "user", "content": f"m{i}"}) for i in range(30)])
+        spool.append_many([("s2", {"role": "user", "content": f"n{i}"}) for i in range(3)])
+        break_db(db, "database is locked", session_id="s1")
+        report = replay(spool, db, batch=True)
+        assert (report.moved, report.held) == (3, 30)
+        assert report.errors["s1"].endswith("Error: database is locked")
+        assert db.get_messages("s1") == []
+        heal_db(db)
+        report = replay(spool, db, batch=True)
+        assert (report.moved, report.held, report.recovered) == (30, 0, 0)
+    assert [m["content"] for m in db.get_messages("s1")] == [f"m{i}" for i in range(30)]
+    assert [m["content"] for m in db.get_messages("s2")] == [f"n{i}" for i in range(3)]
+    db.close()
+
+
+def test_ticket_records_of_finished_batches_are_pruned(tmp_path):
+    db = new_db(tmp_path / "state.db")
+    with walspool.Spool(tmp_path / "spool.db") as spool:
+        spool.append_many([("s1", {"role": "user", "content": f"m{i}"}) for i in range(100)])
+        report = walspool.Replayer(spool, SessionDBSink(db), batch_rows=10).replay()
+        assert report.moved == 100
+    with db._lock:
+        kept = db._conn.execute(f"SELECT count(*) FROM {LANDED_TABLE}").fetchone()[0]
+    assert kept == 10  # the last batch's; every earlier one was pruned in a later write
+    db.close()
+
+
+#: A replay in a child process that SIGKILLs itself at one point of a batched write:
+#: "insert" after the batch's third insert, before its commit; "commit" right after the
+#: batch committed, before the spool learns of it.
+CHILD = textwrap.dedent(
+    """
+    import os, signal, sys
+    from pathlib import Path
+    import hermes_state, walspool
+    from walspool.sinks import SessionDBSink
+
+    spool_path, state_path, point = sys.argv[1:]
+    db = hermes_state.SessionDB(db_path=Path(state_path))
+    inserted = [0]
+
+    def on_insert():
+        inserted[0] += 1
+        if point == "insert" and inserted[0] == 3:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    with db._lock:
+        db._conn.create_function("walspool_test_insert", 0, on_insert)
+        db._conn.execute(
+            "CREATE TEMP TRIGGER walspool_test_kill AFTER INSERT ON main.messages "
+            "BEGIN SELECT walspool_test_insert(); END"
+        )
+    sink = SessionDBSink(db)
+    write_many = sink.write_many
+
+    def dying(session_id, items):
+        write_many(session_id, items)
+        if point == "commit":
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    sink.write_many = dying
+    with walspool.Spool(spool_path) as spool:
+        walspool.Replayer(spool, sink, batch_rows=50).replay()
+    """
+)
+
+
+@pytest.mark.parametrize("point", ["insert", "commit"])
+def test_a_replay_killed_inside_a_batch_leaves_every_message_once(tmp_path, point):
+    spool_path, state_path = tmp_path / "spool.db", tmp_path / "state.db"
+    new_db(state_path).close()
+    with walspool.Spool(spool_path) as spool:
+        spool.append_many([("s1", {"role": "user", "content": f"m{i}"}) for i in range(120)])
+    child = subprocess.run(
+        [sys.executable, "-c", CHILD, str(spool_path), str(state_path), point],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert child.returncode == -signal.SIGKILL, child.stderr
+    import hermes_state
+
+    db = hermes_state.SessionDB(db_path=state_path)
+    landed = len(db.get_messages("s1"))
+    assert landed == (50 if point == "commit" else 0)
+    with walspool.Spool(spool_path) as spool:
+        report = walspool.Replayer(spool, SessionDBSink(db)).replay()
+        assert report.recovered == (50 if point == "commit" else 0)
+        assert report.moved == 120 - report.recovered and spool.stats().rows == 0
+    assert [m["content"] for m in db.get_messages("s1")] == [f"m{i}" for i in range(120)]
+    db.close()
