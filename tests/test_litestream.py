@@ -7,10 +7,12 @@ child process to a ``file`` replica, and restored with ``litestream restore``.
   acknowledged (committed in the spool) before the replica's last position, in order,
   exactly once. The recovery point (how long before the loss the first lost
   acknowledgement was made) is measured and printed, not asserted.
-* walspool's own checkpoints, its ``journal_size_limit`` and a schema upgrade leave a
-  replica that restores with every row; after a damaged spool is moved aside, so does
-  the README's remedy (Litestream restarted). That walspool should not move a spool
-  aside while Litestream has it open is an expected failure, strict.
+* walspool's own checkpoints, its ``journal_size_limit``, ``walspool vacuum`` and a
+  schema upgrade leave a replica that restores with every row; after a damaged spool is
+  moved aside, so does the README's remedy (Litestream restarted).
+* Two strict expected failures, for changes walspool needs: it moves a damaged spool
+  aside while Litestream has it open, and vacuum's TRUNCATE checkpoint keeps the
+  gateway's appends out while it waits for Litestream's read lock.
 * Every restored spool opens as a spool (application id, schema) and ``walspool
   check`` passes on it.
 
