@@ -10,6 +10,10 @@ interleaved) into a fresh ``state.db`` of ``hermes-agent==0.19.0``:
   spool filled beforehand (``durability="full"``), so its time includes reading and
   decoding rows, mapping each message, the in-flight marks and the spool deletes.
 
+- ``append_messages_batch direct`` (newer gateways only, run in ``.venv-upstream``):
+  the same rows written by the gateway's own batch write, per session, in chunks of
+  the replayer's batch size: the limit of a replay that writes batches, which it does
+  where the gateway has one (target there: at least 10x ``append_message`` direct);
 - ``replay overhead only``: the same replay into a ``SessionDBSink`` over a
   ``SessionDB`` stand-in whose ``append_message`` does nothing: what walspool itself
   costs per row. On a shared disk the two state.db rounds above can differ by more
@@ -30,7 +34,7 @@ from report import RESULTS, record
 
 import walspool
 from walspool.records import Record
-from walspool.replay import Replayer
+from walspool.replay import DEFAULT_BATCH_ROWS, Replayer
 from walspool.sinks import SessionDBSink, append_kwargs
 
 hermes_state = pytest.importorskip("hermes_state")
@@ -84,6 +88,25 @@ def test_append_message_direct(benchmark: Any, tmp_path: Path) -> None:
     _record(benchmark, "test_append_message_direct")
 
 
+def test_append_messages_batch_direct(benchmark: Any, tmp_path: Path) -> None:
+    db = fresh_state_db(tmp_path / "state.db")
+    if not hasattr(db, "append_messages_batch"):
+        db.close()
+        pytest.skip("this gateway has no batch write (hermes-agent 0.19.0)")
+    by_session: dict[str, list[dict[str, Any]]] = {}
+    for sid, message in rows():
+        by_session.setdefault(sid, []).append(message)
+
+    def run() -> None:
+        for sid, messages in by_session.items():
+            for lo in range(0, len(messages), DEFAULT_BATCH_ROWS):
+                db.append_messages_batch(sid, messages[lo : lo + DEFAULT_BATCH_ROWS])
+
+    benchmark.pedantic(run, rounds=1, iterations=1)
+    db.close()
+    _record(benchmark, "test_append_messages_batch_direct")
+
+
 def test_replay_into_sessiondb(benchmark: Any, tmp_path: Path) -> None:
     db = fresh_state_db(tmp_path / "state.db")
     with walspool.Spool(tmp_path / "spool.db", durability="full") as spool:
@@ -98,11 +121,14 @@ def test_replay_into_sessiondb(benchmark: Any, tmp_path: Path) -> None:
     assert len(db.get_messages("session-0")) == REPLAY_ROWS // SESSIONS
     db.close()
     _record(benchmark, "test_replay_into_sessiondb")
-    direct = RESULTS.get("test_append_message_direct")
-    if direct is not None:
-        ratio = RESULTS["test_replay_into_sessiondb"]["msgs_per_s"] / direct["msgs_per_s"]
-        RESULTS["test_replay_into_sessiondb"]["ratio_vs_direct"] = ratio
-        benchmark.extra_info["ratio_vs_direct"] = ratio
+    replayed = RESULTS["test_replay_into_sessiondb"]
+    for baseline, key in (
+        ("test_append_message_direct", "ratio_vs_direct"),
+        ("test_append_messages_batch_direct", "ratio_vs_batch_direct"),
+    ):
+        if baseline in RESULTS:
+            replayed[key] = replayed["msgs_per_s"] / RESULTS[baseline]["msgs_per_s"]
+            benchmark.extra_info[key] = replayed[key]
 
 
 class NullSessionDB:
