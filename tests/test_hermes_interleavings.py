@@ -527,9 +527,14 @@ def test_flush_queues_with_nothing_queued_spools_nothing(store, spool):
     assert list(spool.records()) == []
 
 
-def test_a_shutdown_flush_waits_for_a_slow_commit_up_to_its_bound(store, spool, monkeypatch):
-    monkeypatch.setattr(hermes, "FLUSH_TIMEOUT", STEP)
-    monkeypatch.setattr(hermes, "CONFIRM_WAIT", 0.0)
+@pytest.mark.parametrize(("flush_timeout", "confirm_wait"), [(STEP, 0.0), (0.0, STEP)])
+def test_a_shutdown_flush_waits_for_a_slow_commit_up_to_its_bound(
+    store, spool, monkeypatch, caplog, flush_timeout, confirm_wait
+):
+    """The commit is waited for ``FLUSH_TIMEOUT`` (less the time waiting for room) plus
+    ``CONFIRM_WAIT``: either one alone is enough for a slow commit."""
+    monkeypatch.setattr(hermes, "FLUSH_TIMEOUT", flush_timeout)
+    monkeypatch.setattr(hermes, "CONFIRM_WAIT", confirm_wait)
     store._db.create_session("s", "telegram")
     link = install(store, spool, retry_interval=0)
     sql(store, BREAK)
@@ -539,13 +544,107 @@ def test_a_shutdown_flush_waits_for_a_slow_commit_up_to_its_bound(store, spool, 
     spool._writer.submit(writer.Operation(lambda conn: stuck.set() or go_on.wait(STEP)))
     assert stuck.wait(STEP)
     flushed: list[int] = []
-    flusher = in_thread(lambda: flushed.append(link.flush_queues()))
-    with link._lock:
-        assert link._settled.wait_for(lambda: not store._dirty_transcripts.get("s"), STEP)
-    go_on.set()
-    assert joined(flusher)
+    with caplog.at_level(logging.WARNING, logger="walspool.hermes"):
+        flusher = in_thread(lambda: flushed.append(link.flush_queues()))
+        with link._lock:
+            assert link._settled.wait_for(lambda: not store._dirty_transcripts.get("s"), STEP)
+        go_on.set()
+        assert joined(flusher)
     assert flushed == [3]
     assert [r.message["content"] for r in spool.records()] == ["m0", "m1", "m2"]
+    assert [r.getMessage() for r in caplog.records if r.name == "walspool.hermes"][-1] == (
+        f"Spooled 3 queued transcript message(s) to {spool.path} at shutdown"
+    )
+
+
+def test_a_shutdown_flush_not_committed_within_its_bound_says_so(store, spool, monkeypatch, caplog):
+    monkeypatch.setattr(hermes, "FLUSH_TIMEOUT", 0.0)
+    monkeypatch.setattr(hermes, "CONFIRM_WAIT", 0.0)
+    store._db.create_session("s", "telegram")
+    link = install(store, spool, retry_interval=0)
+    sql(store, BREAK)
+    store.append_to_transcript("s", msg("m0"))
+    stuck, go_on = threading.Event(), threading.Event()
+    spool._writer.submit(writer.Operation(lambda conn: stuck.set() or go_on.wait(STEP)))
+    assert stuck.wait(STEP)
+    with caplog.at_level(logging.ERROR, logger="walspool.hermes"):
+        assert link.flush_queues() == 0
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR] == [
+        f"1 queued transcript message(s) were handed to {spool.path} at shutdown but not "
+        "committed within 0 s; they are spooled if the spool commits them later"
+    ]
+    go_on.set()
+    spool.flush()
+    assert [r.message["content"] for r in spool.records()] == ["m0"]
+
+
+def test_a_shutdown_flush_with_no_room_within_its_bound_keeps_the_queue(
+    store, spool, monkeypatch, caplog
+):
+    monkeypatch.setattr(hermes, "FLUSH_TIMEOUT", 0.01)
+    monkeypatch.setattr(writer, "QUEUE_REQUESTS", 1)
+    store._db.create_session("s", "telegram")
+    link = install(store, spool, retry_interval=0)
+    sql(store, BREAK)
+    for i in range(3):
+        store.append_to_transcript("s", msg(f"m{i}"))
+    stuck, go_on = threading.Event(), threading.Event()
+    spool._writer.submit(writer.Operation(lambda conn: stuck.set() or go_on.wait(STEP)))
+    assert stuck.wait(STEP)
+    filler = spool.submit("z", msg("z"))  # the queue is full
+    with caplog.at_level(logging.ERROR, logger="walspool.hermes"):
+        assert link.flush_queues() == 0
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR] == [
+        f"could not spool 3 queued transcript message(s) at shutdown: the spool {spool.path} "
+        "had no room for them within 0.01 s"
+    ]
+    with link._lock:
+        assert [m["content"] for m in store._dirty_transcripts["s"]] == ["m0", "m1", "m2"]
+    go_on.set()
+    assert filler.result(STEP).seq == 1
+
+
+def test_a_shutdown_flush_leaves_the_message_being_written_queued(store, spool):
+    store._db.create_session("s", "telegram")
+    link = install(store, spool, retry_interval=0)
+    gate = gate_live_writes(store)
+    gate.arm()
+    a = in_thread(lambda: store.append_to_transcript("s", msg("m0")))
+    assert gate.entered.wait(STEP)  # m0 is being written: it may land
+    for i in (1, 2):
+        store.append_to_transcript("s", msg(f"m{i}"))
+    assert link.flush_queues() == 2
+    assert [r.message["content"] for r in spool.records()] == ["m1", "m2"]
+    with link._lock:
+        assert [m["content"] for m in store._dirty_transcripts["s"]] == ["m0"]
+    gate.open()
+    assert joined(a)
+    assert link.wait_idle(STEP)
+    assert contents(store, "s") == ["m0", "m1", "m2"]  # each once, in order
+    assert gate.most == 1
+
+
+def test_a_message_the_spool_cannot_take_stays_queued_at_shutdown_the_others_go(
+    hermes_home, store, caplog
+):
+    store._db.create_session("s", "telegram")
+    with walspool.Spool(hermes_home / "spool.db", max_payload_bytes=1000) as spool:
+        link = install(store, spool, retry_interval=0, max_bytes=None)
+        sql(store, BREAK)
+        big = msg("x" * 2000)
+        for message in (big, msg("m1"), msg("m2")):
+            store.append_to_transcript("s", message)
+        with caplog.at_level(logging.ERROR, logger="walspool.hermes"):
+            assert link.flush_queues() == 2
+        assert [r.message["content"] for r in spool.records()] == ["m1", "m2"]
+        with link._lock:
+            assert store._dirty_transcripts["s"] == [big]
+        (error,) = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+        assert error == (
+            "walspool could not spool the oldest queued message of session s; it stays in "
+            "memory: \"message for session 's' is 2028 bytes as JSON, over the spool's "
+            'max_payload_bytes=1000; raise the limit or trim the message"'
+        )
 
 
 def test_a_shutdown_flush_while_evictions_are_uncommitted_counts_each_once(store, spool):
