@@ -689,3 +689,73 @@ def test_close_stops_the_background_thread_and_is_safe_without_one(store, spool,
     unthreaded = Link(store, spool, retry_interval=0)  # never started a thread
     unthreaded.close()
     assert unthreaded._closed
+
+
+def _recovery_done(link: Link) -> bool:
+    """With ``retry_interval=0`` the background thread ends after the start's recovery."""
+    link._thread.join(30)
+    return not link._thread.is_alive()
+
+
+def test_a_start_whose_recovery_fails_for_a_session_holds_its_live_rows_behind(
+    hermes_home, store, caplog
+):
+    with walspool.Spool(hermes_home / "spool.db") as first_run:
+        for i in range(3):
+            first_run.append("s", _m(f"r{i}"))
+    store._db.create_session("s", "telegram")
+    store._db.create_session("t", "telegram")
+    sql(store, BREAK)
+    caplog.set_level(logging.INFO, logger="walspool.hermes")
+    with walspool.Spool(hermes_home / "spool.db") as spool:
+        link = install(store, spool, retry_interval=0)
+        assert _recovery_done(link)
+        assert "Recovered 0 spooled message(s) into state.db; 3 held back" in _lines(
+            caplog, logging.INFO
+        )
+        sql(store, HEAL)
+        replays: list[str | None] = []
+        replay = link.replayer.replay
+
+        def counted(*args: Any, **kw: Any) -> Any:
+            replays.append(kw.get("session_id"))
+            return replay(*args, **kw)
+
+        link.replayer.replay = counted
+        store.append_to_transcript("t", _m("t0"))  # a session with nothing spooled
+        assert replays == []  # recovered: no drain before its first write
+        store.append_to_transcript("s", _m("live"))
+        assert contents(store, "s") == ["r0", "r1", "r2", "live"]
+        assert contents(store, "t") == ["t0"]
+
+
+def test_a_recovery_during_an_outage_keeps_this_runs_evictions_ahead(store, spool):
+    store._db.create_session("s", "telegram")
+    link = install(store, spool, retry_interval=0)
+    sql(store, BREAK)
+    for i in range(203):
+        store.append_to_transcript("s", _m(f"m{i}"))
+    report = link.recover()  # still broken: the session is held
+    assert (report.moved, report.held) == (0, 3)
+    sql(store, HEAL)
+    store.append_to_transcript("s", _m("live"))
+    assert contents(store, "s") == [f"m{i}" for i in range(203)] + ["live"]
+
+
+def test_a_recovery_that_moves_a_sessions_rows_forgets_its_state(store, spool, caplog):
+    store._db.create_session("s", "telegram")
+    link = install(store, spool, retry_interval=0)
+    sql(store, BREAK)
+    for i in range(203):
+        store.append_to_transcript("s", _m(f"m{i}"))
+    assert link.flush_queues() == 200  # nothing left in memory: all 203 spooled
+    sql(store, HEAL)
+    caplog.set_level(logging.INFO, logger="walspool.hermes")
+    caplog.clear()
+    assert link.recover().moved == 203
+    assert contents(store, "s") == [f"m{i}" for i in range(203)]
+    assert "s" not in link._sessions
+    assert _lines(caplog, logging.INFO) == [
+        "Recovered 203 spooled message(s) into state.db; 0 held back"
+    ]
+    assert [r for r in caplog.records if r.levelno >= logging.ERROR] == []
