@@ -348,12 +348,6 @@ def test_a_vacuum_leaves_the_replica_whole(tmp_path: Path) -> None:
     assert [seq for _, seq, _ in rows] == list(range(51, 151))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="walspool vacuum's wal_checkpoint(TRUNCATE) waits its whole busy timeout (10 s) "
-    "for Litestream's read lock, which never goes, and keeps the spool's writers out "
-    "meanwhile (the change: a short busy timeout for that checkpoint)",
-)
 def test_a_vacuum_under_litestream_does_not_hold_appends_back(tmp_path: Path) -> None:
     """Litestream holds a read transaction on the spool between its own checkpoints (set
     far apart here). A checkpoint that waits for readers blocks new writers while it
@@ -424,20 +418,23 @@ def replicated_then_damaged(tmp_path: Path) -> tuple[Path, Replication, list[str
 def test_after_a_move_aside_under_litestream_a_restart_replicates_the_fresh_spool(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """README's remedy: a gateway moves the damaged spool aside while Litestream runs
-    (Litestream does not follow); Litestream is stopped, its metadata directory
-    deleted, and started again. The replica then follows the fresh spool, and still
-    holds the damaged spool's last replicated state."""
+    """README's remedy: while Litestream has the damaged spool open, the gateway's open
+    refuses to move it aside; Litestream is stopped, the gateway opens it again (now it
+    is moved aside), Litestream's metadata directory is deleted and Litestream started
+    again. The replica then follows the fresh spool, and still holds the damaged
+    spool's last replicated state."""
     path, replication, old = replicated_then_damaged(tmp_path)
     with replication:
         before = replication.txid()
+        with pytest.raises(SpoolCorrupt, match="another process has it open"):
+            _open_and_close(path)
+        replication.stop(check=False)
         with caplog.at_level(logging.ERROR, logger="walspool"):
             spool = walspool.Spool(path)
         try:
             assert "moved it aside" in caplog.text
             assert [p for p in path.parent.iterdir() if ".damaged-" in p.name]
             fresh = append(spool, "s", 100, "fresh")
-            replication.stop(check=False)  # it may fail to close the file it lost
             shutil.rmtree(path.with_name(f".{path.name}-litestream"))
             replication.start()
             fresh += append(spool, "s", 100, "more")
@@ -456,12 +453,6 @@ def _open_and_close(path: Path) -> None:
         pass
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="walspool proves only that no other *walspool* process has a damaged spool "
-    "open before moving it aside; Litestream has it open, and then stops following the "
-    "spool or replicates a malformed state (the change: check SQLite's own locks first)",
-)
 def test_a_damaged_spool_litestream_has_open_is_not_moved_aside(tmp_path: Path) -> None:
     """DESIGN.md: a spool is moved aside only by a process that can prove no other
     process has it open; otherwise opening fails with SpoolCorrupt and changes nothing."""

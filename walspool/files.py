@@ -30,6 +30,8 @@ import errno
 import fcntl
 import os
 import stat
+import struct
+import sys
 import time
 from pathlib import Path
 
@@ -180,6 +182,50 @@ def closed(identity: tuple[int, int]) -> None:
         _open_here[identity] = left
     else:
         _open_here.pop(identity, None)
+
+
+#: The POSIX locks SQLite holds while a connection has a database open in WAL mode
+#: (os_unix.c): a read lock on the database file's shared range, and one on the
+#: ``-shm`` file's "DMS" byte for as long as it maps the WAL index.
+_SHARED_RANGE = (0x40000000 + 2, 510)
+_SHM_DMS = (120 + 8, 1)
+_FLOCK = "qqihh" if sys.platform == "darwin" else "hhqqi"
+
+
+def sqlite_user(path: Path) -> int | None:
+    """The pid of another process that has the SQLite database ``path`` open, whatever
+    program it is (Litestream, the sqlite3 shell, a copy tool using SQLite), seen in the
+    locks SQLite holds; None if there is none.
+
+    It opens and closes descriptors of the database and its ``-shm``, which drops this
+    process's own POSIX locks on them: call it only for a database this process does
+    not have open (a spool counted by ``opened`` is reported as in use, by this pid).
+    """
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    if (st.st_dev, st.st_ino) in _open_here:
+        return os.getpid()
+    for name, (start, length) in ((path, _SHARED_RANGE), (Path(f"{path}-shm"), _SHM_DMS)):
+        try:
+            fd = os.open(name, os.O_RDONLY | _NOFOLLOW)
+        except FileNotFoundError:
+            continue
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                continue
+            if sys.platform == "darwin":
+                probe = struct.pack(_FLOCK, start, length, 0, fcntl.F_WRLCK, os.SEEK_SET)
+                *_, pid, kind, _ = struct.unpack(_FLOCK, fcntl.fcntl(fd, fcntl.F_GETLK, probe))
+            else:
+                probe = struct.pack(_FLOCK, fcntl.F_WRLCK, os.SEEK_SET, start, length, 0)
+                kind, _, _, _, pid = struct.unpack(_FLOCK, fcntl.fcntl(fd, fcntl.F_GETLK, probe))
+        finally:
+            os.close(fd)
+        if kind != fcntl.F_UNLCK:
+            return pid
+    return None
 
 
 def read_head(path: Path) -> bytes:

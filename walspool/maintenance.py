@@ -48,6 +48,8 @@ __all__ = [
 #: ``writer.BUSY_RETRY_SECONDS`` (10 s) for that lock; this much copies in about a
 #: second here.
 VACUUM_MAX_LIVE_BYTES = 64 * 1024 * 1024
+#: How long vacuum's TRUNCATE checkpoint waits for readers (and keeps writers out).
+CHECKPOINT_WAIT_MS = 250
 #: Seconds ``requeue`` and ``drop`` wait for a running replay's lock by default.
 LOCK_WAIT = 30.0
 
@@ -203,6 +205,11 @@ def vacuum(spool: Spool, *, force: bool = False) -> VacuumReport:
             )
         if conn.execute(FREELIST_SQL).get:
             conn.execute("VACUUM")
+        # A TRUNCATE checkpoint keeps new writers out while it waits for readers; a
+        # reader that stays (Litestream holds one between its own checkpoints) would
+        # keep the gateway's appends out for the whole busy timeout, past the
+        # writer's own bound. Wait a moment, then leave the WAL to a later checkpoint.
+        conn.set_busy_timeout(CHECKPOINT_WAIT_MS)
         busy, _, _ = conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
     except apsw.Error as exc:
         raise schema.sqlite_error(exc, path) from exc

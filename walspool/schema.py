@@ -352,12 +352,17 @@ def _open_locked(
     try:
         conn = _open_checked(path, durability)
     except SpoolCorrupt as exc:
-        if not _lock_alone(lock):
+        # No other walspool process has it open (the open lock), and no other program
+        # either (SQLite's own locks): Litestream, say, would go on reading the renamed
+        # file's successor's -wal as its own.
+        other = files.sqlite_user(path) if _lock_alone(lock) else 0
+        if other is not None:
+            who = f" (pid {other})" if other else ""
             raise SpoolCorrupt(
                 f"spool {path} is damaged ({exc.__cause__ or exc}) and another process has "
-                "it open, so it cannot be moved aside now; stop the other walspool users "
-                f"of it (the gateway, a replay) and open it again, or run `walspool check "
-                f"{path}`",
+                f"it open{who}, so it cannot be moved aside now; stop the other users of it "
+                "(the gateway, a replay, Litestream) and open it again, or run `walspool "
+                f"check {path}`",
                 path=path,
             ) from exc
         try:
