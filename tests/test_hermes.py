@@ -759,3 +759,65 @@ def test_a_recovery_that_moves_a_sessions_rows_forgets_its_state(store, spool, c
         "Recovered 203 spooled message(s) into state.db; 0 held back"
     ]
     assert [r for r in caplog.records if r.levelno >= logging.ERROR] == []
+
+
+@pytest.fixture
+def replay_lock(spool):
+    """Take and release the spool's replay lock, as a replay elsewhere holds it."""
+    import contextlib
+
+    from walspool import replay as replay_module
+
+    lock = Path(f"{spool.path}{replay_module.LOCK_SUFFIX}")
+    stack = contextlib.ExitStack()
+    yield lambda: stack.enter_context(replay_module._exclusive(lock, wait=False)), stack.close
+    stack.close()
+
+
+def test_a_drain_that_finds_a_replay_elsewhere_gives_up_and_the_next_message_goes_on(
+    hermes_home, store, spool, replay_lock, caplog
+):
+    take, release = replay_lock
+    for i in range(3):
+        spool.append("s", _m(f"r{i}"))  # an earlier run's rows
+    store._db.create_session("s", "telegram")
+    link = install(store, spool, recover=False, retry_interval=3600)
+    take()
+    store.append_to_transcript("s", _m("a"))  # its drain finds the lock held: queued
+    assert contents(store, "s") == []
+    release()
+    store.append_to_transcript("s", _m("b"))  # not held back: a busy lock is no failure
+    assert contents(store, "s") == ["r0", "r1", "r2", "a", "b"]
+    assert "s" not in store._transcript_append_failures
+    assert [r for r in caplog.records if r.levelno >= logging.ERROR] == []
+    link.close()
+
+
+def test_messages_that_waited_for_the_starts_recovery_are_written_when_it_ends(
+    hermes_home, store, spool, replay_lock
+):
+    take, release = replay_lock
+    for i in range(3):
+        spool.append("s", _m(f"r{i}"))
+    store._db.create_session("s", "telegram")
+    take()  # the start's recovery waits for it
+    link = install(store, spool, retry_interval=0.05)
+    store.append_to_transcript("s", _m("live"))  # queued until the recovery ends
+    assert contents(store, "s") == []
+    release()
+    assert link.wait_idle(30)  # no new message needed
+    assert contents(store, "s") == ["r0", "r1", "r2", "live"]
+    link.close()
+
+
+def test_wait_idle_is_false_at_its_bound_while_a_session_has_a_queue(store, spool):
+    store._db.create_session("s", "telegram")
+    link = install(store, spool, retry_interval=3600)
+    sql(store, BREAK)
+    store.append_to_transcript("s", _m("queued"))  # fails: retried in 450 s
+    assert link.wait_idle(0.01) is False
+    sql(store, HEAL)
+    link.close()  # closed: the next message retries at once
+    store.append_to_transcript("s", _m("next"))
+    assert link.wait_idle(30)
+    assert contents(store, "s") == ["queued", "next"]
