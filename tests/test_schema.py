@@ -393,6 +393,37 @@ def damage_spool_meta(path: Path) -> None:
         f.write(b"\xa5" * page_size)
 
 
+@pytest.mark.skipif(shutil.which("sqlite3") is None, reason="needs the sqlite3 shell")
+def test_a_damaged_spool_an_sqlite3_shell_has_open_is_not_moved_aside(spool_path):
+    """Not only walspool: any program holding SQLite's own locks on the spool (an
+    operator's sqlite3 shell here, Litestream in test_litestream) keeps it in place."""
+    _spool_with_rows(spool_path)
+    damage_spool_meta(spool_path)
+    shell = subprocess.Popen(
+        ["sqlite3", str(spool_path)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert shell.stdin is not None and shell.stdout is not None
+        # A read opens the file and its -shm: the shell now holds SQLite's locks.
+        shell.stdin.write("SELECT count(*) FROM records;\n")
+        shell.stdin.flush()
+        assert shell.stdout.readline() == "300\n"
+        before = spool_path.read_bytes()
+        with pytest.raises(walspool.SpoolCorrupt, match=f"open \\(pid {shell.pid}\\)"):
+            walspool.Spool(spool_path)
+        assert spool_path.read_bytes() == before
+        assert not [p for p in spool_path.parent.iterdir() if ".damaged-" in p.name]
+    finally:
+        shell.kill()
+        shell.wait(30)
+    with walspool.Spool(spool_path) as spool:  # alone now: moved aside, a fresh spool
+        assert spool.stats().rows == 0
+    assert [p for p in spool_path.parent.iterdir() if ".damaged-" in p.name]
+
+
 def test_a_damaged_spool_open_in_another_process_is_not_moved_aside(spool_path):
     """Process A appends; the file is damaged where only an opener looks; process B
     (this one) opens it: B must not rename the file from under A, or A's acknowledged
