@@ -34,7 +34,7 @@ from walspool.writer import INSERT_RECORD_SQL
 
 GROUP = "floor, 64 sessions"
 SESSIONS = 64
-GROUPS = 60
+GROUPS = 200
 MESSAGE = {"role": "assistant", "content": "x" * 440, "timestamp": 1717171717.25}
 PAYLOAD = json.dumps(MESSAGE, separators=(",", ":"))
 NAMES = [f"session-{i:04d}-{'x' * 24}" for i in range(SESSIONS)]
