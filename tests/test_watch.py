@@ -271,13 +271,15 @@ class Pane:
         assert done.returncode == 0, done.stderr
         return done.stdout
 
-    def start(self, *argv: object, width: int = 100, height: int = 30) -> None:
+    def start(
+        self, *argv: object, width: int = 100, height: int = 30, command: str = "watch"
+    ) -> None:
         before, after, rc = (shlex.quote(str(self.dir / n)) for n in ("before", "after", "rc"))
         script = (
             f'trap : INT; stty -a > {before}; "$@"; s=$?; stty -a > {after}; '
             f"echo $s > {rc}.tmp; mv {rc}.tmp {rc}; exec cat"
         )
-        watch = [sys.executable, "-m", "walspool", "watch", *map(str, argv)]
+        watch = [sys.executable, "-m", "walspool", command, *map(str, argv)]
         command = shlex.join(["bash", "-c", script, "wrapper", *watch])
         self.tmux("new-session", "-d", "-x", str(width), "-y", str(height), "-s", "w", command)
 
@@ -470,3 +472,27 @@ def test_the_frame_fits_the_terminal_and_follows_a_resize(tmp_path, pane):
     assert all(line.endswith(f"  {name}") for line, name in zip(table, names, strict=True))
     pane.keys("q")
     assert pane.exit_status() == 0
+
+
+@needs_tmux
+def test_a_replays_progress_is_redrawn_in_place_in_a_real_terminal(pane, tmp_path):
+    """Not watch, but the same terminal: a replay's progress line (on by default when
+    stderr is a terminal) is redrawn on one line and ends as its summary, with the
+    report below it; the terminal is left as it was."""
+    hermes_state = pytest.importorskip("hermes_state")
+    state = tmp_path / "state.db"
+    db = hermes_state.SessionDB(db_path=state)
+    db.create_session("s1", "telegram")
+    db.close()
+    path = tmp_path / "spool.db"
+    with walspool.Spool(path) as spool:
+        spool.append_many([("s1", {"role": "user", "content": f"m{i}"}) for i in range(3000)])
+    pane.start(path, "--into", state, command="replay", width=250, height=12)
+    assert pane.exit_status() == 0
+    screen = pane.screen()
+    lines = [line for line in screen.splitlines() if line.strip()]
+    progress = [line for line in lines if line.startswith("replay: ")]
+    assert len(progress) == 1, screen
+    assert re.fullmatch(r"replay: 3,000/3,000 \(100%\), [\d,]+ rows/s, took \d+s *", progress[0])
+    assert f"moved 3,000 rows from {path} into {state}" in screen
+    assert (tmp_path / "after").read_text() == (tmp_path / "before").read_text()
