@@ -15,12 +15,18 @@ with walspool, all at ``synchronous=FULL``, ~500-byte messages, 64 sessions:
   form by themselves), as ``bench_append``'s case does.
 
 The ratios to the floor show what walspool adds to SQLite's own work for the shape.
+
+And the same for one producer (group ``floor, 1 producer``): a bare apsw loop of one
+``INSERT`` and one commit per message into the spool's schema, beside walspool
+``append``, beside ``os.write`` + ``os.fsync`` of the payload (the 0.9x target's
+baseline): how much of the lone append's cost is SQLite's WAL commit of three pages.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -104,7 +110,55 @@ def test_walspool_64_async_tasks(benchmark: Any, tmp_path: Path) -> None:
     _record(benchmark, "test_walspool_64_async_tasks")
 
 
-def _record(benchmark: Any, name: str) -> None:
-    msgs = GROUPS * SESSIONS
+LONE = 1000
+
+
+def test_sql_floor_1_producer(benchmark: Any, tmp_path: Path) -> None:
+    fresh(tmp_path / "spool.db").close()
+    conn = apsw.Connection(str(tmp_path / "spool.db"))
+    schema.set_synchronous(conn, "full")
+    state = {"id": 0}
+
+    def run() -> None:
+        for _ in range(LONE):
+            state["id"] += 1
+            row = (state["id"], NAMES[0], state["id"], walspool.CAP_DROP, None, time.time(),
+                   PAYLOAD, len(PAYLOAD))  # fmt: skip
+            with conn:
+                conn.execute(INSERT_RECORD_SQL, row)
+
+    benchmark.pedantic(run, rounds=ROUNDS, iterations=1, warmup_rounds=1)
+    conn.close()
+    _record(benchmark, "test_sql_floor_1_producer", LONE, "floor, 1 producer")
+
+
+def test_walspool_1_producer(benchmark: Any, tmp_path: Path) -> None:
+    with fresh(tmp_path / "spool.db") as spool:
+
+        def run() -> None:
+            for _ in range(LONE):
+                spool.append(NAMES[0], MESSAGE)
+
+        benchmark.pedantic(run, rounds=ROUNDS, iterations=1, warmup_rounds=1)
+    _record(benchmark, "test_walspool_1_producer_floor", LONE, "floor, 1 producer")
+
+
+def test_write_fsync_1_producer(benchmark: Any, tmp_path: Path) -> None:
+    data = PAYLOAD.encode()
+    fd = os.open(tmp_path / "log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+
+    def run() -> None:
+        for _ in range(LONE):
+            os.write(fd, data)
+            os.fsync(fd)
+
+    try:
+        benchmark.pedantic(run, rounds=ROUNDS, iterations=1, warmup_rounds=1)
+    finally:
+        os.close(fd)
+    _record(benchmark, "test_write_fsync_1_producer", LONE, "floor, 1 producer")
+
+
+def _record(benchmark: Any, name: str, msgs: int = GROUPS * SESSIONS, group: str = GROUP) -> None:
     benchmark.extra_info["msgs_per_round"] = msgs
-    benchmark.extra_info["msgs_per_s"] = record(name, GROUP, msgs, benchmark.stats.stats.median)
+    benchmark.extra_info["msgs_per_s"] = record(name, group, msgs, benchmark.stats.stats.median)
