@@ -667,3 +667,25 @@ def test_a_shutdown_flush_while_evictions_are_uncommitted_counts_each_once(store
     assert link.wait_idle(STEP)
     assert contents(store, "s") == [f"m{i}" for i in range(202)]
     link.close()
+
+
+def test_the_background_thread_retries_a_due_session_while_another_has_a_writer(store, spool):
+    for s in ("a", "b"):
+        store._db.create_session(s, "telegram")
+    link = install(store, spool, retry_interval=0.05)
+    gate = gate_live_writes(store)
+    gate.arm()
+    a = in_thread(lambda: store.append_to_transcript("a", msg("a0")))
+    assert gate.entered.wait(STEP)  # "a" has a writer (first in the link's sessions)
+    sql(store, BREAK)
+    store.append_to_transcript("b", msg("b0"))  # fails: the background thread retries it
+    sql(store, HEAL)
+    with link._lock:
+        assert link._settled.wait_for(lambda: "b" not in link._sessions, STEP)
+    assert contents(store, "b") == ["b0"]  # while "a" is still being written
+    assert not gate.release.is_set()
+    gate.open()
+    assert joined(a)
+    assert link.wait_idle(STEP)
+    assert contents(store, "a") == ["a0"]
+    link.close()
