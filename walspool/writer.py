@@ -29,6 +29,7 @@ from __future__ import annotations
 import _thread
 import asyncio
 import concurrent.futures
+import contextlib
 import os
 import queue
 import threading
@@ -43,7 +44,7 @@ import apsw
 from . import text
 from .errors import SpoolClosed, SpoolFull, WalspoolError
 from .records import Receipt
-from .schema import sqlite_error, transaction
+from .schema import sqlite_error
 
 log = text.logger("walspool.writer")
 
@@ -318,7 +319,8 @@ class Writer:
                 self._commit_group([r for r, _ in batch])
             finally:
                 self._commit_lock.release()
-            _wake(batch[:-1])
+            if len(batch) > 1:
+                _wake(batch[:-1])
         else:
             done = _Blocking()
             self._put(request, done)
@@ -540,12 +542,20 @@ class Writer:
                     session_id=session_id,
                 )
             try:
-                with transaction(self._conn, self._path):
+                # schema.transaction, written out: this is every append's path.
+                self._conn.execute("BEGIN IMMEDIATE")
+                try:
                     self._numbers.check(self._conn)
                     group = _Group(self._conn, self._numbers)
                     for request in requests:
                         request.run(group)
                     group.finish()
+                    self._conn.execute("COMMIT")
+                except BaseException:
+                    if not self._conn.get_autocommit():
+                        with contextlib.suppress(apsw.Error):
+                            self._conn.execute("ROLLBACK")
+                    raise
             except apsw.BusyError as exc:
                 self._numbers.forget()
                 if self.busy_since is None:
