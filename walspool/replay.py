@@ -463,13 +463,16 @@ class _Run:
             done.release += [rec.id for rec, _ in taken]
             return
         i = 0
+        one_by_one = 0  # rows before this index are written one by one
         while i < len(taken):
-            run = self._batchable_run(taken, i)
-            if len(run) > 1 and self._write_run(target, run):
-                done.delete += [rec.id for rec, _ in run]
-                tally.moved += len(run)
-                i += len(run)
-                continue
+            run = self._batchable_run(taken, i) if i >= one_by_one else []
+            if len(run) > 1:
+                if self._write_run(target, run):
+                    done.delete += [rec.id for rec, _ in run]
+                    tally.moved += len(run)
+                    i += len(run)
+                    continue
+                one_by_one = i + len(run)  # the failed batch's rows, never batched again
             rec, ticket = taken[i]
             i += 1
             if rec.id in self.undecodable:

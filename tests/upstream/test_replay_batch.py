@@ -155,8 +155,11 @@ def test_one_refused_row_in_a_batch_is_quarantined_and_the_rest_land_once(tmp_pa
         spool.append_many([("s1", {"role": "user", "content": f"m{i}"}) for i in range(5)])
         spool.append("s1", {"role": "assistant", "content": "x", "tool_calls": 5})  # refused
         spool.append_many([("s1", {"role": "user", "content": f"m{i}"}) for i in range(5, 9)])
+        calls: list[int] = []
+        db.append_messages_batch = counted(db.append_messages_batch, calls)
         report = replay(spool, db, batch=True)
         assert (report.moved, report.held, report.quarantined) == (9, 0, 1)
+        assert calls == [10]  # one batch failed; its rows then went one by one, once
         (kept,) = spool.records()
         assert (kept.status, kept.message["tool_calls"]) == (walspool.QUARANTINED, 5)
         assert kept.last_error.startswith("RowRejected: ") and "TypeError" in kept.last_error
