@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import queue
@@ -11,6 +12,7 @@ import sys
 import threading
 import time
 import weakref
+from types import SimpleNamespace
 
 import apsw
 import pytest
@@ -19,7 +21,7 @@ from _lock_holder import write_lock_held
 
 import walspool
 import walspool.writer as walspool_writer
-from walspool.writer import Append, Batched, SpoolBusy
+from walspool.writer import Append, Batched, Operation, SpoolBusy
 
 WRITER_CHILD = r"""
 import sys, threading, walspool
@@ -193,6 +195,7 @@ def test_a_write_lock_held_elsewhere_fails_with_spool_busy_after_the_bound(spool
         waited = time.monotonic() - started
         assert short_busy <= waited < short_busy + 5
         assert caught.value.path == str(spool_path) and caught.value.session_id == "s"
+        assert caught.value.seconds == short_busy
         assert isinstance(caught.value, walspool.WalspoolError)
         with pytest.raises(SpoolBusy):  # the blocking path is bounded the same way
             spool.append("s", {"i": 2})
@@ -212,24 +215,54 @@ def test_waiters_wake_as_soon_as_the_lock_is_released(spool_path, monkeypatch):
         assert [r.message["i"] for r in spool.records()] == [0, 1, 2, 3, 4]
 
 
+def _pause_commits(writer, monkeypatch) -> tuple[threading.Event, threading.Event]:
+    """Step the writer: each commit sets ``taken`` (its group has left the queue) and
+    waits for ``go`` before it starts its transaction."""
+    taken, go = threading.Event(), threading.Event()
+    commit = writer._commit
+
+    def paused(requests):
+        taken.set()
+        assert go.wait(60), "the test never let the commit go on"
+        commit(requests)
+
+    monkeypatch.setattr(writer, "_commit", paused)
+    return taken, go
+
+
+def _until(condition, what: str) -> None:
+    """Poll ``condition`` (a state another thread reaches) for at most 30 s."""
+    deadline = time.monotonic() + 30
+    while not condition():
+        assert time.monotonic() < deadline, f"never happened: {what}"
+        time.sleep(0.001)
+
+
 def test_notify_nowait_raises_full_instead_of_waiting(spool_path, monkeypatch):
+    """Step by step: the writer holds one group, the queue (one request) one more; the
+    third ``notify_nowait`` raises at once, and the two accepted commit in order."""
     monkeypatch.setattr(walspool_writer, "QUEUE_REQUESTS", 1)
-    monkeypatch.setattr(walspool_writer, "BUSY_RETRY_SECONDS", 60.0)
     committed: list[int] = []
-    with walspool.Spool(spool_path) as spool, write_lock_held(spool_path) as holder:
-        accepted = 0
+    with walspool.Spool(spool_path) as spool:
+        writer = spool._writer
+        taken, go = _pause_commits(writer, monkeypatch)
+
+        def notify(i: int) -> None:
+            writer.notify_nowait(
+                Append((spool._row("s", {"i": i}, walspool.CAP_DROP, None),), single=True),
+                lambda request: committed.append(request.result.seq),
+            )
+
+        notify(0)
+        assert taken.wait(30)  # the writer holds the first; the queue is empty again
+        notify(1)
         with pytest.raises(queue.Full):
-            # The stuck writer holds at most one group, the queue one more request.
-            for i in range(3):
-                spool._writer.notify_nowait(
-                    Append((spool._row("s", {"i": i}, walspool.CAP_DROP, None),), single=True),
-                    lambda request: committed.append(request.result.seq),
-                )
-                accepted += 1
-        assert 1 <= accepted <= 2
-        holder.release()
+            notify(2)
+        assert len(writer._pending) == 1
+        go.set()
         spool.flush()
-        assert committed == list(range(1, accepted + 1))
+        assert committed == [1, 2]
+        assert [r.message["i"] for r in spool.records()] == [0, 1]
 
 
 def test_close_is_bounded_and_logs_what_was_not_committed(spool_path, monkeypatch, caplog):
@@ -238,6 +271,10 @@ def test_close_is_bounded_and_logs_what_was_not_committed(spool_path, monkeypatc
     spool = walspool.Spool(spool_path)
     with write_lock_held(spool_path):
         futures = [spool.submit("s", {"i": i}) for i in range(3)]
+        # Two messages in one request, and an operation, which holds none.
+        rows = tuple(spool._row("t", {"i": i}, walspool.CAP_DROP, None) for i in range(2))
+        futures.append(spool._writer.submit(Append(rows, single=False)))
+        futures.append(spool._writer.submit(Operation(lambda conn: None)))
         started = time.monotonic()
         with caplog.at_level(logging.ERROR, logger="walspool.writer"):
             spool.close()
@@ -247,7 +284,7 @@ def test_close_is_bounded_and_logs_what_was_not_committed(spool_path, monkeypatc
                 future.result(0)
         errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
         assert errors == [
-            f"spool {spool_path}: closed after waiting 0.5 s for its write lock; 3 accepted "
+            f"spool {spool_path}: closed after waiting 0.5 s for its write lock; 5 accepted "
             "message(s) were not committed"
         ]
     with walspool.Spool(spool_path) as spool:
@@ -255,23 +292,69 @@ def test_close_is_bounded_and_logs_what_was_not_committed(spool_path, monkeypatc
 
 
 def test_a_producer_waiting_for_room_wakes_when_the_lock_is_found_held(spool_path, monkeypatch):
-    """``wait_for_room`` returns once a commit meets a busy write lock (no room soon),
-    not at its timeout."""
+    """Step by step: the writer has taken a group, the queue is full again and a producer
+    waits for room; the writer's commit then finds the write lock held elsewhere, so no
+    room comes soon: the producer wakes with False at once, not at its timeout."""
     monkeypatch.setattr(walspool_writer, "QUEUE_REQUESTS", 1)
     monkeypatch.setattr(walspool_writer, "BUSY_RETRY_SECONDS", 60.0)
     with walspool.Spool(spool_path) as spool, write_lock_held(spool_path) as holder:
         writer = spool._writer
-        futures = [spool.submit("s", {"i": 0})]
-        while writer.has_room():  # the stuck writer holds one group, the queue one more
-            futures.append(spool.submit("s", {"i": len(futures)}))
-        started = time.monotonic()
-        room = writer.wait_for_room(30)
-        # Back well before its timeout: the writer took one more (room), or found the
-        # lock held (no room soon); the lock is held for the whole wait either way.
-        assert time.monotonic() - started < 10
-        assert room or writer.busy_since is not None
+        taken, go = _pause_commits(writer, monkeypatch)
+        first = spool.submit("s", {"i": 0})
+        assert taken.wait(30)
+        second = spool.submit("s", {"i": 1})
+        assert not writer.has_room()
+        answers: list[bool] = []
+        producer = threading.Thread(target=lambda: answers.append(writer.wait_for_room(60)))
+        producer.start()
+        _until(lambda: writer._cond._waiters, "the producer waits for room")
+        assert writer.busy_since is None
+        go.set()  # the commit starts and meets the lock
+        producer.join(30)
+        assert not producer.is_alive(), "the producer slept on while the lock was held"
+        assert answers == [False]
+        assert writer.busy_since is not None
         holder.release()
-        assert [f.result(30).seq for f in futures] == list(range(1, len(futures) + 1))
+        assert [first.result(30).seq, second.result(30).seq] == [1, 2]
+        assert writer.busy_since is None
+
+
+def test_busy_waits_back_off_from_1_ms_to_the_poll_bound_and_end_at_the_deadline(
+    spool, monkeypatch
+):
+    """The busy handler's schedule, on a stepped clock: pauses of 1, 2, 4 ... ms up to
+    ``BUSY_POLL_SECONDS``, never past the commit's deadline; at the deadline, or once
+    ``close`` gives up (the pause ends early), it tells SQLite to stop waiting."""
+    writer = spool._writer
+    now = [1000.0]
+    monkeypatch.setattr(walspool_writer, "time", SimpleNamespace(monotonic=lambda: now[0]))
+    pauses: list[float] = []
+    given_up = [False]
+
+    class Abandon:  # records each pause instead of sleeping it
+        def is_set(self) -> bool:
+            return False
+
+        def wait(self, seconds: float) -> bool:
+            pauses.append(seconds)
+            return given_up[0]
+
+    monkeypatch.setattr(writer, "_abandon", Abandon())
+    monkeypatch.setattr(writer, "_busy_deadline", 1001.0)
+    assert all(writer._on_busy(calls) for calls in range(13))
+    assert pauses == pytest.approx([0.001, 0.002, 0.004, 0.008, 0.016, 0.032] + [0.05] * 7)
+    assert writer.busy_since == 1000.0  # the first call marks the lock found held
+    now[0] = 1000.99  # 10 ms before the deadline: the pause ends there
+    assert writer._on_busy(20)
+    assert pauses[-1] == pytest.approx(0.01)
+    now[0] = 1001.0  # at the deadline: no more waiting
+    assert not writer._on_busy(21)
+    assert len(pauses) == 14
+    now[0] = 1000.5
+    given_up[0] = True  # ``close`` gives up during the pause
+    assert not writer._on_busy(3)
+    assert writer.busy_since == 1000.0
+    writer.busy_since = None
 
 
 # -- the queue's bounds and what an idle writer holds -------------------------
@@ -322,6 +405,25 @@ def test_a_batched_callback_runs_once_per_group_with_its_requests_in_order(spool
     writer.notify_nowait(_eviction(spool, 8), batched)
     spool.flush()
     assert calls == [[1, 2, 3, 4, 5, 7], [9]]
+
+
+def test_a_thread_that_never_put_asks_for_room_for_a_request_with_no_payload(spool, monkeypatch):
+    """A queue filled to its byte bound exactly still has room for a request with no
+    payload, which is what ``has_room`` answers on a thread with nothing refused."""
+    writer = spool._writer
+    request = _eviction(spool, 0)
+    monkeypatch.setattr(walspool_writer, "QUEUE_BYTES", request.payload_bytes)
+    answers: list[bool] = []
+    with writer._commit_lock:  # the writer is held up: nothing leaves the queue
+        writer.notify_nowait(request, lambda r: None)
+        assert writer._pending_bytes == walspool_writer.QUEUE_BYTES
+        other = threading.Thread(
+            target=lambda: answers.extend([writer.has_room(), writer.wait_for_room(0)])
+        )
+        other.start()
+        other.join(30)
+    assert answers == [True, True]
+    spool.flush()
 
 
 def test_a_producer_waits_for_room_in_bytes(spool, monkeypatch):
@@ -399,3 +501,80 @@ def test_durability_sets_the_sync_pragmas(tmp_path, durability, pragmas):
             for name in ("synchronous", "fullfsync", "checkpoint_fullfsync")
         )
     assert got == pragmas
+
+
+# -- asyncio callers ------------------------------------------------------------
+
+
+def test_an_async_append_on_a_full_queue_waits_off_the_event_loop(spool, monkeypatch):
+    """While the queue is full, ``append_async`` waits for room on an executor thread:
+    the event loop runs other work meanwhile, and the message is committed in order."""
+    monkeypatch.setattr(walspool_writer, "QUEUE_REQUESTS", 1)
+    writer = spool._writer
+    release = threading.Event()
+    gave_up = threading.Event()
+
+    def hold_the_writer() -> None:  # nothing leaves the queue until ``release``
+        with writer._commit_lock:
+            held.set()
+            if not release.wait(10):
+                gave_up.set()  # the event loop was blocked: let it go, and fail below
+
+    held = threading.Event()
+    holder = threading.Thread(target=hold_the_writer)
+    holder.start()
+    assert held.wait(30)
+
+    async def main() -> list[int]:
+        first = asyncio.ensure_future(spool.append_async("s", {"i": 0}))
+        second = asyncio.ensure_future(spool.append_async("s", {"i": 1}))
+        while len(writer._pending) < 1:
+            await asyncio.sleep(0)
+        for _ in range(10):  # the loop goes on running other work
+            await asyncio.sleep(0)
+        assert not gave_up.is_set(), "the event loop was blocked by a full queue"
+        assert not second.done() and len(writer._pending) == 1
+        release.set()
+        receipts = await asyncio.wait_for(asyncio.gather(first, second), 30)
+        return [r.seq for r in receipts]
+
+    assert asyncio.run(main()) == [1, 2]
+    holder.join(30)
+    assert [r.message["i"] for r in spool.records()] == [0, 1]
+
+
+def test_a_cancelled_async_append_is_still_committed_and_others_in_its_group_resolve(spool):
+    """Cancelling the awaiting task does not take the message back, and the other
+    callers acknowledged by the same group still get their receipts."""
+    writer = spool._writer
+
+    async def main() -> list[int]:
+        with writer._commit_lock:  # all three land in one group
+            tasks = [asyncio.ensure_future(spool.append_async("s", {"i": i})) for i in range(3)]
+            while len(writer._pending) < 3:
+                await asyncio.sleep(0)
+            tasks[0].cancel()
+            await asyncio.sleep(0)
+        receipts = await asyncio.wait_for(asyncio.gather(*tasks[1:]), 10)
+        assert tasks[0].cancelled()
+        return [r.seq for r in receipts]
+
+    assert asyncio.run(main()) == [2, 3]
+    spool.flush()
+    assert [r.message["i"] for r in spool.records()] == [0, 1, 2]
+
+
+def test_an_async_request_that_fails_raises_its_error_in_the_caller(spool):
+    class Refused(Exception):
+        pass
+
+    def refuse(conn):
+        raise Refused("no")
+
+    async def main() -> None:
+        with pytest.raises(Refused, match="no"):
+            await asyncio.wait_for(spool._writer.call_async(Operation(refuse)), 10)
+        receipt = await asyncio.wait_for(spool.append_async("s", {"i": 0}), 30)
+        assert receipt.seq == 1  # the writer goes on
+
+    asyncio.run(main())
