@@ -578,3 +578,23 @@ def test_an_async_request_that_fails_raises_its_error_in_the_caller(spool):
         assert receipt.seq == 1  # the writer goes on
 
     asyncio.run(main())
+
+
+def test_a_closed_writer_refuses_every_request_naming_its_session(spool_path):
+    """After ``close``, each way in raises ``SpoolClosed`` for the request's session."""
+    spool = walspool.Spool(spool_path)
+    writer = spool._writer
+    row = spool._row("s", {"i": 0}, walspool.CAP_DROP, None)
+    spool.close()
+    ways = {
+        "call": lambda request: writer.call(request),
+        "submit": lambda request: writer.submit(request),
+        "notify": lambda request: writer.notify(request, lambda r: None),
+        "notify_nowait": lambda request: writer.notify_nowait(request, lambda r: None),
+        "call_async": lambda request: asyncio.run(writer.call_async(request)),
+    }
+    for way, put in ways.items():
+        with pytest.raises(walspool.SpoolClosed, match="is closed") as caught:
+            put(Append((row,), single=True))
+        assert caught.value.session_id == "s", way
+    assert not writer._pending
