@@ -449,7 +449,11 @@ def test_the_drop_ins_say_word_for_word_when_the_spool_cannot_be_opened(home, mo
 
 
 def test_a_drain_of_an_id_the_spool_cannot_hold_is_empty(home):
-    assert sf.drain_transcript_spool("", lambda m: None) == (0, 0)
+    sf.spool_dropped_transcript_message("s", {"content": "kept"})
+    # empty; a lone surrogate (UTF-8 cannot carry it); not a str (refused by the spool)
+    for session_id in ("", "\ud800", 5):
+        assert sf.drain_transcript_spool(session_id, lambda m: None) == (0, 0), session_id
+    assert [r.message["content"] for r in spooled(home)] == ["kept"]
 
 
 def test_a_drain_takes_only_cap_drops(home):
@@ -601,6 +605,18 @@ def test_recovery_says_word_for_word_what_it_held_back_and_quarantined(home, db,
     assert logged(caplog, logging.WARNING) == [
         f"Quarantined 1 spooled message(s) in {path} that state.db refused; see `walspool ls`"
     ]
+
+
+def test_a_routing_key_the_resolver_does_not_know_is_held_word_for_word(home, db, caplog):
+    sf.flush_pending_to_file({"agent:main:telegram:dm:1": "hi", "unknown-key": "kept"})
+    caplog.set_level(logging.INFO, logger="walspool")
+    resolver = lambda key: ("sess-1", db) if key.endswith(":1") else None  # noqa: E731
+    assert sf.recover_pending_spool(db, session_resolver=resolver) == (1, set())
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+    assert logged(caplog, logging.INFO)[-1] == (
+        "Held back 1 spooled message(s) for the next start after a failed replay: "
+        "key:unknown-key (resolver found no session for session_key 'unknown-key')"
+    )
 
 
 def test_imported_files_say_word_for_word_what_was_imported(home, db, caplog):

@@ -352,7 +352,6 @@ def recover_pending_spool(
     if not _count(spool, ANY_TO_REPLAY_SQL, (AGENT_HISTORY,)):
         return 0, set()
     owned = session_db is None
-    release: Callable[[Any], None] = _release
     if owned:
         session_db, release = _open_default_db()
     try:
