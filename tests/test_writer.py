@@ -422,6 +422,13 @@ def test_a_thread_that_never_put_asks_for_room_for_a_request_with_no_payload(spo
         )
         other.start()
         other.join(30)
+        # This thread: refused a message, then put an operation (no payload) that fit;
+        # it now asks for room as for a request with no payload again.
+        with pytest.raises(queue.Full):
+            writer.notify_nowait(_eviction(spool, 1), lambda r: None)
+        assert not writer.has_room()
+        writer.notify_nowait(Operation(lambda conn: None), lambda r: None)
+        assert writer.has_room() and writer.wait_for_room(0)
     assert answers == [True, True]
     spool.flush()
 
