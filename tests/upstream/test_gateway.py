@@ -7,6 +7,7 @@ import json
 import logging
 import re
 import types
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -325,24 +326,33 @@ def test_a_multiplex_gateway_recovers_each_served_profile_in_its_own_home(
     wsf.spool_dropped_transcript_message("broken-1", {"role": "user", "content": "b"})
     reset_hermes_home_override(token)
     wsf.close_shared_spools()
-    monkeypatch.setattr(
-        gateway.run,
-        "_multiplex_profile_homes",
-        lambda config: [("default", home), *served.items()],
+    runner = types.SimpleNamespace(
+        session_store=store, config=types.SimpleNamespace(multiplex_profiles=True)
     )
+
+    def profiles(config: Any) -> list[tuple[str, Path]]:
+        assert config is runner.config  # the gateway's own config, as upstream passes it
+        # The launch home is served too (skipped: recovered first); "broken" fails
+        # before "legacy", which must still be recovered.
+        order = ("idle", "work", "broken", "legacy")
+        return [("default", home), *((name, served[name]) for name in order)]
+
+    monkeypatch.setattr(gateway.run, "_multiplex_profile_homes", profiles)
     recover = wsf.recover_pending_spool
+    homes_recovered: list[Path] = []
 
     def failing_in_broken(**kw: Any) -> Any:
+        homes_recovered.append(Path(get_hermes_home()))
         if Path(get_hermes_home()) == served["broken"]:
             raise RuntimeError("profile recovery failed")
         return recover(**kw)
 
     monkeypatch.setattr(wsf, "recover_pending_spool", failing_in_broken)
-    runner = types.SimpleNamespace(
-        session_store=store, config=types.SimpleNamespace(multiplex_profiles=True)
-    )
     with caplog.at_level(logging.WARNING, logger="walspool"):
         assert wsf.recover_gateway_pending(runner) == 3  # launch, work-1, legacy-1
+    # Each home once: the launch home first, then each served profile with something
+    # to recover, in the gateway's order.
+    assert homes_recovered == [home, served["work"], served["broken"], served["legacy"]]
     assert Path(get_hermes_home()) == home  # every override undone
     assert contents(db, "s1") == ["launch"]
     for name, expected in (("work", ["w"]), ("legacy", ["j"]), ("broken", [])):
@@ -356,3 +366,49 @@ def test_a_multiplex_gateway_recovers_each_served_profile_in_its_own_home(
     assert [r.getMessage() for r in failed] == [
         "Pending-message recovery failed for profile broken"
     ]
+
+
+def test_a_gateway_config_without_multiplexing_recovers_the_launch_home_only(
+    home, store, monkeypatch
+):
+    """A config that predates ``multiplex_profiles`` (no such attribute) serves one home."""
+    import gateway.run
+
+    def profiles(config: Any) -> list[tuple[str, Path]]:
+        raise AssertionError("profiles listed for a gateway that does not multiplex")
+
+    monkeypatch.setattr(gateway.run, "_multiplex_profile_homes", profiles)
+    store._db.create_session("s1", "telegram")
+    wsf.spool_dropped_transcript_message("s1", {"role": "user", "content": "launch"})
+    runner = types.SimpleNamespace(session_store=store, config=types.SimpleNamespace())
+    assert wsf.recover_gateway_pending(runner) == 1
+    assert contents(store._db, "s1") == ["launch"]
+
+
+def test_a_restart_routes_slots_spooled_by_key_through_the_stores_own_resolver(home, store):
+    """A shutdown slot is spooled under its routing key; the restart's recovery asks the
+    gateway's store (``resolve_session_id_for_key``) which session it belongs to."""
+    from gateway.config import Platform
+    from gateway.session import SessionSource
+
+    entry = store.get_or_create_session(SessionSource(platform=Platform.TELEGRAM, chat_id="9"))
+    assert wsf.flush_pending_to_file({entry.session_key: "slot text", "agent:gone": "kept"}) == 2
+    assert wsf.recover_gateway_pending(runner_for(store)) == 1
+    assert contents(store._db, entry.session_id) == ["slot text"]
+    assert [r.session_key for r in spooled(home)] == ["agent:gone"]
+
+
+def test_recovery_registers_the_store_for_the_gateways_own_callbacks(home, store, monkeypatch):
+    """A drain callback from the gateway's modules that does not close over its store is
+    tied to the one store ``recover_gateway_pending`` registered, so its drains are exact."""
+    from walspool import _upstream
+
+    monkeypatch.setattr(_upstream, "_stores", weakref.WeakSet())
+
+    def replay(message: Any) -> None:
+        pass
+
+    replay.__module__ = "gateway.session_transcript"
+    assert _upstream.store_of(replay) is None
+    assert wsf.recover_gateway_pending(runner_for(store)) == 0
+    assert _upstream.store_of(replay) is store
