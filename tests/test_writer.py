@@ -605,3 +605,30 @@ def test_a_closed_writer_refuses_every_request_naming_its_session(spool_path):
             put(Append((row,), single=True))
         assert caught.value.session_id == "s", way
     assert not writer._pending
+
+
+def test_the_writer_looks_up_the_next_id_and_a_streams_next_seq_once(spool):
+    """While no other connection commits, the ids and seqs handed out are remembered
+    across transactions: later appends run no lookup but for a new stream, and the
+    numbers stay consecutive."""
+    assert (spool.append("s", {"i": 0}).id, spool.append("s", {"i": 1}).seq) == (1, 2)
+    statements: list[str] = []
+
+    def trace(cursor, sql, bindings) -> bool:
+        statements.append(sql)
+        return True
+
+    spool._writer._conn.exec_trace = trace
+    try:
+        receipts = [spool.append("s", {"i": i}) for i in range(2, 5)]
+        receipts.append(spool.append("t", {"i": 0}))
+    finally:
+        spool._writer._conn.exec_trace = None
+    assert [(r.id, r.session_id, r.seq) for r in receipts] == [
+        (3, "s", 3),
+        (4, "s", 4),
+        (5, "s", 5),
+        (6, "t", 1),
+    ]
+    lookups = [s for s in statements if s in (walspool_writer.MAX_ID_SQL,) or "max(seq)" in s]
+    assert lookups == [walspool_writer.NEXT_SEQ_BY_ID_SQL]  # for "t" alone
