@@ -632,3 +632,23 @@ def test_the_writer_looks_up_the_next_id_and_a_streams_next_seq_once(spool):
     ]
     lookups = [s for s in statements if s in (walspool_writer.MAX_ID_SQL,) or "max(seq)" in s]
     assert lookups == [walspool_writer.NEXT_SEQ_BY_ID_SQL]  # for "t" alone
+
+
+def test_a_group_stops_at_group_rows_and_notify_calls_back_after_its_commit(spool, monkeypatch):
+    """Five one-row requests queued behind a held writer commit as groups of at most
+    ``GROUP_ROWS`` (3 here), in order; each ``notify`` callback runs after its commit."""
+    monkeypatch.setattr(walspool_writer, "GROUP_ROWS", 3)
+    writer = spool._writer
+    groups: list[list[int]] = []
+    single: list[int] = []
+    batched = Batched(lambda requests: groups.append([r.result.seq for r in requests]))
+    with writer._commit_lock:  # nothing leaves the queue until all five are in
+        for i in range(5):
+            writer.notify(_eviction(spool, i), batched)
+        writer.notify(_eviction(spool, 5), lambda request: single.append(request.result.seq))
+    spool.flush()
+    assert groups == [[1, 2, 3], [4, 5]]
+    assert single == [6]
+    (receipt,) = [spool.append("s", {"i": 6})]
+    (record,) = [r for r in spool.records() if r.seq == receipt.seq]
+    assert receipt.created_at == record.created_at
