@@ -651,3 +651,29 @@ def test_a_group_stops_at_group_rows_and_notify_calls_back_after_its_commit(spoo
     (receipt,) = [spool.append("s", {"i": 6})]
     (record,) = [r for r in spool.records() if r.seq == receipt.seq]
     assert receipt.created_at == record.created_at
+
+
+@pytest.mark.parametrize("queued_first", [1, 2])
+def test_a_caller_committing_on_its_own_thread_takes_and_wakes_what_was_queued(spool, queued_first):
+    """Step by step: a blocking caller finds the queue empty and commits on its own
+    thread; requests queued meanwhile (before its take) go in its group, first, and
+    their futures are resolved by that caller."""
+    writer = spool._writer
+    check_open = writer._check_open
+    futures: list = []
+    queued = threading.Event()
+
+    def queue_two_first(request) -> None:
+        check_open(request)
+        if not queued.is_set() and writer._commit_lock.locked():  # in the caller's commit
+            queued.set()
+            futures.extend(spool.submit("s", {"i": i}) for i in range(queued_first))
+
+    writer._check_open = queue_two_first
+    try:
+        receipt = spool.append("s", {"i": queued_first})
+    finally:
+        writer._check_open = check_open
+    assert [f.result(10).seq for f in futures] == list(range(1, queued_first + 1))
+    assert receipt.seq == queued_first + 1
+    assert [r.message["i"] for r in spool.records()] == list(range(queued_first + 1))
