@@ -119,6 +119,29 @@ def test_full_disk_raises_and_keeps_committed_rows(spool_path):
     conn.close()
 
 
+def _pause_commits(writer, monkeypatch) -> tuple[threading.Event, threading.Event]:
+    """Step the writer: each commit sets ``taken`` (its group has left the queue) and
+    waits for ``go`` before it starts its transaction."""
+    taken, go = threading.Event(), threading.Event()
+    commit = writer._commit
+
+    def paused(requests):
+        taken.set()
+        assert go.wait(60), "the test never let the commit go on"
+        commit(requests)
+
+    monkeypatch.setattr(writer, "_commit", paused)
+    return taken, go
+
+
+def _until(condition, what: str) -> None:
+    """Poll ``condition`` (a state another thread reaches) for at most 30 s."""
+    deadline = time.monotonic() + 30
+    while not condition():
+        assert time.monotonic() < deadline, f"never happened: {what}"
+        time.sleep(0.001)
+
+
 def test_concurrent_appenders_share_commits(spool):
     """Group commit, step by step: 64 threads append while a commit is running (held
     here); once it ends, all 64 appends commit together, in one transaction. (With
@@ -212,29 +235,6 @@ def test_waiters_wake_as_soon_as_the_lock_is_released(spool_path, monkeypatch):
             holder.release()
             assert [f.result(30).seq for f in futures] == [1, 2, 3, 4, 5]
         assert [r.message["i"] for r in spool.records()] == [0, 1, 2, 3, 4]
-
-
-def _pause_commits(writer, monkeypatch) -> tuple[threading.Event, threading.Event]:
-    """Step the writer: each commit sets ``taken`` (its group has left the queue) and
-    waits for ``go`` before it starts its transaction."""
-    taken, go = threading.Event(), threading.Event()
-    commit = writer._commit
-
-    def paused(requests):
-        taken.set()
-        assert go.wait(60), "the test never let the commit go on"
-        commit(requests)
-
-    monkeypatch.setattr(writer, "_commit", paused)
-    return taken, go
-
-
-def _until(condition, what: str) -> None:
-    """Poll ``condition`` (a state another thread reaches) for at most 30 s."""
-    deadline = time.monotonic() + 30
-    while not condition():
-        assert time.monotonic() < deadline, f"never happened: {what}"
-        time.sleep(0.001)
 
 
 def test_notify_nowait_raises_full_instead_of_waiting(spool_path, monkeypatch):
@@ -517,8 +517,7 @@ def test_an_async_append_on_a_full_queue_waits_off_the_event_loop(spool, monkeyp
     the event loop runs other work meanwhile, and the message is committed in order."""
     monkeypatch.setattr(walspool_writer, "QUEUE_REQUESTS", 1)
     writer = spool._writer
-    release = threading.Event()
-    gave_up = threading.Event()
+    held, release, gave_up = threading.Event(), threading.Event(), threading.Event()
 
     def hold_the_writer() -> None:  # nothing leaves the queue until ``release``
         with writer._commit_lock:
@@ -526,7 +525,6 @@ def test_an_async_append_on_a_full_queue_waits_off_the_event_loop(spool, monkeyp
             if not release.wait(10):
                 gave_up.set()  # the event loop was blocked: let it go, and fail below
 
-    held = threading.Event()
     holder = threading.Thread(target=hold_the_writer)
     holder.start()
     assert held.wait(30)
@@ -629,7 +627,7 @@ def test_the_writer_looks_up_the_next_id_and_a_streams_next_seq_once(spool):
         (5, "s", 5),
         (6, "t", 1),
     ]
-    lookups = [s for s in statements if s in (walspool_writer.MAX_ID_SQL,) or "max(seq)" in s]
+    lookups = [s for s in statements if s == walspool_writer.MAX_ID_SQL or "max(seq)" in s]
     assert lookups == [walspool_writer.NEXT_SEQ_BY_ID_SQL]  # for "t" alone
 
 
@@ -648,7 +646,7 @@ def test_a_group_stops_at_group_rows_and_notify_calls_back_after_its_commit(spoo
     spool.flush()
     assert groups == [[1, 2, 3], [4, 5]]
     assert single == [6]
-    (receipt,) = [spool.append("s", {"i": 6})]
+    receipt = spool.append("s", {"i": 6})
     (record,) = [r for r in spool.records() if r.seq == receipt.seq]
     assert receipt.created_at == record.created_at
 
@@ -663,13 +661,13 @@ def test_a_caller_committing_on_its_own_thread_takes_and_wakes_what_was_queued(s
     futures: list = []
     queued = threading.Event()
 
-    def queue_two_first(request) -> None:
+    def queue_some_first(request) -> None:
         check_open(request)
         if not queued.is_set() and writer._commit_lock.locked():  # in the caller's commit
             queued.set()
             futures.extend(spool.submit("s", {"i": i}) for i in range(queued_first))
 
-    writer._check_open = queue_two_first
+    writer._check_open = queue_some_first
     try:
         receipt = spool.append("s", {"i": queued_first})
     finally:

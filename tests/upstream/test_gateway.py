@@ -400,7 +400,8 @@ def test_a_restart_routes_slots_spooled_by_key_through_the_stores_own_resolver(h
 
 def test_recovery_registers_the_store_for_the_gateways_own_callbacks(home, store, monkeypatch):
     """A drain callback from the gateway's modules that does not close over its store is
-    tied to the one store ``recover_gateway_pending`` registered, so its drains are exact."""
+    tied to the one store ``recover_gateway_pending`` registered (the store whose
+    state.db its drains record tickets in)."""
     from walspool import _upstream
 
     monkeypatch.setattr(_upstream, "_stores", weakref.WeakSet())
