@@ -33,11 +33,14 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
+import apsw
 import pytest
 from _jsonfile import JsonFileSpool
 from report import record
 
 import walspool
+from walspool import schema
+from walspool.writer import INSERT_RECORD_SQL
 
 #: About 500 bytes of JSON, shaped like a transcript message.
 MESSAGE = {
@@ -350,13 +353,15 @@ class _HandoffFloor:
     """The thinnest group commit there is: queue a lock, the writer releases it.
 
     No SQLite, no fsync, no encoding: what is left is CPython's thread hand-off
-    (one lock per caller, a condition for the writer, the GIL passed around).
+    (one lock per caller, a condition for the writer, the GIL passed around). With
+    ``commit``, the writer thread first calls ``commit(session_ids)`` for each batch it
+    takes: hand-off and SQL together, with nothing of walspool's own in between.
     """
 
-    def __init__(self) -> None:
-        self._pending: deque[Any] = deque()
+    def __init__(self, commit: Callable[[list[str]], None] | None = None) -> None:
+        self._pending: deque[tuple[str, Any]] = deque()
         self._cond = threading.Condition(threading.Lock())
-        self._loop_waiters: list[Any] = []
+        self._commit = commit
         threading.Thread(target=self._run, daemon=True).start()
 
     def _run(self) -> None:
@@ -366,8 +371,10 @@ class _HandoffFloor:
                     self._cond.wait()
                 batch = list(self._pending)
                 self._pending.clear()
+            if self._commit is not None:
+                self._commit([session_id for session_id, _ in batch])
             loops: dict[Any, list[Any]] = {}
-            for waiter in batch:
+            for _, waiter in batch:
                 if isinstance(waiter, tuple):
                     loops.setdefault(waiter[0], []).append(waiter[1])
                 else:
@@ -379,7 +386,7 @@ class _HandoffFloor:
         lock = _thread.allocate_lock()
         lock.acquire()
         with self._cond:
-            self._pending.append(lock)
+            self._pending.append((session_id, lock))
             self._cond.notify()
         lock.acquire()
 
@@ -387,9 +394,37 @@ class _HandoffFloor:
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         with self._cond:
-            self._pending.append((loop, future))
+            self._pending.append((session_id, (loop, future)))
             self._cond.notify()
         await future
+
+
+class _BareInserts:
+    """The spool's INSERTs with a bare apsw connection at ``synchronous=FULL``: one
+    ``executemany`` and one commit per batch, ids and seqs counted in Python, the
+    payload encoded once beforehand. SQLite's own work for a batch's shape."""
+
+    def __init__(self, path: Path) -> None:
+        walspool.Spool(path, durability="full").close()  # the schema, made by walspool
+        self._conn = apsw.Connection(str(path))
+        schema.set_synchronous(self._conn, "full")
+        self._payload = json.dumps(MESSAGE)
+        self._next_id = 1
+        self._seqs: dict[str, int] = {}
+
+    def __call__(self, session_ids: list[str]) -> None:
+        rows = []
+        now = time.time()
+        for session_id in session_ids:
+            seq = self._seqs[session_id] = self._seqs.get(session_id, 0) + 1
+            rows.append((self._next_id, session_id, seq, walspool.CAP_DROP, None, now,
+                         self._payload, len(self._payload)))  # fmt: skip
+            self._next_id += 1
+        with self._conn:
+            self._conn.executemany(INSERT_RECORD_SQL, rows)
+
+    def close(self) -> None:
+        self._conn.close()
 
 
 def _resolve_all(futures: list[asyncio.Future[None]]) -> None:
@@ -407,13 +442,40 @@ def test_handoff_floor_64_async(benchmark: Any, loop: asyncio.AbstractEventLoop)
     run(benchmark, in_tasks(loop, _HandoffFloor().append_async), PRODUCERS * PER_PRODUCER)
 
 
+@pytest.mark.benchmark(group="64 threads")
+def test_handoff_sql_floor_64_threads(
+    benchmark: Any, producers: ThreadPoolExecutor, tmp_path: Path
+) -> None:
+    """Hand-off and SQL together: 64 threads hand their appends to a thread that
+    commits each batch with bare apsw, the floor under the 64-thread case."""
+    inserts = _BareInserts(tmp_path / "spool.db")
+    try:
+        run(benchmark, in_threads(producers, _HandoffFloor(inserts).append),
+            PRODUCERS * PER_PRODUCER)  # fmt: skip
+    finally:
+        inserts.close()
+
+
+@pytest.mark.benchmark(group="64 asyncio tasks")
+def test_handoff_sql_floor_64_async(
+    benchmark: Any, loop: asyncio.AbstractEventLoop, tmp_path: Path
+) -> None:
+    """The same floor under the 64-task case."""
+    inserts = _BareInserts(tmp_path / "spool.db")
+    try:
+        run(benchmark, in_tasks(loop, _HandoffFloor(inserts).append_async),
+            PRODUCERS * PER_PRODUCER)  # fmt: skip
+    finally:
+        inserts.close()
+
+
 @pytest.mark.benchmark(group="groups of 64")
 @pytest.mark.parametrize("sessions", [1, 64])
 def test_walspool_group_of_64(benchmark: Any, spool: walspool.Spool, sessions: int) -> None:
     """The group a 64-way case commits, from one thread: rows of 1 session vs 64.
 
     The difference is walspool's per-session work in a transaction (next-seq lookup,
-    sequences upsert, one index leaf per session), without any thread hand-off.
+    one index leaf per session), without any thread hand-off.
     """
     items = [(f"session-{k % sessions}", MESSAGE) for k in range(PRODUCERS)]
 
