@@ -8,11 +8,12 @@ Groups put each walspool case next to its baseline:
 - ``1 producer``: a bare ``os.write`` + ``os.fsync`` loop (one fsync per message, the
   physical limit), the JSON-file design, walspool ``append``;
 - ``64 threads`` / ``64 asyncio tasks``: the JSON-file design and walspool, each
-  producer appending to its own session;
+  producer appending to its own session; beside them two floors, CPython's hand-off
+  alone and the hand-off into bare apsw INSERTs;
 - ``batches of 1000``: the JSON-file design's loop over a batch, walspool
-  ``append_many``, in one benchmark whose rounds alternate the two designs (so a change
-  of load on a shared machine hits both), reported as two rates from their medians and
-  the spread of the ratio over the rounds.
+  ``append_many`` and bare apsw INSERTs of the same batches, in one benchmark whose
+  rounds alternate the designs (so a change of load on a shared machine hits each),
+  reported as rates from their medians and the spread of the ratio over the rounds.
 
 Walspool cases also record commits per round (an apsw commit hook on the writer's
 connection), so ``msgs_per_commit`` shows how well group commit shares fsyncs.
@@ -312,19 +313,24 @@ def test_walspool_64_async(
 
 WALSPOOL_MANY = "test_walspool_append_many"
 JSONFILE_MANY = "test_jsonfile_append_many"
+FLOOR_MANY = "test_sql_floor_append_many"
 
 
 @pytest.mark.benchmark(group="batches of 1000")
 def test_append_many_interleaved(
-    benchmark: Any, spool: walspool.Spool, jsonfile: JsonFileSpool
+    benchmark: Any, spool: walspool.Spool, jsonfile: JsonFileSpool, tmp_path: Path
 ) -> None:
-    """walspool ``append_many`` and the JSON-file loop, alternating within each round.
+    """walspool ``append_many``, the JSON-file loop and the same batches as bare apsw
+    INSERTs (SQLite's own work for them, the floor), alternating within each round.
 
-    Recorded as two results, ``test_walspool_append_many`` and
-    ``test_jsonfile_append_many`` (see ``run_interleaved``): each round is one JSON-file
-    batch and half of walspool's batches, twice over.
+    Recorded as three results, ``test_walspool_append_many``,
+    ``test_jsonfile_append_many`` and ``test_sql_floor_append_many`` (see
+    ``run_interleaved``): each round is one JSON-file batch and half of walspool's (and
+    the floor's) batches, twice over.
     """
     items = batch()
+    sessions = [session_id for session_id, _ in items]
+    inserts = _BareInserts(tmp_path / "floor.db")
 
     def walspool_half() -> None:
         for _ in range(WALSPOOL_BATCHES // 2):
@@ -334,15 +340,23 @@ def test_append_many_interleaved(
         for _ in range(JSONFILE_BATCHES // 2):
             jsonfile.append_many(items)
 
-    run_interleaved(
-        benchmark,
-        {
-            WALSPOOL_MANY: (walspool_half, WALSPOOL_BATCHES // 2 * BATCH),
-            JSONFILE_MANY: (jsonfile_half, JSONFILE_BATCHES // 2 * BATCH),
-        },
-        ratio=(WALSPOOL_MANY, JSONFILE_MANY),
-        spool=(WALSPOOL_MANY, spool),
-    )
+    def floor_half() -> None:
+        for _ in range(WALSPOOL_BATCHES // 2):
+            inserts(sessions)
+
+    try:
+        run_interleaved(
+            benchmark,
+            {
+                WALSPOOL_MANY: (walspool_half, WALSPOOL_BATCHES // 2 * BATCH),
+                JSONFILE_MANY: (jsonfile_half, JSONFILE_BATCHES // 2 * BATCH),
+                FLOOR_MANY: (floor_half, WALSPOOL_BATCHES // 2 * BATCH),
+            },
+            ratio=(WALSPOOL_MANY, JSONFILE_MANY),
+            spool=(WALSPOOL_MANY, spool),
+        )
+    finally:
+        inserts.close()
 
 
 # -- where the time goes ------------------------------------------------------------

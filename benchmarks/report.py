@@ -53,6 +53,12 @@ RATIOS = [
         50.0,
     ),
     (
+        "batches of 1,000: walspool append_many / bare SQL floor",
+        "test_walspool_append_many",
+        "test_sql_floor_append_many",
+        None,
+    ),
+    (
         "64 asyncio tasks: walspool / hand-off + bare SQL floor",
         "test_walspool_64_async",
         "test_handoff_sql_floor_64_async",
