@@ -88,6 +88,9 @@ class FaultVFS(apsw.VFS):
         self.counting = False
         self.injected: list[Fault] = []
         self.opened: list[tuple[str, int]] = []
+        #: What ``xGetLastError`` reports, the errno SQLite keeps for a failed write
+        #: (``Connection.system_errno``); None: the real VFS's own.
+        self.last_errno: int | None = None
         self._lock = threading.Lock()
         super().__init__(self.vfs_name, base)
 
@@ -123,6 +126,11 @@ class FaultVFS(apsw.VFS):
 
     def xOpen(self, name: str | apsw.URIFilename | None, flags: list[int]) -> FaultFile:
         return FaultFile(self, name, flags)
+
+    def xGetLastError(self) -> tuple[int, str | None]:
+        if self.last_errno is not None:
+            return self.last_errno, os.strerror(self.last_errno)
+        return super().xGetLastError()
 
 
 class FaultFile(apsw.VFSFile):

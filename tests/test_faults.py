@@ -21,6 +21,7 @@ checked more loosely; see ``REALISTIC``.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import gc
 import threading
@@ -545,20 +546,33 @@ def test_clean_workloads_touch_every_kind_they_should(fault_vfs, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "kind, error, raised, says",
+    "kind, error, os_errno, raised, says",
     [
-        ("sync", "eio", walspool.SpoolIOError, "check the disk"),
-        ("write", "enospc", walspool.DiskFull, "free disk space"),
+        ("sync", "eio", None, walspool.SpoolIOError, "check the disk"),
+        ("write", "enospc", None, walspool.DiskFull, "free disk space"),
+        # An I/O error whose errno says the disk is full (EFBIG: a file-size limit)
+        # is a full disk too: the writer asks its connection for the errno.
+        ("write", "eio", errno.ENOSPC, walspool.DiskFull, "free disk space"),
+        ("write", "eio", errno.EFBIG, walspool.DiskFull, "free disk space"),
     ],
 )
-def test_a_failed_write_surfaces_as_a_named_error(fault_vfs, tmp_path, kind, error, raised, says):
+def test_a_failed_write_surfaces_as_a_named_error(
+    fault_vfs, tmp_path, kind, error, os_errno, raised, says
+):
     path = tmp_path / "spool.db"
     with installed(fault_vfs), walspool.Spool(path) as spool:
         spool.append("s", {"a": 1})
+        fault_vfs.last_errno = os_errno
         fault_vfs.arm(Fault(kind, 1, error))
-        with pytest.raises(raised, match=says):
+        with pytest.raises(raised, match=says) as caught:
             spool.append("s", {"a": 2})
         fault_vfs.disarm()
+        fault_vfs.last_errno = None
+        # It names the spool and the session, and keeps SQLite's own error as its cause.
+        assert type(caught.value) is raised
+        assert caught.value.path == str(path) and str(path) in str(caught.value)
+        assert caught.value.session_id == "s"
+        assert isinstance(caught.value.__cause__, apsw.Error)
         assert spool.append("s", {"a": 3}).seq == 2
     INJECTED[(kind, error)] += 1
 

@@ -185,15 +185,20 @@ def test_failed_request_fails_alone_in_its_group(spool_path):
 
 
 def test_a_failure_while_describing_a_failure_still_reaches_the_caller(spool_path):
-    """The writer never dies with waiters left behind, even if mapping an error fails."""
+    """The writer never dies with waiters left behind, even if mapping an error fails
+    (asking SQLite about it fails too): the caller gets the failure named as well as
+    it can be without asking, the cap's SQLITE_FULL as a full disk, with its spool
+    and session."""
     with walspool.Spool(spool_path, max_bytes=64 * 1024) as spool:
 
         def broken_error(exc, request):
             raise apsw.IOError("disk gone while asking why")
 
         spool._writer._error = broken_error
-        with pytest.raises(walspool.WalspoolError):
+        with pytest.raises(walspool.DiskFull, match="no room to write") as caught:
             spool.submit("s", {"pad": "z" * 200_000}).result(30)
+        assert caught.value.path == str(spool_path) and caught.value.session_id == "s"
+        assert str(spool_path) in str(caught.value)
         assert spool._writer._thread.is_alive()
         assert spool.append("s", {"i": 1}).seq == 1
 
@@ -675,3 +680,100 @@ def test_a_caller_committing_on_its_own_thread_takes_and_wakes_what_was_queued(s
     assert [f.result(10).seq for f in futures] == list(range(1, queued_first + 1))
     assert receipt.seq == queued_first + 1
     assert [r.message["i"] for r in spool.records()] == list(range(queued_first + 1))
+
+
+# -- errors the writer hands back, and operations in a group -------------------
+
+
+def test_a_spool_at_max_bytes_fails_with_spool_full_naming_the_cap(spool_path):
+    with walspool.Spool(spool_path, max_bytes=128 * 1024) as spool:
+        with pytest.raises(walspool.SpoolFull) as caught:
+            spool.append("s", {"pad": "z" * 200_000})
+    assert caught.value.limit == 128 * 1024
+    assert caught.value.path == str(spool_path) and caught.value.session_id == "s"
+    assert "max_bytes=131072" in str(caught.value)
+    assert isinstance(caught.value.__cause__, apsw.FullError)
+
+
+def test_sqlite_full_is_the_caps_when_the_requests_pages_and_8_more_reach_the_limit(spool_path):
+    """SQLITE_FULL comes from ``max_bytes`` (``SpoolFull``) or from the disk
+    (``DiskFull``): the writer calls it the cap's when the pages in use, the request's
+    payload in pages and 8 pages of slack reach ``max_page_count``."""
+    with walspool.Spool(spool_path, max_bytes=1024 * 1024) as spool:
+        writer = spool._writer
+        conn = writer._conn
+        page_size = conn.execute("PRAGMA page_size").get
+        pages = conn.execute("PRAGMA page_count").get
+        request = _eviction(spool, 0)
+        request.payload_bytes = 3 * page_size + page_size // 2  # 3 whole pages
+        limits = {}
+        for limit in (pages + 3 + 7, pages + 3 + 8, pages + 3 + 9):
+            conn.execute(f"PRAGMA max_page_count = {limit}")
+            limits[limit - pages - 3] = writer._at_max_bytes(request)
+    assert limits == {7: True, 8: True, 9: False}
+
+
+def test_a_failing_callback_is_logged_by_name_and_the_writer_goes_on(spool, caplog):
+    writer = spool._writer
+    with caplog.at_level(logging.ERROR, logger="walspool.writer"):
+        writer.notify(_eviction(spool, 0), lambda request: 1 / 0)
+        writer.notify(_eviction(spool, 1), Batched(lambda requests: 1 / 0))
+        spool.flush()
+    assert sorted(r.getMessage() for r in caplog.records) == [
+        "callback for 1 committed spool requests failed",
+        "callback for a committed spool request failed",
+    ]
+    assert all(r.exc_info and r.exc_info[0] is ZeroDivisionError for r in caplog.records)
+    assert spool.append("s", {"i": 2}).seq == 3
+
+
+def test_an_async_append_whose_loop_closed_is_committed_and_logged_at_debug(spool, caplog):
+    """The writer resolves asyncio waiters through their loop; a loop closed meanwhile
+    cannot take the result, and that is no error: the row is committed all the same."""
+    loop = asyncio.new_event_loop()
+    future = loop.create_future()
+    loop.close()
+    with caplog.at_level(logging.DEBUG, logger="walspool.writer"):
+        with spool._writer._commit_lock:  # queued, then committed by the writer thread
+            spool._writer.notify(_eviction(spool, 0), (loop, future))
+        spool.flush()
+    assert [r.getMessage() for r in caplog.records if r.name == "walspool.writer"] == [
+        "event loop closed before its appends were acknowledged"
+    ]
+    assert not future.done()
+    assert [r.seq for r in spool.records()] == [1]
+
+
+def test_an_operation_in_a_group_sees_the_appends_before_it_and_not_after(spool):
+    """A group of append, operation, append (queued behind a held writer): the
+    operation runs in the same transaction after the first append's row is written;
+    the rows after it are added to the same group and land with consecutive seqs."""
+    writer = spool._writer
+    counts: list[int] = []
+    with writer._commit_lock:
+        first = spool.submit("s", {"i": 0})
+        seen = writer.submit(
+            Operation(lambda conn: counts.append(conn.execute("SELECT count(*) FROM records").get))
+        )
+        rest = [spool.submit("s", {"i": i}) for i in (1, 2)]
+    assert [f.result(10).seq for f in (first, *rest)] == [1, 2, 3]
+    seen.result(10)
+    assert counts == [1]
+    assert [r.message["i"] for r in spool.records()] == [0, 1, 2]
+
+
+def test_after_an_operation_the_writer_reads_its_numbers_again(spool):
+    """An operation may write rows itself (any SQL in the writer's transaction); the
+    ids and seqs the writer remembers are then read again, never handed out twice."""
+    assert spool.append("s", {"i": 0}).seq == 1
+    row = spool._row("s", {"i": 1}, walspool.CAP_DROP, None)
+
+    def insert_next(conn) -> None:
+        conn.execute(
+            walspool_writer.INSERT_RECORD_SQL, (2, "s", 2, row[2], None, row[3], row[4], row[5])
+        )
+
+    spool._execute(insert_next)
+    receipt = spool.append("s", {"i": 2})
+    assert (receipt.id, receipt.seq) == (3, 3)
+    assert [r.message["i"] for r in spool.records()] == [0, 1, 2]
