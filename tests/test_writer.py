@@ -269,9 +269,16 @@ def test_notify_nowait_raises_full_instead_of_waiting(spool_path, monkeypatch):
         assert [r.message["i"] for r in spool.records()] == [0, 1]
 
 
-def test_close_is_bounded_and_logs_what_was_not_committed(spool_path, monkeypatch, caplog):
+@pytest.mark.parametrize("group_rows", [None, 1])
+def test_close_is_bounded_and_logs_what_was_not_committed(
+    spool_path, monkeypatch, caplog, group_rows
+):
+    """With ``group_rows`` 1, each request fails in a group of its own after close gave
+    up: the count adds them all up."""
     monkeypatch.setattr(walspool_writer, "BUSY_RETRY_SECONDS", 60.0)
     monkeypatch.setattr(walspool_writer, "CLOSE_TIMEOUT", 0.5)
+    if group_rows is not None:
+        monkeypatch.setattr(walspool_writer, "GROUP_ROWS", group_rows)
     spool = walspool.Spool(spool_path)
     with write_lock_held(spool_path):
         futures = [spool.submit("s", {"i": i}) for i in range(3)]
