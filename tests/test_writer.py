@@ -232,6 +232,20 @@ def test_a_write_lock_held_elsewhere_fails_with_spool_busy_after_the_bound(spool
         assert spool._writer.busy_since is None
 
 
+def test_a_group_failing_on_a_held_lock_names_each_requests_own_session(spool_path, short_busy):
+    """A group waits for the lock once and fails as a whole; each caller's error still
+    names the session of its own message."""
+    with walspool.Spool(spool_path) as spool, write_lock_held(spool_path):
+        with spool._writer._commit_lock:  # both queued: one group
+            futures = {session_id: spool.submit(session_id, {"i": 0}) for session_id in "st"}
+        for session_id, future in futures.items():
+            with pytest.raises(SpoolBusy) as caught:
+                future.result(30)
+            assert caught.value.session_id == session_id
+            assert caught.value.path == str(spool_path)
+            assert caught.value.seconds == short_busy
+
+
 def test_waiters_wake_as_soon_as_the_lock_is_released(spool_path, monkeypatch):
     monkeypatch.setattr(walspool_writer, "BUSY_RETRY_SECONDS", 60.0)
     with walspool.Spool(spool_path) as spool:
@@ -290,9 +304,15 @@ def test_close_is_bounded_and_logs_what_was_not_committed(
         with caplog.at_level(logging.ERROR, logger="walspool.writer"):
             spool.close()
         assert time.monotonic() - started < 0.5 + walspool_writer.CLOSE_GRACE + 2
-        for future in futures:
-            with pytest.raises(walspool.SpoolClosed, match="write lock was held"):
+        for future, session_id in zip(futures, ["s", "s", "s", "t", None], strict=True):
+            with pytest.raises(walspool.SpoolClosed) as caught:
                 future.result(0)
+            assert str(caught.value) == (
+                f"spool {spool_path} was closed before this message was committed "
+                "(its write lock was held elsewhere)"
+            )
+            assert caught.value.path == str(spool_path)
+            assert caught.value.session_id == session_id
         errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
         assert errors == [
             f"spool {spool_path}: closed after waiting 0.5 s for its write lock; 5 accepted "
@@ -613,6 +633,7 @@ def test_a_closed_writer_refuses_every_request_naming_its_session(spool_path):
         with pytest.raises(walspool.SpoolClosed, match="is closed") as caught:
             put(Append((row,), single=True))
         assert caught.value.session_id == "s", way
+        assert caught.value.path == str(spool_path), way
     assert not writer._pending
 
 
@@ -784,3 +805,74 @@ def test_after_an_operation_the_writer_reads_its_numbers_again(spool):
     receipt = spool.append("s", {"i": 2})
     assert (receipt.id, receipt.seq) == (3, 3)
     assert [r.message["i"] for r in spool.records()] == [0, 1, 2]
+
+
+class _Statements:
+    """The writer's connection, with ``execute`` going through ``hook(real, sql)``
+    first: a hook that raises fails the statement as SQLite would."""
+
+    def __init__(self, real: apsw.Connection, hook) -> None:
+        self._real = real
+        self._hook = hook
+
+    def __getattr__(self, name: str):
+        return getattr(self._real, name)
+
+    def execute(self, sql: str, *args):
+        self._hook(self._real, sql)
+        return self._real.execute(sql, *args)
+
+
+def test_a_rollback_that_fails_never_hides_the_failure_that_caused_it(spool, monkeypatch):
+    writer = spool._writer
+
+    def rollback_reports_an_error(real: apsw.Connection, sql: str) -> None:
+        if sql == "ROLLBACK":
+            real.execute(sql)  # rolled back, and then an I/O error on the way out
+            raise apsw.IOError("disk I/O error")
+
+    monkeypatch.setattr(writer, "_conn", _Statements(writer._conn, rollback_reports_an_error))
+
+    def refuse(conn: apsw.Connection) -> None:
+        raise ValueError("refused by the operation")
+
+    with pytest.raises(ValueError, match="refused by the operation"):
+        spool._execute(refuse)
+    assert spool.append("s", {"i": 0}).seq == 1
+
+
+def test_sqlite_busy_without_the_busy_handler_marks_the_writer_busy_until_it_commits(
+    spool, monkeypatch
+):
+    """SQLite may report SQLITE_BUSY without asking the busy handler (a WAL snapshot, a
+    recovery in another process): the writer tries again shortly, and meanwhile says it
+    is busy (``busy_since``, which producers waiting for room watch) as when the handler
+    waits; the commit that then succeeds clears it."""
+    writer = spool._writer
+    free = threading.Event()
+    seen: list[float | None] = []
+
+    def busy_until_free(real: apsw.Connection, sql: str) -> None:
+        if sql == "BEGIN IMMEDIATE" and not free.is_set():
+            seen.append(writer.busy_since)
+            raise apsw.BusyError("database is locked")
+
+    monkeypatch.setattr(writer, "_conn", _Statements(writer._conn, busy_until_free))
+    future = spool.submit("s", {"i": 0})
+    _until(lambda: len(seen) >= 2, "the writer tried twice")
+    assert seen[0] is None and seen[1] is not None  # set by the first try, not the handler
+    free.set()
+    assert future.result(30).seq == 1
+    assert writer.busy_since is None
+
+
+def test_the_footprint_is_measured_after_each_commit_once_tracked(spool):
+    writer = spool._writer
+    spool.append("s", {"i": 0})
+    assert writer.footprint is None  # nobody asked: commits do not pay for it
+    writer.track_footprint()
+    before = writer.footprint
+    assert before is not None and before > 0
+    for i in range(50):
+        spool.append("s", {"i": i, "pad": "x" * 4000})
+    assert writer.footprint >= before + 50 * 4000

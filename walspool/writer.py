@@ -408,15 +408,15 @@ class Writer:
                 f"spool {self._path} is closed", path=self._path, session_id=request.session_id
             )
 
-    def close(self, timeout: float | None = None) -> None:
+    def close(self) -> None:
         """Commit everything accepted so far, then stop the thread. Idempotent.
 
-        Waits at most ``timeout`` seconds (``CLOSE_TIMEOUT`` by default) for the
-        accepted requests to commit. Past it (another connection holds the write lock),
-        the rest fail with ``SpoolClosed``, their waiters wake, and an ERROR says how
-        many accepted messages were not committed.
+        Waits at most ``CLOSE_TIMEOUT`` seconds for the accepted requests to commit.
+        Past it (another connection holds the write lock), the rest fail with
+        ``SpoolClosed``, their waiters wake, and an ERROR says how many accepted
+        messages were not committed.
         """
-        timeout = CLOSE_TIMEOUT if timeout is None else timeout
+        timeout = CLOSE_TIMEOUT
         with self._cond:
             self._closed = True
             self._cond.notify_all()
@@ -529,8 +529,8 @@ class Writer:
 
     def _commit(self, requests: list[Request]) -> None:
         """Commit ``requests`` in one transaction, waiting for a write lock held
-        elsewhere at most ``BUSY_RETRY_SECONDS`` (then ``SpoolBusy``)."""
-        session_id = requests[0].session_id if requests else None
+        elsewhere at most ``BUSY_RETRY_SECONDS`` (then ``SpoolBusy``). Those two errors
+        name no session: ``_error`` names each request's own."""
         started = time.monotonic()
         self._busy_deadline = started + BUSY_RETRY_SECONDS
         while True:
@@ -539,7 +539,6 @@ class Writer:
                     f"spool {self._path} was closed before this message was committed "
                     "(its write lock was held elsewhere)",
                     path=self._path,
-                    session_id=session_id,
                 )
             try:
                 # schema.transaction, written out: this is every append's path.
@@ -563,9 +562,7 @@ class Writer:
                 if time.monotonic() >= self._busy_deadline or self._abandon.is_set():
                     if self._abandon.is_set():
                         continue  # fails above, as SpoolClosed
-                    raise SpoolBusy(
-                        BUSY_RETRY_SECONDS, path=self._path, session_id=session_id
-                    ) from exc
+                    raise SpoolBusy(BUSY_RETRY_SECONDS, path=self._path) from exc
                 # SQLite may report busy without asking the handler (a WAL snapshot
                 # or recovery in another process): look again shortly.
                 self._abandon.wait(BUSY_POLL_SECONDS)
@@ -598,10 +595,19 @@ class Writer:
             pass
 
     def _error(self, exc: BaseException, request: Request) -> BaseException:
+        if isinstance(exc, (SpoolBusy, SpoolClosed)) and exc.session_id != request.session_id:
+            # ``_commit`` raises these for a whole group: name each request's session.
+            error: BaseException
+            if isinstance(exc, SpoolBusy):
+                error = SpoolBusy(exc.seconds, path=self._path, session_id=request.session_id)
+            else:
+                error = SpoolClosed(str(exc), path=self._path, session_id=request.session_id)
+            error.__cause__ = exc.__cause__
+            return error
         if isinstance(exc, WalspoolError):
             return exc
         if isinstance(exc, apsw.FullError) and self._at_max_bytes(request):
-            error: BaseException = SpoolFull(
+            error = SpoolFull(
                 self._max_bytes or 0, path=str(self._path), session_id=request.session_id
             )
         elif isinstance(exc, apsw.Error):
