@@ -876,3 +876,38 @@ def test_the_footprint_is_measured_after_each_commit_once_tracked(spool):
     for i in range(50):
         spool.append("s", {"i": i, "pad": "x" * 4000})
     assert writer.footprint >= before + 50 * 4000
+
+
+def test_close_past_a_commit_that_never_ends_counts_the_queue_and_says_the_thread_is_stuck(
+    spool, monkeypatch, caplog
+):
+    """Step by step: the writer thread is inside a commit that does not end (an operation
+    waiting on an event) and three appends wait behind it. ``close`` gives up after its
+    timeout and grace, reports the three as not committed and the thread as stuck; once
+    the commit ends, the three fail with ``SpoolClosed``."""
+    monkeypatch.setattr(walspool_writer, "CLOSE_TIMEOUT", 0.2)
+    monkeypatch.setattr(walspool_writer, "CLOSE_GRACE", 0.2)
+    writer = spool._writer
+    inside, release = threading.Event(), threading.Event()
+
+    def stuck(conn: apsw.Connection) -> str:
+        inside.set()
+        assert release.wait(60), "the test never let the commit end"
+        return "done"
+
+    operation = writer.submit(Operation(stuck))
+    assert inside.wait(10)
+    queued = [spool.submit("s", {"i": i}) for i in range(3)]
+    with caplog.at_level(logging.ERROR, logger="walspool.writer"):
+        writer.close()
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR] == [
+        f"spool {spool.path}: closed after waiting 0.2 s for its write lock; 3 accepted "
+        "message(s) were not committed (the writer thread is still stuck in a commit)"
+    ]
+    release.set()
+    assert operation.result(30) == "done"
+    for future in queued:
+        with pytest.raises(walspool.SpoolClosed, match="was closed before"):
+            future.result(30)
+    writer._thread.join(30)
+    assert not writer._thread.is_alive()
