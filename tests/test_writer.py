@@ -911,3 +911,8 @@ def test_close_past_a_commit_that_never_ends_counts_the_queue_and_says_the_threa
             future.result(30)
     writer._thread.join(30)
     assert not writer._thread.is_alive()
+
+
+def test_the_writer_thread_is_named_for_its_spool(spool):
+    """What an operator reads in a thread dump (py-spy, faulthandler) of a gateway."""
+    assert spool._writer._thread.name == f"walspool-writer {spool.path}"

@@ -281,7 +281,6 @@ class Writer:
         self._commit_lock = threading.Lock()
         self._numbers = _Numbers()
         self._closed = False
-        self._stopped = False
         #: Set by ``close`` once its timeout has passed: busy waits end at once and
         #: queued requests fail without a try.
         self._abandon = threading.Event()
