@@ -916,3 +916,29 @@ def test_close_past_a_commit_that_never_ends_counts_the_queue_and_says_the_threa
 def test_the_writer_thread_is_named_for_its_spool(spool):
     """What an operator reads in a thread dump (py-spy, faulthandler) of a gateway."""
     assert spool._writer._thread.name == f"walspool-writer {spool.path}"
+
+
+def test_tracking_the_footprint_never_waits_for_a_running_commit(spool, tmp_path):
+    """``track_footprint`` while a commit runs (its lock held by another thread) returns
+    at once with the footprint tracked but not measured yet (0); the next commit
+    measures it. A missing ``-wal`` counts 0 bytes."""
+    writer = spool._writer
+    held, done = threading.Event(), threading.Event()
+
+    def commit_running() -> None:
+        with writer._commit_lock:
+            held.set()
+            done.wait(30)
+
+    thread = threading.Thread(target=commit_running)
+    thread.start()
+    assert held.wait(10)
+    try:
+        writer.track_footprint()
+        assert writer.footprint == 0
+    finally:
+        done.set()
+        thread.join(30)
+    spool.append("s", {"i": 0})
+    assert writer.footprint > 0
+    assert walspool_writer._size(str(tmp_path / "no-such-wal")) == 0
