@@ -471,6 +471,43 @@ def _held_by_the_background_thread(store, spool, gate_skip: int = 1):
     return link, gate, counted, writers
 
 
+def test_a_shutdown_flush_the_spool_refuses_after_a_rewrite_does_not_bring_back_its_messages(
+    hermes_home, store
+):
+    """Step by step: a shutdown flush takes the queue; the transcript is rewritten
+    (/retry) before the spool refuses the flush's rows. The rewrite dropped the queue,
+    as the released store does: the refused messages do not go back into it, and
+    state.db never gets them after the rewrite."""
+    store._db.create_session("s", "telegram")
+    big = "x" * 40_000
+    with walspool.Spool(hermes_home / "spool.db", max_bytes=128 * 1024) as spool:
+        link = install(store, spool, retry_interval=0.05, max_bytes=None)
+        sql(store, BREAK)
+        for i in range(3):
+            store.append_to_transcript("s", msg(f"m{i}{big}"))
+        stuck, go_on = threading.Event(), threading.Event()
+        spool._writer.submit(writer.Operation(lambda conn: stuck.set() or go_on.wait(STEP)))
+        assert stuck.wait(STEP)  # the flush's rows queue behind this
+        flushed: list[int] = []
+        flusher = in_thread(lambda: flushed.append(link.flush_queues()))
+        with link._lock:
+            assert link._settled.wait_for(lambda: store._dirty_transcripts.get("s") == [], STEP)
+        # The rewrite's own supersede queues behind the flush: it runs in a thread.
+        rewriter = in_thread(lambda: store._clear_dirty_transcript("s"))
+        with link._lock:
+            assert link._settled.wait_for(lambda: link._sessions["s"].generation == 1, STEP)
+        go_on.set()
+        assert joined(flusher) and joined(rewriter)
+        assert flushed == [0]
+        with link._lock:
+            assert not store._dirty_transcripts.get("s")
+        sql(store, HEAL)
+        store.append_to_transcript("s", msg("after"))
+        assert link.wait_idle(STEP)
+        assert contents(store, "s") == ["after"]
+        link.close()
+
+
 def test_a_gateway_thread_takes_the_session_over_and_writes_its_own_message(
     store, spool, monkeypatch
 ):

@@ -971,11 +971,13 @@ class Link:
                     _run(notes)
                     return 0
                 request = Append(rows, single=False)
+                # Filled below; ``_flushed`` reads it under the lock held here.
+                generations: dict[str, int] = {}
                 try:
                     # Under the lock, so no message of these sessions is queued, evicted
                     # or written meanwhile: the spool gets them in arrival order.
                     self.spool._writer.notify_nowait(
-                        request, partial(self._flushed, taken, committed)
+                        request, partial(self._flushed, taken, generations, committed)
                     )
                 except queue.Full:
                     pass
@@ -987,6 +989,7 @@ class Link:
                         state = self._session(session_id)
                         state.spooled += 1
                         state.unconfirmed += 1
+                        generations[session_id] = state.generation
                     break
             if time.monotonic() >= deadline:
                 log.error(
@@ -1023,16 +1026,21 @@ class Link:
         return len(rows)
 
     def _flushed(
-        self, taken: dict[str, list[dict[str, Any]]], committed: threading.Event, request: Request
+        self,
+        taken: dict[str, list[dict[str, Any]]],
+        generations: dict[str, int],
+        committed: threading.Event,
+        request: Request,
     ) -> None:
         """On the spool's writer: a shutdown flush committed (or failed)."""
         with self._lock:
             for session_id, messages in taken.items():
                 state = self._sessions[session_id]  # ``unconfirmed`` keeps it there
                 state.unconfirmed -= 1
-                if request.error is not None:
+                if request.error is not None and state.generation == generations[session_id]:
                     # Not in the spool: back to the front of their queue, so they stay
-                    # with the process as in the released store.
+                    # with the process as in the released store; unless the transcript
+                    # was rewritten meanwhile, which dropped the queue they were in.
                     self.store._dirty_transcripts.setdefault(session_id, [])[0:0] = messages
                 if state.writer is None and self._has_work(session_id, state):
                     self._schedule(state.retry_at)
@@ -1247,7 +1255,7 @@ def install_runner(runner: Any, link: Link) -> None:
         # so the /queue overflow (each key's tail, after the adapter slot that holds
         # its head) and the store's queues are spooled here, in that order.
         _never_raise(link.flush_pending, slots, reason=SHUTDOWN)
-        queued = getattr(runner, "_queued_events", None) or {}
+        queued = runner._queued_events or {}  # checked above: 0.19.0 has it
         overflow = [(key, event) for key, events in list(queued.items()) for event in events]
         _never_raise(link.flush_slots, overflow, reason="overflow_shutdown")
         _never_raise(link.flush_queues)
