@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -506,6 +507,47 @@ def test_a_shutdown_flush_the_spool_refuses_after_a_rewrite_does_not_bring_back_
         assert link.wait_idle(STEP)
         assert contents(store, "s") == ["after"]
         link.close()
+
+
+def test_a_rewrite_while_a_writer_holds_the_session_starts_its_bookkeeping_afresh(store, spool):
+    """The session's state outlives a rewrite while its writer holds it (here the
+    background thread, held writing "old"): the rewrite still resets what the state
+    counted (spooled rows, their bytes, failures, retry times) and bumps its generation
+    past every value a writer may have read, once per rewrite."""
+    link, gate, counted, writers = _held_by_the_background_thread(store, spool)
+    with link._lock:
+        state = link._sessions["s"]
+        state.spooled, state.spooled_bytes, state.failures = 3, 1234, 2
+        state.retry_at = state.hold_until = time.monotonic() + 3600
+        generations = [state.generation]
+    for text in ("rewritten", "rewritten again"):
+        assert store.rewrite_transcript("s", [msg(text)])
+        with link._lock:
+            assert link._sessions["s"] is state  # kept: its writer still holds it
+            assert (state.spooled, state.spooled_bytes, state.failures) == (0, 0, 0)
+            assert state.retry_at == state.hold_until == 0.0
+            generations.append(state.generation)
+    assert generations == sorted(set(generations))  # rose with each rewrite
+    gate.open()  # "old" lands (it was in flight, as in the released store)
+    assert link.wait_idle(STEP)
+    assert contents(store, "s") == ["rewritten again", "old"]
+    assert "s" not in link._sessions
+
+
+def test_a_rewrite_forgets_the_state_of_a_session_it_leaves_idle(store, spool):
+    """A failing session waits for its retry with a message queued; the rewrite drops
+    the queue, and with nothing left the link forgets the session at once."""
+    store._db.create_session("s", "telegram")
+    link = install(store, spool, retry_interval=3600)
+    sql(store, BREAK)
+    store.append_to_transcript("s", msg("first"))  # fails: queued, retried in an hour
+    with link._lock:
+        assert link._sessions["s"].failures == 1 and link._sessions["s"].writer is None
+    store._clear_dirty_transcript("s")  # what a rewrite calls (state.db refuses the rewrite)
+    with link._lock:
+        assert "s" not in link._sessions
+        assert "s" not in store._dirty_transcripts
+    link.close()
 
 
 def test_a_gateway_thread_takes_the_session_over_and_writes_its_own_message(
