@@ -810,6 +810,37 @@ def test_messages_that_waited_for_the_starts_recovery_are_written_when_it_ends(
     link.close()
 
 
+def test_a_recovery_that_holds_one_session_still_settles_and_writes_the_next(store, spool):
+    """``recover`` goes through every session that waited for it: one whose rows fail
+    (held, first in line) does not stop the next one's rows and queue being written
+    before it returns."""
+    for session_id in "ab":
+        spool.append(session_id, _m(f"r{session_id}"))  # an earlier run's rows
+        store._db.create_session(session_id, "telegram")
+    link = install(store, spool, recover=False, retry_interval=3600)
+    sql(store, BREAK)
+    for session_id in "ab":
+        store.append_to_transcript(session_id, _m(f"live {session_id}"))  # fail: queued
+    sql(store, HEAL)
+    write = link.replayer.sink.write
+
+    def refuse_a(session_id: str, *args: Any, **kw: Any) -> Any:
+        if session_id == "a":
+            raise RuntimeError("refused for the test")
+        return write(session_id, *args, **kw)
+
+    link.replayer.sink.write = refuse_a
+    with link._lock:
+        assert list(link._sessions) == ["a", "b"]
+    report = link.recover()
+    assert (report.moved, report.held) == (1, 1)
+    assert contents(store, "b") == ["rb", "live b"]  # written before recover returned
+    assert contents(store, "a") == []
+    with link._lock:
+        assert "b" not in link._sessions and link._sessions["a"].spooled
+    link.close()
+
+
 def test_wait_idle_is_false_at_its_bound_while_a_session_has_a_queue(store, spool):
     store._db.create_session("s", "telegram")
     link = install(store, spool, retry_interval=3600)
