@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -314,10 +315,26 @@ class _CountedWaits(threading.Condition):
         return super().wait(timeout)
 
 
+def _stop_the_clock(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Stop the link's clock: a bound it waits for never runs out by itself (each wait
+    is cut short only by a notification), so a wait given up early shows. With a short
+    bound (0.5 s) this checks every part of the bound is waited for, not only what is
+    left over 1 s."""
+    now = time.monotonic()
+    monkeypatch.setattr(hermes, "time", SimpleNamespace(monotonic=lambda: now))
+
+
+#: A bound waited for in full: the whole default, or 0.5 s on a stopped clock.
+BOUNDS = [pytest.param(STEP, id="bound"), pytest.param(0.5, id="short-bound-stopped-clock")]
+
+
+@pytest.mark.parametrize("bound", BOUNDS)
 def test_gateway_threads_past_twice_the_cap_wait_for_the_head_counted_as_waiters(
-    store, spool, monkeypatch
+    store, spool, monkeypatch, bound
 ):
-    monkeypatch.setattr(hermes, "HANDOFF_WAIT", STEP)
+    monkeypatch.setattr(hermes, "HANDOFF_WAIT", bound)
+    if bound < 1:
+        _stop_the_clock(monkeypatch)
     monkeypatch.setattr(store, "_MAX_PENDING_PER_SESSION", 3, raising=False)
     store._db.create_session("s", "telegram")
     link = install(store, spool, retry_interval=0)
@@ -550,11 +567,14 @@ def test_a_rewrite_forgets_the_state_of_a_session_it_leaves_idle(store, spool):
     link.close()
 
 
+@pytest.mark.parametrize("bound", BOUNDS)
 def test_a_gateway_thread_takes_the_session_over_and_writes_its_own_message(
-    store, spool, monkeypatch
+    store, spool, monkeypatch, bound
 ):
-    monkeypatch.setattr(hermes, "HANDOFF_WAIT", STEP)
+    monkeypatch.setattr(hermes, "HANDOFF_WAIT", bound)
     link, gate, counted, writers = _held_by_the_background_thread(store, spool)
+    if bound < 1:
+        _stop_the_clock(monkeypatch)  # the background thread's retry is under way
     g = threading.Thread(
         target=lambda: store.append_to_transcript("s", msg("new")), name="gateway", daemon=True
     )
@@ -598,6 +618,25 @@ def test_after_close_a_gateway_thread_never_waits_for_the_background_writer(
     assert joined(link._thread)
     store.append_to_transcript("s", msg("after"))  # closed: each message retries at once
     assert contents(store, "s") == ["first", "old", "new", "after"]
+
+
+def test_wait_idle_waits_its_whole_bound_for_a_write_to_end(store, spool, monkeypatch):
+    """On a stopped clock, ``wait_idle(0.5)`` returns True once a held write ends."""
+    store._db.create_session("s", "telegram")
+    link = install(store, spool, retry_interval=0)
+    gate = gate_live_writes(store)
+    gate.arm()
+    a = in_thread(lambda: store.append_to_transcript("s", msg("m0")))
+    assert gate.entered.wait(STEP)
+    link._settled = counted = _CountedWaits(link._lock)
+    _stop_the_clock(monkeypatch)
+    idle: list[bool] = []
+    w = in_thread(lambda: idle.append(link.wait_idle(0.5)))
+    assert counted.waits.acquire(timeout=STEP)  # w waits for the write
+    gate.open()
+    assert joined(a) and joined(w)
+    assert idle == [True]
+    assert contents(store, "s") == ["m0"]
 
 
 def test_flush_queues_with_nothing_queued_spools_nothing(store, spool):
