@@ -852,3 +852,41 @@ def test_wait_idle_is_false_at_its_bound_while_a_session_has_a_queue(store, spoo
     store.append_to_transcript("s", _m("next"))
     assert link.wait_idle(30)
     assert contents(store, "s") == ["queued", "next"]
+
+
+def test_the_background_thread_claims_only_the_session_longest_due_with_nothing_in_the_way(
+    store, spool
+):
+    """The background thread's choice, one look (``_due_sessions``) with the lock held:
+    of the sessions with work, it skips one with a writer, one a gateway thread waits
+    on, one with evictions not yet committed (their commit wakes it) and one not due
+    yet, and claims the one whose retry time passed first; with none due, it looks
+    again at the earliest retry time."""
+    from walspool import hermes
+
+    link = install(store, spool, recover=False, retry_interval=0)  # no thread of its own
+    now = hermes.time.monotonic()
+    with link._lock:
+        states = {}
+        names = ("writing", "waited", "unconfirmed", "idle", "sooner", "later", "due", "first")
+        for session_id in names:
+            state = states[session_id] = link._session(session_id)
+            state.spooled = 0
+            if session_id != "idle":
+                store._dirty_transcripts[session_id] = [{"role": "user", "content": "q"}]
+        states["writing"].writer = hermes._Writer(background=False)
+        states["waited"].waiters = 1
+        states["unconfirmed"].unconfirmed = 1
+        states["later"].retry_at = now + 100
+        states["sooner"].retry_at = now + 50
+        states["due"].retry_at = now - 1
+        states["first"].retry_at = now - 2
+        claimed, _ = link._due_sessions()
+        assert [(sid, state) for sid, state, _ in claimed] == [("first", states["first"])]
+        assert states["first"].writer is claimed[0][2] and claimed[0][2].background
+        claimed, _ = link._due_sessions()
+        assert [sid for sid, _, _ in claimed] == ["due"]
+        assert link._due_sessions() == ([], now + 50)
+        for state in states.values():  # leave nothing for the store's own shutdown
+            state.writer, state.waiters, state.unconfirmed = None, 0, 0
+        store._dirty_transcripts.clear()
