@@ -110,9 +110,9 @@ def from_json(data: dict[str, Any]) -> dict[str, dict[str, Any]]:
         if not msgs:
             continue
         median = bench["stats"]["median"]
-        results[bench["name"]] = {
+        results[extra.get("result_name", bench["name"])] = {
             **extra,
-            "group": bench["group"],
+            "group": bench["group"] or extra.get("group", ""),
             "msgs_per_round": msgs,
             "median_s": median,
             "msgs_per_s": msgs / median,
