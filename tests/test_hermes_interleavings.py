@@ -639,6 +639,19 @@ def test_wait_idle_waits_its_whole_bound_for_a_write_to_end(store, spool, monkey
     assert contents(store, "s") == ["m0"]
 
 
+def test_close_waits_for_a_busy_background_thread_at_most_its_bound(store, spool, monkeypatch):
+    """``close`` while the background thread is inside a write that does not end
+    returns after ``HANDOFF_WAIT`` with the thread still running; the write then ends
+    and the thread stops at its next look."""
+    link, gate, counted, writers = _held_by_the_background_thread(store, spool)
+    monkeypatch.setattr(hermes, "HANDOFF_WAIT", 0.2)
+    link.close()
+    assert link._thread.is_alive() and not gate.release.is_set()
+    gate.open()
+    assert joined(link._thread)
+    assert contents(store, "s") == ["first", "old"]
+
+
 def test_flush_queues_with_nothing_queued_spools_nothing(store, spool):
     link = install(store, spool, retry_interval=0)
     assert link.flush_queues() == 0
