@@ -29,7 +29,7 @@ import statistics
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
@@ -318,7 +318,7 @@ FLOOR_MANY = "test_sql_floor_append_many"
 
 @pytest.mark.benchmark(group="batches of 1000")
 def test_append_many_interleaved(
-    benchmark: Any, spool: walspool.Spool, jsonfile: JsonFileSpool, tmp_path: Path
+    benchmark: Any, spool: walspool.Spool, jsonfile: JsonFileSpool, bare_inserts: _BareInserts
 ) -> None:
     """walspool ``append_many``, the JSON-file loop and the same batches as bare apsw
     INSERTs (SQLite's own work for them, the floor), alternating within each round.
@@ -330,7 +330,6 @@ def test_append_many_interleaved(
     """
     items = batch()
     sessions = [session_id for session_id, _ in items]
-    inserts = _BareInserts(tmp_path / "floor.db")
 
     def walspool_half() -> None:
         for _ in range(WALSPOOL_BATCHES // 2):
@@ -342,21 +341,18 @@ def test_append_many_interleaved(
 
     def floor_half() -> None:
         for _ in range(WALSPOOL_BATCHES // 2):
-            inserts(sessions)
+            bare_inserts(sessions)
 
-    try:
-        run_interleaved(
-            benchmark,
-            {
-                WALSPOOL_MANY: (walspool_half, WALSPOOL_BATCHES // 2 * BATCH),
-                JSONFILE_MANY: (jsonfile_half, JSONFILE_BATCHES // 2 * BATCH),
-                FLOOR_MANY: (floor_half, WALSPOOL_BATCHES // 2 * BATCH),
-            },
-            ratio=(WALSPOOL_MANY, JSONFILE_MANY),
-            spool=(WALSPOOL_MANY, spool),
-        )
-    finally:
-        inserts.close()
+    run_interleaved(
+        benchmark,
+        {
+            WALSPOOL_MANY: (walspool_half, WALSPOOL_BATCHES // 2 * BATCH),
+            JSONFILE_MANY: (jsonfile_half, JSONFILE_BATCHES // 2 * BATCH),
+            FLOOR_MANY: (floor_half, WALSPOOL_BATCHES // 2 * BATCH),
+        },
+        ratio=(WALSPOOL_MANY, JSONFILE_MANY),
+        spool=(WALSPOOL_MANY, spool),
+    )
 
 
 # -- where the time goes ------------------------------------------------------------
@@ -441,6 +437,15 @@ class _BareInserts:
         self._conn.close()
 
 
+@pytest.fixture
+def bare_inserts(tmp_path: Path) -> Iterator[_BareInserts]:
+    inserts = _BareInserts(tmp_path / "floor.db")
+    try:
+        yield inserts
+    finally:
+        inserts.close()
+
+
 def _resolve_all(futures: list[asyncio.Future[None]]) -> None:
     for future in futures:
         future.set_result(None)
@@ -458,29 +463,21 @@ def test_handoff_floor_64_async(benchmark: Any, loop: asyncio.AbstractEventLoop)
 
 @pytest.mark.benchmark(group="64 threads")
 def test_handoff_sql_floor_64_threads(
-    benchmark: Any, producers: ThreadPoolExecutor, tmp_path: Path
+    benchmark: Any, producers: ThreadPoolExecutor, bare_inserts: _BareInserts
 ) -> None:
     """Hand-off and SQL together: 64 threads hand their appends to a thread that
     commits each batch with bare apsw, the floor under the 64-thread case."""
-    inserts = _BareInserts(tmp_path / "spool.db")
-    try:
-        run(benchmark, in_threads(producers, _HandoffFloor(inserts).append),
-            PRODUCERS * PER_PRODUCER)  # fmt: skip
-    finally:
-        inserts.close()
+    append = _HandoffFloor(bare_inserts).append
+    run(benchmark, in_threads(producers, append), PRODUCERS * PER_PRODUCER)
 
 
 @pytest.mark.benchmark(group="64 asyncio tasks")
 def test_handoff_sql_floor_64_async(
-    benchmark: Any, loop: asyncio.AbstractEventLoop, tmp_path: Path
+    benchmark: Any, loop: asyncio.AbstractEventLoop, bare_inserts: _BareInserts
 ) -> None:
     """The same floor under the 64-task case."""
-    inserts = _BareInserts(tmp_path / "spool.db")
-    try:
-        run(benchmark, in_tasks(loop, _HandoffFloor(inserts).append_async),
-            PRODUCERS * PER_PRODUCER)  # fmt: skip
-    finally:
-        inserts.close()
+    append_async = _HandoffFloor(bare_inserts).append_async
+    run(benchmark, in_tasks(loop, append_async), PRODUCERS * PER_PRODUCER)
 
 
 @pytest.mark.benchmark(group="groups of 64")

@@ -8,10 +8,11 @@ not hoped for.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -388,12 +389,15 @@ def test_a_gateway_thread_waits_for_the_head_at_most_its_bound_then_drops(
     assert contents(store, "s") == ["m0", *(f"m{i}" for i in range(2, 7))]
 
 
-def test_a_shutdown_flush_the_spool_refuses_goes_back_in_front_and_is_retried(
-    hermes_home, store, monkeypatch, caplog
-):
-    """The flush's rows fail to commit (the spool is full): its messages go back to the
-    front of their queue, ahead of one queued meanwhile, and the background thread
-    writes them once state.db heals (no new message needed)."""
+@contextlib.contextmanager
+def _a_flush_the_spool_refuses(
+    hermes_home: Path, store: Any
+) -> Iterator[tuple[walspool.Spool, Link, threading.Event, threading.Thread, list[int]]]:
+    """Step by step to a shutdown flush the spool will refuse: session "s" has three
+    ~40 KB messages queued (state.db broken), the spool (``max_bytes`` 128 KiB) has its
+    writer held by an operation, and a thread's ``flush_queues`` has taken the queue and
+    waits behind it. Yields (spool, link, go_on, flusher, flushed): ``go_on.set()`` lets
+    the writer go on and refuse the flush's rows; ``flushed`` gets its return value."""
     store._db.create_session("s", "telegram")
     big = "x" * 40_000
     with walspool.Spool(hermes_home / "spool.db", max_bytes=128 * 1024) as spool:
@@ -405,10 +409,20 @@ def test_a_shutdown_flush_the_spool_refuses_goes_back_in_front_and_is_retried(
         spool._writer.submit(writer.Operation(lambda conn: stuck.set() or go_on.wait(STEP)))
         assert stuck.wait(STEP)  # the flush's rows queue behind this
         flushed: list[int] = []
+        flusher = in_thread(lambda: flushed.append(link.flush_queues()))
+        with link._lock:
+            assert link._settled.wait_for(lambda: store._dirty_transcripts.get("s") == [], STEP)
+        yield spool, link, go_on, flusher, flushed
+
+
+def test_a_shutdown_flush_the_spool_refuses_goes_back_in_front_and_is_retried(
+    hermes_home, store, monkeypatch, caplog
+):
+    """The flush's rows fail to commit (the spool is full): its messages go back to the
+    front of their queue, ahead of one queued meanwhile, and the background thread
+    writes them once state.db heals (no new message needed)."""
+    with _a_flush_the_spool_refuses(hermes_home, store) as (spool, link, go_on, flusher, flushed):
         with caplog.at_level(logging.ERROR, logger="walspool.hermes"):
-            flusher = in_thread(lambda: flushed.append(link.flush_queues()))
-            with link._lock:
-                assert link._settled.wait_for(lambda: store._dirty_transcripts.get("s") == [], STEP)
             store.append_to_transcript("s", msg("late"))  # queued while the flush waits
             go_on.set()
             assert joined(flusher)
@@ -496,20 +510,7 @@ def test_a_shutdown_flush_the_spool_refuses_after_a_rewrite_does_not_bring_back_
     (/retry) before the spool refuses the flush's rows. The rewrite dropped the queue,
     as the released store does: the refused messages do not go back into it, and
     state.db never gets them after the rewrite."""
-    store._db.create_session("s", "telegram")
-    big = "x" * 40_000
-    with walspool.Spool(hermes_home / "spool.db", max_bytes=128 * 1024) as spool:
-        link = install(store, spool, retry_interval=0.05, max_bytes=None)
-        sql(store, BREAK)
-        for i in range(3):
-            store.append_to_transcript("s", msg(f"m{i}{big}"))
-        stuck, go_on = threading.Event(), threading.Event()
-        spool._writer.submit(writer.Operation(lambda conn: stuck.set() or go_on.wait(STEP)))
-        assert stuck.wait(STEP)  # the flush's rows queue behind this
-        flushed: list[int] = []
-        flusher = in_thread(lambda: flushed.append(link.flush_queues()))
-        with link._lock:
-            assert link._settled.wait_for(lambda: store._dirty_transcripts.get("s") == [], STEP)
+    with _a_flush_the_spool_refuses(hermes_home, store) as (spool, link, go_on, flusher, flushed):
         # The rewrite's own supersede queues behind the flush: it runs in a thread.
         rewriter = in_thread(lambda: store._clear_dirty_transcript("s"))
         with link._lock:
