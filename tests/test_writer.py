@@ -741,12 +741,26 @@ def test_sqlite_full_is_the_caps_when_the_requests_pages_and_8_more_reach_the_li
     assert limits == {7: True, 8: True, 9: False}
 
 
+def _woken_by_the_writer_thread(spool: walspool.Spool) -> None:
+    """Block until the writer thread has woken the waiters of every group it took.
+
+    ``flush`` is not enough: it may commit on the caller's thread while the writer
+    thread is still waking an earlier group. The writer thread wakes one group's
+    waiters before it takes the next, so once a request queued now has been called
+    back there, every earlier wake has run.
+    """
+    spool.flush()
+    woken = threading.Event()
+    spool._writer.notify(Operation(lambda conn: None), lambda request: woken.set())
+    assert woken.wait(30)
+
+
 def test_a_failing_callback_is_logged_by_name_and_the_writer_goes_on(spool, caplog):
     writer = spool._writer
     with caplog.at_level(logging.ERROR, logger="walspool.writer"):
         writer.notify(_eviction(spool, 0), lambda request: 1 / 0)
         writer.notify(_eviction(spool, 1), Batched(lambda requests: 1 / 0))
-        spool.flush()
+        _woken_by_the_writer_thread(spool)
     assert sorted(r.getMessage() for r in caplog.records) == [
         "callback for 1 committed spool requests failed",
         "callback for a committed spool request failed",
@@ -764,7 +778,7 @@ def test_an_async_append_whose_loop_closed_is_committed_and_logged_at_debug(spoo
     with caplog.at_level(logging.DEBUG, logger="walspool.writer"):
         with spool._writer._commit_lock:  # queued, then committed by the writer thread
             spool._writer.notify(_eviction(spool, 0), (loop, future))
-        spool.flush()
+        _woken_by_the_writer_thread(spool)
     assert [r.getMessage() for r in caplog.records if r.name == "walspool.writer"] == [
         "event loop closed before its appends were acknowledged"
     ]
