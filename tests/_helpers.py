@@ -13,6 +13,12 @@ from walspool.records import Record
 
 ROOT = Path(__file__).resolve().parent.parent
 
+#: Bound on a test's wait for what happens promptly when the code is right (a stepped
+#: thread reaching its next point, a background thread going idle): a wait that runs out
+#: is the failure. scripts/mutate lowers it (WALSPOOL_TEST_STEP) so that a mutant that
+#: breaks a step fails in seconds instead of timing out minutes later.
+STEP = float(os.environ.get("WALSPOOL_TEST_STEP", "30"))
+
 
 def terminal_line(config: Any, line: str) -> None:
     """Write ``line`` to the terminal whatever pytest's capture setting (a summary a

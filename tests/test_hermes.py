@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 from _gateway import BREAK, HEAL, contents, sql
+from _helpers import STEP
 
 import walspool
 from walspool.hermes import Link, install, install_runner
@@ -225,7 +226,7 @@ def test_shutdown_flush_then_restart_recovery(hermes_home):
     store2 = SessionStore(hermes_home / "sessions", config)
     with walspool.Spool(hermes_home / "spool.db") as spool2:
         link2 = install(store2, spool2)  # recovers in the background
-        assert link2.wait_idle(30)
+        assert link2.wait_idle(STEP)
         assert contents(store2, sid) == ["pending in adapter", "pending in runner"]
         assert [r.reason for r in spool2.records()] == [walspool.AGENT_HISTORY]
     store2._db.close()
@@ -400,7 +401,7 @@ def test_shutdown_during_an_outage_spools_the_in_memory_queue(hermes_home):
 
     store2 = SessionStore(hermes_home / "sessions", config)
     with walspool.Spool(hermes_home / "spool.db") as spool2:
-        assert install(store2, spool2).wait_idle(30)  # recovers in the background
+        assert install(store2, spool2).wait_idle(STEP)  # recovers in the background
         assert contents(store2, "s") == [f"m{i}" for i in range(250)]
     store2._db.close()
 
@@ -439,7 +440,7 @@ def test_queue_overflow_is_spooled_after_its_head_and_replayed(hermes_home):
 
     store2 = SessionStore(hermes_home / "sessions", config)
     with walspool.Spool(hermes_home / "spool.db") as spool2:
-        assert install(store2, spool2).wait_idle(30)
+        assert install(store2, spool2).wait_idle(STEP)
         got = [m["content"] for m in store2._db.get_messages(sid)]
         assert got == ["queued head", "queued 1", "queued 2"]
         assert list(spool2.records()) == []
@@ -693,7 +694,7 @@ def test_close_stops_the_background_thread_and_is_safe_without_one(store, spool,
 
 def _recovery_done(link: Link) -> bool:
     """With ``retry_interval=0`` the background thread ends after the start's recovery."""
-    link._thread.join(30)
+    link._thread.join(STEP)
     return not link._thread.is_alive()
 
 
@@ -805,7 +806,7 @@ def test_messages_that_waited_for_the_starts_recovery_are_written_when_it_ends(
     store.append_to_transcript("s", _m("live"))  # queued until the recovery ends
     assert contents(store, "s") == []
     release()
-    assert link.wait_idle(30)  # no new message needed
+    assert link.wait_idle(STEP)  # no new message needed
     assert contents(store, "s") == ["r0", "r1", "r2", "live"]
     link.close()
 
@@ -850,7 +851,7 @@ def test_wait_idle_is_false_at_its_bound_while_a_session_has_a_queue(store, spoo
     sql(store, HEAL)
     link.close()  # closed: the next message retries at once
     store.append_to_transcript("s", _m("next"))
-    assert link.wait_idle(30)
+    assert link.wait_idle(STEP)
     assert contents(store, "s") == ["queued", "next"]
 
 

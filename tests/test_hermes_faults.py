@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 from _gateway import BREAK, HEAL, contents, msg, sql
-from _helpers import ROOT
+from _helpers import ROOT, STEP
 from _lock_holder import replay_lock_held, write_lock_held
 
 import walspool
@@ -42,7 +42,7 @@ BREAK_A = (
 #: wait these tests set up (the busy bound is 60 s in them, the replay lock is held
 #: until released), so a call within it did not wait for the spool.
 APPEND_BOUND = 1.0
-WAIT = 30.0
+WAIT = STEP
 
 
 @pytest.fixture

@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 from _gateway import BREAK, HEAL, contents, msg, sql
+from _helpers import STEP
 
 import walspool
 import walspool.hermes as hermes
@@ -26,9 +27,6 @@ import walspool.writer as writer
 from walspool.hermes import Link, install
 
 pytest.importorskip("hermes_state")
-
-#: Bound on every wait for a stepped thread.
-STEP = 30.0
 
 
 class Gate:
