@@ -87,6 +87,7 @@ def test_conversion_rule(spool):
     uid = uuid.UUID(int=5)
     message = {
         "bytes": b"\x00\xff",
+        "buffers": [bytearray(b"\x00\xff"), memoryview(b"\x00\xff")],
         "when": when,
         "day": datetime.date(2026, 1, 2),
         "uuid": uid,
@@ -105,7 +106,7 @@ def test_conversion_rule(spool):
     spool.append("s", message)
     (rec,) = spool.records()
     got = rec.message
-    assert got["bytes"] == "AP8="
+    assert got["bytes"] == "AP8=" and got["buffers"] == ["AP8=", "AP8="]
     assert got["when"] == "2026-11-29T12:00:00Z"
     assert got["day"] == "2026-01-02"
     assert got["uuid"] == str(uid)
@@ -143,13 +144,16 @@ class Slotted:
 
 def test_conversion_rule_on_the_slow_path(spool):
     """Values converted one by one (a lone surrogate makes msgspec refuse the message):
-    finite floats stay, an object with no attributes becomes its repr, a dataclass its
-    fields even without ``__dict__``, a non-string key ``str(key)``."""
+    finite floats stay and the others are null, buffers are base64 as bytes are, an
+    object with no attributes becomes its repr, a dataclass its fields even without
+    ``__dict__``, a non-string key ``str(key)``."""
     bare = object()
     message = {
         "surrogate": "a\udc80",
         "float": 1.5,
         "nan": float("nan"),
+        "infinities": [float("inf"), float("-inf"), float("1e999")],
+        "buffers": [bytearray(b"ab"), memoryview(b"ab")],
         "bare": bare,
         "slotted": Slotted(7, bare),
         "keys": {Named(): "v"},
@@ -160,6 +164,8 @@ def test_conversion_rule_on_the_slow_path(spool):
         "surrogate": "a\ufffd",
         "float": 1.5,
         "nan": None,
+        "infinities": [None, None, None],
+        "buffers": ["YWI=", "YWI="],  # base64, as bytes
         "bare": repr(bare),
         "slotted": {"number": 7, "other": repr(bare)},
         "keys": {"named key": "v"},

@@ -98,8 +98,6 @@ def _object_fields(obj: Any) -> Any:
     """msgspec's hook for types it cannot encode natively."""
     if isinstance(obj, _Fields):
         raise TypeError("an object as a dict key")
-    if isinstance(obj, (bytearray, memoryview)):
-        return bytes(obj)
     fields = _public_attributes(obj)
     if fields is not None:
         return _Fields(fields)
@@ -125,7 +123,7 @@ def _safe_repr(obj: Any) -> str:
 def _scrub(text: str) -> str:
     """Replace lone surrogates, which UTF-8 cannot carry, with U+FFFD."""
     try:
-        text.encode("utf-8")
+        text.encode()
     except UnicodeEncodeError:
         # UTF-16 joins surrogate pairs into their character and marks each lone
         # surrogate with a single U+FFFD.
@@ -135,10 +133,8 @@ def _scrub(text: str) -> str:
 
 def _plain(value: Any, depth: int, active: set[int]) -> Any:
     """Convert ``value`` into JSON-safe Python values (the slow, general path)."""
-    if value is None or isinstance(value, (bool, int)):
-        return value
-    if isinstance(value, float):
-        return value if value == value and value not in (float("inf"), float("-inf")) else None
+    if value is None or isinstance(value, (bool, int, float)):
+        return value  # the encoder writes NaN and infinities as null
     if isinstance(value, str):
         return _scrub(value)
     if depth >= _MAX_DEPTH or id(value) in active:
