@@ -600,6 +600,56 @@ def test_a_cancelled_async_append_is_still_committed_and_others_in_its_group_res
     assert [r.message["i"] for r in spool.records()] == [0, 1, 2]
 
 
+def test_the_async_appends_of_one_pass_of_the_loop_wake_the_writer_once_and_commit_together(
+    spool,
+):
+    """``append_async`` queues at once but wakes the writer only when the loop's pass
+    ends: 64 tasks appending in one pass wake it once, with all 64 queued, and share one
+    commit. (Woken at the first, the writer would take what was queued by the time it
+    got the GIL back from the loop, and the rest would wait for a second commit.)"""
+    writer = spool._writer
+    commits = []
+    spool._conn.set_wal_hook(lambda conn, db, pages: commits.append(pages) or 0)
+    wakes = []  # the requests queued at each wake of the writer
+    notify_all = writer._cond.notify_all
+
+    def counting_notify_all() -> None:
+        wakes.append(len(writer._pending))
+        notify_all()
+
+    writer._cond.notify_all = counting_notify_all
+
+    async def main() -> list[walspool.Receipt]:
+        appends = [spool.append_async(f"s{i}", {"i": i}) for i in range(64)]
+        return await asyncio.wait_for(asyncio.gather(*appends), 30)
+
+    try:
+        receipts = asyncio.run(main())
+    finally:
+        del writer._cond.notify_all
+    assert wakes[0] == 64
+    assert len(commits) == 1
+    assert sorted((r.session_id, r.seq) for r in receipts) == sorted(
+        (f"s{i}", 1) for i in range(64)
+    )
+    assert not writer._loops_to_wake
+
+
+def test_an_async_append_whose_loop_stops_before_its_wake_is_committed_by_the_next(spool):
+    """A loop closed before the end of the pass that queued a request never wakes the
+    writer for it; the request stays queued, and the next wake (anyone's request, or
+    ``close``) commits it: nothing accepted is dropped."""
+    loop = asyncio.new_event_loop()
+    task = loop.create_task(spool.append_async("s", {"i": 0}))
+    loop.call_soon(loop.stop)  # runs in the pass that runs the task's first step
+    loop.run_forever()
+    assert len(spool._writer._pending) == 1  # queued, its wake still to come
+    loop.close()
+    task._log_destroy_pending = False  # its caller is gone with the loop: no warning
+    spool.append("t", {"i": 1})
+    assert [(r.session_id, r.seq) for r in spool.records()] == [("s", 1), ("t", 1)]
+
+
 def test_an_async_request_that_fails_raises_its_error_in_the_caller(spool):
     class Refused(Exception):
         pass

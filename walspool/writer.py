@@ -34,6 +34,7 @@ import os
 import queue
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -278,6 +279,10 @@ class Writer:
         #: ``wait_for_room`` answer for that request.
         self._refused = threading.local()
         self._cond = threading.Condition(threading.Lock())
+        #: Event loops that queued requests without waking the writer, and will wake it
+        #: at the end of their pass (``call_async``); each loop adds and removes only
+        #: itself, on its own thread. Weak: a loop closed first is not kept alive.
+        self._loops_to_wake: weakref.WeakSet[asyncio.AbstractEventLoop] = weakref.WeakSet()
         self._commit_lock = threading.Lock()
         self._numbers = _Numbers()
         self._closed = False
@@ -368,16 +373,34 @@ class Writer:
         return future
 
     async def call_async(self, request: Request) -> Any:
-        """Run ``request`` without blocking the event loop; no SQLite work runs on it."""
+        """Run ``request`` without blocking the event loop; no SQLite work runs on it.
+
+        The request is queued at once, but the writer thread is woken only once the
+        loop has run the rest of its ready callbacks: the requests its other tasks make
+        meanwhile join the same group, where waking the writer at the first would let it
+        take that one alone while the loop still holds the GIL for the rest.
+        """
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         waiter = (loop, future)
-        if not self._put(request, waiter, block=False):
+        if self._put(request, waiter, block=False, wake=False):
+            if loop not in self._loops_to_wake:
+                self._loops_to_wake.add(loop)
+                loop.call_soon(self._wake_for, loop)
+        else:
             await loop.run_in_executor(None, self._put, request, waiter)
         return await future
 
-    def _put(self, request: Request, waiter: Any, block: bool = True) -> bool:
-        """Queue a request; False if the queue is full and ``block`` is False."""
+    def _wake_for(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Wake the writer for what ``loop``'s tasks queued in its last pass."""
+        self._loops_to_wake.discard(loop)
+        with self._cond:
+            self._cond.notify_all()
+
+    def _put(self, request: Request, waiter: Any, block: bool = True, wake: bool = True) -> bool:
+        """Queue a request; False if the queue is full and ``block`` is False. With
+        ``wake`` False the writer is not woken for it: the caller wakes it later (a
+        queued request is taken by the next group all the same, whoever starts it)."""
         nbytes = request.payload_bytes
         with self._cond:
             while True:
@@ -390,7 +413,8 @@ class Writer:
                 self._cond.wait()
             self._pending.append((request, waiter))
             self._pending_bytes += nbytes
-            self._cond.notify_all()
+            if wake:
+                self._cond.notify_all()
         self._refused.nbytes = 0
         return True
 
