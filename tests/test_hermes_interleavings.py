@@ -588,6 +588,38 @@ def test_a_gateway_thread_takes_the_session_over_and_writes_its_own_message(
     assert link.wait_idle(STEP) and "s" not in link._sessions
 
 
+def test_two_gateway_threads_waiting_to_take_a_session_over_are_both_counted(
+    store, spool, monkeypatch
+):
+    """Both wait for the background writer, counted as two waiters; once it lets go,
+    one of them writes both messages, in order, and the session is forgotten."""
+    monkeypatch.setattr(hermes, "HANDOFF_WAIT", STEP)
+    link, gate, counted, writers = _held_by_the_background_thread(store, spool)
+    g1 = in_thread(lambda: store.append_to_transcript("s", msg("new1")))
+    assert counted.waits.acquire(timeout=STEP)
+    g2 = in_thread(lambda: store.append_to_transcript("s", msg("new2")))
+    assert counted.waits.acquire(timeout=STEP)
+    with link._lock:
+        assert link._sessions["s"].waiters == 2
+    gate.open()
+    assert joined(g1) and joined(g2)
+    assert contents(store, "s") == ["first", "old", "new1", "new2"]
+    assert link.wait_idle(STEP) and "s" not in link._sessions
+
+
+def test_a_wait_for_the_head_takes_only_itself_off_the_waiters(store, spool):
+    """``waiters`` counts every thread inside a wait of the session; one that leaves
+    (here at once: its deadline has passed) takes only itself off the count."""
+    link = install(store, spool)
+    with link._lock:
+        state = link._session("s")
+        state.waiters = 2  # two others wait, for the head or to take the session over
+        link._wait_for_head(state, time.monotonic())
+        assert state.waiters == 2
+        state.waiters = 0
+    link.close()
+
+
 def test_a_take_over_waits_at_most_its_bound_then_leaves_the_message_queued(
     store, spool, monkeypatch
 ):
