@@ -891,3 +891,25 @@ def test_the_background_thread_claims_only_the_session_longest_due_with_nothing_
         for state in states.values():  # leave nothing for the store's own shutdown
             state.writer, state.waiters, state.unconfirmed = None, 0, 0
         store._dirty_transcripts.clear()
+
+
+def test_a_flush_on_top_of_a_held_eviction_is_drained_once_state_db_heals(
+    store, spool, monkeypatch
+):
+    """A shutdown flush counts as spooled work on top of what the session had spooled
+    already (here one eviction its drain could not write): with the link still running
+    and state.db healed, the background thread writes both, in order, with no new
+    message."""
+    monkeypatch.setattr(store, "_MAX_PENDING_PER_SESSION", 3, raising=False)
+    store._db.create_session("s", "telegram")
+    link = install(store, spool, retry_interval=0.05)
+    sql(store, BREAK)
+    for i in range(4):
+        store.append_to_transcript("s", _m(f"m{i}"))  # m0 evicted at the cap
+    spool.flush()
+    assert [r.message["content"] for r in spool.records()] == ["m0"]
+    assert link.flush_queues() == 3
+    sql(store, HEAL)
+    assert link.wait_idle(STEP)
+    assert contents(store, "s") == ["m0", "m1", "m2", "m3"]
+    assert spool.stats().rows == 0
