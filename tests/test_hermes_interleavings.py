@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -385,6 +386,88 @@ def test_a_gateway_thread_waits_for_the_head_at_most_its_bound_then_drops(
     assert joined(a)
     assert link.wait_idle(STEP)
     assert contents(store, "s") == ["m0", *(f"m{i}" for i in range(2, 7))]
+
+
+def test_a_shutdown_flush_gives_each_wait_only_what_is_left_of_its_bound(store, spool, monkeypatch):
+    """On a clock the test moves: the spool's queue is full twice, then takes the
+    flush. Each wait for room gets what is left of ``FLUSH_TIMEOUT``, and the wait for
+    the commit what is left of it plus ``CONFIRM_WAIT``, so the flush as a whole stays
+    within its bound."""
+    monkeypatch.setattr(hermes, "FLUSH_TIMEOUT", 0.5)
+    clock = [1000.0]
+    store._db.create_session("s", "telegram")
+    link = install(store, spool, retry_interval=3600)
+    sql(store, BREAK)
+    store.append_to_transcript("s", msg("m0"))  # fails: queued, retried in an hour
+    monkeypatch.setattr(hermes, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    full = [2]
+    notify_nowait = spool._writer.notify_nowait
+
+    def full_twice(request: Any, callback: Any) -> None:
+        if full[0]:
+            full[0] -= 1
+            raise queue.Full
+        notify_nowait(request, callback)
+
+    room_waits: list[float] = []
+
+    def wait_for_room(timeout: float) -> bool:
+        room_waits.append(timeout)
+        clock[0] += 0.2  # room after 0.2 s each time
+        return True
+
+    commit_waits: list[float] = []
+
+    class Event(threading.Event):
+        def wait(self, timeout: float | None = None) -> bool:
+            commit_waits.append(timeout)
+            return super().wait(timeout)
+
+    monkeypatch.setattr(spool._writer, "notify_nowait", full_twice)
+    monkeypatch.setattr(spool._writer, "wait_for_room", wait_for_room)
+    monkeypatch.setattr(hermes, "threading", SimpleNamespace(**{**vars(threading), "Event": Event}))
+    assert link.flush_queues() == 1
+    assert room_waits == pytest.approx([0.5, 0.3])
+    assert commit_waits == pytest.approx([0.1 + hermes.CONFIRM_WAIT])
+    assert [r.message["content"] for r in spool.records()] == ["m0"]
+
+
+def test_a_shutdown_flush_the_spool_has_no_room_for_gives_up_at_its_bound(
+    store, spool, monkeypatch, caplog
+):
+    """On a clock the test moves: the spool's queue stays full. The flush waits for
+    room until ``FLUSH_TIMEOUT`` is reached exactly, no longer, then says so; the
+    message stays queued in memory."""
+    monkeypatch.setattr(hermes, "FLUSH_TIMEOUT", 0.5)
+    clock = [1000.0]
+    store._db.create_session("s", "telegram")
+    link = install(store, spool, retry_interval=3600)
+    sql(store, BREAK)
+    store.append_to_transcript("s", msg("m0"))  # fails: queued, retried in an hour
+    monkeypatch.setattr(hermes, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+
+    def full(request: Any, callback: Any) -> None:
+        raise queue.Full
+
+    room_waits: list[float] = []
+
+    def wait_for_room(timeout: float) -> bool:
+        room_waits.append(timeout)
+        clock[0] += 0.25  # no room; the clock reaches the deadline exactly
+        return False
+
+    monkeypatch.setattr(spool._writer, "notify_nowait", full)
+    monkeypatch.setattr(spool._writer, "wait_for_room", wait_for_room)
+    with caplog.at_level(logging.ERROR, logger="walspool.hermes"):
+        assert link.flush_queues() == 0
+    assert room_waits == [0.5, 0.25]
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR] == [
+        f"could not spool 1 queued transcript message(s) at shutdown: the spool "
+        f"{spool.path} had no room for them within 0.5 s"
+    ]
+    with link._lock:
+        assert [m["content"] for m in store._dirty_transcripts["s"]] == ["m0"]
+    assert spool.stats().rows == 0
 
 
 @contextlib.contextmanager
