@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import threading
 from pathlib import Path
@@ -13,6 +14,7 @@ from _gateway import BREAK, HEAL, contents, sql
 from _helpers import STEP
 
 import walspool
+import walspool.hermes as hermes
 from walspool.hermes import Link, install, install_runner
 
 hermes_state = pytest.importorskip("hermes_state")
@@ -913,3 +915,26 @@ def test_a_flush_on_top_of_a_held_eviction_is_drained_once_state_db_heals(
     assert link.wait_idle(STEP)
     assert contents(store, "s") == ["m0", "m1", "m2", "m3"]
     assert spool.stats().rows == 0
+
+
+def test_the_background_thread_ends_once_its_store_and_link_are_gone(
+    hermes_home, spool, monkeypatch
+):
+    """The thread holds the link only while it works, and wakes at least every
+    ``IDLE_WAKE_SECONDS`` when idle: once nothing refers to the store and its link
+    any more, it ends by itself."""
+    from gateway.config import GatewayConfig
+    from gateway.session import SessionStore
+
+    monkeypatch.setattr(hermes, "IDLE_WAKE_SECONDS", 0.05)
+    sessions = hermes_home / "sessions"
+    store = SessionStore(sessions, GatewayConfig(sessions_dir=sessions))
+    link = install(store, spool, retry_interval=3600)
+    assert link.wait_idle(STEP)
+    thread = link._thread
+    assert thread.is_alive()
+    store._db.close()
+    del store, link
+    gc.collect()
+    thread.join(STEP)
+    assert not thread.is_alive()
