@@ -938,3 +938,29 @@ def test_the_background_thread_ends_once_its_store_and_link_are_gone(
     gc.collect()
     thread.join(STEP)
     assert not thread.is_alive()
+
+
+def test_a_start_recovery_that_fails_says_so_and_each_session_drains_its_own(
+    store, spool, monkeypatch, caplog
+):
+    store._db.create_session("s", "telegram")
+    spool.append("s", _m("old"))  # spooled by an earlier run
+
+    def broken(self: Any, *args: Any, **kw: Any) -> Any:
+        raise RuntimeError("replay broke")
+
+    monkeypatch.setattr(walspool.replay.Replayer, "replay", broken)
+    with caplog.at_level(logging.ERROR, logger="walspool.hermes"):
+        link = install(store, spool, retry_interval=0)
+        link._thread.join(STEP)  # with no retries, the thread ends after the recovery
+    assert not link._thread.is_alive()
+    (record,) = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert record.getMessage() == (
+        f"could not replay {spool.path} at start; each session replays its own spooled "
+        "rows before its next write"
+    )
+    assert record.exc_info and record.exc_info[0] is RuntimeError
+    monkeypatch.undo()  # the replayer works again
+    store.append_to_transcript("s", _m("new"))
+    assert contents(store, "s") == ["old", "new"]
+    assert spool.stats().rows == 0
