@@ -813,6 +813,31 @@ def test_messages_that_waited_for_the_starts_recovery_are_written_when_it_ends(
     link.close()
 
 
+def test_messages_evicted_while_the_start_recovers_are_written_in_order_when_it_ends(
+    hermes_home, store, spool, replay_lock, monkeypatch, caplog
+):
+    """At the cap while the start's recovery waits for the replay lock: the evictions
+    commit (and ask the background thread to look) before the recovery ends; then the
+    recovery ends cleanly and everything lands in order, no new message needed."""
+    take, release = replay_lock
+    monkeypatch.setattr(store, "_MAX_PENDING_PER_SESSION", 3, raising=False)
+    for i in range(3):
+        spool.append("s", _m(f"r{i}"))
+    store._db.create_session("s", "telegram")
+    take()  # the start's recovery waits for it
+    link = install(store, spool, retry_interval=0.05)
+    with caplog.at_level(logging.WARNING, logger="walspool.hermes"):
+        for i in range(5):
+            store.append_to_transcript("s", _m(f"live{i}"))  # 2 evicted at the cap
+        spool.flush()
+        assert contents(store, "s") == []
+        release()
+        assert link.wait_idle(STEP)
+    assert contents(store, "s") == ["r0", "r1", "r2"] + [f"live{i}" for i in range(5)]
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
+    link.close()
+
+
 def test_a_recovery_that_holds_one_session_still_settles_and_writes_the_next(store, spool):
     """``recover`` goes through every session that waited for it: one whose rows fail
     (held, first in line) does not stop the next one's rows and queue being written
