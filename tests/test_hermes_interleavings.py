@@ -470,6 +470,50 @@ def test_a_shutdown_flush_the_spool_has_no_room_for_gives_up_at_its_bound(
     assert spool.stats().rows == 0
 
 
+def test_a_recovery_leaves_alone_a_session_that_evicted_while_it_replayed(
+    store, spool, monkeypatch
+):
+    """Step by step: a recovery's replay has moved "s"'s and "t"'s spooled rows; before
+    it settles them, "s" evicts another message (state.db broken again, so its drain
+    holds it). The recovery must not count "s" as replayed, nor stop at it: it writes
+    "t"'s queue (no background thread here), and "s" drains its new row before its queue
+    at its next message."""
+    monkeypatch.setattr(store, "_MAX_PENDING_PER_SESSION", 3, raising=False)
+    for sid in ("s", "t"):
+        store._db.create_session(sid, "telegram")
+    link = install(store, spool, recover=False, retry_interval=0)
+    sql(store, BREAK)
+    for sid in ("s", "t"):
+        for i in range(4):
+            store.append_to_transcript(sid, msg(f"{sid}{i}"))  # {sid}0 evicted at the cap
+    spool.flush()
+    sql(store, HEAL)
+    replayed, go_on = threading.Event(), threading.Event()
+    replay = link.replayer.replay
+
+    def pausing(*args: Any, **kw: Any) -> Any:
+        report = replay(*args, **kw)
+        replayed.set()
+        assert go_on.wait(STEP)
+        return report
+
+    link.replayer.replay = pausing
+    recovery = in_thread(link.recover)
+    assert replayed.wait(STEP)  # s0 and t0 moved
+    link.replayer.replay = replay
+    sql(store, BREAK)
+    store.append_to_transcript("s", msg("s4"))  # evicts s1; its drain fails: held
+    spool.flush()
+    sql(store, HEAL)
+    go_on.set()
+    assert joined(recovery)
+    assert contents(store, "t") == ["t0", "t1", "t2", "t3"]  # written by the recovery
+    assert contents(store, "s") == ["s0"]
+    store.append_to_transcript("s", msg("fin"))
+    assert contents(store, "s") == ["s0", "s1", "s2", "s3", "s4", "fin"]
+    assert spool.stats().rows == 0
+
+
 @contextlib.contextmanager
 def _a_flush_the_spool_refuses(
     hermes_home: Path, store: Any
