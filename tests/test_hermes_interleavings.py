@@ -514,6 +514,46 @@ def test_a_recovery_leaves_alone_a_session_that_evicted_while_it_replayed(
     assert spool.stats().rows == 0
 
 
+def test_the_start_recovery_writes_as_the_background_thread_and_a_gateway_thread_takes_over(
+    store, spool, monkeypatch
+):
+    """The start's recovery runs on the background thread, and writes the queue of a
+    session it found waiting as the background thread does: a gateway thread with a
+    new message waits for the session (counted) and writes its own message itself."""
+    monkeypatch.setattr(hermes, "HANDOFF_WAIT", STEP)
+    store._db.create_session("s", "telegram")
+    spool.append("s", msg("r0"))  # spooled by an earlier run
+    gate = gate_live_writes(store)
+    gate.arm()
+    with store._transcript_retry_lock:  # the recovery looks once this is released
+        link = install(store, spool, retry_interval=3600)
+        link._settled = counted = _CountedWaits(link._lock)
+        # What a gateway thread's message did before the recovery looked: queued, and
+        # the session's state counts rows spooled by an earlier run.
+        link._session("s")
+        store._dirty_transcripts["s"] = [msg("live")]
+    assert gate.entered.wait(STEP)  # the recovery moved r0 and writes "live"
+    assert link._sessions["s"].writer.background
+    g = threading.Thread(
+        target=lambda: store.append_to_transcript("s", msg("new")), name="gateway", daemon=True
+    )
+    writers: list[str] = []
+    write = gate.write
+
+    def named(*args: Any, **kw: Any) -> Any:
+        writers.append(threading.current_thread().name)
+        return write(*args, **kw)
+
+    gate.write = named
+    g.start()
+    assert counted.waits.acquire(timeout=STEP)  # g waits to take the session over
+    gate.open()
+    assert joined(g)
+    assert contents(store, "s") == ["r0", "live", "new"]  # written before g returned
+    assert writers[-1] == "gateway"
+    assert link.wait_idle(STEP) and "s" not in link._sessions
+
+
 @contextlib.contextmanager
 def _a_flush_the_spool_refuses(
     hermes_home: Path, store: Any
