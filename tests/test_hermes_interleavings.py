@@ -554,6 +554,67 @@ def test_the_start_recovery_writes_as_the_background_thread_and_a_gateway_thread
     assert link.wait_idle(STEP) and "s" not in link._sessions
 
 
+def test_a_wait_for_evictions_looks_again_often_and_gives_up_at_its_bound(
+    store, spool, monkeypatch
+):
+    """On a clock the test moves: a gateway thread's eviction cannot commit (the
+    spool's writer is busy). Before it drains, the thread waits for it in looks of at
+    most ``BUSY_LOOK_SECONDS`` (a write lock held elsewhere would not wake it),
+    ``CONFIRM_WAIT`` in all; then it goes on and leaves its message queued."""
+    monkeypatch.setattr(store, "_MAX_PENDING_PER_SESSION", 3, raising=False)
+    store._db.create_session("s", "telegram")
+    link = install(store, spool, retry_interval=0)
+    sql(store, BREAK)
+    for i in range(3):
+        store.append_to_transcript("s", msg(f"m{i}"))  # each fails: queued
+    sql(store, HEAL)
+    stuck, go_on = threading.Event(), threading.Event()
+    spool._writer.submit(writer.Operation(lambda conn: stuck.set() or go_on.wait(STEP)))
+    assert stuck.wait(STEP)  # the eviction queues behind this
+    clock = [1000.0]
+    looks: list[float | None] = []
+
+    class Looks(threading.Condition):
+        def wait(self, timeout: float | None = None) -> bool:
+            looks.append(timeout)
+            if len(looks) > 1000:
+                pytest.fail("the wait for the evictions never gave up")
+            clock[0] += timeout or 0.0  # a look that found nothing
+            return False
+
+    settled = link._settled
+    link._settled = Looks(link._lock)
+    monkeypatch.setattr(hermes, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    store.append_to_transcript("s", msg("m3"))  # evicts m0, then waits for its commit
+    link._settled = settled
+    monkeypatch.undo()
+    assert looks and all(w is not None and 0 < w <= hermes.BUSY_LOOK_SECONDS for w in looks)
+    assert sum(looks) == pytest.approx(hermes.CONFIRM_WAIT)
+    go_on.set()
+    store.append_to_transcript("s", msg("fin"))
+    assert contents(store, "s") == ["m0", "m1", "m2", "m3", "fin"]
+
+
+def test_a_drain_on_a_closed_spool_fails_quietly_and_the_message_stays_queued(store, spool, caplog):
+    """The spool's owner closed it while the link still counts rows of a session in it
+    (an earlier run's, not recovered yet): the next message's drain fails as an
+    expected failure (no error logged, nothing raised into the gateway), the message
+    stays queued, and the session's drains are held back until its retry time."""
+    store._db.create_session("s", "telegram")
+    spool.append("s", msg("old"))
+    link = install(store, spool, recover=False, retry_interval=3600)
+    spool.close()
+    with caplog.at_level(logging.WARNING, logger="walspool.hermes"):
+        store.append_to_transcript("s", msg("new"))
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
+    with link._lock:
+        state = link._sessions["s"]
+        assert state.failures == 1 and state.retry_at > time.monotonic()
+        assert state.hold_until == state.retry_at
+        assert [m["content"] for m in store._dirty_transcripts["s"]] == ["new"]
+    assert contents(store, "s") == []
+
+
 @contextlib.contextmanager
 def _a_flush_the_spool_refuses(
     hermes_home: Path, store: Any
