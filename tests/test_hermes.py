@@ -989,3 +989,50 @@ def test_a_start_recovery_that_fails_says_so_and_each_session_drains_its_own(
     store.append_to_transcript("s", _m("new"))
     assert contents(store, "s") == ["old", "new"]
     assert spool.stats().rows == 0
+
+
+def test_a_start_whose_quick_look_at_the_spool_fails_still_recovers(store, spool, monkeypatch):
+    """``install`` first looks whether the spool holds anything to replay (one index
+    probe); when that look fails, it cannot know, so the background recovery runs."""
+    store._db.create_session("s", "telegram")
+    spool.append("s", _m("old"))  # spooled by an earlier run
+    read = spool._read
+    looks = []
+
+    def failing_once(*args: Any, **kw: Any) -> Any:
+        looks.append(args)
+        if len(looks) == 1:
+            raise walspool.SpoolIOError("disk I/O error", path=spool.path)
+        return read(*args, **kw)
+
+    monkeypatch.setattr(spool, "_read", failing_once)
+    link = install(store, spool, retry_interval=0.05)
+    assert link.wait_idle(STEP)
+    assert contents(store, "s") == ["old"]
+    assert spool.stats().rows == 0
+
+
+def test_the_background_thread_waits_no_longer_than_until_the_next_retry(store, spool):
+    """A failing session's retry is due in well under a second (``retry_interval``
+    0.05 s caps the delay): the background thread's wait for it lasts until then,
+    not longer."""
+    store._db.create_session("s", "telegram")
+    link = install(store, spool, retry_interval=0.05)
+    waits: list[float] = []
+    waited = threading.Semaphore(0)
+    wait = link._due.wait
+
+    def recorded(timeout: float | None = None) -> bool:
+        if timeout != hermes.IDLE_WAKE_SECONDS:  # not the wait with nothing scheduled
+            waits.append(timeout)
+            waited.release()
+        return wait(timeout)
+
+    link._due.wait = recorded
+    sql(store, BREAK)
+    store.append_to_transcript("s", _m("m0"))  # fails: retried within 0.05 s
+    assert waited.acquire(timeout=STEP)
+    sql(store, HEAL)
+    assert link.wait_idle(STEP)
+    assert contents(store, "s") == ["m0"]
+    assert waits and all(w is not None and w <= 0.05 for w in waits), waits
