@@ -609,10 +609,33 @@ def test_a_drain_on_a_closed_spool_fails_quietly_and_the_message_stays_queued(st
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
     with link._lock:
         state = link._sessions["s"]
+        assert state.writer is None  # the gateway thread gave its role up
         assert state.failures == 1 and state.retry_at > time.monotonic()
         assert state.hold_until == state.retry_at
         assert [m["content"] for m in store._dirty_transcripts["s"]] == ["new"]
     assert contents(store, "s") == []
+
+
+def test_a_drain_behind_another_of_this_link_gives_up_at_its_bound_quietly(
+    store, spool, monkeypatch, caplog
+):
+    """Drains of one link take turns; one that waits ``HANDOFF_WAIT`` for its turn
+    gives up as an expected outcome: no error, the message stays queued, the session
+    is not counted as failing, and the next message drains and writes in order."""
+    monkeypatch.setattr(hermes, "HANDOFF_WAIT", 0.01)
+    store._db.create_session("s", "telegram")
+    spool.append("s", msg("old"))  # an earlier run's row: the next message drains it
+    link = install(store, spool, recover=False, retry_interval=0)
+    with link._draining:  # another drain of this link has its turn
+        with caplog.at_level(logging.WARNING, logger="walspool.hermes"):
+            store.append_to_transcript("s", msg("new"))
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
+    with link._lock:
+        state = link._sessions["s"]
+        assert state.writer is None and state.failures == 0
+        assert [m["content"] for m in store._dirty_transcripts["s"]] == ["new"]
+    store.append_to_transcript("s", msg("next"))
+    assert contents(store, "s") == ["old", "new", "next"]
 
 
 @contextlib.contextmanager
