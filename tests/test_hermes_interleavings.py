@@ -638,6 +638,47 @@ def test_a_drain_behind_another_of_this_link_gives_up_at_its_bound_quietly(
     assert contents(store, "s") == ["old", "new", "next"]
 
 
+def test_a_flush_while_a_drain_finds_nothing_is_not_taken_for_what_that_drain_saw(
+    store, spool, monkeypatch
+):
+    """Step by step: the background thread drains a session with one spooled row, but
+    another replay moved that row just before it looked, so it moves nothing; while it
+    settles, a shutdown flush spools the session's queue. Finding nothing clears the
+    session's count only if nothing was spooled since it looked: the flushed rows are
+    drained next, not left in the spool."""
+    monkeypatch.setattr(store, "_MAX_PENDING_PER_SESSION", 4, raising=False)
+    store._db.create_session("s", "telegram")
+    link = install(store, spool, recover=False, retry_interval=0.05)
+    sql(store, BREAK)
+    for i in range(5):
+        store.append_to_transcript("s", msg(f"m{i}"))  # m0 evicted at the cap
+    spool.flush()
+    replay = link.replayer.replay
+    armed, flushed = threading.Event(), []
+
+    def elsewhere_then_flush(*args: Any, **kw: Any) -> Any:
+        if not armed.is_set():
+            return replay(*args, **kw)
+        armed.clear()
+        # Another process's replay moves m0 just before this drain looks.
+        assert walspool.Replayer(spool, walspool.SessionDBSink(store._db)).replay().moved == 1
+        report = replay(*args, **kw)
+        assert report.moved == 0
+        flusher = in_thread(lambda: flushed.append(link.flush_queues()))
+        assert joined(flusher)
+        return report
+
+    link.replayer.replay = elsewhere_then_flush
+    with link._lock:
+        assert link._sessions["s"].spooled == 1
+        armed.set()
+        sql(store, HEAL)
+    assert link.wait_idle(STEP)
+    assert not armed.is_set() and flushed == [4]
+    assert contents(store, "s") == [f"m{i}" for i in range(5)]
+    assert spool.stats().rows == 0
+
+
 @contextlib.contextmanager
 def _a_flush_the_spool_refuses(
     hermes_home: Path, store: Any
