@@ -1036,3 +1036,28 @@ def test_the_background_thread_waits_no_longer_than_until_the_next_retry(store, 
     assert link.wait_idle(STEP)
     assert contents(store, "s") == ["m0"]
     assert waits and all(w is not None and w <= 0.05 for w in waits), waits
+
+
+def test_a_gateway_thread_drains_a_backlog_in_chunks_up_to_its_budget(store, spool, monkeypatch):
+    """A message whose session has a backlog in the spool drains it in chunks of
+    ``DRAIN_CHUNK_ROWS``, at most ``GATEWAY_DRAIN_ROWS`` rows on the gateway's thread;
+    the background thread moves the rest."""
+    monkeypatch.setattr(hermes, "DRAIN_CHUNK_ROWS", 10)
+    monkeypatch.setattr(hermes, "GATEWAY_DRAIN_ROWS", 20)
+    store._db.create_session("s", "telegram")
+    spool.append_many([("s", _m(f"old{i}")) for i in range(50)])  # an earlier run's
+    link = install(store, spool, recover=False, retry_interval=3600)
+    replay = link.replayer.replay
+    moved: list[tuple[str, int]] = []
+
+    def counted(*args: Any, **kw: Any) -> Any:
+        report = replay(*args, **kw)
+        moved.append((threading.current_thread().name, report.moved))
+        return report
+
+    link.replayer.replay = counted
+    store.append_to_transcript("s", _m("new"))
+    gateway = threading.current_thread().name
+    assert [n for name, n in moved if name == gateway] == [10, 10]
+    assert link.wait_idle(STEP)
+    assert contents(store, "s") == [f"old{i}" for i in range(50)] + ["new"]
