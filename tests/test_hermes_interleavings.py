@@ -616,6 +616,39 @@ def test_a_drain_on_a_closed_spool_fails_quietly_and_the_message_stays_queued(st
     assert contents(store, "s") == []
 
 
+def test_a_drain_whose_replay_fails_says_so_and_holds_the_session(store, spool, caplog):
+    """The replay of a session's spooled rows raises something unexpected: a WARNING
+    says so word for word (no error, nothing raised into the gateway), the message
+    stays queued behind the rows, and the session's drains are held back until its
+    retry time; once that comes and the replay works, everything lands in order."""
+    store._db.create_session("s", "telegram")
+    spool.append("s", msg("old"))  # an earlier run's row: the next message drains it
+    link = install(store, spool, recover=False, retry_interval=3600)
+    replay = link.replayer.replay
+
+    def broken(*args: Any, **kw: Any) -> Any:
+        raise RuntimeError("replay broke")
+
+    link.replayer.replay = broken
+    with caplog.at_level(logging.WARNING, logger="walspool.hermes"):
+        store.append_to_transcript("s", msg("new"))
+    assert [r.getMessage() for r in caplog.records if r.name == "walspool.hermes"] == [
+        f"Replay of spooled transcript messages for s failed in {spool.path}; holding back "
+        "its queued messages: replay broke"
+    ]
+    assert [r for r in caplog.records if r.levelno >= logging.ERROR] == []
+    with link._lock:
+        state = link._sessions["s"]
+        assert state.writer is None
+        assert state.failures == 1 and state.retry_at > time.monotonic()
+        assert state.hold_until == state.retry_at
+        assert [m["content"] for m in store._dirty_transcripts["s"]] == ["new"]
+        state.retry_at = state.hold_until = 0.0  # its retry time has come
+    link.replayer.replay = replay
+    store.append_to_transcript("s", msg("next"))
+    assert contents(store, "s") == ["old", "new", "next"]
+
+
 def test_a_drain_behind_another_of_this_link_gives_up_at_its_bound_quietly(
     store, spool, monkeypatch, caplog
 ):
