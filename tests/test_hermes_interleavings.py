@@ -649,6 +649,58 @@ def test_a_drain_whose_replay_fails_says_so_and_holds_the_session(store, spool, 
     assert contents(store, "s") == ["old", "new", "next"]
 
 
+def test_a_drain_whose_rows_state_db_refuses_holds_them_and_counts_the_failure(
+    store, spool, caplog
+):
+    """state.db refuses the session's spooled rows: the drain keeps them in the spool,
+    says so word for word (a WARNING, nothing raised into the gateway), counts one
+    failure in the store's own counter per try, and holds the session until its retry
+    time; the queued messages wait behind the rows, and land after them once healed."""
+    store._db.create_session("s", "telegram")
+    spool.append("s", msg("old"))  # an earlier run's row: the next message drains it
+    link = install(store, spool, recover=False, retry_interval=3600)
+    sql(store, BREAK)
+    for attempt in (1, 2):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="walspool.hermes"):
+            store.append_to_transcript("s", msg(f"new{attempt}"))
+        assert [r.getMessage() for r in caplog.records if r.name == "walspool.hermes"] == [
+            f"Replay of 1 spooled transcript message(s) for s failed; keeping them in "
+            f"{spool.path} and holding back {attempt} queued message(s): IntegrityError: "
+            "database disk image is malformed"
+        ]
+        assert [r for r in caplog.records if r.levelno >= logging.ERROR] == []
+        with link._lock:
+            state = link._sessions["s"]
+            assert state.writer is None
+            assert store._transcript_append_failures["s"] == attempt
+            assert state.failures == attempt and state.retry_at > time.monotonic()
+            assert state.hold_until == state.retry_at
+            state.retry_at = state.hold_until = 0.0  # its retry time has come
+    assert [r.message["content"] for r in spool.records()] == ["old"]
+    sql(store, HEAL)
+    store.append_to_transcript("s", msg("fin"))
+    assert contents(store, "s") == ["old", "new1", "new2", "fin"]
+
+
+def test_a_quarantined_row_in_a_drain_chunk_does_not_end_the_drain(store, spool, monkeypatch):
+    """A chunk that moves one row and quarantines another (a payload that is not JSON)
+    touched the spool: the drain goes on with the next chunk instead of taking the
+    session for drained, so no row is left behind its queue."""
+    monkeypatch.setattr(hermes, "DRAIN_CHUNK_ROWS", 2)
+    store._db.create_session("s", "telegram")
+    receipts = spool.append_many([("s", msg(c)) for c in ("a", "bad", "c", "d")])
+    bad = receipts[1].id
+    spool._execute(
+        lambda conn: conn.execute("UPDATE records SET payload = '{not json' WHERE id = ?", (bad,))
+    )
+    install(store, spool, recover=False, retry_interval=0)
+    store.append_to_transcript("s", msg("new"))
+    assert contents(store, "s") == ["a", "c", "d", "new"]
+    # kept for an operator (``records`` refuses to decode it)
+    assert spool._read("SELECT id, status FROM records", ()) == [(bad, "quarantined")]
+
+
 def test_a_drain_behind_another_of_this_link_gives_up_at_its_bound_quietly(
     store, spool, monkeypatch, caplog
 ):
