@@ -683,11 +683,14 @@ def test_a_drain_whose_rows_state_db_refuses_holds_them_and_counts_the_failure(
     assert contents(store, "s") == ["old", "new1", "new2", "fin"]
 
 
-def test_a_quarantined_row_in_a_drain_chunk_does_not_end_the_drain(store, spool, monkeypatch):
-    """A chunk that moves one row and quarantines another (a payload that is not JSON)
-    touched the spool: the drain goes on with the next chunk instead of taking the
-    session for drained, so no row is left behind its queue."""
-    monkeypatch.setattr(hermes, "DRAIN_CHUNK_ROWS", 2)
+@pytest.mark.parametrize("chunk", [1, 2])
+def test_a_quarantined_row_in_a_drain_chunk_does_not_end_the_drain(
+    store, spool, monkeypatch, chunk
+):
+    """A chunk that quarantines a row (a payload that is not JSON), alone or beside
+    one it moves, touched the spool: the drain goes on with the next chunk instead of
+    taking the session for drained, so no row is left behind its queue."""
+    monkeypatch.setattr(hermes, "DRAIN_CHUNK_ROWS", chunk)
     store._db.create_session("s", "telegram")
     receipts = spool.append_many([("s", msg(c)) for c in ("a", "bad", "c", "d")])
     bad = receipts[1].id

@@ -752,7 +752,7 @@ class Link:
                 self._release(session_id, state, claim)
             else:
                 state.failures = 0
-                touched = report.moved + report.recovered + getattr(report, "quarantined", 0)
+                touched = report.moved + report.recovered + report.quarantined
                 if not touched and state.spooled == seen:
                     # Nothing left: the rows counted in ``seen`` were all committed
                     # before this replay looked (``unconfirmed`` was 0), so all moved.
