@@ -704,6 +704,48 @@ def test_a_quarantined_row_in_a_drain_chunk_does_not_end_the_drain(
     assert spool._read("SELECT id, status FROM records", ()) == [(bad, "quarantined")]
 
 
+class _Crash(BaseException):
+    """A process dying in the middle of a replay (nothing catches it)."""
+
+
+def test_a_drain_chunk_that_recovers_as_many_rows_as_it_moves_does_not_end_the_drain(
+    store, spool, monkeypatch
+):
+    """An earlier replay died right after writing r2 (its batch left in flight). The
+    link's drain takes chunks of 2: the first finds r1 and r2 landed (recovered, not
+    written again) and writes r3 and r4. It touched the spool, so the drain goes on,
+    and r5 lands before the queue; each row once."""
+    monkeypatch.setattr(hermes, "DRAIN_CHUNK_ROWS", 2)
+    store._db.create_session("s", "telegram")
+    spool.append_many([("s", msg(f"r{i}")) for i in range(1, 6)])
+    sink = walspool.SessionDBSink(store._db)
+    write = sink.write
+
+    def write_then_die(session_id: str, record: Any, ticket: Any) -> None:
+        write(session_id, record, ticket)
+        if record.seq == 2:
+            raise _Crash
+
+    sink.write = write_then_die
+    with pytest.raises(_Crash):
+        walspool.Replayer(spool, sink, batch_rows=4).replay()
+    assert contents(store, "s") == ["r1", "r2"]
+    link = install(store, spool, recover=False, retry_interval=0)
+    replay = link.replayer.replay
+    reports: list[tuple[int, int]] = []
+
+    def counted(*args: Any, **kw: Any) -> Any:
+        report = replay(*args, **kw)
+        reports.append((report.recovered, report.moved))
+        return report
+
+    link.replayer.replay = counted
+    store.append_to_transcript("s", msg("new"))
+    assert reports[0] == (2, 2)
+    assert contents(store, "s") == ["r1", "r2", "r3", "r4", "r5", "new"]
+    assert spool.stats().rows == 0
+
+
 def test_a_drain_behind_another_of_this_link_gives_up_at_its_bound_quietly(
     store, spool, monkeypatch, caplog
 ):
