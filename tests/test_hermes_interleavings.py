@@ -679,8 +679,13 @@ def test_a_drain_whose_rows_state_db_refuses_holds_them_and_counts_the_failure(
             state.retry_at = state.hold_until = 0.0  # its retry time has come
     assert [r.message["content"] for r in spool.records()] == ["old"]
     sql(store, HEAL)
-    store.append_to_transcript("s", msg("fin"))
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="walspool.hermes"):
+        store.append_to_transcript("s", msg("fin"))
     assert contents(store, "s") == ["old", "new1", "new2", "fin"]
+    assert [r.getMessage() for r in caplog.records if r.name == "walspool.hermes"] == [
+        "Replayed 1 spooled transcript message(s) for s after DB recovery"
+    ]
 
 
 @pytest.mark.parametrize("chunk", [1, 2])
@@ -744,6 +749,67 @@ def test_a_drain_chunk_that_recovers_as_many_rows_as_it_moves_does_not_end_the_d
     assert reports[0] == (2, 2)
     assert contents(store, "s") == ["r1", "r2", "r3", "r4", "r5", "new"]
     assert spool.stats().rows == 0
+
+
+def test_an_eviction_that_commits_after_its_writer_gave_up_wakes_the_session(
+    store, spool, monkeypatch
+):
+    """Step by step: while A writes m0, m1-m4 queue; A, done with m0, evicts m1 at the
+    cap, but the spool's writer is busy. A must drain m1 first; it gives up waiting for
+    the eviction's commit (``CONFIRM_WAIT``), leaving the session due. The commit then
+    wakes the background thread, which drains m1 and writes the rest, no new message
+    needed."""
+    monkeypatch.setattr(hermes, "CONFIRM_WAIT", 0.0)
+    monkeypatch.setattr(store, "_MAX_PENDING_PER_SESSION", 3, raising=False)
+    store._db.create_session("s", "telegram")
+    link = install(store, spool, retry_interval=3600)
+    gate = gate_live_writes(store)
+    gate.arm()
+    a = in_thread(lambda: store.append_to_transcript("s", msg("m0")))
+    assert gate.entered.wait(STEP)  # A writes m0
+    stuck, go_on = threading.Event(), threading.Event()
+    spool._writer.submit(writer.Operation(lambda conn: stuck.set() or go_on.wait(STEP)))
+    assert stuck.wait(STEP)  # the eviction queues behind this
+    for i in range(1, 5):
+        store.append_to_transcript("s", msg(f"m{i}"))  # queued: A holds the session
+    gate.open()
+    assert joined(a)
+    with link._lock:
+        state = link._sessions["s"]
+        assert state.writer is None and state.unconfirmed == 1 and state.spooled == 1
+    go_on.set()
+    assert link.wait_idle(STEP)
+    assert contents(store, "s") == ["m0", "m1", "m2", "m3", "m4"]
+
+
+def test_a_rewrite_while_an_eviction_is_in_flight_forgets_the_session_once_it_commits(
+    store, spool, monkeypatch, caplog
+):
+    """The transcript is rewritten (/retry) while an eviction of the session waits for
+    the spool's writer: the rewrite drops the queue and resets the session, and once
+    the eviction commits the link forgets the session (its row superseded)."""
+    monkeypatch.setattr(store, "_MAX_PENDING_PER_SESSION", 3, raising=False)
+    store._db.create_session("s", "telegram")
+    link = install(store, spool, retry_interval=3600)
+    sql(store, BREAK)
+    for i in range(3):
+        store.append_to_transcript("s", msg(f"m{i}"))  # fail: queued
+    stuck, go_on = threading.Event(), threading.Event()
+    spool._writer.submit(writer.Operation(lambda conn: stuck.set() or go_on.wait(STEP)))
+    assert stuck.wait(STEP)  # the eviction queues behind this
+    store.append_to_transcript("s", msg("m3"))  # m0 evicted, not committed yet
+    rewriter = in_thread(lambda: store._clear_dirty_transcript("s"))  # its supersede queues
+    with link._lock:
+        assert link._settled.wait_for(lambda: link._sessions["s"].generation == 1, STEP)
+        assert link._sessions["s"].unconfirmed == 1
+    with caplog.at_level(logging.WARNING):
+        go_on.set()
+        assert joined(rewriter)
+        spool.flush()
+    with link._lock:
+        assert "s" not in link._sessions
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
+    assert [(r.message["content"], r.status) for r in spool.records()] == [("m0", "superseded")]
 
 
 def test_a_drain_behind_another_of_this_link_gives_up_at_its_bound_quietly(
