@@ -812,6 +812,78 @@ def test_a_rewrite_while_an_eviction_is_in_flight_forgets_the_session_once_it_co
     assert [(r.message["content"], r.status) for r in spool.records()] == [("m0", "superseded")]
 
 
+def test_evictions_that_fail_and_commit_in_one_group_are_each_reported_word_for_word(
+    hermes_home, store, monkeypatch, caplog
+):
+    """Two sessions' evictions commit in one group: a's is too big for the room left in
+    the spool and fails alone (dropped, as the released store drops, and said so); b's
+    commits (spooled, and said so, with its seq)."""
+    monkeypatch.setattr(store, "_MAX_PENDING_PER_SESSION", 1, raising=False)
+    for sid in ("a", "b"):
+        store._db.create_session(sid, "telegram")
+    big = "x" * 200_000
+    with walspool.Spool(hermes_home / "spool.db", max_bytes=128 * 1024) as spool:
+        install(store, spool, retry_interval=3600, max_bytes=None)
+        sql(store, BREAK)
+        store.append_to_transcript("a", msg(f"a0{big}"))  # fails: queued
+        store.append_to_transcript("b", msg("b0"))  # fails: queued
+        stuck, go_on = threading.Event(), threading.Event()
+        spool._writer.submit(writer.Operation(lambda conn: stuck.set() or go_on.wait(STEP)))
+        assert stuck.wait(STEP)  # both evictions queue behind this, for one group
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="walspool.hermes"):
+            store.append_to_transcript("a", msg("a1"))  # evicts a0
+            store.append_to_transcript("b", msg("b1"))  # evicts b0
+            go_on.set()
+            spool.flush()
+        assert [r.getMessage() for r in caplog.records if r.name == "walspool.hermes"] == [
+            "Session DB transcript pending queue full for a (cap=1); dropping oldest message "
+            f"to make room (on-disk spool unavailable: spool {spool.path} is full "
+            "(max_bytes=131072); replay it into state.db or raise max_bytes)",
+            "Session DB transcript pending queue full for b (cap=1); spooled oldest message "
+            f"to {spool.path} (seq 1) for replay after DB recovery",
+        ]
+        assert [(r.session_id, r.message["content"]) for r in spool.records()] == [("b", "b0")]
+
+
+def test_a_message_the_gateway_skips_for_state_db_is_neither_written_nor_queued(store, spool):
+    """``skip_db=True`` (the agent already wrote the message itself): the link leaves it
+    out, as the released store does, so it is never written twice."""
+    store._db.create_session("s", "telegram")
+    link = install(store, spool, retry_interval=0)
+    store.append_to_transcript("s", msg("skipped"), skip_db=True)
+    with link._lock:
+        assert "s" not in store._dirty_transcripts and "s" not in link._sessions
+    store.append_to_transcript("s", msg("written"))
+    assert contents(store, "s") == ["written"]
+
+
+@pytest.mark.parametrize(
+    ("interval", "delays"),
+    [(8.0, [1.0, 2.0, 4.0, 8.0, 8.0]), (0.05, [0.01, 0.0125, 0.025, 0.05, 0.05])],
+)
+def test_a_failing_sessions_retry_delay_doubles_up_to_the_retry_interval(
+    store, spool, monkeypatch, interval, delays
+):
+    """On a stopped clock: after each failed write the session's next try is due after
+    ``retry_interval`` / 8, doubling per failure up to ``retry_interval``, and never
+    sooner than ``MIN_RETRY_SECONDS``."""
+    store._db.create_session("s", "telegram")
+    link = install(store, spool, retry_interval=interval)
+    _stop_the_clock(monkeypatch)
+    now = hermes.time.monotonic()
+    sql(store, BREAK)
+    got = []
+    for i in range(len(delays)):
+        with link._lock:
+            if "s" in link._sessions:
+                link._sessions["s"].retry_at = 0.0  # due: this message tries again
+        store.append_to_transcript("s", msg(f"m{i}"))  # fails
+        with link._lock:
+            got.append(link._sessions["s"].retry_at - now)
+    assert got == pytest.approx(delays)
+
+
 def test_a_drain_behind_another_of_this_link_gives_up_at_its_bound_quietly(
     store, spool, monkeypatch, caplog
 ):
