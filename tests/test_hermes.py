@@ -1061,3 +1061,22 @@ def test_a_gateway_thread_drains_a_backlog_in_chunks_up_to_its_budget(store, spo
     assert [n for name, n in moved if name == gateway] == [10, 10]
     assert link.wait_idle(STEP)
     assert contents(store, "s") == [f"old{i}" for i in range(50)] + ["new"]
+
+
+def test_an_unexpected_error_in_the_link_never_reaches_the_gateway(store, spool, caplog):
+    """A bug in the link's own handling of a message is logged at ERROR with the
+    session id and the traceback; the gateway's call returns as usual."""
+    store._db.create_session("s", "telegram")
+    link = install(store, spool, retry_interval=0)
+
+    def broken(session_id: str, message: Any) -> None:
+        raise RuntimeError("link bug")
+
+    link._append = broken
+    with caplog.at_level(logging.ERROR, logger="walspool.hermes"):
+        store.append_to_transcript("s", _m("m0"))
+    (record,) = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert record.getMessage() == (
+        "walspool could not handle a transcript message for session s; what is queued stays queued"
+    )
+    assert record.exc_info and record.exc_info[0] is RuntimeError
