@@ -361,10 +361,16 @@ def test_gateway_threads_past_twice_the_cap_wait_for_the_head_counted_as_waiters
     assert "s" not in link._sessions
 
 
+@pytest.mark.parametrize(
+    "bound", [pytest.param(0.01, id="bound"), pytest.param(0.0, id="none-stopped-clock")]
+)
 def test_a_gateway_thread_waits_for_the_head_at_most_its_bound_then_drops(
-    store, spool, monkeypatch, caplog
+    store, spool, monkeypatch, caplog, bound
 ):
-    monkeypatch.setattr(hermes, "HANDOFF_WAIT", 0.01)
+    """Past twice the cap, with the oldest message being written: a gateway thread
+    waits for that write at most ``HANDOFF_WAIT``, then drops the oldest it can. With
+    no wait at all (on a stopped clock) it drops at once, at its deadline exactly."""
+    monkeypatch.setattr(hermes, "HANDOFF_WAIT", bound)
     monkeypatch.setattr(store, "_MAX_PENDING_PER_SESSION", 3, raising=False)
     store._db.create_session("s", "telegram")
     link = install(store, spool, retry_interval=0)
@@ -374,6 +380,8 @@ def test_a_gateway_thread_waits_for_the_head_at_most_its_bound_then_drops(
     assert gate.entered.wait(STEP)
     for i in range(1, 6):
         store.append_to_transcript("s", msg(f"m{i}"))
+    if not bound:
+        _stop_the_clock(monkeypatch)
     with caplog.at_level(logging.WARNING, logger="walspool.hermes"):
         b = in_thread(lambda: store.append_to_transcript("s", msg("m6")))
         assert joined(b)  # while m0 is still being written
