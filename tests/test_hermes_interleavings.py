@@ -854,6 +854,41 @@ def test_evictions_that_fail_and_commit_in_one_group_are_each_reported_word_for_
         assert [(r.session_id, r.message["content"]) for r in spool.records()] == [("b", "b0")]
 
 
+def test_a_message_the_spool_cannot_take_is_reported_then_dropped_past_twice_the_cap(
+    store, spool, monkeypatch, caplog
+):
+    """The oldest message cannot be made a spool row (a fault in its conversion): under
+    twice the cap it stays in memory, said at ERROR; past twice the cap the same call
+    says so again, then drops it (the released store's drop), and the next is
+    spooled. Both lines of that one call are logged."""
+    monkeypatch.setattr(store, "_MAX_PENDING_PER_SESSION", 1, raising=False)
+    store._db.create_session("s", "telegram")
+    install(store, spool, retry_interval=3600)
+    row = spool._row
+    fault = RuntimeError("cannot convert")
+
+    def faulty(session_id: str, message: Any, *args: Any) -> Any:
+        if message["content"] == "bad":
+            raise fault
+        return row(session_id, message, *args)
+
+    monkeypatch.setattr(spool, "_row", faulty)
+    sql(store, BREAK)
+    store.append_to_transcript("s", msg("bad"))  # fails: queued
+    store.append_to_transcript("s", msg("a"))  # over the cap: "bad" stays in memory
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="walspool.hermes"):
+        store.append_to_transcript("s", msg("b"))  # past twice the cap
+        spool.flush()
+    assert [r.getMessage() for r in caplog.records if r.name == "walspool.hermes"][:2] == [
+        "walspool could not spool the oldest queued message of session s; it stays in "
+        f"memory: {fault!r}",
+        "Session DB transcript pending queue full for s (cap=1); dropping oldest message to "
+        f"make room (on-disk spool unavailable: {fault!r})",
+    ]
+    assert [r.message["content"] for r in spool.records()] == ["a"]
+
+
 def test_a_message_the_gateway_skips_for_state_db_is_neither_written_nor_queued(store, spool):
     """``skip_db=True`` (the agent already wrote the message itself): the link leaves it
     out, as the released store does, so it is never written twice."""
@@ -1372,8 +1407,8 @@ def test_a_message_the_spool_cannot_take_stays_queued_at_shutdown_the_others_go(
         (error,) = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
         assert error == (
             "walspool could not spool the oldest queued message of session s; it stays in "
-            "memory: \"message for session 's' is 2028 bytes as JSON, over the spool's "
-            'max_payload_bytes=1000; raise the limit or trim the message"'
+            "memory: PayloadTooLarge(\"message for session 's' is 2028 bytes as JSON, over "
+            "the spool's max_payload_bytes=1000; raise the limit or trim the message\")"
         )
 
 

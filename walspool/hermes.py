@@ -503,9 +503,9 @@ class Link:
     def _report_unspoolable(self, session_id: str, exc: BaseException) -> None:
         log.error(
             "walspool could not spool the oldest queued message of session %s; it stays in "
-            "memory: %r",
+            "memory: %s",
             session_id,
-            exc,
+            repr(exc),  # formatted here: the log filter makes every argument text first
         )
 
     # -- the writer role -----------------------------------------------------------
