@@ -889,6 +889,46 @@ def test_a_message_the_spool_cannot_take_is_reported_then_dropped_past_twice_the
     assert [r.message["content"] for r in spool.records()] == ["a"]
 
 
+def test_a_gateway_thread_waits_for_room_in_the_spool_at_most_its_bound_then_drops(
+    store, spool, monkeypatch, caplog
+):
+    """Past twice the cap, with the spool's queue full behind a long commit (no write
+    lock held elsewhere, so room may come soon): a gateway thread waits for room at
+    most ``HANDOFF_WAIT``, then drops the oldest, says so, and returns while the
+    commit still runs."""
+    monkeypatch.setattr(writer, "QUEUE_REQUESTS", 1)
+    monkeypatch.setattr(hermes, "HANDOFF_WAIT", 0.01)
+    monkeypatch.setattr(store, "_MAX_PENDING_PER_SESSION", 2, raising=False)
+    store._db.create_session("s", "telegram")
+    link = install(store, spool, retry_interval=3600)
+    sql(store, BREAK)
+    for i in range(2):
+        store.append_to_transcript("s", msg(f"m{i}"))  # fail: queued
+    stuck, go_on = threading.Event(), threading.Event()
+    spool._writer.submit(writer.Operation(lambda conn: stuck.set() or go_on.wait(STEP)))
+    assert stuck.wait(STEP)
+    filler = spool.submit("z", msg("z"))  # the spool's queue is full
+    for i in range(2, 4):
+        store.append_to_transcript("s", msg(f"m{i}"))  # over the cap: kept in memory
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="walspool.hermes"):
+        b = in_thread(lambda: store.append_to_transcript("s", msg("m4")))
+        assert joined(b)  # the commit still runs
+    assert not go_on.is_set()
+    assert [r.getMessage() for r in caplog.records if "dropping" in r.getMessage()] == [
+        "Session DB transcript pending queue full for s (cap=2); dropping oldest message to "
+        "make room (on-disk spool unavailable: spool writer busy)"
+    ]
+    go_on.set()
+    assert filler.result(STEP).seq == 1
+    sql(store, HEAL)
+    with link._lock:
+        link._sessions["s"].retry_at = link._sessions["s"].hold_until = 0.0
+    store.append_to_transcript("s", msg("fin"))
+    assert link.wait_idle(STEP)
+    assert contents(store, "s") == ["m1", "m2", "m3", "m4", "fin"]
+
+
 def test_a_message_the_gateway_skips_for_state_db_is_neither_written_nor_queued(store, spool):
     """``skip_db=True`` (the agent already wrote the message itself): the link leaves it
     out, as the released store does, so it is never written twice."""
