@@ -1038,15 +1038,19 @@ def test_the_background_thread_waits_no_longer_than_until_the_next_retry(store, 
     assert waits and all(w is not None and w <= 0.05 for w in waits), waits
 
 
-def test_a_gateway_thread_drains_a_backlog_in_chunks_up_to_its_budget(store, spool, monkeypatch):
+@pytest.mark.parametrize("interval", [3600, 0.05])
+def test_a_gateway_thread_drains_a_backlog_in_chunks_up_to_its_budget(
+    store, spool, monkeypatch, interval
+):
     """A message whose session has a backlog in the spool drains it in chunks of
-    ``DRAIN_CHUNK_ROWS``, at most ``GATEWAY_DRAIN_ROWS`` rows on the gateway's thread;
-    the background thread moves the rest."""
+    ``DRAIN_CHUNK_ROWS``, at most ``GATEWAY_DRAIN_ROWS`` rows on the gateway's thread
+    (whatever the retry interval, short ones too); the background thread moves the
+    rest."""
     monkeypatch.setattr(hermes, "DRAIN_CHUNK_ROWS", 10)
     monkeypatch.setattr(hermes, "GATEWAY_DRAIN_ROWS", 20)
     store._db.create_session("s", "telegram")
     spool.append_many([("s", _m(f"old{i}")) for i in range(50)])  # an earlier run's
-    link = install(store, spool, recover=False, retry_interval=3600)
+    link = install(store, spool, recover=False, retry_interval=interval)
     replay = link.replayer.replay
     moved: list[tuple[str, int]] = []
 

@@ -910,11 +910,20 @@ def test_a_gateway_thread_waits_for_room_in_the_spool_at_most_its_bound_then_dro
     filler = spool.submit("z", msg("z"))  # the spool's queue is full
     for i in range(2, 4):
         store.append_to_transcript("s", msg(f"m{i}"))  # over the cap: kept in memory
+    room_waits: list[float] = []
+    wait_for_room = spool._writer.wait_for_room
+
+    def recorded(timeout: float) -> bool:
+        room_waits.append(timeout)
+        return wait_for_room(timeout)
+
+    monkeypatch.setattr(spool._writer, "wait_for_room", recorded)
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="walspool.hermes"):
         b = in_thread(lambda: store.append_to_transcript("s", msg("m4")))
         assert joined(b)  # the commit still runs
     assert not go_on.is_set()
+    assert room_waits and all(0.0 <= w <= 0.01 for w in room_waits), room_waits
     assert [r.getMessage() for r in caplog.records if "dropping" in r.getMessage()] == [
         "Session DB transcript pending queue full for s (cap=2); dropping oldest message to "
         "make room (on-disk spool unavailable: spool writer busy)"
