@@ -938,6 +938,33 @@ def test_a_gateway_thread_waits_for_room_in_the_spool_at_most_its_bound_then_dro
     assert contents(store, "s") == ["m1", "m2", "m3", "m4", "fin"]
 
 
+def test_after_a_rewrite_under_a_write_the_new_queue_is_evicted_at_the_cap(
+    store, spool, monkeypatch
+):
+    """Step by step: A writes m0; the transcript is rewritten meanwhile (/retry), which
+    drops the queue. The messages queued after it do not start with the message being
+    written, so past the cap the oldest of them is spooled at once, as usual."""
+    monkeypatch.setattr(store, "_MAX_PENDING_PER_SESSION", 2, raising=False)
+    store._db.create_session("s", "telegram")
+    link = install(store, spool, retry_interval=0)
+    gate = gate_live_writes(store)
+    gate.arm()
+    a = in_thread(lambda: store.append_to_transcript("s", msg("m0")))
+    assert gate.entered.wait(STEP)  # A writes m0
+    rewriter = in_thread(lambda: store._clear_dirty_transcript("s"))  # /retry
+    assert joined(rewriter)
+    for i in range(3):
+        store.append_to_transcript("s", msg(f"n{i}"))  # queued: A holds the session
+    spool.flush()
+    assert [r.message["content"] for r in spool.records()] == ["n0"]  # spooled at the cap
+    with link._lock:
+        assert [m["content"] for m in store._dirty_transcripts["s"]] == ["n1", "n2"]
+    gate.open()
+    assert joined(a)
+    assert link.wait_idle(STEP)
+    assert contents(store, "s") == ["m0", "n0", "n1", "n2"]
+
+
 def test_a_message_the_gateway_skips_for_state_db_is_neither_written_nor_queued(store, spool):
     """``skip_db=True`` (the agent already wrote the message itself): the link leaves it
     out, as the released store does, so it is never written twice."""
