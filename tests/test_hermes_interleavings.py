@@ -965,6 +965,34 @@ def test_after_a_rewrite_under_a_write_the_new_queue_is_evicted_at_the_cap(
     assert contents(store, "s") == ["m0", "n0", "n1", "n2"]
 
 
+def test_a_message_too_big_for_the_spool_is_dropped_at_the_cap_word_for_word(
+    hermes_home, store, monkeypatch, caplog
+):
+    """At the cap, the oldest message is over the spool's ``max_payload_bytes``: it is
+    dropped, as the released store drops, with the spool's reason; the next one past
+    the cap is spooled."""
+    monkeypatch.setattr(store, "_MAX_PENDING_PER_SESSION", 1, raising=False)
+    store._db.create_session("s", "telegram")
+    with walspool.Spool(hermes_home / "spool.db", max_payload_bytes=1000) as spool:
+        install(store, spool, retry_interval=3600, max_bytes=None)
+        sql(store, BREAK)
+        store.append_to_transcript("s", msg("x" * 2000))  # fails: queued
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="walspool.hermes"):
+            store.append_to_transcript("s", msg("a"))  # evicts the big one
+            store.append_to_transcript("s", msg("b"))  # evicts "a"
+            spool.flush()
+        assert [r.getMessage() for r in caplog.records if r.name == "walspool.hermes"] == [
+            "Session DB transcript pending queue full for s (cap=1); dropping oldest message "
+            "to make room (on-disk spool unavailable: message for session 's' is 2028 bytes "
+            "as JSON, over the spool's max_payload_bytes=1000; raise the limit or trim the "
+            "message)",
+            "Session DB transcript pending queue full for s (cap=1); spooled oldest message "
+            f"to {spool.path} (seq 1) for replay after DB recovery",
+        ]
+        assert [r.message["content"] for r in spool.records()] == ["a"]
+
+
 def test_a_message_the_gateway_skips_for_state_db_is_neither_written_nor_queued(store, spool):
     """``skip_db=True`` (the agent already wrote the message itself): the link leaves it
     out, as the released store does, so it is never written twice."""
@@ -1001,6 +1029,10 @@ def test_a_failing_sessions_retry_delay_doubles_up_to_the_retry_interval(
         with link._lock:
             got.append(link._sessions["s"].retry_at - now)
     assert got == pytest.approx(delays)
+    store.append_to_transcript("s", msg("early"))  # before the retry time: queued only
+    with link._lock:
+        state = link._sessions["s"]
+        assert state.failures == len(delays) and state.retry_at - now == pytest.approx(delays[-1])
 
 
 def test_a_drain_behind_another_of_this_link_gives_up_at_its_bound_quietly(
