@@ -1084,3 +1084,24 @@ def test_an_unexpected_error_in_the_link_never_reaches_the_gateway(store, spool,
         "walspool could not handle a transcript message for session s; what is queued stays queued"
     )
     assert record.exc_info and record.exc_info[0] is RuntimeError
+
+
+def test_a_gateway_thread_under_its_drain_budget_writes_its_own_message(store, spool, monkeypatch):
+    """A backlog one row under the gateway thread's drain budget: the thread drains it
+    all and writes its own message itself before it returns."""
+    monkeypatch.setattr(hermes, "DRAIN_CHUNK_ROWS", 10)
+    monkeypatch.setattr(hermes, "GATEWAY_DRAIN_ROWS", 20)
+    store._db.create_session("s", "telegram")
+    spool.append_many([("s", _m(f"old{i}")) for i in range(19)])  # an earlier run's
+    install(store, spool, recover=False, retry_interval=3600)
+    writers: list[str] = []
+    write = store._append_transcript_message
+
+    def named(session_id: str, message: Any) -> Any:
+        writers.append(threading.current_thread().name)
+        return write(session_id, message)
+
+    store._append_transcript_message = named
+    store.append_to_transcript("s", _m("new"))
+    assert contents(store, "s") == [f"old{i}" for i in range(19)] + ["new"]
+    assert writers == [threading.current_thread().name]

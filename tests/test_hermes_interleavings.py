@@ -993,6 +993,64 @@ def test_a_message_too_big_for_the_spool_is_dropped_at_the_cap_word_for_word(
         assert [r.message["content"] for r in spool.records()] == ["a"]
 
 
+def test_an_unexpected_error_while_writing_a_session_is_logged_and_retried(store, spool, caplog):
+    """A bug in the link's write step: logged at ERROR word for word with the
+    traceback, the message stays queued, the session counts a failure (not held back
+    as a failed drain is) and is scheduled for its retry, which writes it."""
+    store._db.create_session("s", "telegram")
+    link = install(store, spool, retry_interval=3600)
+    write_head = link._write_head
+    calls: list[int] = []
+
+    def broken_once(*args: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("link bug")
+        return write_head(*args)
+
+    link._write_head = broken_once
+    with caplog.at_level(logging.ERROR, logger="walspool.hermes"):
+        store.append_to_transcript("s", msg("m0"))
+    (record,) = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert record.getMessage() == "walspool could not write session s; its messages stay queued"
+    assert record.exc_info and record.exc_info[0] is RuntimeError
+    with link._lock:
+        state = link._sessions["s"]
+        assert state.writer is None and state.failures == 1
+        assert state.retry_at > time.monotonic() and state.hold_until == 0.0
+        assert link._wake_at == state.retry_at  # the background thread looks then
+        assert [m["content"] for m in store._dirty_transcripts["s"]] == ["m0"]
+        state.retry_at = 0.0  # its retry time has come
+        link._schedule(0.0)
+    assert link.wait_idle(STEP)
+    assert contents(store, "s") == ["m0"]
+
+
+def test_a_drain_release_with_work_left_wakes_the_background_thread_beside_a_later_retry(
+    store, spool, monkeypatch, caplog
+):
+    """A gateway thread gives the session up at its drain budget, with rows left: the
+    background thread is woken for it at once, though it already waits for another
+    session's later retry; it moves the rest and the message, no error on the way."""
+    monkeypatch.setattr(hermes, "DRAIN_CHUNK_ROWS", 10)
+    monkeypatch.setattr(hermes, "GATEWAY_DRAIN_ROWS", 10)
+    for sid in ("s", "t"):
+        store._db.create_session(sid, "telegram")
+    spool.append_many([("s", msg(f"old{i}")) for i in range(25)])  # an earlier run's
+    link = install(store, spool, recover=False, retry_interval=3600)
+    sql(store, BREAK)
+    store.append_to_transcript("t", msg("t0"))  # fails: its retry is minutes away
+    sql(store, HEAL)
+    with link._lock:
+        assert link._wake_at is not None and link._wake_at > time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="walspool.hermes"):
+        store.append_to_transcript("s", msg("new"))  # moves 10 rows, then gives up
+        with link._lock:
+            assert link._settled.wait_for(lambda: "s" not in link._sessions, STEP)
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
+    assert contents(store, "s") == [f"old{i}" for i in range(25)] + ["new"]
+
+
 def test_a_message_the_gateway_skips_for_state_db_is_neither_written_nor_queued(store, spool):
     """``skip_db=True`` (the agent already wrote the message itself): the link leaves it
     out, as the released store does, so it is never written twice."""
