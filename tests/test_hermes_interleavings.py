@@ -1389,6 +1389,34 @@ def test_a_wait_for_the_head_takes_only_itself_off_the_waiters(store, spool):
     link.close()
 
 
+def test_a_gateway_thread_that_takes_over_a_session_whose_write_just_failed_leaves_it_queued(
+    store, spool, monkeypatch, caplog
+):
+    """Step by step: a gateway thread waits to take the session over from the
+    background thread, whose write then fails. The thread takes over a failing
+    session: it does not write before the retry time (no extra failing write), gives
+    the role up and leaves the retry scheduled; no error on the way."""
+    monkeypatch.setattr(hermes, "HANDOFF_WAIT", STEP)
+    link, gate, counted, writers = _held_by_the_background_thread(store, spool)
+    g = in_thread(lambda: store.append_to_transcript("s", msg("new")))
+    assert counted.waits.acquire(timeout=STEP)  # g waits for the background writer
+    sql(store, BREAK)
+    with caplog.at_level(logging.WARNING, logger="walspool.hermes"):
+        gate.open()  # "old" fails
+        assert joined(g)
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
+    assert gate.calls == 2  # "first" and "old": nothing tried for g
+    with link._lock:
+        state = link._sessions["s"]
+        assert state.writer is None and state.retry_at > time.monotonic()
+        assert link._wake_at is not None and link._wake_at <= state.retry_at
+        assert [m["content"] for m in store._dirty_transcripts["s"]] == ["old", "new"]
+    sql(store, HEAL)
+    link.close()
+    store.append_to_transcript("s", msg("fin"))  # closed: retries at once
+    assert contents(store, "s") == ["first", "old", "new", "fin"]
+
+
 def test_a_take_over_waits_at_most_its_bound_then_leaves_the_message_queued(
     store, spool, monkeypatch
 ):
