@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 from _gateway import BREAK, HEAL, contents, msg, sql
 from _helpers import STEP
+from _lock_holder import write_lock_held
 
 import walspool
 import walspool.hermes as hermes
@@ -694,6 +695,8 @@ def test_a_drain_whose_rows_state_db_refuses_holds_them_and_counts_the_failure(
     assert [r.getMessage() for r in caplog.records if r.name == "walspool.hermes"] == [
         "Replayed 1 spooled transcript message(s) for s after DB recovery"
     ]
+    with link._lock:  # all written: the store's own failure count is cleared, as it does
+        assert "s" not in store._transcript_append_failures and "s" not in link._sessions
 
 
 @pytest.mark.parametrize("chunk", [1, 2])
@@ -1415,6 +1418,47 @@ def test_a_gateway_thread_that_takes_over_a_session_whose_write_just_failed_leav
     link.close()
     store.append_to_transcript("s", msg("fin"))  # closed: retries at once
     assert contents(store, "s") == ["first", "old", "new", "fin"]
+
+
+def test_a_gateway_thread_leaves_a_drain_to_the_background_thread_while_the_spool_is_locked(
+    store, spool, monkeypatch, caplog
+):
+    """Another process holds the spool's write lock (a commit has found it held): a
+    gateway thread whose session has spooled rows does not drain them itself (its
+    deletes would wait for the lock); it leaves its message queued and the session due,
+    and once the lock is released the background thread drains and writes, in order."""
+    monkeypatch.setattr(writer, "BUSY_RETRY_SECONDS", 60.0)
+    store._db.create_session("s", "telegram")
+    spool.append("s", msg("old"))  # an earlier run's row
+    link = install(store, spool, recover=False, retry_interval=0.5)
+    replays: list[str] = []
+    replay = link.replayer.replay
+
+    def named(*args: Any, **kw: Any) -> Any:
+        replays.append(threading.current_thread().name)
+        return replay(*args, **kw)
+
+    link.replayer.replay = named
+    with write_lock_held(spool.path):
+        blocked = spool.submit("z", msg("z"))  # its commit finds the lock held
+        with spool._writer._cond:  # notified when a commit finds the lock held
+            assert spool._writer._cond.wait_for(lambda: spool._writer.busy_since is not None, STEP)
+        g = threading.Thread(
+            target=lambda: store.append_to_transcript("s", msg("new")), name="gateway"
+        )
+        with caplog.at_level(logging.WARNING, logger="walspool.hermes"):
+            g.start()
+            assert joined(g)  # while the lock is still held
+        assert "gateway" not in replays
+        assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
+        with link._lock:
+            state = link._sessions["s"]
+            assert state.writer is None or state.writer.background
+            assert [m["content"] for m in store._dirty_transcripts["s"]] == ["new"]
+    assert blocked.result(STEP).seq == 1
+    assert link.wait_idle(STEP)
+    assert contents(store, "s") == ["old", "new"]
+    assert "gateway" not in replays
 
 
 def test_a_take_over_waits_at_most_its_bound_then_leaves_the_message_queued(
