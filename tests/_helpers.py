@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,17 @@ def terminal_line(config: Any, line: str) -> None:
             reporter.write_line("\n" + line)
     else:
         print(line)
+
+
+def naming_threads(fn: Callable[..., Any], names: list[str]) -> Callable[..., Any]:
+    """``fn``, wrapped to append the calling thread's name to ``names`` first (who
+    wrote, who replayed)."""
+
+    def named(*args: Any, **kw: Any) -> Any:
+        names.append(threading.current_thread().name)
+        return fn(*args, **kw)
+
+    return named
 
 
 def run_python(code: str, *args: str, timeout: float = 120, **kw) -> subprocess.CompletedProcess:

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 from _gateway import BREAK, HEAL, contents, sql
-from _helpers import STEP
+from _helpers import STEP, naming_threads
 
 import walspool
 import walspool.hermes as hermes
@@ -1095,13 +1095,7 @@ def test_a_gateway_thread_under_its_drain_budget_writes_its_own_message(store, s
     spool.append_many([("s", _m(f"old{i}")) for i in range(19)])  # an earlier run's
     install(store, spool, recover=False, retry_interval=3600)
     writers: list[str] = []
-    write = store._append_transcript_message
-
-    def named(session_id: str, message: Any) -> Any:
-        writers.append(threading.current_thread().name)
-        return write(session_id, message)
-
-    store._append_transcript_message = named
+    store._append_transcript_message = naming_threads(store._append_transcript_message, writers)
     store.append_to_transcript("s", _m("new"))
     assert contents(store, "s") == [f"old{i}" for i in range(19)] + ["new"]
     assert writers == [threading.current_thread().name]

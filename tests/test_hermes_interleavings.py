@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 from _gateway import BREAK, HEAL, contents, msg, sql
-from _helpers import STEP
+from _helpers import STEP, naming_threads
 from _lock_holder import write_lock_held
 
 import walspool
@@ -89,6 +89,15 @@ def in_thread(fn: Callable[[], Any]) -> threading.Thread:
     thread = threading.Thread(target=fn, daemon=True)
     thread.start()
     return thread
+
+
+def _hold_the_writer(spool: walspool.Spool) -> threading.Event:
+    """Hold the spool's writer thread inside an operation until the returned event is
+    set (at most ``STEP``): what is submitted meanwhile queues behind it."""
+    running, go_on = threading.Event(), threading.Event()
+    spool._writer.submit(writer.Operation(lambda conn: running.set() or go_on.wait(STEP)))
+    assert running.wait(STEP)
+    return go_on
 
 
 def joined(thread: threading.Thread, timeout: float = STEP) -> bool:
@@ -215,9 +224,7 @@ def test_a_failed_write_never_drops_what_a_waiting_thread_may_still_spool(
     a = in_thread(lambda: store.append_to_transcript("s", msg("m0")))
     assert gate.entered.wait(STEP)  # A is the writer; m0 is in flight
     # The spool's writer stops inside a transaction; four requests fill its queue.
-    stuck, go_on = threading.Event(), threading.Event()
-    spool._writer.submit(writer.Operation(lambda conn: stuck.set() or go_on.wait(STEP)))
-    assert stuck.wait(STEP)
+    go_on = _hold_the_writer(spool)
     fillers = [spool.submit("z", msg(f"z{i}")) for i in range(4)]
     for i in range(1, 400):  # over the cap with the head in flight: nothing evicted
         store.append_to_transcript("s", msg(f"m{i}"))
@@ -547,13 +554,7 @@ def test_the_start_recovery_writes_as_the_background_thread_and_a_gateway_thread
         target=lambda: store.append_to_transcript("s", msg("new")), name="gateway", daemon=True
     )
     writers: list[str] = []
-    write = gate.write
-
-    def named(*args: Any, **kw: Any) -> Any:
-        writers.append(threading.current_thread().name)
-        return write(*args, **kw)
-
-    gate.write = named
+    gate.write = naming_threads(gate.write, writers)
     g.start()
     assert counted.waits.acquire(timeout=STEP)  # g waits to take the session over
     gate.open()
@@ -577,9 +578,7 @@ def test_a_wait_for_evictions_looks_again_often_and_gives_up_at_its_bound(
     for i in range(3):
         store.append_to_transcript("s", msg(f"m{i}"))  # each fails: queued
     sql(store, HEAL)
-    stuck, go_on = threading.Event(), threading.Event()
-    spool._writer.submit(writer.Operation(lambda conn: stuck.set() or go_on.wait(STEP)))
-    assert stuck.wait(STEP)  # the eviction queues behind this
+    go_on = _hold_the_writer(spool)  # the eviction queues behind this
     clock = [1000.0]
     looks: list[float | None] = []
 
@@ -778,9 +777,7 @@ def test_an_eviction_that_commits_after_its_writer_gave_up_wakes_the_session(
     gate.arm()
     a = in_thread(lambda: store.append_to_transcript("s", msg("m0")))
     assert gate.entered.wait(STEP)  # A writes m0
-    stuck, go_on = threading.Event(), threading.Event()
-    spool._writer.submit(writer.Operation(lambda conn: stuck.set() or go_on.wait(STEP)))
-    assert stuck.wait(STEP)  # the eviction queues behind this
+    go_on = _hold_the_writer(spool)  # the eviction queues behind this
     for i in range(1, 5):
         store.append_to_transcript("s", msg(f"m{i}"))  # queued: A holds the session
     gate.open()
@@ -805,9 +802,7 @@ def test_a_rewrite_while_an_eviction_is_in_flight_forgets_the_session_once_it_co
     sql(store, BREAK)
     for i in range(3):
         store.append_to_transcript("s", msg(f"m{i}"))  # fail: queued
-    stuck, go_on = threading.Event(), threading.Event()
-    spool._writer.submit(writer.Operation(lambda conn: stuck.set() or go_on.wait(STEP)))
-    assert stuck.wait(STEP)  # the eviction queues behind this
+    go_on = _hold_the_writer(spool)  # the eviction queues behind this
     store.append_to_transcript("s", msg("m3"))  # m0 evicted, not committed yet
     rewriter = in_thread(lambda: store._clear_dirty_transcript("s"))  # its supersede queues
     with link._lock:
@@ -838,9 +833,7 @@ def test_evictions_that_fail_and_commit_in_one_group_are_each_reported_word_for_
         sql(store, BREAK)
         store.append_to_transcript("a", msg(f"a0{big}"))  # fails: queued
         store.append_to_transcript("b", msg("b0"))  # fails: queued
-        stuck, go_on = threading.Event(), threading.Event()
-        spool._writer.submit(writer.Operation(lambda conn: stuck.set() or go_on.wait(STEP)))
-        assert stuck.wait(STEP)  # both evictions queue behind this, for one group
+        go_on = _hold_the_writer(spool)  # both evictions queue behind this, for one group
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="walspool.hermes"):
             store.append_to_transcript("a", msg("a1"))  # evicts a0
@@ -907,9 +900,7 @@ def test_a_gateway_thread_waits_for_room_in_the_spool_at_most_its_bound_then_dro
     sql(store, BREAK)
     for i in range(2):
         store.append_to_transcript("s", msg(f"m{i}"))  # fail: queued
-    stuck, go_on = threading.Event(), threading.Event()
-    spool._writer.submit(writer.Operation(lambda conn: stuck.set() or go_on.wait(STEP)))
-    assert stuck.wait(STEP)
+    go_on = _hold_the_writer(spool)
     filler = spool.submit("z", msg("z"))  # the spool's queue is full
     for i in range(2, 4):
         store.append_to_transcript("s", msg(f"m{i}"))  # over the cap: kept in memory
@@ -1175,9 +1166,7 @@ def _a_flush_the_spool_refuses(
         sql(store, BREAK)
         for i in range(3):
             store.append_to_transcript("s", msg(f"m{i}{big}"))
-        stuck, go_on = threading.Event(), threading.Event()
-        spool._writer.submit(writer.Operation(lambda conn: stuck.set() or go_on.wait(STEP)))
-        assert stuck.wait(STEP)  # the flush's rows queue behind this
+        go_on = _hold_the_writer(spool)  # the flush's rows queue behind this
         flushed: list[int] = []
         flusher = in_thread(lambda: flushed.append(link.flush_queues()))
         with link._lock:
@@ -1228,9 +1217,7 @@ def test_a_busy_spool_keeps_the_oldest_in_memory_and_says_so_word_for_word(
     store._db.create_session("s", "telegram")
     link = install(store, spool, retry_interval=0)
     sql(store, BREAK)
-    stuck, go_on = threading.Event(), threading.Event()
-    spool._writer.submit(writer.Operation(lambda conn: stuck.set() or go_on.wait(STEP)))
-    assert stuck.wait(STEP)
+    go_on = _hold_the_writer(spool)
     fillers = [spool.submit("z", msg(f"z{i}")) for i in range(2)]
     with caplog.at_level(logging.WARNING, logger="walspool.hermes"):
         for i in range(5):
@@ -1258,13 +1245,7 @@ def _held_by_the_background_thread(store, spool, gate_skip: int = 1):
     store.append_to_transcript("s", msg("old"))  # the session is failing: queued only
     gate = gate_live_writes(store)
     writers: list[str] = []
-    write = gate.write
-
-    def named(*args: Any, **kw: Any) -> Any:
-        writers.append(threading.current_thread().name)
-        return write(*args, **kw)
-
-    gate.write = named
+    gate.write = naming_threads(gate.write, writers)
     gate.arm(skip=gate_skip)
     sql(store, HEAL)
     assert gate.entered.wait(STEP)  # the background thread wrote "first", holds "old"
@@ -1432,13 +1413,7 @@ def test_a_gateway_thread_leaves_a_drain_to_the_background_thread_while_the_spoo
     spool.append("s", msg("old"))  # an earlier run's row
     link = install(store, spool, recover=False, retry_interval=0.5)
     replays: list[str] = []
-    replay = link.replayer.replay
-
-    def named(*args: Any, **kw: Any) -> Any:
-        replays.append(threading.current_thread().name)
-        return replay(*args, **kw)
-
-    link.replayer.replay = named
+    link.replayer.replay = naming_threads(link.replayer.replay, replays)
     with write_lock_held(spool.path):
         blocked = spool.submit("z", msg("z"))  # its commit finds the lock held
         with spool._writer._cond:  # notified when a commit finds the lock held
@@ -1543,9 +1518,7 @@ def test_a_shutdown_flush_waits_for_a_slow_commit_up_to_its_bound(
     sql(store, BREAK)
     for i in range(3):
         store.append_to_transcript("s", msg(f"m{i}"))
-    stuck, go_on = threading.Event(), threading.Event()
-    spool._writer.submit(writer.Operation(lambda conn: stuck.set() or go_on.wait(STEP)))
-    assert stuck.wait(STEP)
+    go_on = _hold_the_writer(spool)
     flushed: list[int] = []
     with caplog.at_level(logging.WARNING, logger="walspool.hermes"):
         flusher = in_thread(lambda: flushed.append(link.flush_queues()))
@@ -1567,9 +1540,7 @@ def test_a_shutdown_flush_not_committed_within_its_bound_says_so(store, spool, m
     link = install(store, spool, retry_interval=0)
     sql(store, BREAK)
     store.append_to_transcript("s", msg("m0"))
-    stuck, go_on = threading.Event(), threading.Event()
-    spool._writer.submit(writer.Operation(lambda conn: stuck.set() or go_on.wait(STEP)))
-    assert stuck.wait(STEP)
+    go_on = _hold_the_writer(spool)
     with caplog.at_level(logging.ERROR, logger="walspool.hermes"):
         assert link.flush_queues() == 0
     assert [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR] == [
@@ -1591,9 +1562,7 @@ def test_a_shutdown_flush_with_no_room_within_its_bound_keeps_the_queue(
     sql(store, BREAK)
     for i in range(3):
         store.append_to_transcript("s", msg(f"m{i}"))
-    stuck, go_on = threading.Event(), threading.Event()
-    spool._writer.submit(writer.Operation(lambda conn: stuck.set() or go_on.wait(STEP)))
-    assert stuck.wait(STEP)
+    go_on = _hold_the_writer(spool)
     filler = spool.submit("z", msg("z"))  # the queue is full
     with caplog.at_level(logging.ERROR, logger="walspool.hermes"):
         assert link.flush_queues() == 0
@@ -1654,9 +1623,7 @@ def test_a_shutdown_flush_while_evictions_are_uncommitted_counts_each_once(store
     store._db.create_session("s", "telegram")
     link = install(store, spool, retry_interval=0.05)
     sql(store, BREAK)
-    stuck, go_on = threading.Event(), threading.Event()
-    spool._writer.submit(writer.Operation(lambda conn: stuck.set() or go_on.wait(STEP)))
-    assert stuck.wait(STEP)
+    go_on = _hold_the_writer(spool)
     for i in range(202):  # two evictions handed to the stuck writer
         store.append_to_transcript("s", msg(f"m{i}"))
     flushed: list[int] = []
