@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import fcntl
 import logging
 import os
 import shutil
@@ -10,11 +11,12 @@ import stat
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import apsw
 import pytest
-from _helpers import ROOT, MemorySink, run_python
+from _helpers import ROOT, STEP, MemorySink, run_python
 from _old_schemas import DOWNGRADE_TO_V1_SQL, make_v2_spool, make_v3_spool
 
 import walspool
@@ -146,6 +148,7 @@ def test_newer_schema_is_refused_and_unchanged(spool_path):
     with pytest.raises(walspool.SchemaTooNew, match="upgrade walspool") as info:
         walspool.Spool(spool_path)
     assert (info.value.found, info.value.supported) == (SCHEMA_VERSION + 1, SCHEMA_VERSION)
+    assert info.value.path == str(spool_path)
     assert isinstance(info.value, walspool.NotASpool)
     assert spool_path.read_bytes() == before
 
@@ -155,8 +158,11 @@ def _spool_with_rows(path: Path, n: int = 300) -> None:
         s.append_many([("s", {"i": i, "pad": "x" * 400}) for i in range(n)])
 
 
-@pytest.mark.parametrize("damage", ["header", "root_page"])
-def test_damaged_spool_is_moved_aside_and_replaced(spool_path, caplog, damage):
+@pytest.mark.parametrize(
+    "damage, cause",
+    [("header", "file is not a database"), ("root_page", "database disk image is malformed")],
+)
+def test_damaged_spool_is_moved_aside_and_replaced(spool_path, caplog, damage, cause):
     _spool_with_rows(spool_path)
     data = bytearray(spool_path.read_bytes())
     if damage == "header":
@@ -175,9 +181,11 @@ def test_damaged_spool_is_moved_aside_and_replaced(spool_path, caplog, damage):
     assert len(main) == 1 and len(aside) <= 3  # with its -wal and -shm, if it had them
     assert main[0].read_bytes() == damaged
     assert all(mode(p) == 0o600 for p in aside)
-    errors = [r for r in caplog.records if r.levelno == logging.ERROR]
-    assert errors and str(spool_path) in errors[0].getMessage()
-    assert str(main[0]) in errors[0].getMessage()
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert errors == [
+        f"spool {spool_path} is damaged ({cause}); moved it aside to {main[0]} and opened a "
+        "fresh spool"
+    ]
 
 
 def test_opening_does_not_scan(spool_path):
@@ -381,6 +389,15 @@ print("closed", flush=True)
 """
 
 
+def cannot_move_aside(path: Path, who: str) -> str:
+    """The error of opening a damaged spool that ``who`` (a pid, or nobody named) has open."""
+    return (
+        f"spool {path} is damaged (database disk image is malformed) and another process "
+        f"has it open{who}, so it cannot be moved aside now; stop the other users of it "
+        f"(the gateway, a replay, Litestream) and open it again, or run `walspool check {path}`"
+    )
+
+
 def damage_spool_meta(path: Path) -> None:
     """Overwrite the page of ``spool_meta`` in the main file: a table an appending
     process never touches, but an opening process checks."""
@@ -412,8 +429,10 @@ def test_a_damaged_spool_an_sqlite3_shell_has_open_is_not_moved_aside(spool_path
         shell.stdin.flush()
         assert shell.stdout.readline() == "300\n"
         before = spool_path.read_bytes()
-        with pytest.raises(walspool.SpoolCorrupt, match=f"open \\(pid {shell.pid}\\)"):
+        with pytest.raises(walspool.SpoolCorrupt) as info:
             walspool.Spool(spool_path)
+        assert str(info.value) == cannot_move_aside(spool_path, f" (pid {shell.pid})")
+        assert info.value.path == str(spool_path)
         assert spool_path.read_bytes() == before
         assert not [p for p in spool_path.parent.iterdir() if ".damaged-" in p.name]
     finally:
@@ -443,8 +462,14 @@ def test_a_damaged_spool_open_in_another_process_is_not_moved_aside(spool_path):
         proc.stdin.flush()
         assert proc.stdout.readline() == "acked a1\n"  # A has the spool open
         damage_spool_meta(spool_path)
-        with pytest.raises(walspool.SpoolCorrupt, match="another process has it open"):
+        with pytest.raises(walspool.SpoolCorrupt) as info:
             walspool.Spool(spool_path)
+        # A walspool process holds the open lock: no pid to name.
+        assert str(info.value) == cannot_move_aside(spool_path, "")
+        assert info.value.path == str(spool_path)
+        # The damaged file's connection is closed before the error reaches the caller.
+        assert descriptors_on(spool_path) == []
+        del info
         assert not [p for p in spool_path.parent.iterdir() if ".damaged-" in p.name]
         proc.stdin.write("append\n")
         proc.stdin.flush()
@@ -578,3 +603,241 @@ def test_a_read_only_open_of_an_old_schema_names_the_file(spool_path):
         open_reader(spool_path)
     assert info.value.path == str(spool_path)
     assert str(info.value).startswith(f"{spool_path} has spool schema 2;")
+
+
+# -- the open lock, and what SQLite itself refuses ---------------------------------------
+
+HOLD_OPEN_LOCK = """
+import fcntl, os, sys
+fd = os.open(sys.argv[1], os.O_RDWR)
+fcntl.flock(fd, fcntl.LOCK_SH)
+print("held", flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_a_damaged_spool_a_process_is_opening_is_not_moved_aside(spool_path):
+    """A walspool process between taking the open lock and opening the file has no SQLite
+    lock on it yet: the open lock alone keeps the file where that process will look."""
+    _spool_with_rows(spool_path)
+    damage_spool_meta(spool_path)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_OPEN_LOCK, f"{spool_path}.open-lock"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+        before = spool_path.read_bytes()
+        with pytest.raises(walspool.SpoolCorrupt) as info:
+            walspool.Spool(spool_path)
+        assert str(info.value) == cannot_move_aside(spool_path, "")
+        assert spool_path.read_bytes() == before
+        assert not [p for p in spool_path.parent.iterdir() if ".damaged-" in p.name]
+    finally:
+        holder.kill()
+        holder.wait(30)
+
+
+class _SteppedTime:
+    """``time`` for ``walspool.schema``: the real clock, and a ``sleep`` that records each
+    pause and sets ``stepped`` at the first."""
+
+    def __init__(self) -> None:
+        self.monotonic = time.monotonic
+        self.pauses: list[float] = []
+        self.stepped = threading.Event()
+
+    def sleep(self, seconds: float) -> None:
+        self.pauses.append(seconds)
+        self.stepped.set()
+        time.sleep(seconds)
+
+
+def test_an_opener_waits_for_a_spool_being_moved_aside_then_opens_it(spool_path, monkeypatch):
+    """The process moving a damaged spool aside holds the open lock exclusively; another
+    opener waits (polling often) instead of failing, and opens the spool once it is free."""
+    walspool.Spool(spool_path).close()
+    clock = _SteppedTime()
+    monkeypatch.setattr(walspool.schema, "time", clock)
+    mover = os.open(f"{spool_path}.open-lock", os.O_RDWR)
+    fcntl.flock(mover, fcntl.LOCK_EX)
+    outcome: list[object] = []
+
+    def open_it() -> None:
+        try:
+            with walspool.Spool(spool_path) as spool:
+                outcome.append(spool.append("s", MSG).seq)
+        except BaseException as exc:
+            outcome.append(exc)
+        clock.stepped.set()
+
+    opener = threading.Thread(target=open_it)
+    opener.start()
+    try:
+        assert clock.stepped.wait(STEP)
+        assert outcome == [] and opener.is_alive()  # waiting, not failed
+    finally:
+        os.close(mover)  # the move is over
+    opener.join(STEP)
+    assert outcome == [1]
+    assert clock.pauses and max(clock.pauses) <= 0.05  # notices the release at once
+
+
+def test_an_open_lock_held_past_its_bound_is_a_named_error(spool_path, monkeypatch):
+    walspool.Spool(spool_path).close()
+    monkeypatch.setattr(walspool.schema, "OPEN_LOCK_WAIT", 0.2)
+    mover = os.open(f"{spool_path}.open-lock", os.O_RDWR)
+    fcntl.flock(mover, fcntl.LOCK_EX)
+    try:
+        with pytest.raises(walspool.SpoolIOError) as info:
+            walspool.Spool(spool_path)
+        assert str(info.value) == (
+            f"spool {spool_path} stayed locked for 0.2 s by a process moving it aside "
+            f"({spool_path}.open-lock); try again"
+        )
+        assert info.value.path == str(spool_path)
+        # Its own descriptor of the lock is closed; only the mover's is left.
+        assert descriptors_on(spool_path) == [f"{spool_path}.open-lock"]
+    finally:
+        os.close(mover)
+
+
+def test_an_open_lock_that_is_not_a_file_is_refused_by_name(spool_path):
+    spool_path.parent.mkdir(mode=0o700)
+    os.mkdir(f"{spool_path}.open-lock")
+    with pytest.raises(walspool.SpoolIOError) as info:
+        walspool.Spool(spool_path)
+    lock = f"{spool_path}.open-lock"
+    assert str(info.value) == (
+        f"cannot open the open lock {lock} ([Errno {errno.EISDIR}] Is a directory: {lock!r}); "
+        "it must be a regular file beside the spool"
+    )
+    assert info.value.path == str(spool_path)
+
+
+@pytest.mark.parametrize("opener", ["writer", "reader"])
+def test_a_symlink_swapped_in_after_the_check_is_refused_by_sqlite(spool_path, monkeypatch, opener):
+    """walspool refuses a link at the spool's path, and SQLite refuses one too
+    (``SQLITE_OPEN_NOFOLLOW``): a link put there between the check and the open (a race
+    by whoever can write the directory) never makes walspool write, or read, its target."""
+    walspool.Spool(spool_path).close()
+    victim = spool_path.with_name("victim")
+    victim.write_bytes(b"")
+    real_check = walspool.files.refuse_non_sqlite
+
+    def check_then_swap(path: Path) -> None:
+        real_check(path)
+        if "open_checked" in sys._getframe(1).f_code.co_name or opener == "reader":
+            os.rename(spool_path, spool_path.with_name("real.db"))
+            os.symlink(victim, spool_path)
+
+    monkeypatch.setattr(walspool.files, "refuse_non_sqlite", check_then_swap)
+    with pytest.raises(walspool.WalspoolError) as info:
+        if opener == "writer":
+            walspool.Spool(spool_path)
+        else:
+            open_reader(spool_path)
+    assert type(info.value) is walspool.WalspoolError
+    assert str(info.value) == f"{spool_path}: unable to open database file"
+    assert info.value.path == str(spool_path)
+    assert victim.read_bytes() == b""
+
+
+def test_a_read_only_open_of_a_damaged_file_names_the_damage_and_closes_it(spool_path):
+    _spool_with_rows(spool_path, 10)
+    data = bytearray(spool_path.read_bytes())
+    data[16:18] = b"\x00\x03"  # page size 3: SQLite's own "file is not a database"
+    spool_path.write_bytes(bytes(data))
+    with pytest.raises(walspool.SpoolCorrupt) as info:
+        open_reader(spool_path)
+    assert str(info.value) == (
+        f"{spool_path}: file is not a database; run `walspool check {spool_path}`"
+    )
+    assert info.value.path == str(spool_path)
+    assert descriptors_on(spool_path) == []  # closed, not left to the error's traceback
+
+
+def test_a_read_only_open_of_another_database_closes_it(tmp_path):
+    path = tmp_path / "state.db"
+    conn = apsw.Connection(str(path))
+    conn.execute("CREATE TABLE messages(id INTEGER PRIMARY KEY)")
+    conn.close()
+    with pytest.raises(walspool.NotASpool, match="not a walspool spool") as info:
+        open_reader(path)
+    assert descriptors_on(path) == []  # closed, not left to the error's traceback
+    del info
+
+
+class _NoSharedMemoryFile:
+    """A file of the ``unix`` VFS behind SQLite's first file interface, which has no
+    shared memory: what SQLite sees on a file system that cannot map one (some network
+    and FUSE file systems)."""
+
+    def __init__(self, name: object, flags: list[int]) -> None:
+        self._file = apsw.VFSFile("unix", name, flags)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._file, name)
+
+
+class _NoSharedMemoryVFS(apsw.VFS):
+    def __init__(self) -> None:
+        super().__init__("walspool-no-shm", "unix")
+
+    def xOpen(self, name: object, flags: list[int]) -> _NoSharedMemoryFile:
+        return _NoSharedMemoryFile(name, flags)
+
+
+@pytest.mark.parametrize("existing", [False, True])
+def test_a_file_system_without_shared_memory_is_refused_by_name(spool_path, existing):
+    """WAL needs shared memory; without it SQLite keeps its rollback journal, which a
+    reader blocks and which walspool's durability does not describe: refused, by name,
+    for a new spool and for one an operator turned out of WAL mode."""
+    if existing:
+        walspool.Spool(spool_path).close()
+        conn = apsw.Connection(str(spool_path))
+        conn.execute("PRAGMA journal_mode = DELETE")
+        conn.close()
+    vfs = _NoSharedMemoryVFS()
+    previous = apsw.vfs_names()[0]
+    apsw.set_default_vfs("walspool-no-shm")
+    try:
+        with pytest.raises(walspool.SpoolIOError) as info:
+            walspool.Spool(spool_path)
+    finally:
+        apsw.set_default_vfs(previous)
+        vfs.unregister()
+    assert str(info.value) == (
+        f"{spool_path}: SQLite refused WAL mode (got 'delete'); put the spool on a local "
+        "file system"
+    )
+    assert info.value.path == str(spool_path)
+    with walspool.Spool(spool_path) as spool:  # on a file system with shared memory: fine
+        assert spool.append("s", MSG).seq == 1
+
+
+def test_each_schema_problem_is_named_when_the_spool_is_moved_aside(
+    spool_path, caplog, monkeypatch
+):
+    with walspool.Spool(spool_path) as spool:
+        spool.append("s", MSG)
+    conn = apsw.Connection(str(spool_path))
+    conn.execute(
+        "DROP VIEW failures; DROP VIEW backlog; CREATE VIEW backlog AS SELECT 1;"
+        "DROP INDEX records_status_idx;"
+        "CREATE INDEX records_status_idx ON records (status);"
+    )
+    conn.close()
+    # Walspool's own definitions are read afresh here, not remembered from another test.
+    monkeypatch.setattr(walspool.schema, "_definitions", {})
+    with caplog.at_level(logging.ERROR, logger="walspool"):
+        walspool.Spool(spool_path).close()
+    (aside,) = [p for p in spool_path.parent.iterdir() if p.name.endswith(tuple("0123456789"))]
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR] == [
+        f"spool {spool_path} is damaged (spool schema: the schema lacks the view `failures`; "
+        "the index `records_status_idx` is not walspool's definition; "
+        "the view `backlog` is not walspool's definition); "
+        f"moved it aside to {aside} and opened a fresh spool"
+    ]

@@ -339,18 +339,16 @@ def open_writer(
     files.refuse_non_sqlite(path)
     lock = hold_open_lock(path, owner)
     try:
-        conn = _open_locked(path, durability, max_bytes, lock, owner)
+        conn = _open_locked(path, durability, max_bytes, lock)
     except BaseException:
         os.close(lock)
         raise
     return conn, lock, owner
 
 
-def _open_locked(
-    path: Path, durability: str, max_bytes: int | None, lock: int, owner: int
-) -> apsw.Connection:
+def _open_locked(path: Path, durability: str, max_bytes: int | None, lock: int) -> apsw.Connection:
     try:
-        conn = _open_checked(path, durability)
+        return _open_checked(path, durability, max_bytes)
     except SpoolCorrupt as exc:
         # No other walspool process has it open (the open lock), and no other program
         # either (SQLite's own locks): Litestream, say, would go on reading the renamed
@@ -374,16 +372,9 @@ def _open_locked(
                 moved,
             )
             files.prepare(path)
-            conn = _open_checked(path, durability)
+            return _open_checked(path, durability, max_bytes)
         finally:
             fcntl.flock(lock, fcntl.LOCK_SH)  # back to sharing it with later openers
-    try:
-        set_journal_size_limit(conn)
-        set_max_bytes(conn, max_bytes)
-    except apsw.Error as exc:
-        close_quietly(conn)
-        raise sqlite_error(exc, path) from exc
-    return conn
 
 
 def hold_open_lock(path: Path, owner: int) -> int:
@@ -449,7 +440,7 @@ def open_reader(path: Path) -> apsw.Connection:
     return conn
 
 
-def _open_checked(path: Path, durability: str) -> apsw.Connection:
+def _open_checked(path: Path, durability: str, max_bytes: int | None) -> apsw.Connection:
     files.refuse_non_sqlite(path)
     flags = (
         apsw.SQLITE_OPEN_READWRITE
@@ -469,12 +460,14 @@ def _open_checked(path: Path, durability: str) -> apsw.Connection:
         set_synchronous(conn, durability)
         if _check_identity(conn, path, allow_empty=True):
             set_wal(conn, path)
-            _create_schema(conn, path)
+            _create_schema(conn)
         else:
             set_wal(conn, path)
             _migrate(conn, path)
         cheap_check(conn)
         conn.config(apsw.SQLITE_DBCONFIG_NO_CKPT_ON_CLOSE, 0)
+        set_journal_size_limit(conn)
+        set_max_bytes(conn, max_bytes)
     except apsw.Error as exc:
         close_quietly(conn)
         raise sqlite_error(exc, path) from exc
@@ -518,9 +511,9 @@ def _check_identity(conn: apsw.Connection, path: Path, *, allow_empty: bool) -> 
     return False
 
 
-def _create_schema(conn: apsw.Connection, path: Path) -> None:
+def _create_schema(conn: apsw.Connection) -> None:
     """Create the schema in one transaction; a concurrent creator may have won."""
-    with transaction(conn, path):
+    with transaction(conn):
         if conn.execute("SELECT count(*) FROM sqlite_schema").get == 0:
             conn.execute(SCHEMA_SQL)
 
@@ -530,7 +523,7 @@ def _migrate(conn: apsw.Connection, path: Path) -> None:
     found = conn.execute("PRAGMA user_version").get
     if found >= SCHEMA_VERSION:
         return
-    with transaction(conn, path):
+    with transaction(conn):
         version = conn.execute("PRAGMA user_version").get  # another process may have won
         if version == 1:
             columns = {row[1] for row in conn.execute("PRAGMA table_info(records)")}
@@ -623,7 +616,7 @@ def _words(sql: str) -> str:
 
 
 @contextlib.contextmanager
-def transaction(conn: apsw.Connection, path: Path) -> Iterator[None]:
+def transaction(conn: apsw.Connection) -> Iterator[None]:
     """``BEGIN IMMEDIATE`` ... ``COMMIT``; roll back on any exception."""
     conn.execute("BEGIN IMMEDIATE")
     try:
