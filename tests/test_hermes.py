@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 from _gateway import BREAK, HEAL, contents, sql
-from _helpers import STEP, naming_threads
+from _helpers import STEP, naming_threads, run_python
 
 import walspool
 import walspool.hermes as hermes
@@ -139,18 +139,42 @@ def test_sessions_are_isolated(store, spool):
     assert [r.message["content"] for r in spool.records()] == ["b0"]
 
 
-def test_install_refuses_a_store_it_does_not_know(spool):
+def test_install_refuses_a_store_it_does_not_know_word_for_word(spool):
     class NotAStore:
-        _db = object()
+        _db = _dirty_transcripts = peek_session_id = append_to_transcript = object()
 
-    with pytest.raises(walspool.UnsupportedGateway, match="lacks"):
+    with pytest.raises(walspool.UnsupportedGateway) as refused:
         install(NotAStore(), spool)
+    assert str(refused.value) == (
+        "NotAStore lacks _transcript_retry_lock, _transcript_append_failures, "
+        "_append_transcript_message, _clear_dirty_transcript, _MAX_PENDING_PER_SESSION, "
+        "_is_fts_corruption_error, _rebuild_fts_once; walspool.hermes supports "
+        "hermes-agent 0.19.0's gateway.session.SessionStore"
+    )
+    assert refused.value.path == str(spool.path)
 
 
-def test_install_twice_is_refused(store, spool):
+def test_install_twice_is_refused_word_for_word(store, spool):
     install(store, spool, retry_interval=0)
-    with pytest.raises(walspool.UnsupportedGateway, match="already"):
+    with pytest.raises(walspool.UnsupportedGateway) as refused:
         install(store, spool, retry_interval=0)
+    assert str(refused.value) == "this SessionStore is linked to a spool already"
+    assert refused.value.path == str(spool.path)
+
+
+def test_install_refuses_a_store_without_state_db_word_for_word(store, spool):
+    """The released store runs on when state.db cannot be opened (``_db`` None): there is
+    nothing to replay into, so the link refuses rather than spooling forever."""
+    db, store._db = store._db, None
+    before = store.append_to_transcript
+    try:
+        with pytest.raises(walspool.UnsupportedGateway) as refused:
+            install(store, spool, retry_interval=0)
+    finally:
+        store._db = db
+    assert str(refused.value) == "the SessionStore has no state.db (store._db is None)"
+    assert refused.value.path == str(spool.path)
+    assert store.append_to_transcript == before  # not linked
 
 
 class _Adapter:
@@ -1099,3 +1123,88 @@ def test_a_gateway_thread_under_its_drain_budget_writes_its_own_message(store, s
     store.append_to_transcript("s", _m("new"))
     assert contents(store, "s") == [f"old{i}" for i in range(19)] + ["new"]
     assert writers == [threading.current_thread().name]
+
+
+def test_a_failing_write_is_counted_in_the_stores_counter_and_logged_word_for_word(
+    store, spool, caplog
+):
+    """A write of the queue's head that state.db refuses: the store's own failure count
+    goes up once per attempt, the WARNING is the released store's, word for word, and
+    the message stays queued for the retry."""
+    store._db.create_session("s", "telegram")
+    link = install(store, spool, retry_interval=3600)  # the test makes the retry due
+    sql(store, BREAK)
+    caplog.set_level(logging.WARNING, logger="walspool.hermes")
+    for attempt, content in ((1, "first"), (2, "second")):
+        caplog.clear()
+        store.append_to_transcript("s", _m(content))
+        assert _lines(caplog, logging.WARNING) == [
+            f"Session DB transcript append failed for s (failure_count={attempt}, "
+            f"pending={attempt}); will retry: database disk image is malformed"
+        ]
+        assert store._transcript_append_failures == {"s": attempt}
+        with link._lock:
+            link._sessions["s"].retry_at = 0.0  # its retry time has come
+    assert [m["content"] for m in store._dirty_transcripts["s"]] == ["first", "second"]
+    sql(store, HEAL)
+    store.append_to_transcript("s", _m("third"))
+    assert contents(store, "s") == ["first", "second", "third"]
+    assert spool.stats().rows == 0
+
+
+#: FTS damage the store's own rebuild repairs: inserts fail as SQLite fails them on a
+#: damaged FTS index until ``SessionDB.rebuild_fts`` has made the index whole again.
+FTS_OUT_OF_STEP = (
+    "CREATE TRIGGER fts_out_of_step BEFORE INSERT ON messages "
+    "WHEN (SELECT count(*) FROM messages_fts_docsize) != (SELECT count(*) FROM messages) "
+    "BEGIN SELECT RAISE(ABORT, 'database disk image is malformed'); END"
+)
+
+
+def test_a_write_fts_damage_fails_is_written_once_after_the_stores_own_rebuild(
+    store, spool, caplog
+):
+    """SessionDB repairs FTS damage once by itself; damage after that reaches the store,
+    whose own one rebuild lets the link write the message again, to its session, once."""
+    store._db.create_session("s", "telegram")
+    install(store, spool, retry_interval=0)
+    store.append_to_transcript("s", _m("first"))
+    sql(store, FTS_OUT_OF_STEP)
+    sql(store, "DELETE FROM messages_fts_docsize")  # the index lost its rows
+    store.append_to_transcript("s", _m("before"))  # SessionDB's own repair
+    assert store._db._fts_runtime_rebuild_attempted
+    sql(store, "DELETE FROM messages_fts_docsize")  # damaged again
+    caplog.set_level(logging.WARNING)
+    caplog.clear()
+    store.append_to_transcript("s", _m("after"))
+    assert contents(store, "s") == ["first", "before", "after"]
+    assert store._fts_rebuild_attempted
+    assert "s" not in store._transcript_append_failures and "s" not in store._dirty_transcripts
+    assert spool.stats().rows == 0  # written at once, not spooled
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == [
+        "Rebuilt 2 Session DB FTS index(es) after append corruption"
+    ]
+
+
+LINKED_THEN_EXITING = """
+import sys
+from pathlib import Path
+import walspool
+from gateway.config import GatewayConfig
+from gateway.session import SessionStore
+from walspool.hermes import install
+
+home = Path(sys.argv[1])
+store = SessionStore(home / "sessions", GatewayConfig(sessions_dir=home / "sessions"))
+link = install(store, walspool.Spool(home / "spool.db"))
+print("retrying in the background:", link._thread is not None and link._thread.is_alive())
+"""
+
+
+def test_a_gateway_that_exits_without_closing_its_link_is_not_kept_alive(hermes_home):
+    """The background thread is a daemon: a gateway process that ends without closing
+    the link (a crash path, a script) exits instead of hanging on it."""
+    done = run_python(
+        LINKED_THEN_EXITING, str(hermes_home), timeout=STEP, env={"HERMES_HOME": str(hermes_home)}
+    )
+    assert (done.returncode, done.stdout) == (0, "retrying in the background: True\n"), done.stderr

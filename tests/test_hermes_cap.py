@@ -139,3 +139,53 @@ def test_a_spool_already_at_the_cap_refuses_the_first_eviction(store, spool, cap
     refused = refusals(caplog, "s")
     assert len(refused) == 1 and "at the link's cap of 8388608 bytes" in refused[0]
     assert [r.session_id for r in spool.records()].count("s") == 0
+
+
+def _first_eviction_of(store: Any, spool: walspool.Spool, content: str) -> int:
+    """Fill session s's queue to the cap (state.db broken, so nothing is written) and
+    return the payload bytes of the message the next one evicts."""
+    store._db.create_session("s", "telegram")
+    sql(store, BREAK)
+    for i in range(store._MAX_PENDING_PER_SESSION):
+        store.append_to_transcript("s", {"role": "user", "content": f"{content}{i}"})
+    assert spool.stats().rows == 0
+    return spool._row("s", store._dirty_transcripts["s"][0], walspool.CAP_DROP, None)[5]
+
+
+def test_an_eviction_that_brings_the_spool_to_exactly_the_cap_is_spooled(store, spool, caplog):
+    """The cap is a limit the spool may reach: counted from the spool as measured and the
+    eviction's own bytes, nothing more."""
+    link = install(store, spool, retry_interval=3600)  # no retries meanwhile
+    nbytes = _first_eviction_of(store, spool, "m")
+    link.max_bytes = spool._writer.footprint + budget.ON_DISK * nbytes
+    with caplog.at_level(logging.WARNING, logger="walspool.hermes"):
+        store.append_to_transcript("s", {"role": "user", "content": "over"})
+        spool.flush()
+    assert refusals(caplog, "s") == []
+    assert [r.message["content"] for r in spool.records()] == ["m0"]
+
+
+def test_a_session_may_spool_exactly_its_small_share_into_the_reserve(store, spool, caplog):
+    """In the last 10% of the cap a session may still spool while its evictions stay
+    within 1% of the cap: that share is counted from what it spooled, nothing more."""
+    link = install(store, spool, retry_interval=3600)
+    footprint = spool._writer.footprint
+    # An eviction of n bytes with the cap at 100 n: exactly the 1% share, and the spool
+    # (its footprint plus 3 n) lands inside the reserve, between 90 n and 100 n.
+    size = len('{"role":"user","content":"0"}')  # the evicted message, without its pad
+    pad = next(
+        k
+        for k in range(1, footprint)
+        if 87 * (size + k) < footprint <= 97 * (size + k)
+        and 100 * (size + k) * budget.SMALL >= size + k
+    )
+    nbytes = _first_eviction_of(store, spool, "x" * pad)
+    assert nbytes == size + pad
+    link.max_bytes = 100 * nbytes
+    after = footprint + budget.ON_DISK * nbytes
+    assert link.max_bytes * (1 - budget.RESERVE) < after <= link.max_bytes
+    with caplog.at_level(logging.WARNING, logger="walspool.hermes"):
+        store.append_to_transcript("s", {"role": "user", "content": "over"})
+        spool.flush()
+    assert refusals(caplog, "s") == []
+    assert spool.stats().rows == 1

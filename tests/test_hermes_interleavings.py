@@ -91,11 +91,11 @@ def in_thread(fn: Callable[[], Any]) -> threading.Thread:
     return thread
 
 
-def _hold_the_writer(spool: walspool.Spool) -> threading.Event:
+def _hold_the_writer(spool: walspool.Spool, bound: float = STEP) -> threading.Event:
     """Hold the spool's writer thread inside an operation until the returned event is
-    set (at most ``STEP``): what is submitted meanwhile queues behind it."""
+    set (at most ``bound``): what is submitted meanwhile queues behind it."""
     running, go_on = threading.Event(), threading.Event()
-    spool._writer.submit(writer.Operation(lambda conn: running.set() or go_on.wait(STEP)))
+    spool._writer.submit(writer.Operation(lambda conn: running.set() or go_on.wait(bound)))
     assert running.wait(STEP)
     return go_on
 
@@ -1659,3 +1659,115 @@ def test_the_background_thread_retries_a_due_session_while_another_has_a_writer(
     assert link.wait_idle(STEP)
     assert contents(store, "a") == ["a0"]
     link.close()
+
+
+# -- between the writer's decision and its write ---------------------------------------
+
+
+def test_a_rewrite_after_the_writer_chose_to_write_leaves_it_nothing_to_write(
+    store, spool, monkeypatch, caplog
+):
+    """The session's writer chose to write the queue's head and let the lock go; before
+    it takes the lock again a /retry rewrites the transcript, dropping the queue (as the
+    released store does). The writer writes nothing, logs nothing, and gives its role up:
+    the next message is written at once."""
+    store._db.create_session("s", "telegram")
+    link = install(store, spool, retry_interval=0)
+    decided = Gate(hermes._run)  # called right after each decision, outside the lock
+    monkeypatch.setattr(hermes, "_run", decided)
+    decided.arm(skip=1)  # the first call is the appender's own, before it writes
+    caplog.set_level(logging.WARNING, logger="walspool")
+    appender = in_thread(lambda: store.append_to_transcript("s", msg("dropped")))
+    assert decided.entered.wait(STEP)
+    assert store.rewrite_transcript("s", [msg("rewritten")])
+    decided.open()
+    assert joined(appender)
+    with link._lock:
+        assert "s" not in link._sessions  # no writer left behind, nothing to do
+    store.append_to_transcript("s", msg("next"))
+    assert contents(store, "s") == ["rewritten", "next"]
+    assert [r.getMessage() for r in caplog.records] == []
+
+
+def test_a_rewrite_during_a_failing_write_leaves_nothing_to_evict(store, spool, caplog):
+    """The head's write fails after a /retry emptied the queue during it: the failure
+    is logged as the released store logs it (nothing pending) and the writer stops
+    cleanly; the rewritten transcript stands and the next message is written."""
+    import sqlite3
+
+    store._db.create_session("s", "telegram")
+    install(store, spool, retry_interval=0)
+    write = store._append_transcript_message
+
+    def locked_once(*args: Any, **kw: Any) -> Any:
+        store._append_transcript_message = write
+        raise sqlite3.OperationalError("database is locked")
+
+    gate = Gate(locked_once)
+    store._append_transcript_message = gate
+    gate.arm()
+    caplog.set_level(logging.WARNING, logger="walspool")
+    appender = in_thread(lambda: store.append_to_transcript("s", msg("dropped")))
+    assert gate.entered.wait(STEP)
+    assert store.rewrite_transcript("s", [msg("rewritten")])
+    gate.open()
+    assert joined(appender)
+    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
+        (
+            "WARNING",
+            "Session DB transcript append failed for s (failure_count=1, pending=0); "
+            "will retry: database is locked",
+        )
+    ]
+    store.append_to_transcript("s", msg("next"))
+    assert contents(store, "s") == ["rewritten", "next"]
+
+
+def test_a_failed_drain_on_a_gateway_thread_does_not_wait_to_record_its_failure(store, spool):
+    """A drain whose rows state.db refuses records the failure (attempts, last error)
+    with the spool writer's next group, not in a commit of its own that the gateway
+    thread waits for: with the spool's writer busy by then, the gateway thread returns."""
+    store._db.create_session("s", "telegram")
+    spool.append("s", msg("old"))  # an earlier run's row: the next message drains it
+    link = install(store, spool, recover=False, retry_interval=0)
+    sql(store, BREAK)
+    gate = gate_drain_writes(link)
+    gate.arm()
+    appender = in_thread(lambda: store.append_to_transcript("s", msg("new")))
+    assert gate.entered.wait(STEP)  # the row is taken; its write to state.db comes next
+    go_on = _hold_the_writer(spool, bound=3 * STEP)
+    try:
+        gate.open()
+        assert joined(appender)  # while the spool's writer is still held
+        assert spool._read("SELECT attempts FROM records", ()) == [(0,)]  # not recorded yet
+    finally:
+        go_on.set()
+    spool.flush()
+    assert spool._read("SELECT attempts, last_error FROM records", ()) == [
+        (1, "IntegrityError: database disk image is malformed")
+    ]
+    sql(store, HEAL)
+    store.append_to_transcript("s", msg("fin"))
+    assert contents(store, "s") == ["old", "new", "fin"]
+
+
+def test_rows_spooled_by_key_alone_reach_the_session_the_store_resolves_them_to(hermes_home):
+    """A row spooled with only a session key (its session was not known then) is written,
+    at the next start, into the session the store's own ``peek_session_id`` names."""
+    from gateway.config import GatewayConfig, Platform
+    from gateway.session import SessionSource, SessionStore
+
+    config = GatewayConfig(sessions_dir=hermes_home / "sessions")
+    store = SessionStore(hermes_home / "sessions", config)
+    entry = store.get_or_create_session(
+        SessionSource(platform=Platform.TELEGRAM, chat_id="42", user_id="u1")
+    )
+    try:
+        with walspool.Spool(hermes_home / "spool.db") as spool:
+            spool.append(None, msg("by key"), reason="shutdown", session_key=entry.session_key)
+            link = install(store, spool)
+            assert link.wait_idle(STEP)
+            assert contents(store, entry.session_id) == ["by key"]
+            assert spool.stats().rows == 0
+    finally:
+        store._db.close()

@@ -176,7 +176,7 @@ class _Session:
         "spooled_bytes",
     )
 
-    def __init__(self, spooled: int = 0) -> None:
+    def __init__(self, spooled: int) -> None:
         #: The current writer's claim, or None: the session has no writer.
         self.writer: _Writer | None = None
         #: The queued message being written to state.db right now, if any.
