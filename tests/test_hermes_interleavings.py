@@ -1771,3 +1771,35 @@ def test_rows_spooled_by_key_alone_reach_the_session_the_store_resolves_them_to(
             assert spool.stats().rows == 0
     finally:
         store._db.close()
+
+
+def test_without_a_background_thread_a_gateway_thread_drains_itself_once_the_lock_is_free(
+    store, spool, monkeypatch
+):
+    """``retry_interval=0`` starts no background thread: a gateway thread whose session has
+    spooled rows while another process holds the spool's write lock drains them itself
+    once the lock is free (nobody else would), rather than leaving them and its message
+    behind until the session's next message."""
+    monkeypatch.setattr(writer, "BUSY_RETRY_SECONDS", 0.05)
+    store._db.create_session("s", "telegram")
+    spool.append("s", msg("old"))  # an earlier run's row
+    link = install(store, spool, recover=False, retry_interval=0)
+    replays: list[str] = []
+    link.replayer.replay = naming_threads(link.replayer.replay, replays)
+    decided = Gate(hermes._run)  # called right after each decision, outside the lock
+    monkeypatch.setattr(hermes, "_run", decided)
+    with write_lock_held(spool.path):
+        blocked = spool.submit("z", msg("z"))  # its commit finds the lock held
+        with spool._writer._cond:  # notified when a commit finds the lock held
+            assert spool._writer._cond.wait_for(lambda: spool._writer.busy_since is not None, STEP)
+        decided.arm(skip=1)  # the first call is the appender's own, before it writes
+        g = threading.Thread(
+            target=lambda: store.append_to_transcript("s", msg("new")), name="gateway"
+        )
+        g.start()
+        assert decided.entered.wait(STEP)  # decided while the lock is held
+        decided.open()
+    assert joined(g)
+    assert blocked.result(STEP).seq == 1
+    assert set(replays) == {"gateway"}
+    assert contents(store, "s") == ["old", "new"]
