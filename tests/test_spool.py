@@ -7,6 +7,7 @@ import os
 import threading
 from pathlib import Path
 
+import apsw
 import pytest
 from _helpers import run_python
 
@@ -44,9 +45,13 @@ def test_records_read_back_in_drop_order_with_fields(spool):
 
 
 def test_records_pages_through_many_rows(spool):
-    spool.append_many([("s", {"i": i}) for i in range(1300)])
+    """Over several pages, all of them and one session's, its rows between another's
+    (so a row's id is not its seq)."""
+    spool.append_many([(s, {"i": i}) for i in range(1300) for s in ("s", "t")])
     assert [r.message["i"] for r in spool.records(session_id="s")] == list(range(1300))
-    assert [r.seq for r in spool.records()] == list(range(1, 1301))
+    assert [(r.session_id, r.seq) for r in spool.records()] == [
+        (s, seq) for seq in range(1, 1301) for s in ("s", "t")
+    ]
 
 
 def test_seq_continues_after_reopen(spool_path):
@@ -204,17 +209,24 @@ def test_hostile_but_valid_names_are_stored_faithfully(spool):
 
 
 def test_needs_session_id_or_key(spool):
-    with pytest.raises(walspool.InvalidArgument, match="session_id or a session_key"):
+    with pytest.raises(walspool.InvalidArgument) as info:
         spool.append(None, MSG)
+    assert str(info.value) == "a message needs a session_id or a session_key"
+    assert info.value.path == str(spool.path)
 
 
 def test_payload_too_large_names_sizes(spool_path):
+    """A payload of exactly ``max_payload_bytes`` is taken; one byte more is refused."""
     with walspool.Spool(spool_path, max_payload_bytes=1000) as s:
-        s.append("s", {"c": "x" * 900})
+        s.append("s", {"c": "x" * 992})  # {"c":"x...x"}: 1000 bytes
         with pytest.raises(walspool.PayloadTooLarge) as info:
-            s.append("s", {"c": "x" * 1000})
-        assert info.value.limit == 1000 and info.value.session_id == "s"
-        assert "max_payload_bytes=1000" in str(info.value)
+            s.append("s", {"c": "x" * 993})
+        assert (info.value.size, info.value.limit, info.value.session_id) == (1001, 1000, "s")
+        assert info.value.path == str(spool_path)
+        assert str(info.value) == (
+            "message for session 's' is 1001 bytes as JSON, over the spool's "
+            "max_payload_bytes=1000; raise the limit or trim the message"
+        )
         assert s.stats().rows == 1
 
 
@@ -367,3 +379,88 @@ def test_a_name_may_take_max_payload_bytes_and_no_more(tmp_path):
             str(spool.path),
         )
         assert spool.stats().rows == 2
+
+
+@pytest.mark.parametrize(
+    "call, text",
+    [
+        (lambda s: list(s.records(session_id=42)), "session_id must be a str, not int"),
+        (
+            lambda s: list(s.records(session_id="a\udc80")),
+            "session_id 'a\\udc80' contains a lone surrogate, which UTF-8 cannot store",
+        ),
+        (
+            lambda s: list(s.records(reasons="shutdown")),
+            "reasons must be a list of reasons, not the string 'shutdown'; "
+            "write reasons=['shutdown']",
+        ),
+        (lambda s: list(s.records(reasons=[42])), "reason must be a str, not int"),
+        (lambda s: s._supersede(42), "session_id must be a str, not int"),
+    ],
+)
+def test_a_lookup_the_spool_cannot_make_is_refused_word_for_word(spool, call, text):
+    spool.append("s", MSG)
+    with pytest.raises(walspool.InvalidArgument) as info:
+        call(spool)
+    assert str(info.value) == text
+    assert info.value.path == str(spool.path)
+    assert spool.stats().rows == 1
+
+
+def test_a_row_whose_payload_is_not_json_is_named_when_read(spool, spool_path):
+    spool.append("s", MSG)
+    conn = apsw.Connection(str(spool_path))  # an operator's hand edit
+    conn.execute("UPDATE records SET payload = '{not json'")
+    conn.close()
+    with pytest.raises(walspool.SpoolCorrupt) as info:
+        list(spool.records())
+    text = str(info.value)
+    assert text.startswith(f"row 1 (session s, seq 1) of {spool_path} has a payload that is ")
+    assert text.endswith("; export the others and delete it by hand")
+    assert (info.value.path, info.value.session_id) == (str(spool_path), "s")
+
+
+def test_reading_a_closed_spool_says_so(spool_path):
+    spool = walspool.Spool(spool_path)
+    spool.close()
+    with pytest.raises(walspool.SpoolClosed) as info:
+        list(spool.records())
+    assert str(info.value) == f"spool {spool_path} is closed"
+    assert info.value.path == str(spool_path)
+
+
+def test_a_damaged_page_found_by_a_read_is_named_for_its_condition(spool_path):
+    """Opening does not scan the table; the read that reaches a damaged page raises the
+    error named for it, with the command that checks the file."""
+    with walspool.Spool(spool_path) as spool:
+        spool.append_many([("s", {"i": i, "pad": "x" * 400}) for i in range(2000)])
+    conn = apsw.Connection(str(spool_path))
+    leaves = [n for (n,) in conn.execute(
+        "SELECT pageno FROM dbstat WHERE name = 'records' AND pagetype = 'leaf' ORDER BY pageno"
+    )]  # fmt: skip
+    page_size = conn.execute("PRAGMA page_size").get
+    conn.close()
+    with open(spool_path, "r+b") as f:  # a leaf of the table, halfway: its header
+        f.seek((leaves[len(leaves) // 2] - 1) * page_size)
+        f.write(b"\xee" * 8)
+    with walspool.Spool(spool_path) as spool:
+        with pytest.raises(walspool.SpoolCorrupt) as info:
+            list(spool.records())
+        assert str(info.value) == (
+            f"{spool_path}: database disk image is malformed; run `walspool check {spool_path}`"
+        )
+        assert info.value.path == str(spool_path)
+
+
+def test_a_spool_path_turned_into_a_link_to_the_same_file_refuses_appends(spool, spool_path):
+    """walspool never follows a link at the spool's path, so it does not name the file
+    this Spool opened any more, even when the link leads to it: appends are refused, as
+    the next open refuses the link."""
+    spool.append("s", MSG)
+    real = spool_path.with_name("real.db")
+    os.rename(spool_path, real)
+    os.symlink(real, spool_path)
+    with pytest.raises(walspool.SpoolReplaced):
+        spool.append("s", MSG)
+    with pytest.raises(walspool.SymlinkRefused):
+        walspool.Spool(spool_path)
