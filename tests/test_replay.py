@@ -1012,3 +1012,121 @@ def test_a_replay_waits_for_the_lock_within_its_bound(spool, sink, monkeypatch):
     monkeypatch.undo()
     assert report.moved == 1 and sink.messages("s") == [msg("s", 0)]
     assert pauses and 0 < pauses[0] <= 0.5
+
+
+def _undecodable(spool: walspool.Spool) -> None:
+    """Make every row's payload text that is not JSON (an operator's hand edit)."""
+    conn = apsw.Connection(str(spool.path))
+    conn.execute("UPDATE records SET payload = '{not json'")
+    conn.close()
+
+
+@pytest.mark.parametrize(
+    "setup, summary",
+    [
+        (lambda spool, sink: spool.append("ok", msg("ok", 0)), "1 rows; 0 held in 0 streams, 0"),
+        (
+            lambda spool, sink: (
+                spool.append("bad", msg("bad", 0)),
+                setattr(sink, "refuse", lambda sid, rec: RuntimeError("refused")),
+            ),
+            "0 rows; 1 held in 1 streams, 0",
+        ),
+        (
+            lambda spool, sink: (spool.append("q", msg("q", 0)), _undecodable(spool)),
+            "0 rows; 0 held in 0 streams, 1",
+        ),
+        (
+            lambda spool, sink: (
+                spool.append_many([("ok", msg("ok", i)) for i in range(2)]),
+                spool.append("bad", msg("bad", 0)),
+                spool.append(None, msg("k", 0), session_key="k"),  # no resolver: held
+                setattr(
+                    sink,
+                    "refuse",
+                    lambda sid, rec: RuntimeError("refused") if sid == "bad" else None,
+                ),
+            ),
+            "2 rows; 2 held in 2 streams, 0",
+        ),
+    ],
+    ids=["moved", "held", "quarantined", "all"],
+)
+def test_a_replay_that_did_anything_ends_with_one_summary_line(spool, sink, caplog, setup, summary):
+    setup(spool, sink)
+    caplog.set_level("INFO", logger="walspool.replay")
+    Replayer(spool, sink).replay()
+    moved, rest = summary.split(" rows; ")
+    assert messages_logged(caplog)[-1:] == [
+        (
+            "INFO",
+            f"replayed {moved} rows from {spool.path} into {sink!r}; {rest} quarantined",
+        )
+    ]
+    assert [text for _, text in messages_logged(caplog) if text.startswith("replayed ")] == [
+        f"replayed {moved} rows from {spool.path} into {sink!r}; {rest} quarantined"
+    ]
+
+
+def test_a_replay_with_nothing_to_do_logs_nothing(spool, sink, caplog):
+    caplog.set_level("DEBUG", logger="walspool.replay")
+    Replayer(spool, sink).replay()
+    assert messages_logged(caplog) == []
+
+
+@pytest.mark.parametrize("batch_rows", [0, -1])
+def test_a_replayer_needs_a_positive_batch(spool, sink, batch_rows):
+    with pytest.raises(walspool.InvalidArgument) as info:
+        Replayer(spool, sink, batch_rows=batch_rows)
+    assert str(info.value) == f"batch_rows must be positive, not {batch_rows}"
+    assert info.value.path == str(spool.path)
+
+
+def test_a_batch_of_one_row_replays_every_row(spool, sink):
+    spool.append_many([("s", msg("s", i)) for i in range(3)])
+    assert Replayer(spool, sink, batch_rows=1).replay().moved == 3
+    assert sink.messages("s") == [msg("s", i) for i in range(3)]
+
+
+@pytest.mark.parametrize(
+    "kwargs, text",
+    [
+        ({"limit": -1}, "limit must not be negative, not -1"),
+        ({"session_id": 42}, "session_id must be a str, not int"),
+        (
+            {"reasons": "shutdown"},
+            "reasons must be a list of reasons, not the string 'shutdown'; "
+            "write reasons=['shutdown']",
+        ),
+    ],
+)
+def test_a_replay_asked_for_what_it_cannot_do_refuses_word_for_word(spool, sink, kwargs, text):
+    spool.append("s", msg("s", 0))
+    with pytest.raises(walspool.InvalidArgument) as info:
+        Replayer(spool, sink).replay(**kwargs)
+    assert str(info.value) == text
+    assert info.value.path == str(spool.path)
+    assert spool.stats().rows == 1 and sink.rows == []
+
+
+def test_a_replay_waits_for_the_lock_by_default(spool, sink, monkeypatch):
+    """Without ``wait``, a replay finding another one running waits for it (at most
+    ``LOCK_WAIT``) instead of giving up at once."""
+    import contextlib
+    import time
+
+    from walspool.replay import LOCK_SUFFIX, _exclusive
+
+    spool.append("s", msg("s", 0))
+    other = contextlib.ExitStack()
+    other.enter_context(_exclusive(Path(f"{spool.path}{LOCK_SUFFIX}")))
+    sleep = time.sleep
+
+    def pause_then_end_the_other(seconds: float) -> None:
+        other.close()
+        sleep(seconds)
+
+    monkeypatch.setattr(time, "sleep", pause_then_end_the_other)
+    report = Replayer(spool, sink).replay()
+    monkeypatch.undo()
+    assert report.moved == 1 and sink.messages("s") == [msg("s", 0)]

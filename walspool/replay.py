@@ -267,10 +267,10 @@ class Replayer:
         report = run.report()
         if report.moved or report.held or report.recovered or report.quarantined:
             log.info(
-                "replayed %d rows from %s into %r; %d held in %d streams, %d quarantined",
+                "replayed %d rows from %s into %s; %d held in %d streams, %d quarantined",
                 report.moved,
                 self.spool.path,
-                self.sink,
+                repr(self.sink),  # formatted here: the log filter turns arguments into text
                 report.held,
                 len(report.errors) + len(report.key_errors),
                 report.quarantined,
