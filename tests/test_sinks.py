@@ -173,7 +173,24 @@ def test_non_transcript_payloads_become_user_messages():
         "platform_message_id": "m-1",
         "timestamp": T0,
     }
-    assert append_kwargs(record([1, "two"], created_at=T0))["content"] == '[1,"two"]'
+    assert append_kwargs(record([1, "two"], created_at=T0)) == {
+        "role": "user",
+        "content": '[1,"two"]',
+        "timestamp": T0,
+    }
+
+
+def test_a_transcript_message_keeps_only_text_api_content_and_a_text_uid():
+    """``api_content`` is text in state.db and ``message_uid`` a non-empty str; other
+    values are left out, not converted."""
+    kwargs = append_kwargs(
+        record({"role": "user", "content": "hi", "api_content": {"a": 1}, "message_uid": 7})
+    )
+    assert kwargs["api_content"] is None and "message_uid" not in kwargs
+    kwargs = append_kwargs(
+        record({"role": "user", "content": "hi", "api_content": "x", "message_uid": "u-1"})
+    )
+    assert (kwargs["api_content"], kwargs["message_uid"]) == ("x", "u-1")
 
 
 @pytest.mark.parametrize(
@@ -268,10 +285,14 @@ def test_missing_session_raises_a_clear_error_and_writes_nothing(state_db):
     assert isinstance(info.value, walspool.WalspoolError)
 
 
-def test_create_missing_creates_the_session_once(state_db):
+def test_create_missing_creates_the_session_once(state_db, caplog):
     sink = SessionDBSink(state_db, create_missing=True)
+    caplog.set_level("WARNING", logger="walspool.sinks")
     sink.write("new", record(USER), ("u", 1, 1))
     sink.write("new", record(TOOL), ("u", 2, 2))
+    assert [r.getMessage() for r in caplog.records if r.name == "walspool.sinks"] == [
+        "creating missing session new in state.db for replayed messages"
+    ]
     assert sink.landed([("u", 1, 1), ("u", 2, 2)]) == {("u", 1, 1), ("u", 2, 2)}
     assert [r["role"] for r in state_db.get_messages("new")] == ["user", "tool"]
     assert state_db.get_session("new")["source"] == "walspool"
