@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sys
 import threading
 from pathlib import Path
 
@@ -246,10 +247,39 @@ def test_spool_full_keeps_everything_stored(spool_path):
             s.submit("s", MSG).result(10)
 
 
-def test_bad_options_refused(tmp_path: Path):
-    with pytest.raises(walspool.InvalidArgument, match="durability"):
-        walspool.Spool(tmp_path / "s.db", durability="sometimes")
+@pytest.mark.parametrize(
+    "options, text",
+    [
+        ({"durability": "sometimes"}, "durability must be 'full' or 'normal', not 'sometimes'"),
+        ({"max_payload_bytes": "1000"}, "max_payload_bytes must be an int, not '1000'"),
+        ({"max_payload_bytes": True}, "max_payload_bytes must be an int, not True"),
+        ({"max_payload_bytes": 0}, "max_payload_bytes must be positive, not 0"),
+        ({"max_bytes": 2.5}, "max_bytes must be an int, not 2.5"),
+        ({"max_bytes": -1}, "max_bytes must be positive, not -1"),
+    ],
+)
+def test_bad_options_refused(tmp_path: Path, options, text):
+    with pytest.raises(walspool.InvalidArgument) as info:
+        walspool.Spool(tmp_path / "s.db", **options)
+    assert str(info.value) == text
+    assert info.value.path == str(tmp_path / "s.db")
     assert not (tmp_path / "s.db").exists()
+
+
+def test_the_smallest_options_are_taken(tmp_path: Path):
+    with walspool.Spool(tmp_path / "s.db", max_payload_bytes=1, durability="normal") as spool:
+        assert (spool.max_payload_bytes, spool.durability) == (1, "normal")
+        assert repr(spool) == f"Spool({str(tmp_path / 's.db')!r}, durability='normal')"
+    with walspool.Spool(tmp_path / "t.db", max_bytes=1 << 20) as spool:
+        assert spool.max_bytes == 1 << 20
+
+
+def test_a_spool_opened_without_a_path_is_spool_db_in_hermes_home(monkeypatch, tmp_path):
+    monkeypatch.setenv("HERMES_HOME", str(tmp_path / "home"))
+    with walspool.Spool() as spool:
+        assert spool.path == tmp_path / "home" / "spool.db"
+        spool.append("s", MSG)
+    assert (tmp_path / "home" / "spool.db").exists()
 
 
 def test_public_api_is_pinned():
@@ -464,3 +494,46 @@ def test_a_spool_path_turned_into_a_link_to_the_same_file_refuses_appends(spool,
         spool.append("s", MSG)
     with pytest.raises(walspool.SymlinkRefused):
         walspool.Spool(spool_path)
+
+
+#: Run in another process: the pid holding a POSIX lock on the spool database's shared
+#: range (SQLite's read lock while a connection has it open), 0 for none. Linux layout.
+PROBE_SQLITE_LOCK = """
+import fcntl, os, struct, sys
+fd = os.open(sys.argv[1], os.O_RDONLY)
+probe = struct.pack("hhqqi", fcntl.F_WRLCK, os.SEEK_SET, 0x40000002, 510, 0)
+kind, _, _, _, pid = struct.unpack("hhqqi", fcntl.fcntl(fd, fcntl.F_GETLK, probe))
+print(pid if kind != fcntl.F_UNLCK else 0)
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="struct flock layout of Linux")
+def test_a_second_open_in_the_same_process_keeps_sqlites_locks_of_the_first(spool_path):
+    """Closing any descriptor of a file drops every POSIX lock the process holds on it:
+    a second Spool on a path this process has open must not open and close the file to
+    read its header, or the first one's SQLite locks are gone (and with them what keeps
+    other processes from treating the spool as unused)."""
+
+    def holder() -> str:
+        return run_python(PROBE_SQLITE_LOCK, str(spool_path)).stdout.strip()
+
+    with walspool.Spool(spool_path) as first:
+        first.append("s", MSG)
+        assert holder() == str(os.getpid())
+        walspool.Spool(spool_path).close()
+        assert holder() == str(os.getpid())
+        assert first.append("s", MSG).seq == 2
+
+
+def test_a_spool_overwritten_in_place_after_close_is_refused_as_someone_elses_file(spool_path):
+    """Once closed, the file is read afresh at the next open in this process: text
+    written over it in place (same inode) is refused and left alone, not moved aside as
+    a damaged spool."""
+    walspool.Spool(spool_path).close()
+    with open(spool_path, "r+b") as f:  # in place: the inode stays
+        f.truncate(0)
+        f.write(b"my notes\n" * 100)
+    with pytest.raises(walspool.NotASpool, match="not a SQLite database"):
+        walspool.Spool(spool_path)
+    assert spool_path.read_bytes() == b"my notes\n" * 100
+    assert not [p for p in spool_path.parent.iterdir() if ".damaged-" in p.name]
