@@ -264,3 +264,83 @@ def test_a_replay_killed_inside_a_batch_leaves_every_message_once(tmp_path, poin
         assert report.moved == 120 - report.recovered and spool.stats().rows == 0
     assert [m["content"] for m in db.get_messages("s1")] == [f"m{i}" for i in range(120)]
     db.close()
+
+
+def _record(message: Any) -> Any:
+    from walspool.records import Record
+
+    return Record(1, "s1", 1, walspool.CAP_DROP, None, 1_750_000_000.0, message, 0, None)
+
+
+def test_only_transcript_messages_go_through_the_batch_write(tmp_path):
+    """A transcript message (a role or content, or no adapter ``text``) is batched; an
+    adapter's event, a plain text or other payload, and an agent history are not. A
+    sink without the gateway's batch write or its row mapping batches nothing."""
+    db = new_db(tmp_path / "state.db")
+    try:
+        sink = SessionDBSink(db)
+        batched = {
+            "a message": {"role": "user", "content": "hi"},
+            "content only": {"content": "hi"},
+            "role only": {"role": "assistant"},
+            "neither, no text": {"timestamp": 1},
+            "role and text": {"role": "user", "text": "t"},
+            "content and text": {"content": "c", "text": "t"},
+        }
+        single = {
+            "an adapter event": {"text": "from the adapter", "message_type": "text"},
+            "a plain text": "pending slot text",
+            "a list": [1, "two"],
+            "an agent history": {"messages": [{"role": "user", "content": "x"}], "count": 1},
+        }
+        assert {k: sink.batchable(_record(m)) for k, m in {**batched, **single}.items()} == {
+            **dict.fromkeys(batched, True),
+            **dict.fromkeys(single, False),
+        }
+        message = _record({"role": "user", "content": "hi"})
+        no_batch = SessionDBSink(db)
+        no_batch._batch = None
+        no_mapping = SessionDBSink(db)
+        no_mapping.mapping = None
+        assert (no_batch.batchable(message), no_mapping.batchable(message)) == (False, False)
+    finally:
+        db.close()
+
+
+def test_a_batched_replay_of_mixed_payloads_writes_what_row_by_row_writes(tmp_path):
+    """Shutdown slots (an adapter event, a plain text) among transcript messages: the
+    batch write takes the messages, the others go one by one, in spool order."""
+
+    def said(content: str, ts: int) -> tuple[str, Any]:
+        return ("s1", {"role": "user", "content": content, "timestamp": ts})
+
+    payloads = [
+        said("first", 1_750_000_000),
+        said("second", 1_750_000_000),
+        ("s1", {"text": "from the adapter", "message_type": "text", "message_id": "m-1"}),
+        said("third", 1_750_000_001),
+        ("s1", "pending slot text"),
+        said("fourth", 1_750_000_002),
+        said("fifth", 1_750_000_002),
+        said("sixth", 1_750_000_003),
+    ]
+    results = {}
+    for batch in (False, True):
+        with walspool.Spool(tmp_path / f"spool-{batch}.db") as spool:
+            spool.append_many(payloads)
+            db = new_db(tmp_path / f"state-{batch}.db")
+            calls: list[int] = []
+            db.append_messages_batch = counted(db.append_messages_batch, calls)
+            report = replay(spool, db, batch=batch)
+            assert (report.moved, report.held, report.quarantined) == (8, 0, 0)
+            assert calls == ([2, 3] if batch else [])  # a lone message goes by itself
+            # A slot's time is when it was spooled: different in the two spools.
+            results[batch] = [
+                {k: v for k, v in r.items() if k != "timestamp"} for r in rows(db, "s1")
+            ]
+            db.close()
+    assert results[True] == results[False]
+    assert [r["content"] for r in results[True]] == [
+        "first", "second", "from the adapter", "third", "pending slot text", "fourth",
+        "fifth", "sixth",
+    ]  # fmt: skip
