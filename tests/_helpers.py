@@ -84,3 +84,16 @@ class MemorySink:
 
     def contents(self, session_id: str) -> list[str]:
         return [m["content"] for m in self.messages(session_id)]
+
+
+def descriptors_on(path: Path) -> list[str]:
+    """This process's open files at ``path`` or beside it (its -wal, -shm, locks)."""
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue  # the descriptor listdir itself used, closed meanwhile
+        if target.startswith(str(path)):
+            found.append(target)
+    return found

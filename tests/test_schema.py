@@ -16,7 +16,7 @@ from pathlib import Path
 
 import apsw
 import pytest
-from _helpers import ROOT, STEP, MemorySink, run_python
+from _helpers import ROOT, STEP, MemorySink, descriptors_on, run_python
 from _old_schemas import DOWNGRADE_TO_V1_SQL, make_v2_spool, make_v3_spool
 
 import walspool
@@ -123,19 +123,6 @@ def test_other_sqlite_database_is_refused_and_unchanged(tmp_path):
     assert not Path(f"{path}-wal").exists()
     # Closed at once, not when the error (whose traceback still holds it) goes away.
     assert descriptors_on(path) == []
-
-
-def descriptors_on(path: Path) -> list[str]:
-    """This process's open files at ``path`` or beside it (its -wal, -shm, locks)."""
-    found = []
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue  # the descriptor listdir itself used, closed meanwhile
-        if target.startswith(str(path)):
-            found.append(target)
-    return found
 
 
 def test_newer_schema_is_refused_and_unchanged(spool_path):

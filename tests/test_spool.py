@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import sys
 import threading
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import apsw
 import pytest
-from _helpers import run_python
+from _helpers import descriptors_on, run_python
 
 import walspool
 from walspool import CAP_DROP, SHUTDOWN
@@ -537,3 +538,39 @@ def test_a_spool_overwritten_in_place_after_close_is_refused_as_someone_elses_fi
         walspool.Spool(spool_path)
     assert spool_path.read_bytes() == b"my notes\n" * 100
     assert not [p for p in spool_path.parent.iterdir() if ".damaged-" in p.name]
+
+
+def test_a_page_ends_once_its_payloads_reach_page_bytes():
+    """A page holds rows until their payloads reach ``PAGE_BYTES`` (the row that reaches
+    it included), and at least one row however big."""
+    from walspool.spool import PAGE_BYTES, read_page
+
+    conn = apsw.Connection(":memory:")
+    sql = "SELECT value FROM json_each(:sizes) WHERE key >= :after ORDER BY key"
+
+    def page(*sizes: int) -> tuple[list[int], bool]:
+        rows, full = read_page(conn, sql, {"sizes": json.dumps(sizes), "after": 0}, limit=10)
+        return [r[0] for r in rows], full
+
+    assert page(PAGE_BYTES - 1, 1, 5) == ([PAGE_BYTES - 1, 1], True)
+    assert page(PAGE_BYTES - 2, 1, 5) == ([PAGE_BYTES - 2, 1, 5], True)
+    assert page(3 * PAGE_BYTES, 5) == ([3 * PAGE_BYTES], True)
+    assert page(1, 2) == ([1, 2], False)
+    assert page(*[1] * 10, 1) == ([1] * 10, True)  # the row limit
+
+
+def test_a_spool_whose_writer_cannot_start_closes_what_its_open_took(spool_path, monkeypatch):
+    """A failure after the file is open (no thread for the writer, say) closes the
+    connection and the open lock: nothing is left open, and the next open works."""
+
+    def no_thread(*args: object) -> None:
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(walspool.spool, "Writer", no_thread)
+    with pytest.raises(RuntimeError, match="can't start new thread") as info:
+        walspool.Spool(spool_path)
+    assert descriptors_on(spool_path) == []  # while the error still holds its frames
+    del info
+    monkeypatch.undo()
+    with walspool.Spool(spool_path) as spool:
+        assert spool.append("s", MSG).seq == 1

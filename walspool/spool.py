@@ -163,17 +163,6 @@ class Spool:
         row = self._row(session_id, message, reason, session_key)
         return self._writer.submit(Append((row,), single=True))
 
-    def _submit_then(self, session_id: str, message: Any, *, reason: str, then: Any) -> None:
-        """``submit`` without a future: ``then(receipt or error)`` runs on the writer
-        thread once the row is committed (or failed). Bad input raises here.
-        """
-        self._check_path()
-        row = self._row(session_id, message, reason, None)
-        self._writer.notify(
-            Append((row,), single=True),
-            lambda request: then(request.error if request.error is not None else request.result),
-        )
-
     async def append_async(
         self,
         session_id: str | None,
@@ -394,7 +383,7 @@ def read_page(
     try:
         for row in cursor:
             rows.append(row)
-            total += row[-1] or 0
+            total += row[-1]
             if total >= PAGE_BYTES or len(rows) >= limit:
                 return rows, True
     finally:
