@@ -344,3 +344,41 @@ def test_a_batched_replay_of_mixed_payloads_writes_what_row_by_row_writes(tmp_pa
         "first", "second", "from the adapter", "third", "pending slot text", "fourth",
         "fifth", "sixth",
     ]  # fmt: skip
+
+
+def test_write_many_refuses_what_it_cannot_write_as_one_batch_word_for_word(tmp_path):
+    from walspool.sinks import NotBatchable
+
+    db = new_db(tmp_path / "state.db")
+    try:
+        sink = SessionDBSink(db)
+        message = {"role": "user", "content": "hi"}
+        refusals = [
+            ([], "this SessionDB has no batch write that records tickets"),
+            (
+                [(_record(message), ("u", 1, 1)), (_record("slot text"), ("u", 2, 2))],
+                "record 1 is not a transcript message",
+            ),
+            (
+                [(_record(message), ("u", 1, 1)), (_record(message), ("v", 1, 2))],
+                "a batch's tickets come from one spool",
+            ),
+        ]
+        for items, text in refusals:
+            with pytest.raises(NotBatchable) as info:
+                sink.write_many("s1", items)
+            assert str(info.value) == text
+        assert db.get_messages("s1") == []
+    finally:
+        db.close()
+
+
+def test_write_many_of_one_record_lands_it_with_its_ticket(tmp_path):
+    db = new_db(tmp_path / "state.db")
+    try:
+        sink = SessionDBSink(db)
+        sink.write_many("s1", [(_record({"role": "user", "content": "hi"}), ("u", 7, 1))])
+        assert [m["content"] for m in db.get_messages("s1")] == ["hi"]
+        assert sink.landed([("u", 7, 1), ("u", 8, 1)]) == {("u", 7, 1)}
+    finally:
+        db.close()
