@@ -464,15 +464,19 @@ class _Run:
             return
         i = 0
         one_by_one = 0  # rows before this index are written one by one
+        in_doubt = 0  # rows before this index were in a batch that may have landed
         while i < len(taken):
             run = self._batchable_run(taken, i) if i >= one_by_one else []
             if len(run) > 1:
-                if self._write_run(target, run):
+                landed = self._write_run(target, run)
+                if landed:
                     done.delete += [rec.id for rec, _ in run]
                     tally.moved += len(run)
                     i += len(run)
                     continue
                 one_by_one = i + len(run)  # the failed batch's rows, never batched again
+                if landed is None:
+                    in_doubt = one_by_one
             rec, ticket = taken[i]
             i += 1
             if rec.id in self.undecodable:
@@ -489,7 +493,10 @@ class _Run:
                     tally.moved += 1
                     continue
                 self._fail(stream, rec, _describe(exc), done)
-                done.release += [later.id for later, _ in taken[i:]]
+                # The rows of a batch whose landing could not be looked up stay in
+                # flight with their tickets, for the next replay to look up; the
+                # later ones were never written and are freed.
+                done.release += [later.id for later, _ in taken[max(i, in_doubt) :]]
                 return
             done.delete.append(rec.id)
             tally.moved += 1
@@ -508,9 +515,11 @@ class _Run:
             end += 1
         return taken[start:end]
 
-    def _write_run(self, target: str, run: list[Taken]) -> bool:
+    def _write_run(self, target: str, run: list[Taken]) -> bool | None:
         """Write ``run`` as one batch; True if it landed (all of it: a batch is one
-        transaction). False: nothing of it landed, and it is written row by row."""
+        transaction). False: nothing of it landed, and it is written row by row. None:
+        the write raised and whether it landed could not be looked up: it is written
+        row by row too, and each row's ticket keeps it from landing twice."""
         items = [(rec, (self.uid, ticket, rec.id)) for rec, ticket in run]
         tickets = [t for _, t in items]
         try:
@@ -519,7 +528,9 @@ class _Run:
             try:
                 found = self.sink.landed(tickets)
             except Exception:  # noqa: BLE001 - unknown: the row-by-row writes look first
-                found = None
+                found = unknown = None
+            else:
+                unknown = False
             if found is not None and found >= set(tickets):
                 return True  # it committed, then raised
             # Written again row by row: a row whose ticket is recorded after all
@@ -531,7 +542,7 @@ class _Run:
                 target,
                 _describe(exc),
             )
-            return False
+            return unknown
         return True
 
     def _landed_after_all(self, rec: Record, ticket: int) -> bool:

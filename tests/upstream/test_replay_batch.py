@@ -382,3 +382,77 @@ def test_write_many_of_one_record_lands_it_with_its_ticket(tmp_path):
         assert sink.landed([("u", 7, 1), ("u", 8, 1)]) == {("u", 7, 1)}
     finally:
         db.close()
+
+
+def _counting_appends(db: Any) -> list[str]:
+    """Record the content of each row ``append_message`` writes (one by one)."""
+    written: list[str] = []
+    append = db.append_message
+
+    def counted_append(session_id: str, **kw: Any) -> Any:
+        written.append(kw.get("content"))
+        return append(session_id, **kw)
+
+    db.append_message = counted_append
+    return written
+
+
+@pytest.mark.parametrize("landed_raises", [False, True])
+def test_a_batch_that_committed_then_raised_is_not_written_again(tmp_path, caplog, landed_raises):
+    """The batch write commits, then raises (a failure after its commit). When the
+    tickets show the batch landed it counts as written: nothing goes again row by row
+    and nothing is logged as failed. When they cannot be looked up, the rows go one by
+    one: the first meets its ticket's record, which keeps it from landing twice, the
+    session is held, and every row of the batch stays in flight with its ticket until a
+    replay can look them up (found: a bug where the rows after the first were freed,
+    took new tickets and landed twice)."""
+    db = new_db(tmp_path / "state.db")
+    batch = db.append_messages_batch
+
+    def commit_then_raise(session_id: str, messages: list[Any], **kw: Any) -> Any:
+        batch(session_id, messages, **kw)
+        raise RuntimeError("after the commit")
+
+    db.append_messages_batch = commit_then_raise
+    written = _counting_appends(db)
+    contents = [f"m{i}" for i in range(4)]
+    with walspool.Spool(tmp_path / "spool.db") as spool:
+        spool.append_many([("s1", {"role": "user", "content": c}) for c in contents])
+        sink = SessionDBSink(db)
+        if landed_raises:
+
+            def cannot_look(tickets: Any) -> Any:
+                raise RuntimeError("state.db unreadable")
+
+            sink.landed = cannot_look
+        caplog.set_level("INFO", logger="walspool.replay")
+        report = walspool.Replayer(spool, sink).replay()
+        failed = [r.getMessage() for r in caplog.records if "one by one" in r.getMessage()]
+        if landed_raises:
+            assert (report.moved, report.held) == (0, 4)
+            assert written == ["m0"]  # refused by its ticket's record: not written twice
+            assert failed == [
+                f"{spool.path}: a batch of 4 rows for s1 failed (RuntimeError: after the "
+                "commit); writing them one by one"
+            ]
+            # The batch's rows stayed in flight with their tickets (it may have landed;
+            # freed, they would get new tickets and land again): once the tickets can be
+            # looked up, all four are found landed.
+            again = walspool.Replayer(spool, SessionDBSink(db)).replay()
+            assert (again.recovered, again.moved, again.held) == (4, 0, 0)
+        else:
+            assert (report.moved, report.held, written, failed) == (4, 0, [], [])
+        assert spool.stats().rows == 0
+    assert [m["content"] for m in db.get_messages("s1")] == contents
+    db.close()
+
+
+def test_a_batch_that_lands_is_not_written_again_row_by_row(tmp_path):
+    db = new_db(tmp_path / "state.db")
+    written = _counting_appends(db)
+    with walspool.Spool(tmp_path / "spool.db") as spool:
+        spool.append_many([("s1", {"role": "user", "content": f"m{i}"}) for i in range(3)])
+        assert replay(spool, db, batch=True).moved == 3
+    assert written == []
+    assert [m["content"] for m in db.get_messages("s1")] == ["m0", "m1", "m2"]
+    db.close()
