@@ -489,6 +489,7 @@ def test_a_row_the_newer_gateway_blames_is_a_content_rejection(state_db):
     with pytest.raises(RowRejected) as info:
         sink.write("s", record(USER), TICKET)
     assert rejects_content(info.value) and isinstance(info.value.__cause__, TypeError)
+    assert str(info.value) == "the gateway cannot map this message: TypeError('unhashable')"
     assert state_db.get_messages("s") == []
 
 

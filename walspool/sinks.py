@@ -321,8 +321,7 @@ class SessionDBSink:
         # The failed insert wrote nothing, so creating the session and writing
         # again cannot duplicate the message.
         log.warning("creating missing session %s in state.db for replayed messages", session_id)
-        create = getattr(self.session_db, "ensure_session", None) or self.session_db.create_session
-        create(session_id, source=CREATED_SOURCE)
+        self.session_db.create_session(session_id, source=CREATED_SOURCE)
         with self.tracking(ticket if tracked else None):
             self._append(session_id, kwargs)
 
