@@ -1130,3 +1130,27 @@ def test_a_replay_waits_for_the_lock_by_default(spool, sink, monkeypatch):
     report = Replayer(spool, sink).replay()
     monkeypatch.undo()
     assert report.moved == 1 and sink.messages("s") == [msg("s", 0)]
+
+
+def test_a_replay_lock_held_without_a_pid_says_how_to_find_the_holder(spool, sink):
+    """A process that is not walspool holds the replay lock and wrote no pid in it: the
+    refusal names the lock and how to find its holder, and knows no pid."""
+    import fcntl
+
+    from walspool.replay import LOCK_SUFFIX
+
+    spool.append("s", msg("s", 0))
+    lock = Path(f"{spool.path}{LOCK_SUFFIX}")
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        with pytest.raises(walspool.ReplayBusy) as info:
+            Replayer(spool, sink).replay(wait=False)
+    finally:
+        os.close(fd)
+    assert str(info.value) == (
+        f"another replay of {spool.path} is running (its lock {lock} stayed held); try "
+        "again when it ends, or find the process holding it (`fuser` on the lock file)"
+    )
+    assert (info.value.path, info.value.pid) == (str(spool.path), None)
+    assert sink.rows == [] and spool.stats().rows == 1
