@@ -460,3 +460,32 @@ def test_a_batch_that_lands_is_not_written_again_row_by_row(tmp_path):
     assert written == []
     assert [m["content"] for m in db.get_messages("s1")] == ["m0", "m1", "m2"]
     db.close()
+
+
+def test_a_batch_prunes_only_its_own_spools_finished_tickets(tmp_path):
+    """One state.db, two spools (two hosts replaying into it): the records a replay of
+    spool A no longer needs are pruned by A's next write, never by a batch of spool B,
+    whose records of rows still in its spool must stay for its own lookups."""
+    db = new_db(tmp_path / "state.db")
+    try:
+        sink = SessionDBSink(db)
+
+        def said(content: str) -> Any:
+            return _record({"role": "user", "content": content})
+
+        sink.write("s1", said("a1"), ("A", 1, 1))
+        sink.write("s1", said("b1"), ("B", 1, 1))
+        sink.forget("A", 2, [])  # A's rows under ticket 2 have left its spool
+        sink.write_many("s1", [(said("b2"), ("B", 2, 2)), (said("b3"), ("B", 3, 3))])
+        assert sink.landed([("A", 1, 1), ("B", 1, 1)]) == {("A", 1, 1), ("B", 1, 1)}
+        sink.write_many("s1", [(said("a2"), ("A", 2, 2)), (said("a3"), ("A", 3, 3))])
+        assert sink.landed([("A", n, n) for n in (1, 2, 3)] + [("B", 1, 1)]) == {
+            ("A", 2, 2),
+            ("A", 3, 3),
+            ("B", 1, 1),
+        }
+        assert [m["content"] for m in db.get_messages("s1")] == [
+            "a1", "b1", "b2", "b3", "a2", "a3"
+        ]  # fmt: skip
+    finally:
+        db.close()
