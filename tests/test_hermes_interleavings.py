@@ -100,6 +100,29 @@ def _hold_the_writer(spool: walspool.Spool, bound: float = STEP) -> threading.Ev
     return go_on
 
 
+def _linked_with_an_earlier_row(
+    store: Any, spool: walspool.Spool, retry_interval: float
+) -> tuple[Link, list[str]]:
+    """Session s with one row an earlier run spooled, linked without the start's
+    recovery (the session's next message drains it); and the names of the threads that
+    replay, in order."""
+    store._db.create_session("s", "telegram")
+    spool.append("s", msg("old"))
+    link = install(store, spool, recover=False, retry_interval=retry_interval)
+    replays: list[str] = []
+    link.replayer.replay = naming_threads(link.replayer.replay, replays)
+    return link, replays
+
+
+def _a_commit_finds_the_write_lock_held(spool: walspool.Spool) -> Any:
+    """Submit an append and wait until its commit finds the spool's write lock held by
+    another process (``busy_since`` set); its future."""
+    blocked = spool.submit("z", msg("z"))
+    with spool._writer._cond:  # notified when a commit finds the lock held
+        assert spool._writer._cond.wait_for(lambda: spool._writer.busy_since is not None, STEP)
+    return blocked
+
+
 def joined(thread: threading.Thread, timeout: float = STEP) -> bool:
     thread.join(timeout)
     return not thread.is_alive()
@@ -1409,15 +1432,9 @@ def test_a_gateway_thread_leaves_a_drain_to_the_background_thread_while_the_spoo
     deletes would wait for the lock); it leaves its message queued and the session due,
     and once the lock is released the background thread drains and writes, in order."""
     monkeypatch.setattr(writer, "BUSY_RETRY_SECONDS", 60.0)
-    store._db.create_session("s", "telegram")
-    spool.append("s", msg("old"))  # an earlier run's row
-    link = install(store, spool, recover=False, retry_interval=0.5)
-    replays: list[str] = []
-    link.replayer.replay = naming_threads(link.replayer.replay, replays)
+    link, replays = _linked_with_an_earlier_row(store, spool, retry_interval=0.5)
     with write_lock_held(spool.path):
-        blocked = spool.submit("z", msg("z"))  # its commit finds the lock held
-        with spool._writer._cond:  # notified when a commit finds the lock held
-            assert spool._writer._cond.wait_for(lambda: spool._writer.busy_since is not None, STEP)
+        blocked = _a_commit_finds_the_write_lock_held(spool)
         g = threading.Thread(
             target=lambda: store.append_to_transcript("s", msg("new")), name="gateway"
         )
@@ -1781,17 +1798,11 @@ def test_without_a_background_thread_a_gateway_thread_drains_itself_once_the_loc
     once the lock is free (nobody else would), rather than leaving them and its message
     behind until the session's next message."""
     monkeypatch.setattr(writer, "BUSY_RETRY_SECONDS", 0.05)
-    store._db.create_session("s", "telegram")
-    spool.append("s", msg("old"))  # an earlier run's row
-    link = install(store, spool, recover=False, retry_interval=0)
-    replays: list[str] = []
-    link.replayer.replay = naming_threads(link.replayer.replay, replays)
+    _, replays = _linked_with_an_earlier_row(store, spool, retry_interval=0)
     decided = Gate(hermes._run)  # called right after each decision, outside the lock
     monkeypatch.setattr(hermes, "_run", decided)
     with write_lock_held(spool.path):
-        blocked = spool.submit("z", msg("z"))  # its commit finds the lock held
-        with spool._writer._cond:  # notified when a commit finds the lock held
-            assert spool._writer._cond.wait_for(lambda: spool._writer.busy_since is not None, STEP)
+        blocked = _a_commit_finds_the_write_lock_held(spool)
         decided.arm(skip=1)  # the first call is the appender's own, before it writes
         g = threading.Thread(
             target=lambda: store.append_to_transcript("s", msg("new")), name="gateway"

@@ -525,12 +525,11 @@ class _Run:
         try:
             self.sink.write_many(target, items)
         except Exception as exc:  # noqa: BLE001 - the rows are tried one by one next
+            unknown = False
             try:
                 found = self.sink.landed(tickets)
             except Exception:  # noqa: BLE001 - unknown: the row-by-row writes look first
-                found = unknown = None
-            else:
-                unknown = False
+                found, unknown = None, True
             if found is not None and found >= set(tickets):
                 return True  # it committed, then raised
             # Written again row by row: a row whose ticket is recorded after all
@@ -542,7 +541,7 @@ class _Run:
                 target,
                 _describe(exc),
             )
-            return unknown
+            return None if unknown else False
         return True
 
     def _landed_after_all(self, rec: Record, ticket: int) -> bool:

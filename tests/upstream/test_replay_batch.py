@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -121,28 +122,37 @@ def counted(fn: Any, calls: list[int]) -> Any:
     return batch
 
 
+def both_ways(tmp_path: Path, payloads: list[tuple[str, Any]]) -> Iterator[tuple[Any, ...]]:
+    """Spool ``payloads`` and replay them into a fresh state.db, row by row and then
+    batched: ``(batch, spool, db, report, calls)`` for each (``calls``: the sizes of the
+    batch writes made); the state.db is closed after each."""
+    for batch in (False, True):
+        with walspool.Spool(tmp_path / f"spool-{batch}.db") as spool:
+            spool.append_many(payloads)
+            db = new_db(tmp_path / f"state-{batch}.db")
+            try:
+                calls: list[int] = []
+                db.append_messages_batch = counted(db.append_messages_batch, calls)
+                yield batch, spool, db, replay(spool, db, batch=batch), calls
+            finally:
+                db.close()
+
+
 def test_a_batched_replay_writes_what_one_append_message_per_row_writes(tmp_path):
     messages = traffic()
     results = {}
-    for batch in (False, True):
-        with walspool.Spool(tmp_path / f"spool-{batch}.db") as spool:
-            spool.append_many(messages)
-            db = new_db(tmp_path / f"state-{batch}.db")
-            calls: list[int] = []
-            db.append_messages_batch = counted(db.append_messages_batch, calls)
-            report = replay(spool, db, batch=batch)
-            assert (report.moved, report.held, report.quarantined) == (len(messages), 0, 0)
-            assert spool.stats().rows == 0
-            assert bool(calls) is batch and sum(calls) == (len(messages) if batch else 0)
-            if batch:
-                assert_tool_results_paired(db.get_messages("s1"))
-            results[batch] = (
-                rows(db, "s1"),
-                rows(db, "s2"),
-                [db.get_session(s)["message_count"] for s in ("s1", "s2")],
-                [db.get_session(s)["tool_call_count"] for s in ("s1", "s2")],
-            )
-            db.close()
+    for batch, spool, db, report, calls in both_ways(tmp_path, messages):
+        assert (report.moved, report.held, report.quarantined) == (len(messages), 0, 0)
+        assert spool.stats().rows == 0
+        assert bool(calls) is batch and sum(calls) == (len(messages) if batch else 0)
+        if batch:
+            assert_tool_results_paired(db.get_messages("s1"))
+        results[batch] = (
+            rows(db, "s1"),
+            rows(db, "s2"),
+            [db.get_session(s)["message_count"] for s in ("s1", "s2")],
+            [db.get_session(s)["tool_call_count"] for s in ("s1", "s2")],
+        )
     assert results[True] == results[False]
     s1 = results[True][0]
     assert [r["content"] for r in s1[:2]] == ["question 1", "question 1"]  # both kept
@@ -329,20 +339,11 @@ def test_a_batched_replay_of_mixed_payloads_writes_what_row_by_row_writes(tmp_pa
         said("sixth", 1_750_000_003),
     ]
     results = {}
-    for batch in (False, True):
-        with walspool.Spool(tmp_path / f"spool-{batch}.db") as spool:
-            spool.append_many(payloads)
-            db = new_db(tmp_path / f"state-{batch}.db")
-            calls: list[int] = []
-            db.append_messages_batch = counted(db.append_messages_batch, calls)
-            report = replay(spool, db, batch=batch)
-            assert (report.moved, report.held, report.quarantined) == (8, 0, 0)
-            assert calls == ([2, 3] if batch else [])  # a lone message goes by itself
-            # A slot's time is when it was spooled: different in the two spools.
-            results[batch] = [
-                {k: v for k, v in r.items() if k != "timestamp"} for r in rows(db, "s1")
-            ]
-            db.close()
+    for batch, _, db, report, calls in both_ways(tmp_path, payloads):
+        assert (report.moved, report.held, report.quarantined) == (8, 0, 0)
+        assert calls == ([2, 3] if batch else [])  # a lone message goes by itself
+        # A slot's time is when it was spooled: different in the two spools.
+        results[batch] = [{k: v for k, v in r.items() if k != "timestamp"} for r in rows(db, "s1")]
     assert results[True] == results[False]
     assert [r["content"] for r in results[True]] == [
         "first", "second", "from the adapter", "third", "pending slot text", "fourth",
