@@ -1342,6 +1342,92 @@ def test_a_rewrite_forgets_the_state_of_a_session_it_leaves_idle(store, spool):
     link.close()
 
 
+class _HeldAfterWaking(threading.Condition):
+    """The link's ``_settled`` condition; the first wait on it by the thread named
+    ``name`` stays held once it ends (notified or timed out), as a thread that woke but
+    has not taken the store's lock again yet: the lock is free until ``go_on`` is set.
+    ``waits`` counts that thread's waits as they begin."""
+
+    def __init__(self, lock: Any, name: str) -> None:
+        super().__init__(lock)
+        self.store_lock = lock
+        self.name = name
+        self.waits = threading.Semaphore(0)
+        self.woken = threading.Event()
+        self.go_on = threading.Event()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        mine = threading.current_thread().name == self.name and not self.woken.is_set()
+        if mine:
+            self.waits.release()
+        result = super().wait(timeout)
+        if mine:
+            self.woken.set()
+            self.store_lock.release()
+            try:
+                self.go_on.wait(STEP)
+            finally:
+                self.store_lock.acquire()
+        return result
+
+
+def test_a_session_a_waiter_keeps_after_it_is_written_out_starts_its_bookkeeping_afresh(
+    store, spool, monkeypatch, caplog
+):
+    """Step by step: B waits for the head's write past twice the cap; A writes the whole
+    queue out while B, woken, has not taken the lock again, so the session's state
+    outlives A. What A leaves in it is a session with nothing to retry: a new message
+    that fails is its first failure (first retry step, no error), and rows spooled
+    after it drain once state.db heals (no hold left over)."""
+    interval = 3600.0
+    monkeypatch.setattr(store, "_MAX_PENDING_PER_SESSION", 3, raising=False)
+    store._db.create_session("s", "telegram")
+    link = install(store, spool, retry_interval=interval)
+    link._settled = held = _HeldAfterWaking(link._lock, "waiter")
+    gate = gate_live_writes(store)
+    gate.arm()
+    a = in_thread(lambda: store.append_to_transcript("s", msg("m0")))
+    assert gate.entered.wait(STEP)  # A writes m0
+    for i in range(1, 6):  # up to twice the cap: queued
+        store.append_to_transcript("s", msg(f"m{i}"))
+    b = threading.Thread(
+        target=lambda: store.append_to_transcript("s", msg("m6")), name="waiter", daemon=True
+    )
+    b.start()
+    assert held.waits.acquire(timeout=STEP)  # B waits for m0's write to end
+    gate.open()
+    assert joined(a)  # A wrote m0-m6 and gave the session up
+    assert held.woken.is_set() and b.is_alive()
+    with link._lock:
+        state = link._sessions["s"]
+        assert state.waiters == 1 and state.writer is None
+    assert contents(store, "s") == [f"m{i}" for i in range(7)]
+    sql(store, BREAK)
+    with caplog.at_level(logging.WARNING):
+        before = hermes.time.monotonic()
+        store.append_to_transcript("s", msg("m7"))  # fails: queued
+        after = hermes.time.monotonic()
+        with link._lock:
+            assert link._sessions["s"] is state
+            first = interval * 2.0 ** (1 - hermes.RETRY_STEPS)
+            assert state.failures == 1
+            assert before + first <= state.retry_at <= after + first
+        for i in range(8, 11):  # past the cap: m7 spooled
+            store.append_to_transcript("s", msg(f"m{i}"))
+        spool.flush()
+        held.go_on.set()
+        assert joined(b)  # B finds the session failing: its message stays queued
+        sql(store, HEAL)
+        with link._lock:
+            assert state.spooled == 1
+            state.retry_at = 0.0  # due now rather than in an hour
+            link._schedule(0.0)
+        assert link.wait_idle(STEP)
+    assert contents(store, "s") == [f"m{i}" for i in range(11)]
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
+    link.close()
+
+
 @pytest.mark.parametrize("bound", BOUNDS)
 def test_a_gateway_thread_takes_the_session_over_and_writes_its_own_message(
     store, spool, monkeypatch, bound

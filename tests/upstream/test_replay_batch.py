@@ -351,6 +351,36 @@ def test_a_batched_replay_of_mixed_payloads_writes_what_row_by_row_writes(tmp_pa
     ]  # fmt: skip
 
 
+def test_a_replay_makes_malformed_fields_text_as_the_gateways_own_writer_does(tmp_path):
+    """A spooled message from disk may carry JSON where the gateway binds text (a dict
+    tool name, a list platform id, an assistant's dict reasoning with non-ASCII text):
+    the replay, batched or row by row, makes each the text the gateway's own mapping
+    makes (its JSON spelling, not walspool's), so the row is the one its live writer
+    writes for the same message."""
+    from gateway.session_transcript import transcript_append_kwargs
+
+    messages = [
+        {"role": "tool", "content": "ok", "tool_name": {"name": "search", "v": 2},
+         "tool_call_id": ["call", 1], "timestamp": 1_750_000_000.5},
+        {"role": "assistant", "content": "done", "reasoning": {"why": "caf\u00e9 \u4e16"},
+         "platform_message_id": [7, "x"], "timestamp": 1_750_000_001.5},
+        {"role": "user", "content": "next", "message_id": {"chat": 3, "id": 9},
+         "timestamp": 1_750_000_002.0},
+    ]  # fmt: skip
+    live = new_db(tmp_path / "live.db")
+    try:
+        for message in messages:  # what 0.22's SessionStore._append_transcript_message does
+            live.append_message(**transcript_append_kwargs("s1", message))
+        expected = rows(live, "s1")
+    finally:
+        live.close()
+    assert expected[0]["tool_name"] == '{"name": "search", "v": 2}'  # the gateway's spelling
+    for batch, _, db, report, calls in both_ways(tmp_path, [("s1", m) for m in messages]):
+        assert (report.moved, report.held, report.quarantined) == (3, 0, 0)
+        assert calls == ([3] if batch else [])
+        assert rows(db, "s1") == expected, f"batch={batch}"
+
+
 def test_write_many_refuses_what_it_cannot_write_as_one_batch_word_for_word(tmp_path):
     from walspool.sinks import NotBatchable
 
