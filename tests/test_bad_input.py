@@ -39,9 +39,9 @@ BREAK = (
     "SELECT RAISE(ABORT, 'database disk image is malformed'); END"
 )
 
-#: Names the spool must store and find exactly as given (test ids: ``ODD_IDS``, plain
-#: words: a backslash or a slash in an id makes it one that tools passing test ids back
-#: to pytest, as mutmut does, cannot select).
+#: Names the spool must store and find exactly as given. Their test ids are plain words
+#: (``ODD_IDS``; pytest refuses a list of another length): ids made from these values'
+#: ``repr`` were "not found" when mutmut passed them back to pytest.
 ODD_BUT_VALID = [
     "a\x00b",
     "'); DROP TABLE records;--",
