@@ -6,6 +6,11 @@ interleaved) into a fresh ``state.db`` of ``hermes-agent==0.19.0``:
 - ``append_message direct``: a loop over ``SessionDB.append_message`` with keywords
   mapped beforehand, outside the timing: the physical limit (one state.db commit
   per message, FTS triggers included);
+- ``sink write direct``: the same loop through ``SessionDBSink.write`` with a ticket per
+  row, no spool: ``append_message`` plus what makes a landing exact (the ticket row
+  the sink's trigger writes into ``walspool_landed`` in the same state.db transaction,
+  one more B-tree leaf per commit). This is the floor of an exactly-once replay on a
+  gateway without a batch write;
 - ``replay into SessionDB``: ``Replayer(spool, SessionDBSink(db)).replay()`` over a
   spool filled beforehand (``durability="full"``), so its time includes reading and
   decoding rows, mapping each message, the in-flight marks and the spool deletes.
@@ -88,6 +93,25 @@ def test_append_message_direct(benchmark: Any, tmp_path: Path) -> None:
     _record(benchmark, "test_append_message_direct")
 
 
+def test_sink_write_direct(benchmark: Any, tmp_path: Path) -> None:
+    writes = [
+        (sid, Record(n, sid, n + 1, walspool.CAP_DROP, None, 0.0, m, 0, None), ("bench", n, n))
+        for n, (sid, m) in enumerate(rows())
+    ]
+    db = fresh_state_db(tmp_path / "state.db")
+    sink = SessionDBSink(db)
+    assert sink.prepare()  # a real SessionDB: every write records its ticket
+
+    def run() -> None:
+        for sid, rec, ticket in writes:
+            sink.write(sid, rec, ticket)
+
+    benchmark.pedantic(run, rounds=1, iterations=1)
+    assert len(sink.landed([ticket for _, _, ticket in writes])) == REPLAY_ROWS
+    db.close()
+    _record(benchmark, "test_sink_write_direct")
+
+
 def test_append_messages_batch_direct(benchmark: Any, tmp_path: Path) -> None:
     db = fresh_state_db(tmp_path / "state.db")
     if not hasattr(db, "append_messages_batch"):
@@ -125,6 +149,7 @@ def test_replay_into_sessiondb(benchmark: Any, tmp_path: Path) -> None:
     for baseline, key in (
         ("test_append_message_direct", "ratio_vs_direct"),
         ("test_append_messages_batch_direct", "ratio_vs_batch_direct"),
+        ("test_sink_write_direct", "ratio_vs_sink_write_direct"),
     ):
         if baseline in RESULTS:
             replayed[key] = replayed["msgs_per_s"] / RESULTS[baseline]["msgs_per_s"]

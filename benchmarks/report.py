@@ -82,6 +82,26 @@ RATIOS = [
         "test_append_message_direct",
         0.8,
     ),
+    (
+        # The floor on a gateway without a batch write: append_message + landing ticket.
+        "replay: walspool / sink write direct (with tickets)",
+        "test_replay_into_sessiondb",
+        "test_sink_write_direct",
+        None,
+    ),
+    (
+        "replay: sink write direct / append_message direct",
+        "test_sink_write_direct",
+        "test_append_message_direct",
+        None,
+    ),
+    (
+        # The floor where the gateway has a batch write (0.22): its own batch.
+        "replay: walspool / the gateway's append_messages_batch",
+        "test_replay_into_sessiondb",
+        "test_append_messages_batch_direct",
+        None,
+    ),
 ]
 
 
