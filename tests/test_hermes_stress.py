@@ -29,6 +29,7 @@ pytest.importorskip("hermes_state")
 THREADS = 8
 SESSIONS = ["shared", "s1", "s2", "s3"]
 WAIT = 120.0
+TOGGLES = 8  # the least number of breaks and heals while the threads send
 
 
 class Writers:
@@ -100,6 +101,7 @@ def test_random_outages_lose_nothing_duplicate_nothing_and_keep_order(
         link = install(store, spool, retry_interval=0.05)
         link.replayer.sink.write = writers.wrap(link.replayer.sink.write)
         done = threading.Event()
+        turned = threading.Condition()
         toggles = 0
 
         def toggle() -> None:
@@ -109,11 +111,21 @@ def test_random_outages_lose_nothing_duplicate_nothing_and_keep_order(
             while not done.wait(rng.uniform(0.0, 0.03)):
                 broken = not broken
                 sql(store, BREAK if broken else HEAL)
-                toggles += 1
+                with turned:
+                    toggles += 1
+                    turned.notify_all()
+
+        def turned_at_least(n: int) -> bool:
+            with turned:
+                return turned.wait_for(lambda: toggles >= n, WAIT)
 
         def feed(t: int) -> None:
             rng = random.Random(seed * 100 + t)
             for i in range(per_thread):
+                # The toggler takes the SessionDB lock the feeders contend for, and a lock
+                # is not fair: pace the feeders so that the outage comes and goes at least
+                # TOGGLES times while they send, however the threads are scheduled.
+                assert turned_at_least(TOGGLES * (i + 1) // per_thread)
                 # half of each thread's messages go to the session all threads share
                 s = "shared" if rng.random() < 0.5 else rng.choice(SESSIONS[1:])
                 store.append_to_transcript(s, {"role": "user", "content": f"{t}:{i}"})
@@ -147,4 +159,4 @@ def test_random_outages_lose_nothing_duplicate_nothing_and_keep_order(
             assert seen == sorted(seen), f"session {s}: thread {t}'s messages out of order"
     assert writers.overlaps == [], "two threads wrote one session at once"
     assert quiet.count == 0
-    assert toggles > 2  # the outage really came and went
+    assert toggles >= TOGGLES  # the outage really came and went while they sent
