@@ -237,9 +237,11 @@ def test_a_concurrent_cli_replay_never_blocks_the_gateway(hermes_home, store, sp
     for i in range(210):
         store.append_to_transcript("s", msg(f"m{i}"))
     busy = []
+    asked: set[bool | float] = set()  # each drain's wait for the replay lock
     replay = link.replayer.replay
 
     def noting(*args: Any, **kw: Any) -> Any:
+        asked.add(kw.get("wait", True))
         try:
             return replay(*args, **kw)
         except ReplayBusy:
@@ -272,6 +274,7 @@ def test_a_concurrent_cli_replay_never_blocks_the_gateway(hermes_home, store, sp
     # from its first 210 appends on, so the CLI holds them (exit 3) and says so.
     assert rc == 3 and re.search(r"[\d,]+ rows held in 1 session$", stderr.strip()), stderr
     assert busy, "the CLI replay never overlapped a drain"
+    assert asked == {False}  # no drain on the gateway thread waited for the replay lock
     # each append waited for its eviction's commit, never for the replay's lock
     assert max(waits) < 1.0, max(waits)
     sql(store, "DROP TRIGGER broken")
