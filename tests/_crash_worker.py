@@ -271,7 +271,8 @@ def set_db_state(store: Any, broken: bool) -> None:
 
 
 def report_evictions(spool: Any) -> None:
-    """Print ``S`` for each row the link hands to the spool's writer, once committed.
+    """Print ``S`` for each row the link hands to the spool's writer, once committed,
+    with the id of its record.
 
     The link spools an eviction with ``Writer.notify_nowait`` (never a blocking call
     under the store's lock); the callback runs after the commit, or with ``error`` set.
@@ -286,11 +287,14 @@ def report_evictions(spool: Any) -> None:
     wrapped: dict[Any, Batched] = {}
 
     def report(r: Any) -> None:
-        if r.error is None:
-            for row in getattr(r, "rows", ()):
+        if r.error is None and hasattr(r, "rows"):
+            receipts = r.result if isinstance(r.result, list) else [r.result]
+            for row, receipt in zip(r.rows, receipts, strict=True):
                 session_id, payload = row[0], msgspec.json.decode(row[4])
                 run_, i = parse(payload["content"])
-                say(f"S {session_id} {run_} {i}")
+                # the record's id: commit order, which the order of these lines is not
+                # (a group committed on a caller's thread reports after it lets go)
+                say(f"S {session_id} {run_} {i} {receipt.id}")
 
     def batched(callback: Batched) -> Batched:
         if callback not in wrapped:

@@ -7,9 +7,10 @@ and the gateway host the host-loss test kills, which this file also is:
 runs the released hermes-agent 0.19.0 ``SessionStore`` linked to ``HOME/spool.db``
 during an outage of its state.db (every insert fails): THREADS threads, two sessions
 each, each thread sending RATE messages a second, until it is killed. Past each
-session's 200 queued messages the link spools the oldest; ``S SESSION RUN I`` is
+session's 200 queued messages the link spools the oldest; ``S SESSION RUN I ID`` is
 printed once such an eviction is committed in the spool (the crash matrix's
-``report_evictions``), in commit order.
+``report_evictions``), ID being its record's id: commit order, which the order of the
+lines need not be.
 """
 
 from __future__ import annotations
@@ -212,7 +213,10 @@ class GatewayHost:
     ``(session_id, run, i)`` with the ``time.monotonic()`` at which its line arrived."""
 
     def __init__(self, home: Path, threads: int, rate: int) -> None:
+        #: Each acknowledged eviction and when it was read, in the order printed.
         self.acks: list[tuple[tuple[str, int, int], float]] = []
+        #: Each acknowledged eviction's record id in the spool: its commit order.
+        self.record_ids: dict[tuple[str, int, int], int] = {}
         self._cond = threading.Condition()
         self._err = open(home.parent / "gateway.err", "w+b")  # closed in kill()
         self.proc = subprocess.Popen(
@@ -230,9 +234,11 @@ class GatewayHost:
             now = time.monotonic()
             line = raw.decode()
             if line.startswith("S ") and line.endswith("\n"):
-                session, run, i = line.split()[1:]
+                session, run, i, record_id = line.split()[1:]
+                key = (session, int(run), int(i))
                 with self._cond:
-                    self.acks.append(((session, int(run), int(i)), now))
+                    self.acks.append((key, now))
+                    self.record_ids[key] = int(record_id)
                     self._cond.notify_all()
 
     def wait_acks(self, count: int) -> None:

@@ -219,7 +219,7 @@ class Ledger:
             self.receipts[(session, int(seq))] = (int(run), int(t), int(i))
             n += 1
         for kind in ("S", "W", "L"):
-            for session, run, i in outcome.lines_of(kind):
+            for session, run, i, *_ in outcome.lines_of(kind):  # S adds the record's id
                 self.acked.add((session, int(run), -1, int(i)))  # thread unknown: -1
                 self.how[(session, int(run), int(i))].append((self.runs, kind))
                 n += 1

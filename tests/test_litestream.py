@@ -180,7 +180,8 @@ def test_host_loss_recovers_every_acknowledged_message_before_the_recovery_point
         finally:
             gateway.kill()
     shutil.rmtree(hermes_home.parent)
-    acks = gateway.acks
+    # in commit order (record ids), not in the order the acknowledgements were printed
+    acks = sorted(gateway.acks, key=lambda ack: gateway.record_ids[ack[0]])
 
     new_home = home(tmp_path, "new-host")
     run_readme_restore(new_home, replica)
