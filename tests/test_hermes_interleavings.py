@@ -956,10 +956,17 @@ def test_a_gateway_thread_waits_for_room_in_the_spool_at_most_its_bound_then_dro
         store.append_to_transcript("s", msg(f"m{i}"))  # over the cap: kept in memory
     room_waits: list[float] = []
     wait_for_room = spool._writer.wait_for_room
+    # The link's clock moves only while it waits for room: however late the thread
+    # runs, the bound is spent in that wait, not before it.
+    clock = [0.0]  # from 0, deadline - now is the bound itself, not a rounding of it
+    monkeypatch.setattr(hermes, "time", SimpleNamespace(monotonic=lambda: clock[0]))
 
     def recorded(timeout: float) -> bool:
         room_waits.append(timeout)
-        return wait_for_room(timeout)
+        try:
+            return wait_for_room(timeout)
+        finally:
+            clock[0] += timeout
 
     monkeypatch.setattr(spool._writer, "wait_for_room", recorded)
     caplog.clear()
