@@ -58,6 +58,70 @@ def timed_append(store: Any, session_id: str, content: str) -> float:
     return time.monotonic() - started
 
 
+class Waits:
+    """The waits walspool can make a gateway thread (this test's thread) start, as they
+    start: which, its bound (None: unbounded but for the spool's busy bound), and
+    whether the spool's writer had found its write lock held elsewhere by then. Each
+    is a place of README's table "What a gateway thread can wait for": the link's
+    condition (taking a session over, its evictions' commit, a drain's batch), its
+    drain lock, room in the spool writer's queue, a blocking put, and a spool
+    transaction on the caller's thread."""
+
+    def __init__(self, link: Link, spool: walspool.Spool) -> None:
+        self.seen: list[tuple[str, float | None, bool]] = []
+        self._thread = threading.current_thread()
+        self._writer = spool._writer
+        note = self._note
+
+        class Settled(threading.Condition):
+            def wait(self, timeout: float | None = None) -> bool:
+                note("the link's condition", timeout)
+                return super().wait(timeout)
+
+        class Draining:
+            def __init__(self, lock: Any) -> None:
+                self.lock = lock
+
+            def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+                note("the drain lock", timeout if blocking and timeout >= 0 else None)
+                return bool(self.lock.acquire(blocking, timeout))
+
+            def release(self) -> None:
+                self.lock.release()
+
+        link._settled = Settled(link._lock)
+        link._draining = Draining(link._draining)  # type: ignore[assignment]
+        self._record("wait_for_room", bounded=True)
+        self._record("notify", bounded=False)
+        self._record("call", bounded=False)
+
+    def _record(self, name: str, bounded: bool) -> None:
+        original = getattr(self._writer, name)
+
+        def recorded(*args: Any, **kw: Any) -> Any:
+            self._note(f"the spool writer's {name}", args[0] if bounded else None)
+            return original(*args, **kw)
+
+        setattr(self._writer, name, recorded)
+
+    def _note(self, what: str, bound: float | None) -> None:
+        if threading.current_thread() is self._thread:
+            self.seen.append((what, bound, self._writer.busy_since is not None))
+
+    def once_found_locked(self) -> list[tuple[str, float | None]]:
+        """The waits with a bound above zero started once the writer had found its write
+        lock held elsewhere. README's table allows none then for an eviction, a take-over
+        or an evictions' commit, and a gateway thread leaves drains to the background
+        thread: none is expected at all."""
+        return [(w, b) for w, b, locked in self.seen if locked and (b is None or b > 0)]
+
+
+def found_locked(spool: walspool.Spool) -> bool:
+    """Whether the spool's writer finds its write lock held elsewhere (within WAIT)."""
+    with spool._writer._cond:  # notified when a commit finds the lock held
+        return spool._writer._cond.wait_for(lambda: spool._writer.busy_since is not None, WAIT)
+
+
 def settle(link: Link, predicate: Callable[[], bool], timeout: float = WAIT) -> bool:
     """Wait on the link's condition (notified at each release and commit) for ``predicate``."""
     with link._settled:
@@ -122,10 +186,14 @@ def test_a_locked_spool_never_makes_a_gateway_thread_wait(store, spool, monkeypa
     for s in ("a", "h"):
         store._db.create_session(s, "telegram")
     link = install(store, spool, retry_interval=0.2)
+    recorded = Waits(link, spool)
     sql(store, BREAK_A)
     with write_lock_held(spool.path) as holder:
-        waits = [timed_append(store, "a", f"a{i}") for i in range(260)]
+        waits = [timed_append(store, "a", f"a{i}") for i in range(205)]  # 5 evictions
+        assert found_locked(spool)
+        waits += [timed_append(store, "a", f"a{i}") for i in range(205, 260)]
         assert max(waits) < APPEND_BOUND, max(waits)
+        assert recorded.once_found_locked() == []
         # A healthy session writes as usual while the spool is locked.
         assert timed_append(store, "h", "hello") < APPEND_BOUND
         assert contents(store, "h") == ["hello"]
@@ -144,11 +212,15 @@ def test_a_full_spool_queue_keeps_messages_in_memory_then_drops_with_a_warning(
     monkeypatch.setattr(writer, "BUSY_RETRY_SECONDS", 60.0)
     store._db.create_session("a", "telegram")
     link = install(store, spool, retry_interval=0.2)
+    recorded = Waits(link, spool)
     sql(store, BREAK)
     with write_lock_held(spool.path) as holder:
         with caplog.at_level(logging.WARNING, logger="walspool.hermes"):
-            waits = [timed_append(store, "a", f"a{i}") for i in range(420)]
+            waits = [timed_append(store, "a", f"a{i}") for i in range(205)]  # 5 evictions
+            assert found_locked(spool)
+            waits += [timed_append(store, "a", f"a{i}") for i in range(205, 420)]
         assert max(waits) < APPEND_BOUND, max(waits)
+        assert recorded.once_found_locked() == []
         kept = [r.getMessage() for r in caplog.records if "stays in memory" in r.getMessage()]
         dropped = [r.getMessage() for r in caplog.records if "spool writer busy" in r.getMessage()]
         assert kept and f"the spool {spool.path} is busy" in kept[0]
