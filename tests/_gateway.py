@@ -1,11 +1,14 @@
 """What the tests on the real hermes-agent 0.19.0 gateway share: an outage of its
 ``state.db`` (every insert into ``messages`` fails, as a database whose FTS index is
-damaged refuses them), statements on the store's own connection, and transcripts."""
+damaged refuses them), statements on the store's own connection, transcripts, and
+the spool's writer finding its write lock held by another process."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
+
+from _helpers import STEP
 
 #: The outage: SessionDB reads the error as FTS corruption, rebuilds, and fails again.
 BREAK = (
@@ -39,3 +42,11 @@ def state_db(path: Path, *sessions: str) -> Path:
         db.create_session(session, "telegram")
     db.close()
     return path
+
+
+def found_locked(spool: Any) -> bool:
+    """Whether the spool's writer finds its write lock held elsewhere (``busy_since``
+    set) within ``STEP``."""
+    writer = spool._writer
+    with writer._cond:  # notified when a commit finds the lock held
+        return writer._cond.wait_for(lambda: writer.busy_since is not None, STEP)

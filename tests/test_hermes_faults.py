@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _gateway import BREAK, HEAL, contents, msg, sql
+from _gateway import BREAK, HEAL, contents, found_locked, msg, sql
 from _helpers import ROOT, STEP
 from _lock_holder import replay_lock_held, write_lock_held
 
@@ -114,12 +114,6 @@ class Waits:
         or an evictions' commit, and a gateway thread leaves drains to the background
         thread: none is expected at all."""
         return [(w, b) for w, b, locked in self.seen if locked and (b is None or b > 0)]
-
-
-def found_locked(spool: walspool.Spool) -> bool:
-    """Whether the spool's writer finds its write lock held elsewhere (within WAIT)."""
-    with spool._writer._cond:  # notified when a commit finds the lock held
-        return spool._writer._cond.wait_for(lambda: spool._writer.busy_since is not None, WAIT)
 
 
 def settle(link: Link, predicate: Callable[[], bool], timeout: float = WAIT) -> bool:

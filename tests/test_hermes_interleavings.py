@@ -19,7 +19,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from _gateway import BREAK, HEAL, contents, msg, sql
+from _gateway import BREAK, HEAL, contents, found_locked, msg, sql
 from _helpers import STEP, naming_threads
 from _lock_holder import write_lock_held
 
@@ -45,11 +45,10 @@ class Gate:
         self.lock = threading.Lock()
         self.inside = 0
         self.most = 0
-        self.calls = 0
         self.contents: list[Any] = []
         self.armed = False
         self.skip = 0
-        self.content: Any = None
+        self.wanted: Any = None  # arm(content=...)
         self.entered = threading.Event()
         self.release = threading.Event()
 
@@ -57,7 +56,7 @@ class Gate:
         self.entered.clear()
         self.release.clear()
         self.skip = skip
-        self.content = content
+        self.wanted = content
         self.armed = True
 
     def open(self) -> None:
@@ -69,12 +68,11 @@ class Gate:
         with self.lock:
             self.inside += 1
             self.most = max(self.most, self.inside)
-            self.calls += 1
             self.contents.append(content)
             if not self.armed:
                 hold = False
-            elif self.content is not None:
-                hold = content == self.content
+            elif self.wanted is not None:
+                hold = content == self.wanted
             elif self.skip:
                 self.skip -= 1
                 hold = False
@@ -131,8 +129,7 @@ def _a_commit_finds_the_write_lock_held(spool: walspool.Spool) -> Any:
     """Submit an append and wait until its commit finds the spool's write lock held by
     another process (``busy_since`` set); its future."""
     blocked = spool.submit("z", msg("z"))
-    with spool._writer._cond:  # notified when a commit finds the lock held
-        assert spool._writer._cond.wait_for(lambda: spool._writer.busy_since is not None, STEP)
+    assert found_locked(spool)
     return blocked
 
 
