@@ -1180,11 +1180,16 @@ def test_a_flush_while_a_drain_finds_nothing_is_not_taken_for_what_that_drain_sa
     spool.flush()
     replay = link.replayer.replay
     armed, flushed = threading.Event(), []
+    # Held by a drain from its look at ``armed`` until its replay returns: arming
+    # (and healing) while a drain is past that look would let that drain, unarmed,
+    # move m0 itself after the heal, and the armed one find nothing to move.
+    looking = threading.Lock()
 
     def elsewhere_then_flush(*args: Any, **kw: Any) -> Any:
-        if not armed.is_set():
-            return replay(*args, **kw)
-        armed.clear()
+        with looking:
+            if not armed.is_set():
+                return replay(*args, **kw)
+            armed.clear()
         # Another process's replay moves m0 just before this drain looks.
         assert walspool.Replayer(spool, walspool.SessionDBSink(store._db)).replay().moved == 1
         report = replay(*args, **kw)
@@ -1194,7 +1199,7 @@ def test_a_flush_while_a_drain_finds_nothing_is_not_taken_for_what_that_drain_sa
         return report
 
     link.replayer.replay = elsewhere_then_flush
-    with link._lock:
+    with looking, link._lock:
         assert link._sessions["s"].spooled == 1
         armed.set()
         sql(store, HEAL)
