@@ -13,6 +13,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import NoReturn
 
 import apsw
 
@@ -35,7 +36,7 @@ from . import (
 )
 from ._filters import UsageError
 from ._interrupt import Interrupted
-from ._output import EXIT_ERROR, EXIT_USAGE, as_path, log_lines, warn
+from ._output import EXIT_ERROR, EXIT_USAGE, as_path, dump, log_lines, warn
 from ._reading import spool_error
 
 __all__ = ["COMMANDS", "build_parser", "main"]
@@ -55,11 +56,16 @@ reasons (--reason), besides any other a caller chose:
   {AGENT_HISTORY:<40} an agent's unsaved history; replayed
   {"":<40} only when asked for with --reason
 
-exit status: 0 done; 1 error (one line on stderr, `walspool COMMAND: ...`); 2 bad
-usage; 3 done, but rows were held back (replay) or files left in place (import-json);
-4 another replay of the spool is running (replay, requeue, drop; --wait SECONDS
-waits for it); 130 interrupted (SIGINT); 143 stopped by SIGTERM (replay); 141 stdout
-closed early (`walspool export | head`)."""
+exit status: 0 done; 1 error (one line on stderr, `walspool COMMAND: ...`), a
+damaged spool included, whatever the command; 2 bad usage (and drop without --yes,
+after listing what it would drop); 3 done, but rows were held back (replay) or files
+left in place (import-json); 4 another replay of the spool is running (replay,
+requeue, drop; --wait SECONDS waits for it); 5 done, but rows were quarantined
+(replay: kept, not replayed; see `walspool ls`); 130 interrupted (SIGINT); 143
+stopped by SIGTERM (replay); 141 stdout closed early (`walspool export | head`).
+
+--json errors: with --json, an error also prints one JSON object on stdout,
+{{"command": "...", "error": "...", "exit": N}}, N the exit status above."""
 
 Command = Callable[[argparse.Namespace], int]
 #: name, function (its docstring is its help), and the function that adds its own arguments
@@ -81,7 +87,7 @@ COMMANDS: tuple[tuple[str, Command, Callable[[argparse.ArgumentParser], None] | 
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser: one subcommand per command module, its ``run`` docstring its help."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="walspool",
         description=DESCRIPTION,
         epilog=EPILOG,
@@ -89,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"walspool {_version()}")
     commands = parser.add_subparsers(
-        dest="command", required=True, metavar="COMMAND", title="commands"
+        dest="command", required=True, metavar="COMMAND", title="commands", parser_class=_Parser
     )
     for name, fn, add_args in COMMANDS:
         doc = inspect.cleandoc(fn.__doc__ or "")
@@ -106,7 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
                 nargs="?",
                 default=default_path(),
                 metavar="SPOOL",
-                help="the spool file (default: $HERMES_HOME/spool.db, now %(default)s)",
+                # Not %(default)s: the intermixed parse hides a positional's default.
+                help="the spool file (default: $HERMES_HOME/spool.db, now "
+                f"{str(default_path()).replace('%', '%%')})",
             )
         if add_args is not None:
             add_args(sub)
@@ -118,6 +126,34 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _Parser(argparse.ArgumentParser):
+    """Options may come between positional arguments (``show SPOOL --limit 2 SESSION``),
+    as ``parse_intermixed_args`` allows; a usage error raises ``_BadUsage`` once argparse
+    has printed it, so that ``main`` can add its ``--json`` object."""
+
+    _intermixing = False
+
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[no-untyped-def]
+        # The subcommand's parser is handed its arguments through parse_known_args;
+        # parse_known_intermixed_args calls it in turn, for its two passes.
+        if self._intermixing or self._subparsers is not None:
+            return super().parse_known_args(args, namespace)
+        self._intermixing = True
+        try:
+            return self.parse_known_intermixed_args(args, namespace)
+        finally:
+            self._intermixing = False
+
+    def error(self, message: str) -> NoReturn:
+        self.print_usage(sys.stderr)
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        raise _BadUsage(message)
+
+
+class _BadUsage(Exception):
+    """argparse found the command line wrong (exit status 2); its text is printed."""
+
+
 def _version() -> str:
     try:
         return importlib.metadata.version("walspool")
@@ -126,30 +162,52 @@ def _version() -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; return the exit status."""
-    args = build_parser().parse_args(argv)
+    """Run the command line; return the exit status (see ``EPILOG``).
+
+    Every error is one line on stderr and a non-zero status; with --json it is also one
+    object on stdout, ``{"command": ..., "error": ..., "exit": N}``: exit 1 for an
+    error (a damaged spool included), 2 for bad usage, 130 and 143 for a signal.
+    ``--help`` and ``--version`` exit 0 through ``SystemExit``, as argparse does.
+    """
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except _BadUsage as exc:
+        if "--json" in argv:
+            name = next((a for a in argv if a in _COMMAND_NAMES), None)
+            print(dump({"command": name, "error": str(exc), "exit": EXIT_USAGE}))
+        raise SystemExit(EXIT_USAGE) from None
+    status, error = _run(args)
+    if error is not None:
+        warn(args.command, error)
+        if getattr(args, "json", False):
+            print(dump({"command": args.command, "error": error, "exit": status}))
+    return status
+
+
+_COMMAND_NAMES = frozenset(name for name, *_ in COMMANDS)
+
+
+def _run(args: argparse.Namespace) -> tuple[int, str | None]:
+    """The command's exit status, and the error to report if it failed."""
     try:
         with log_lines(args.command):
-            return int(args.func(args))
+            return int(args.func(args)), None
     except UsageError as exc:
-        warn(args.command, str(exc))
-        return EXIT_USAGE
+        return EXIT_USAGE, str(exc)
     except WalspoolError as exc:
-        warn(args.command, str(exc))
+        return EXIT_ERROR, str(exc)
     except apsw.Error as exc:
-        warn(args.command, str(spool_error(exc, getattr(args, "spool", Path("?")))))
+        return EXIT_ERROR, str(spool_error(exc, getattr(args, "spool", Path("?"))))
     except BrokenPipeError:
         # The reader went away (`walspool export ... | head`): stop quietly.
         with contextlib.suppress(OSError, ValueError):
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 141
+        return 141, None
     except OSError as exc:
         where = f" {exc.filename}" if exc.filename else ""
-        warn(args.command, f"cannot access{where}: {exc.strerror or exc}")
+        return EXIT_ERROR, f"cannot access{where}: {exc.strerror or exc}"
     except KeyboardInterrupt:
-        warn(args.command, "interrupted")
-        return 130
+        return 130, "interrupted"
     except Interrupted as exc:
-        warn(args.command, f"interrupted by {exc.name}")
-        return exc.status
-    return EXIT_ERROR
+        return exc.status, f"interrupted by {exc.name}"

@@ -23,6 +23,13 @@ STREAM_EXISTS_SQL = {
     "id": "SELECT EXISTS (SELECT 1 FROM records WHERE session_id = ?)",
     "key": "SELECT EXISTS (SELECT 1 FROM records WHERE session_id IS NULL AND session_key = ?)",
 }
+STREAM_ROWS_SQL = {
+    "id": "SELECT count(*) FROM records WHERE session_id = ?",
+    "key": "SELECT count(*) FROM records INDEXED BY records_session_key_seq_idx "
+    "WHERE session_id IS NULL AND session_key = ?",
+}
+#: How ``ls`` names a stream spooled by session key only: ``key:<KEY>``.
+KEY_PREFIX = "key:"
 SESSION_EXISTS_SQL = """SELECT EXISTS (SELECT 1 FROM records WHERE session_id = :session)
     OR (:keys AND EXISTS (SELECT 1 FROM records
                           WHERE session_id IS NULL AND session_key = :session))"""
@@ -60,3 +67,22 @@ def has_stream(reader: SpoolReader, name: str, kind: str) -> bool:
     session key ``name`` and no id ("key")."""
     check_lookup(name, "session", reader.path)
     return bool(reader.read(lambda c: c.execute(STREAM_EXISTS_SQL[kind], (name,)).get))
+
+
+def stream_rows(reader: SpoolReader, name: str, kind: str) -> int:
+    """How many rows the stream has (``kind`` as in ``has_stream``)."""
+    check_lookup(name, "session", reader.path)
+    return int(reader.read(lambda c: c.execute(STREAM_ROWS_SQL[kind], (name,)).get))
+
+
+def which_stream(reader: SpoolReader, name: str, *, key: bool = False) -> tuple[str, str]:
+    """The stream a SESSION argument names, as ``(name, kind)``: with ``key`` the
+    session key ``name``; else the session id ``name`` if it has rows, else the key
+    ``<KEY>`` of a ``key:<KEY>`` as ``ls`` prints it, else the session key ``name``."""
+    if key:
+        return name, "key"
+    if has_stream(reader, name, "id"):
+        return name, "id"
+    if name.startswith(KEY_PREFIX) and not has_stream(reader, name, "key"):
+        return name[len(KEY_PREFIX) :], "key"
+    return name, "key"

@@ -12,6 +12,8 @@ import contextlib
 import datetime
 import logging
 import os
+import re
+import shlex
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -216,3 +218,27 @@ def _isatty(stream: TextIO) -> bool:
 def as_path(text: str) -> Path:
     """A path argument, ``~`` expanded."""
     return Path(os.path.expanduser(text))
+
+
+#: Characters a shell reads as themselves in a word: such a name prints as it is.
+_PLAIN = re.compile(r"[\w@%+=:,./-]+", re.ASCII)
+#: What bash's ``$'...'`` quoting spells with a backslash.
+_ANSI_C = {ord("\\"): "\\\\", ord("'"): "\\'"}
+
+
+def shell_word(text: str) -> str:
+    """``text`` as one shell word that gives ``text`` back when pasted into a command
+    line: as it is when plain, else in single quotes, or, when it holds a control or
+    bidi character, in bash's ``$'...'`` quotes with those characters escaped (so the
+    terminal shows it safely, as ``printable`` does)."""
+    if _PLAIN.fullmatch(text):
+        return text
+    if printable(text) == text:
+        return shlex.quote(text)
+    return "$'" + printable(text.translate(_ANSI_C)) + "'"
+
+
+def stream_name(session_id: str | None, session_key: str | None) -> str:
+    """A stream as ``ls`` names it, ready to paste into ``show``: its session id, or
+    ``key:<KEY>`` for rows spooled by session key only; quoted by ``shell_word``."""
+    return shell_word(session_id if session_id is not None else f"key:{session_key}")

@@ -1,31 +1,56 @@
-"""What ``requeue`` and ``drop`` share: the row ids they take, the lock wait, the report."""
+"""What ``requeue`` and ``drop`` share: the rows they take (ids, or a selector), the
+lock wait, the preview and the report."""
 
 from __future__ import annotations
 
 import argparse
 from collections.abc import Callable, Sequence
+from typing import Any
 
-from ..errors import ReplayBusy
+from ..errors import ReplayBusy, WalspoolError
 from ..maintenance import LOCK_WAIT, actor
+from ..records import QUARANTINED, SUPERSEDED
 from ..spool import Spool
 from ..text import printable
-from ._output import EXIT_BUSY, EXIT_OK, dump, plural, warn
+from ._filters import UsageError, which_stream
+from ._output import EXIT_BUSY, EXIT_OK, clip, dump, plural, stream_name, table, warn
 from ._reading import reading
+from ._readonly import SpoolReader
 
 Change = Callable[..., list[int]]
+
+_COLUMNS = "id, session_id, session_key, seq, reason, status, inflight, last_error"
+#: The rows named by id, whatever they are (the change itself refuses the wrong ones).
+BY_ID_SQL = f"""SELECT {_COLUMNS} FROM records
+    WHERE id IN (SELECT value FROM json_each(:ids)) ORDER BY id"""
+#: Set-aside rows of the chosen statuses, of one stream or all.
+SELECT_SQL = f"""SELECT {_COLUMNS} FROM records INDEXED BY records_status_idx
+    WHERE status IS NOT NULL AND status IN (SELECT value FROM json_each(:statuses))
+    AND (:session IS NULL
+         OR (:kind = 'id' AND session_id = :session)
+         OR (:kind = 'key' AND session_id IS NULL AND session_key = :session))
+    ORDER BY id"""
+KEYS = ("id", "session_id", "session_key", "seq", "reason", "status", "inflight", "last_error")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--id",
         dest="ids",
-        type=int,
-        action="append",
-        required=True,
-        metavar="ID",
-        help="a row's id, as `walspool show` and the failures view print it (repeat it "
-        "for more rows)",
+        type=row_ids,
+        action="extend",
+        metavar="ID[,ID...]",
+        help="rows by id, as `walspool show` and the failures view print them "
+        "(repeatable, or comma-separated: --id 7,9)",
     )
+    p.add_argument(
+        "--session",
+        metavar="S",
+        help="instead of ids: the set-aside rows of this session (id, or key:<KEY> as "
+        "ls prints it)",
+    )
+    p.add_argument("--quarantined", action="store_true", help="instead of ids: quarantined rows")
+    p.add_argument("--superseded", action="store_true", help="instead of ids: superseded rows")
     p.add_argument(
         "--wait",
         type=float,
@@ -35,15 +60,53 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+def row_ids(text: str) -> list[int]:
+    """An --id argument: one row id or several, comma-separated (``7``, ``7,9``)."""
+    try:
+        ids = [int(part) for part in text.split(",")]
+    except ValueError:
+        ids = []
+    if not ids or any(i < 1 for i in ids):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a row id (a positive integer, or several: 7,9)"
+        )
+    return ids
+
+
+def selected(reader: SpoolReader, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The rows the command line names: by --id (each as it is now, missing ones left
+    out), or the set-aside rows --session, --quarantined and --superseded select."""
+    chose = args.session is not None or args.quarantined or args.superseded
+    if bool(args.ids) == chose:
+        raise UsageError(
+            "name the rows: --id ID[,ID...], or a selector (--session S, --quarantined, "
+            "--superseded), not both"
+        )
+    if args.ids:
+        params: dict[str, Any] = {"ids": dump(args.ids)}
+        rows = reader.read(lambda c: c.execute(BY_ID_SQL, params).fetchall())
+        return [dict(zip(KEYS, row, strict=True)) for row in rows]
+    name, kind = (None, None) if args.session is None else which_stream(reader, args.session)
+    chosen = ((QUARANTINED, args.quarantined), (SUPERSEDED, args.superseded))
+    statuses = [s for s, on in chosen if on] or [QUARANTINED, SUPERSEDED]
+    params = {"statuses": dump(statuses), "session": name, "kind": kind}
+    rows = reader.read(lambda c: c.execute(SELECT_SQL, params).fetchall())
+    if not rows:
+        which = f" of session {args.session!r}" if args.session is not None else ""
+        raise WalspoolError(f"no {' or '.join(statuses)} rows{which} in {args.spool}")
+    return [dict(zip(KEYS, row, strict=True)) for row in rows]
+
+
 def run_change(args: argparse.Namespace, command: str, change: Change, done: str) -> int:
     """Open the spool for writing (after the read path has reported any damage), make
     the change under the replay lock, and report it."""
-    with reading(args.spool):  # a damaged spool is reported, never moved aside
-        pass
+    with reading(args.spool) as reader:  # a damaged spool is reported, never moved aside
+        rows = selected(reader, args)
+    ids = args.ids or [row["id"] for row in rows]
     by = actor()
     try:
         with Spool(args.spool) as spool:
-            ids = change(spool, args.ids, by=by, wait=args.wait)
+            ids = change(spool, ids, by=by, wait=args.wait)
     except ReplayBusy as busy:
         holder = f" (process {busy.pid})" if busy.pid is not None else ""
         warn(
@@ -54,6 +117,48 @@ def run_change(args: argparse.Namespace, command: str, change: Change, done: str
         return EXIT_BUSY
     report(args, ids, by, done)
     return EXIT_OK
+
+
+def preview(args: argparse.Namespace, command: str) -> dict[str, Any]:
+    """What ``command`` would change, printed (a table, or with --json one object), and
+    returned: ``{"spool", "would_<command>": ids, "rows": [...], "missing": ids}``."""
+    with reading(args.spool) as reader:
+        rows = selected(reader, args)
+    found = {row["id"] for row in rows}
+    missing = [i for i in dict.fromkeys(args.ids or ()) if i not in found]
+    out = {
+        "spool": str(args.spool),
+        f"would_{command}": [row["id"] for row in rows if _set_aside(row)],
+        "rows": rows,
+        "missing": missing,
+    }
+    if args.json:
+        return out
+    taken = plural(len(out[f"would_{command}"]), "row")
+    print(f"{command} would take {taken} of {printable(args.spool)}:")
+    lines = [
+        (
+            str(r["id"]),
+            stream_name(r["session_id"], r["session_key"]),
+            str(r["seq"]),
+            r["status"] if _set_aside(r) else f"{_state(r)}: refused",
+            r["reason"],
+            clip(r["last_error"], 60),
+        )
+        for r in rows
+    ]
+    print(table(("ID", "SESSION", "SEQ", "STATUS", "REASON", "LAST ERROR"), lines))
+    if missing:
+        print(f"no such row: {', '.join(map(str, missing))}")
+    return out
+
+
+def _set_aside(row: dict[str, Any]) -> bool:
+    return row["status"] is not None and row["inflight"] is None
+
+
+def _state(row: dict[str, Any]) -> str:
+    return "in flight" if row["inflight"] is not None else "replayable"
 
 
 def report(args: argparse.Namespace, ids: Sequence[int], by: str, done: str) -> None:

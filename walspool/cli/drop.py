@@ -5,22 +5,31 @@ from __future__ import annotations
 import argparse
 
 from ..maintenance import drop
-from ._filters import UsageError
+from ._output import EXIT_USAGE, dump, warn
 from ._rowchange import add_arguments as add_row_arguments
-from ._rowchange import run_change
+from ._rowchange import preview, run_change
 
 
 def run(args: argparse.Namespace) -> int:
     """Delete quarantined or superseded rows the gateway should never get (needs --yes).
 
-    Each row is copied whole (payload, reason, times, last error) into the spool's
-    audit table with who dropped it, so a drop can be undone by hand; its session never
-    reuses its seq. All the rows named, or none: a row that is missing, replayable or
-    in flight is named and nothing changes (exit 1). Waits for a running replay
-    (--wait SECONDS; exit 4 when it outlasts that).
+    Rows by --id (repeatable, or comma-separated), or chosen: --session S with
+    --quarantined or --superseded (either alone: every such row of the spool). Without
+    --yes it changes nothing: it lists the rows it would drop (with --json, an object
+    with "would_drop", "rows", "missing" and the error's "command", "error" and "exit")
+    and exits 2. Each row dropped is copied whole (payload, reason, times, last error)
+    into the spool's audit table with who dropped it, so a drop can be undone by hand;
+    its session never reuses its seq. All the rows named, or none: a row that is
+    missing, replayable or in flight is named and nothing changes (exit 1). Waits for a
+    running replay (--wait SECONDS; exit 4 when it outlasts that).
     """
     if not args.yes:
-        raise UsageError("drop deletes rows from the spool (kept in its audit table); pass --yes")
+        would = preview(args, "drop")
+        error = "nothing was dropped: pass --yes to drop these rows (kept in the audit table)"
+        warn("drop", error)
+        if args.json:
+            print(dump({"command": "drop", "error": error, "exit": EXIT_USAGE, **would}))
+        return EXIT_USAGE
     return run_change(args, "drop", drop, "dropped")
 
 

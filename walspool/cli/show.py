@@ -15,7 +15,7 @@ from ..errors import WalspoolError
 from ..records import QUARANTINED, SUPERSEDED, Record
 from ..text import printable
 from . import _narrow
-from ._filters import has_stream
+from ._filters import has_stream, stream_rows, which_stream
 from ._output import clip, dump, iso, plural, printable_lines, table
 from ._reading import BadPayload, iter_records, reading, record_json, report_bad
 
@@ -27,16 +27,16 @@ def run(args: argparse.Namespace) -> int:
     """Show one session's rows in drop order, with attempts and last error.
 
     SESSION is a session id; with --key, or when no row has that session id, the
-    session key of rows spooled without one. The two are different streams and
-    never shown together. The message column previews each payload; --full prints
+    session key of rows spooled without one (`key:<KEY>` as ls prints it names that
+    key too). The two are different streams and never shown together. ID is what
+    requeue and drop take (--id). The message column previews each payload; --full prints
     the payloads whole.
     """
     bad: list[str] = []
     with reading(args.spool) as reader:
-        has_id = not args.key and has_stream(reader, args.session, "id")
-        kind = "id" if has_id else "key"
+        name, kind = which_stream(reader, args.session, key=args.key)
         # Streamed: one page of rows in memory at a time, whatever their size.
-        rows = iter_records(reader, args.session, bad=bad, kinds=(kind,))
+        rows = iter_records(reader, name, bad=bad, kinds=(kind,))
         first = next(rows, None)
         if first is not None:
             rows = _narrow.narrowed(itertools.chain([first], rows), args)
@@ -52,8 +52,8 @@ def run(args: argparse.Namespace) -> int:
         elif args.full:
             _show_full(args, rows)
         else:
-            _show_table(args, rows)
-        if has_id and not args.json and has_stream(reader, args.session, "key"):
+            _show_table(args, rows, stream_rows(reader, name, kind))
+        if kind == "id" and not args.json and has_stream(reader, args.session, "key"):
             print(
                 f"rows spooled with session key {printable(args.session)} and no session id "
                 "are another stream: show it with --key"
@@ -93,13 +93,19 @@ def _show_full(args: argparse.Namespace, rows: Iterator[tuple[Record, int | None
         print(pretty(r.message))
 
 
-def _show_table(args: argparse.Namespace, rows: Iterator[tuple[Record, int | None]]) -> None:
+def _show_table(
+    args: argparse.Namespace, rows: Iterator[tuple[Record, int | None]], total: int
+) -> None:
     lines, marks = [], set()
     for r, inflight in rows:  # only the short preview of each row is kept
         lines.append(_show_line(r, inflight))
         marks.add("*" if inflight is not None else r.status)
     session, spool = printable(args.session), printable(args.spool)
-    print(f"session {session}: {plural(len(lines), 'row')} in {spool}")
+    # Rows appended meanwhile can make the stream longer than when it was counted.
+    shown = plural(len(lines), "row")
+    if len(lines) < total:
+        shown = f"{len(lines):,} of {plural(total, 'row')}"
+    print(f"session {session}: {shown} in {spool}")
     headers = ("SEQ", "ID", "REASON", "CREATED", "ATTEMPTS", "LAST ERROR", "MESSAGE")
     print(table(headers, lines))
     if "*" in marks:
@@ -113,9 +119,10 @@ def _show_table(args: argparse.Namespace, rows: Iterator[tuple[Record, int | Non
 def _show_line(r: Record, inflight: int | None) -> tuple[Any, ...]:
     mark = "*" if inflight is not None else STATUS_MARKS.get(r.status or "", "")
     attempts = f"{r.attempts}{mark}"
+    # As text: ids and seqs print as the commands take them back, without separators.
     return (
-        r.seq,
-        r.id,
+        str(r.seq),
+        str(r.id),
         r.reason,
         iso(r.created_at),
         attempts,

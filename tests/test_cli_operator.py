@@ -1,0 +1,159 @@
+"""The command line as an on-call operator meets it (issue 30): options anywhere, errors
+as JSON, ids that paste back, a drop that shows what it would do, exit codes a shell
+can trust, ages, a damaged spool refused alike by every command."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import apsw
+import pytest
+
+import walspool
+from walspool.cli import main
+
+MSG = {"role": "user", "content": "hello"}
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: Any) -> tuple[int, str, str]:
+    """``main(argv)``; its exit status, stdout and stderr."""
+    capsys.readouterr()
+    rc = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def usage(capsys: pytest.CaptureFixture[str], *argv: Any) -> tuple[int, str, str]:
+    """``main(argv)`` that argparse refuses: its exit status, stdout and stderr."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_:
+        main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return int(exit_.value.code or 0), out, err
+
+
+def patch(path: Path, *sql: str) -> None:
+    """Edit a closed spool with apsw (never the stdlib sqlite3 in this process)."""
+    conn = apsw.Connection(str(path))
+    try:
+        for statement in sql:
+            conn.execute(statement)
+    finally:
+        conn.close()
+
+
+def digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.fixture
+def spool_file(tmp_path: Path) -> Path:
+    path = tmp_path / "spool.db"
+    with walspool.Spool(path) as spool:
+        spool.append_many([("sess-z", {"role": "user", "content": f"m{i}"}) for i in range(5)])
+        spool.append("sess-y", MSG)
+    return path
+
+
+# -- parsing and errors ----------------------------------------------------------------
+
+
+def test_an_option_between_the_positional_arguments_parses(capsys, spool_file):
+    rc, out, err = run(capsys, "show", spool_file, "--limit", "2", "sess-z")
+    assert (rc, err) == (0, "")
+    assert out.splitlines()[0] == f"session sess-z: 2 of 5 rows in {spool_file}"
+    rc, out, _ = run(capsys, "show", "--json", spool_file, "--tail", "1", "sess-z")
+    assert rc == 0 and [r["seq"] for r in json.loads(out)] == [5]
+
+
+def test_every_json_error_is_an_object_on_stdout(capsys, tmp_path, spool_file):
+    missing = tmp_path / "missing.db"
+    for command in ("stats", "ls", "check"):
+        rc, out, err = run(capsys, command, missing, "--json")
+        assert rc == 1 and err.startswith(f"walspool {command}: ")
+        got = json.loads(out)
+        if command != "check":  # check's own object says what is wrong with the file
+            assert got == {"command": command, "error": err[len(command) + 11 : -1], "exit": 1}
+    rc, out, err = run(capsys, "show", spool_file, "nobody", "--json")
+    assert rc == 1 and json.loads(out)["error"] == f"no rows for session 'nobody' in {spool_file}"
+    rc, out, err = usage(capsys, "show", spool_file, "sess-z", "--nope", "--json")
+    assert rc == 2 and "usage:" in err
+    assert json.loads(out) == {
+        "command": "show",
+        "error": "unrecognized arguments: --nope",
+        "exit": 2,
+    }
+    # Without --json, stdout stays empty.
+    rc, out, _ = run(capsys, "stats", missing)
+    assert (rc, out) == (1, "")
+
+
+# -- ids that paste back, drop that shows what it would do -------------------------------
+
+
+@pytest.fixture
+def set_aside(tmp_path: Path) -> Path:
+    """A spool of 1,200 rows in session s (ids and seqs past a thousand), the last
+    three quarantined, one superseded, one in flight; and a row in session t."""
+    path = tmp_path / "spool.db"
+    with walspool.Spool(path, durability="normal") as spool:
+        spool.append_many([("s", {"role": "user", "content": f"m{i}"}) for i in range(1200)])
+        spool.append("t", MSG)
+    patch(
+        path,
+        "UPDATE records SET status = 'quarantined', attempts = 1, last_error = 'RowRejected: "
+        "bad' WHERE session_id = 's' AND seq > 1197",
+        "UPDATE records SET status = 'superseded' WHERE session_id = 's' AND seq = 1000",
+        "UPDATE records SET status = 'quarantined', inflight = 5 WHERE session_id = 't'",
+    )
+    return path
+
+
+def test_show_prints_ids_and_seqs_as_drop_takes_them(capsys, set_aside):
+    rc, out, _ = run(capsys, "show", set_aside, "s", "--tail", "3")
+    assert rc == 0
+    lines = out.splitlines()
+    assert lines[0] == f"session s: 3 of 1,200 rows in {set_aside}"
+    seq, row_id = lines[2].split()[:2]
+    assert (seq, row_id) == ("1198", "1198") and "," not in lines[2].split("RowRejected")[0]
+    rc, out, err = run(capsys, "drop", set_aside, "--id", row_id, "--yes")
+    assert (rc, err) == (0, "") and out.startswith(f"dropped 1 row of {set_aside}: 1198\n")
+
+
+def test_drop_takes_comma_separated_ids_and_a_selector(capsys, set_aside):
+    rc, out, err = run(capsys, "drop", set_aside, "--id", "1198,1199", "--id", "1200", "--yes")
+    assert (rc, err) == (0, "") and "dropped 3 rows" in out and ": 1198, 1199, 1200\n" in out
+    rc, out, err = run(capsys, "requeue", set_aside, "--session", "s", "--superseded", "--json")
+    assert (rc, err) == (0, "") and json.loads(out)["requeued"] == [1000]
+    # No set-aside row left in s: an error, not "0 rows dropped".
+    rc, out, err = run(capsys, "drop", set_aside, "--session", "s", "--quarantined", "--yes")
+    assert (rc, out) == (1, "") and "no quarantined rows of session 's'" in err
+    rc, _, err = run(capsys, "drop", set_aside, "--id", "7", "--quarantined", "--yes")
+    assert rc == 2 and "not both" in err
+    for bad in ("1,04x", "0", ","):
+        assert usage(capsys, "drop", set_aside, "--id", bad)[0] == 2
+
+
+def test_drop_without_yes_shows_what_it_would_drop_and_exits_2(capsys, set_aside):
+    before = digest(set_aside)
+    rc, out, err = run(capsys, "drop", set_aside, "--quarantined")
+    assert rc == 2 and "pass --yes" in err
+    lines = out.splitlines()
+    assert lines[0] == f"drop would take 3 rows of {set_aside}:"
+    assert lines[1].split() == ["ID", "SESSION", "SEQ", "STATUS", "REASON", "LAST", "ERROR"]
+    assert [line.split()[:4] for line in lines[2:]] == [
+        ["1198", "s", "1198", "quarantined"],
+        ["1199", "s", "1199", "quarantined"],
+        ["1200", "s", "1200", "quarantined"],
+        ["1201", "t", "1", "in"],  # in flight: refused
+    ]
+    assert "in flight: refused" in lines[-1]
+    rc, out, err = run(capsys, "drop", set_aside, "--id", "5,1000,9999", "--json")
+    got = json.loads(out)
+    assert rc == 2 and (got["command"], got["exit"]) == ("drop", 2) and "--yes" in got["error"]
+    assert (got["would_drop"], got["missing"]) == ([1000], [9999])
+    assert [(r["id"], r["status"]) for r in got["rows"]] == [(5, None), (1000, "superseded")]
+    assert digest(set_aside) == before
