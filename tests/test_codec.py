@@ -297,10 +297,61 @@ class RaisingFields:
         return "<RaisingFields>"
 
 
-def test_a_message_whose_conversion_raises_is_stored_as_its_repr(spool):
+def test_a_value_whose_conversion_raises_is_stored_as_its_repr_and_only_it(spool):
     spool.append("s", {"text": "hi", "event": RaisingFields()})
     (rec,) = spool.records()
-    assert rec.message == "{'text': 'hi', 'event': <RaisingFields>}"
+    assert rec.message == {"text": "hi", "event": "<RaisingFields>"}
+
+
+class Hostile:
+    """An SDK object whose every attribute access raises (``__class__`` included, so
+    even ``isinstance`` against an ABC raises)."""
+
+    def __getattribute__(self, name: str):
+        raise RuntimeError(f"no {name}")
+
+    def __repr__(self) -> str:
+        return "<Hostile>"
+
+
+class NamedKey(Plain):
+    """A dict key with attributes: msgspec's fast path refuses it, so the message
+    takes the slow path; stored as ``str(key)``."""
+
+    def __str__(self) -> str:
+        return "named"
+
+
+@pytest.mark.parametrize(
+    ("extra", "stored"),
+    [({}, {}), ({"keys": {NamedKey(): 1}}, {"keys": {"named": 1}})],
+    ids=["fast", "slow"],
+)
+def test_a_raising_value_deep_in_a_message_keeps_the_message_around_it(spool, extra, stored):
+    """The last resort applies to the smallest value that raised: an assistant message
+    keeps its role, content and every readable field, on either path."""
+    message = {
+        "role": "assistant",
+        "content": "calling a tool",
+        "tool_calls": [
+            {"id": "c1", "function": {"name": "f", "arguments": Hostile()}},
+            {"id": "c2", "function": {"name": "g", "arguments": "{}"}},
+        ],
+        "reasoning": "because",
+        **extra,
+    }
+    spool.append("s", message)
+    (rec,) = spool.records()
+    assert rec.message == {
+        "role": "assistant",
+        "content": "calling a tool",
+        "tool_calls": [
+            {"id": "c1", "function": {"name": "f", "arguments": "<Hostile>"}},
+            {"id": "c2", "function": {"name": "g", "arguments": "{}"}},
+        ],
+        "reasoning": "because",
+        **stored,
+    }
 
 
 def test_an_object_is_not_cut_when_msgspec_encodes_the_message_in_one_pass(spool):

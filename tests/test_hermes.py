@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import json
 import logging
 import threading
 from pathlib import Path
@@ -1208,3 +1209,47 @@ def test_a_gateway_that_exits_without_closing_its_link_is_not_kept_alive(hermes_
         LINKED_THEN_EXITING, str(hermes_home), timeout=STEP, env={"HERMES_HOME": str(hermes_home)}
     )
     assert (done.returncode, done.stdout) == (0, "retrying in the background: True\n"), done.stderr
+
+
+class _Hostile:
+    """An SDK object in a tool call whose every attribute access raises."""
+
+    def __getattribute__(self, name: str) -> Any:
+        raise RuntimeError(f"no {name}")
+
+    def __repr__(self) -> str:
+        return "<Hostile>"
+
+
+def test_an_evicted_message_holding_a_value_that_raises_lands_as_itself(store, spool, monkeypatch):
+    """An assistant message whose tool_calls hold an object whose attribute access raises,
+    evicted during an outage: it lands in state.db as an assistant message with its
+    content and readable fields; only the object became text."""
+    monkeypatch.setattr(store, "_MAX_PENDING_PER_SESSION", 2, raising=False)
+    store._db.create_session("s", "telegram")
+    install(store, spool, retry_interval=0)
+    sql(store, BREAK)
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": _Hostile()}}
+    assistant = {
+        "role": "assistant",
+        "content": "calling f",
+        "tool_calls": [call],
+        "reasoning": "because",
+    }
+    for message in (assistant, _m("m1"), _m("m2")):  # m2 evicts the assistant message
+        store.append_to_transcript("s", message)
+    spool.flush()
+    assert spool.stats().rows == 1
+    sql(store, HEAL)
+    store.append_to_transcript("s", _m("fin"))
+    first, *rest = store._db.get_messages("s")
+    assert (first["role"], first["content"], first["reasoning"]) == (
+        "assistant",
+        "calling f",
+        "because",
+    )
+    tool_calls = first["tool_calls"]
+    if isinstance(tool_calls, str):
+        tool_calls = json.loads(tool_calls)
+    assert tool_calls == [{**call, "function": {"name": "f", "arguments": "<Hostile>"}}]
+    assert [m["content"] for m in rest] == ["m1", "m2", "fin"]

@@ -23,7 +23,9 @@ guess it (``with_epoch_timestamp``).
 Reading a record gives back the JSON form, so a converted value does not come back
 as its original type. Encoding never raises: a value whose conversion itself fails
 (an attribute or ``__iter__`` that raises, say) is stored as its ``repr()``, or as
-``"<unrepresentable TYPE>"`` when even that fails.
+``"<unrepresentable TYPE>"`` when even that fails. That is the smallest value that
+raised, not the message around it: the dict or list holding it keeps every other
+field as the rule above converts it.
 """
 
 from __future__ import annotations
@@ -98,7 +100,10 @@ def _object_fields(obj: Any) -> Any:
     """msgspec's hook for types it cannot encode natively."""
     if isinstance(obj, _Fields):
         raise TypeError("an object as a dict key")
-    fields = _public_attributes(obj)
+    try:
+        fields = _public_attributes(obj)
+    except Exception:  # noqa: BLE001 - attributes that raise when read: this value only
+        return _safe_repr(obj)
     if fields is not None:
         return _Fields(fields)
     return _safe_repr(obj)
@@ -132,7 +137,15 @@ def _scrub(text: str) -> str:
 
 
 def _plain(value: Any, depth: int, active: set[int]) -> Any:
-    """Convert ``value`` into JSON-safe Python values (the slow, general path)."""
+    """Convert ``value`` into JSON-safe Python values (the slow, general path); a
+    value whose conversion raises becomes its repr, and only that value."""
+    try:
+        return _convert(value, depth, active)
+    except Exception:  # noqa: BLE001 - its own code raised: keep what it says
+        return _safe_repr(value)
+
+
+def _convert(value: Any, depth: int, active: set[int]) -> Any:
     if value is None or isinstance(value, (bool, int, float)):
         return value  # the encoder writes NaN and infinities as null
     if isinstance(value, str):
