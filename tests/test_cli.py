@@ -206,7 +206,7 @@ def test_stats(capsys: pytest.CaptureFixture[str], spool_file: Path) -> None:
     rc, out, err = run(capsys, "stats", spool_file, "--json")
     assert (rc, err) == (0, "")
     stats = json.loads(out)
-    assert set(stats) == STATS_KEYS
+    assert set(stats) == STATS_KEYS | {"oldest_age", "newest_age"}
     assert stats["rows"] == 7 and stats["sessions"] == 3 and stats["failing"] == 1
     assert stats["by_reason"] == {CAP_DROP: 5, SHUTDOWN: 1, AGENT_HISTORY: 1}
     assert ISO.match(stats["oldest"]) and ISO.match(stats["newest"])
@@ -261,7 +261,7 @@ def test_ls_reads_what_the_backlog_view_shows(
     assert shown.keys() == seen.keys()
     for stream, row in shown.items():
         times = ("oldest", "newest")
-        assert {k: v for k, v in row.items() if k not in times} == {
+        assert {k: v for k, v in row.items() if k in BACKLOG_KEYS and k not in times} == {
             k: v for k, v in seen[stream].items() if k not in times
         }, stream
         # The view's strftime rounds to the millisecond where walspool truncates.
@@ -274,14 +274,18 @@ def test_ls(capsys: pytest.CaptureFixture[str], spool_file: Path) -> None:
     rc, out, err = run(capsys, "ls", spool_file)
     assert (rc, err) == (0, "")
     lines = out.splitlines()
-    assert lines[0].split()[:3] == ["SESSION", "ROWS", "BYTES"]
+    assert lines[0].split()[:3] == ["SESSION", "ROWS", "RETRYING"]
     assert [line.split()[0] for line in lines[1:]] == ["session-1", "session-2", f"key:{KEY}"]
     assert "state.db is locked" in lines[2]
+    # session-2's first row failed and waits to be tried again, in flight (its ticket).
+    assert lines[2].split()[1:8] == ["2", "1", "0", "0", "1", "79", "B"]
 
     rc, out, err = run(capsys, "ls", spool_file, "--json")
     assert (rc, err) == (0, "")
     backlog = json.loads(out)
-    assert all(set(b) == LS_KEYS for b in backlog)
+    assert all(
+        set(b) == LS_KEYS | {"inflight", "retrying", "oldest_age", "newest_age"} for b in backlog
+    )
     by_name = {b["session_id"] or b["session_key"]: b for b in backlog}
     assert by_name["session-1"]["rows"] == 4
     assert by_name["session-2"]["max_attempts"] == 1

@@ -157,3 +157,102 @@ def test_drop_without_yes_shows_what_it_would_drop_and_exits_2(capsys, set_aside
     assert (got["would_drop"], got["missing"]) == ([1000], [9999])
     assert [(r["id"], r["status"]) for r in got["rows"]] == [(5, None), (1000, "superseded")]
     assert digest(set_aside) == before
+
+
+# -- replay: exit codes a shell can trust, texts that say what is so ---------------------
+
+
+def test_replay_names_the_flag_that_creates_missing_sessions(capsys, tmp_path):
+    pytest.importorskip("hermes_state")
+    from _gateway import state_db
+
+    path = tmp_path / "spool.db"
+    with walspool.Spool(path) as spool:
+        spool.append("s2", MSG)
+    state = state_db(tmp_path / "state.db", "s1")
+    rc, out, err = run(capsys, "replay", path, "--into", state)
+    assert rc == 3 and "--create-missing creates missing sessions" in err
+    assert "replay with --create-missing to create it" in out
+    assert "create_missing=True" not in out
+    rc, out, _ = run(capsys, "ls", path)
+    assert "FOREIGN KEY" in out and "create_missing=True" not in out
+    rc, out, _ = run(capsys, "show", path, "s2", "--full")
+    assert "replay with --create-missing to create it" in out
+    assert "create_missing=True" not in out
+    # --json stays as stored: lossless.
+    rc, out, _ = run(capsys, "show", path, "s2", "--json")
+    assert "create_missing=True" in json.loads(out)[0]["last_error"]
+
+
+def test_replay_that_quarantined_rows_exits_5(capsys, tmp_path):
+    """Nothing held, but a row state.db refused for its content: `replay && ...` must
+    not go on as if all moved."""
+    pytest.importorskip("hermes_state")
+    from _gateway import state_db
+
+    path = tmp_path / "spool.db"
+    with walspool.Spool(path) as spool:
+        spool.append_many([("s1", {"role": "user", "content": f"m{i}"}) for i in range(3)])
+    patch(path, "UPDATE records SET payload = 'not json {', size = 10 WHERE seq = 2")
+    state = state_db(tmp_path / "state.db", "s1")
+    rc, out, err = run(capsys, "replay", path, "--into", state)
+    assert rc == 5
+    assert "moved 2 rows" in out and "quarantined 1 row" in out
+    assert err == (
+        "walspool replay: 1 row quarantined: kept, not replayed; `walspool ls` counts "
+        "them, `walspool show` names them\n"
+    )
+    rc, out, err = run(capsys, "replay", path, "--into", state)  # nothing left to move
+    assert (rc, err) == (0, "")
+
+
+# -- ls and stats: what is stuck, and for how long ---------------------------------------
+
+
+def test_ls_tells_quarantined_rows_from_rows_waiting_to_retry(capsys, set_aside):
+    patch(
+        set_aside,
+        "UPDATE records SET attempts = 2, last_error = 'database is locked' "
+        "WHERE session_id = 's' AND seq IN (1, 2)",
+        "UPDATE records SET created_at = created_at - 7200",  # two hours old
+    )
+    rc, out, err = run(capsys, "ls", set_aside)
+    assert (rc, err) == (0, "")
+    lines = out.splitlines()
+    assert lines[0].split()[:7] == [
+        "SESSION", "ROWS", "RETRYING", "QUARANTINED", "SUPERSEDED", "IN", "FLIGHT",
+    ]  # fmt: skip
+    s, t = (line.split() for line in lines[1:])
+    # s: 2 retrying, 3 quarantined, 1 superseded; t: its one row quarantined, in flight.
+    assert s[:6] == ["s", "1,200", "2", "3", "1", "0"]
+    assert t[:6] == ["t", "1", "0", "1", "0", "1"]
+    assert s[6:10] == ["37.6", "KiB", "2h00m", "2h00m"]  # bytes as stats prints them; ages
+    rc, out, _ = run(capsys, "ls", set_aside, "--json")
+    by = {b["session_id"]: b for b in json.loads(out)}
+    assert (by["s"]["retrying"], by["s"]["quarantined"], by["s"]["inflight"]) == (2, 3, 0)
+    assert (by["t"]["retrying"], by["t"]["quarantined"], by["t"]["inflight"]) == (0, 1, 1)
+    assert 7200 <= by["s"]["oldest_age"] < 7200 + 3600  # a bound, not a timing
+
+
+def test_stats_shows_ages_and_its_json_has_the_oldest_age(capsys, spool_file):
+    patch(spool_file, "UPDATE records SET created_at = created_at - 90000")  # 25 hours
+    rc, out, _ = run(capsys, "stats", spool_file)
+    assert rc == 0
+    oldest = next(line for line in out.splitlines() if line.startswith("oldest"))
+    assert oldest.endswith(" (1d01h ago)")
+    rc, out, _ = run(capsys, "stats", spool_file, "--json")
+    stats = json.loads(out)
+    assert 90000 <= stats["oldest_age"] < 90000 + 3600
+    assert stats["oldest_age"] >= stats["newest_age"] >= 90000
+
+
+def test_since_takes_an_age(capsys, spool_file):
+    patch(spool_file, "UPDATE records SET created_at = created_at - 3600 WHERE seq <= 3")
+    rc, out, _ = run(capsys, "export", spool_file, "--since", "10m", "--session", "sess-z")
+    assert rc == 0 and [json.loads(line)["seq"] for line in out.splitlines()] == [4, 5]
+    rc, out, _ = run(capsys, "show", spool_file, "sess-z", "--since", "2h")
+    assert rc == 0 and out.splitlines()[0].startswith("session sess-z: 5 rows")
+    rc, out, _ = run(capsys, "show", spool_file, "sess-z", "--since", "1d", "--limit", "1")
+    assert out.splitlines()[0].startswith("session sess-z: 1 of 5 rows")
+    rc, _, err = usage(capsys, "export", spool_file, "--since", "10 minutes")
+    assert rc == 2 and "an age (30s, 10m, 2h, 1d)" in err

@@ -186,8 +186,9 @@ def test_a_signal_reports_what_moved_and_what_is_in_flight(tmp_path, capsys, sig
     out, err = proc.communicate(timeout=CHILD_TIMEOUT)
     name = signal.Signals(signum).name
     assert proc.returncode == status, err
+    # The rows written are the progress line's count: 2 written, none of them gone yet.
     assert out.splitlines() == [
-        f"interrupted by {name}: moved 0 rows from {path} into {state}",
+        f"interrupted by {name} after writing 2 rows into {state}: 0 of them left {path}",
         "5 rows still in flight, 2 of them already in state.db: the next replay removes "
         "those without writing them again and writes the others first",
     ]
@@ -204,6 +205,28 @@ def test_a_signal_reports_what_moved_and_what_is_in_flight(tmp_path, capsys, sig
     assert json.loads(run(capsys, "stats", path, "--json")[1])["rows"] == 0
 
 
+def test_after_a_signal_the_progress_line_and_the_summary_agree(tmp_path):
+    """The signal cuts the 2nd write short after its commit: the progress line had
+    counted 1, the summary says 2 are in state.db; the line ends on that 2 as well."""
+    path = spool_of(tmp_path / "spool.db", 5)
+    state = state_db(tmp_path / "state.db", "s1")
+    proc = child("replay", path, "--into", state, "--progress", code=STOPPING_CHILD)
+    assert proc.stderr is not None
+    drawn = ""
+    while not drawn.endswith("wrote 2\n"):  # the progress line comes first on stderr
+        line = proc.stderr.readline()
+        assert line, drawn  # the child ended (or was killed at its bound) first
+        drawn += line
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=CHILD_TIMEOUT)
+    assert proc.returncode == 130, err
+    # Text mode reads the progress line's \r as a line end: its last draw is a line.
+    last = [line.rstrip() for line in err.splitlines() if line.startswith("replay: ")][-1]
+    assert re.fullmatch(r"replay: 2/5 \(40%\), [\d,]+ rows/s, took \d+s", last), err
+    assert out.splitlines()[0].startswith("interrupted by SIGINT after writing 2 rows into ")
+    assert messages(state, "s1") == ["m0", "m1"]
+
+
 def test_a_signal_with_json_prints_the_partial_report(tmp_path):
     path = spool_of(tmp_path / "spool.db", 5)
     state = state_db(tmp_path / "state.db", "s1")
@@ -214,6 +237,7 @@ def test_a_signal_with_json_prints_the_partial_report(tmp_path):
     assert proc.returncode == 143
     report = json.loads(out)
     assert (report["moved"], report["inflight"], report["inflight_landed"]) == (0, 5, 2)
+    assert report["written"] == 2
     assert report["interrupted"] == "SIGTERM"
 
 

@@ -7,6 +7,8 @@ import argparse
 import collections
 import datetime
 import itertools
+import re
+import time
 from collections.abc import Iterator
 
 from ..records import Record
@@ -19,7 +21,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--since",
         type=_moment,
         metavar="TIME",
-        help="only rows spooled at or after TIME (ISO 8601, UTC unless it says; or epoch s)",
+        help="only rows spooled at or after TIME: ISO 8601 (UTC unless it says), epoch "
+        "seconds, or an age: 30s, 10m, 2h, 1d ago",
     )
     p.add_argument("--failing", action="store_true", help="only rows with a last error")
 
@@ -45,7 +48,17 @@ def _count(text: str) -> int:
     return n
 
 
-def _moment(text: str) -> float:
+#: An age for --since: a number and its unit (seconds, minutes, hours, days).
+_AGE = re.compile(r"(\d+(?:\.\d+)?)([smhd])")
+_UNIT = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def _moment(text: str, now: float | None = None) -> float:
+    """A --since TIME as epoch seconds; an age (``10m``) counts back from ``now``."""
+    age = _AGE.fullmatch(text.strip())
+    if age is not None:
+        now = time.time() if now is None else now
+        return now - float(age[1]) * _UNIT[age[2]]
     try:
         return float(text)
     except ValueError:
@@ -54,7 +67,8 @@ def _moment(text: str) -> float:
         moment = datetime.datetime.fromisoformat(text)
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"{text!r} is neither ISO 8601 (2025-01-31T12:00:00Z) nor epoch seconds"
+            f"{text!r} is neither ISO 8601 (2025-01-31T12:00:00Z), epoch seconds, nor an "
+            "age (30s, 10m, 2h, 1d)"
         ) from None
     if moment.tzinfo is None:
         moment = moment.replace(tzinfo=datetime.UTC)

@@ -33,6 +33,8 @@ EXIT_USAGE = 2
 EXIT_HELD = 3
 #: Another replay of the spool holds its lock (and --wait did not outlast it).
 EXIT_BUSY = 4
+#: The replay ran, held nothing, but quarantined rows (kept, never replayed unasked).
+EXIT_QUARANTINED = 5
 #: Redraw the progress bar at most this often, in seconds.
 PROGRESS_INTERVAL = 0.1
 
@@ -116,6 +118,20 @@ def clip(text: str | None, width: int = 80) -> str | None:
     return text if len(text) <= width else text[: width - 1] + "…"
 
 
+#: The library's words in stored errors, and the command line's for the same thing.
+_CLI_TERMS = (("replay with create_missing=True", "replay with --create-missing"),)
+
+
+def cli_terms(text: str | None) -> str | None:
+    """An error text (a row's last error, a replay's reason) in the command line's
+    words: a keyword argument of the API named as the flag that sets it."""
+    if text is None:
+        return None
+    for api, flag in _CLI_TERMS:
+        text = text.replace(api, flag)
+    return text
+
+
 def dump(value: Any) -> str:
     """Compact JSON text of a value (the ``--json`` outputs)."""
     return msgspec.json.encode(value).decode("utf-8")
@@ -189,13 +205,16 @@ class Progress:
 
 
 def duration(seconds: float) -> str:
-    """Seconds for people: ``4s``, ``1m05s``, ``2h03m``."""
+    """Seconds for people: ``4s``, ``1m05s``, ``2h03m``, ``3d04h``: every command's
+    ages and ETAs. (``--since`` takes ``30s``, ``10m``, ``2h``, ``1d`` back.)"""
     whole = round(seconds)
     if whole < 60:
         return f"{whole}s"
     if whole < 3600:
         return f"{whole // 60}m{whole % 60:02d}s"
-    return f"{whole // 3600}h{whole % 3600 // 60:02d}m"
+    if whole < 86400:
+        return f"{whole // 3600}h{whole % 3600 // 60:02d}m"
+    return f"{whole // 86400}d{whole % 86400 // 3600:02d}h"
 
 
 def add_progress_argument(p: argparse.ArgumentParser) -> None:

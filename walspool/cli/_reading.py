@@ -89,6 +89,10 @@ def spool_error(exc: apsw.Error, path: Path) -> WalspoolError:
 # -- records in drop order ------------------------------------------------------
 
 INFLIGHT_SQL = "SELECT count(*) FROM records WHERE inflight IS NOT NULL"
+INFLIGHT_BY_STREAM_SQL = """
+SELECT session_id, CASE WHEN session_id IS NULL THEN session_key END, count(*)
+FROM records INDEXED BY records_inflight_idx WHERE inflight IS NOT NULL GROUP BY 1, 2
+"""
 _ROW = f"SELECT {RECORD_COLUMNS}, inflight, size FROM records"
 _BY_REASON = "(:reasons IS NULL OR reason IN (SELECT value FROM json_each(:reasons)))"
 #: Keyset pages: streams spooled by session_id, then those spooled by key only,

@@ -30,7 +30,7 @@ def replay_into(
     Another replay holding the spool's replay lock raises ``ReplayBusy`` at once, or,
     with ``--wait``, after saying so and waiting that long for it. ``progress`` counts
     the rows written into state.db, whose tickets are added to ``written`` (kept after
-    an interruption).
+    an interruption); the caller closes it.
     """
     try:
         import hermes_state
@@ -66,7 +66,6 @@ def replay_into(
             )
             return replayer.replay(**options, wait=args.wait)
     finally:
-        progress.close()
         db.close()
 
 

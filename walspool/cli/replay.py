@@ -20,11 +20,14 @@ from ._output import (
     EXIT_BUSY,
     EXIT_HELD,
     EXIT_OK,
+    EXIT_QUARANTINED,
     Progress,
     add_progress_argument,
     as_path,
+    cli_terms,
     dump,
     plural,
+    stream_name,
     table,
     warn,
 )
@@ -43,12 +46,15 @@ def run(args: argparse.Namespace) -> int:
     agent histories only when asked for with --reason. --dry-run writes nothing: it tries
     each session's first row against state.db in a transaction it rolls back, so a
     trigger, a lock or a read-only file shows as "would be held", and reports rows in
-    flight and payloads that are not JSON. Exit 3 when rows are (or would be) held.
+    flight and payloads that are not JSON. Exit 3 when rows are (or would be) held;
+    else 5 when rows were (or would be) quarantined, so `walspool replay && ...` goes
+    on only when everything chosen moved.
 
     Replays of one spool take turns: while another holds the spool's replay lock this
     one exits 4 at once, or waits --wait SECONDS for it first. SIGINT or SIGTERM stops
-    the replay: it prints what it wrote and the rows left in flight (the next replay
-    finishes them, each once) and exits 130 or 143. --progress draws the rows written,
+    the replay: it prints how many rows it wrote into state.db (the count the progress
+    line ends on), how many of those left the spool, and the rows left in flight (the
+    next replay finishes them, each once) and exits 130 or 143. --progress draws the rows written,
     the rate and an ETA on stderr (by default when stderr is a terminal).
     """
     # state.db first: one that cannot take the rows is reported before the spool is read.
@@ -72,20 +78,30 @@ def run(args: argparse.Namespace) -> int:
     if not args.dry_run:
         progress = Progress("replay", sys.stderr, enabled=args.progress)
         written: list[Ticket] = []
+        total = sum(s.rows for s in found)
         try:
             with interruptible():
-                report = replay_into(args, progress, sum(s.rows for s in found), written)
+                report = replay_into(args, progress, total, written)
         except ReplayBusy as busy:
+            progress.close()
             warn("replay", busy_message(args, busy.pid))
             return EXIT_BUSY
         except Interrupted as stop:
             # Moved: rows this run wrote that left the spool. The rows it had out stay
-            # in flight, some of them already in state.db, for the next replay.
+            # in flight, some of them already in state.db (the write the signal cut
+            # short among them), for the next replay. The progress line ends on what
+            # state.db holds of them, as the summary says.
             inflight = in_flight(args.spool, args.into)
             moved = sum((ticket, rid) not in inflight.tickets for _, ticket, rid in written)
+            progress.state = (moved + inflight.landed, total)
+            progress.close()
             _print_replay(args, ReplayReport(moved, 0), inflight, stop)
             warn("replay", f"interrupted by {stop.name}; run the replay again to finish")
             return stop.status
+        except BaseException:
+            progress.close()
+            raise
+        progress.close()
         inflight = in_flight(args.spool, args.into)
     _print_replay(args, report, inflight)
     if report.held:
@@ -96,6 +112,14 @@ def run(args: argparse.Namespace) -> int:
         where = plural(len(errors), "session")
         warn("replay", f"{plural(report.held, 'row')} {verb} in {where}{hint}")
         return EXIT_HELD
+    if report.quarantined:
+        verb = "would be quarantined" if args.dry_run else "quarantined"
+        warn(
+            "replay",
+            f"{plural(report.quarantined, 'row')} {verb}: kept, not replayed; "
+            "`walspool ls` counts them, `walspool show` names them",
+        )
+        return EXIT_QUARANTINED
     return EXIT_OK
 
 
@@ -158,23 +182,33 @@ def _print_replay(
             "inflight_landed": inflight.landed,
             "interrupted": stop.name if stop else None,
         }
+        if stop is not None:
+            extra["written"] = report.moved + inflight.landed
         print(dump({**out, **msgspec.to_builtins(report), **extra}))
         return
     moved, held = ("would move", "would hold") if args.dry_run else ("moved", "held")
+    spool, into = printable(args.spool), printable(args.into)
     if stop is not None:
-        moved = f"interrupted by {stop.name}: moved"
-    print(
-        f"{moved} {plural(report.moved, 'row')} from {printable(args.spool)} "
-        f"into {printable(args.into)}"
-    )
+        # The count the progress line ended on: rows state.db holds now.
+        written = plural(report.moved + inflight.landed, "row")
+        print(
+            f"interrupted by {stop.name} after writing {written} into {into}: "
+            f"{report.moved:,} of them left {spool}"
+        )
+    else:
+        print(f"{moved} {plural(report.moved, 'row')} from {spool} into {into}")
     if args.dry_run and inflight.rows:
         print(
-            f"{plural(inflight.rows, 'row')} in flight from an interrupted replay: "
+            f"{plural(inflight.rows, 'row')} in flight (out with a replay or the gateway's "
+            "drain now, or left by one that failed or was stopped): "
             f"{inflight.landed:,} already in state.db (would be removed without a write), "
             "the rest would be written first"
         )
     elif report.recovered:
-        print(f"recovered {plural(report.recovered, 'row')} an interrupted replay had written")
+        print(
+            f"recovered {plural(report.recovered, 'row')} left in flight that state.db "
+            "already held (written by an earlier replay or drain): removed, not written again"
+        )
     if report.quarantined and args.dry_run:
         print(
             f"would quarantine {plural(report.quarantined, 'row')}: a payload that is not "
@@ -188,7 +222,7 @@ def _print_replay(
     if report.held:
         failing = [s for s in report.streams() if s.error is not None]
         print(f"{held} {plural(report.held, 'row')} in {plural(len(failing), 'session')}:")
-        rows = [(_stream(s), s.held, s.error) for s in failing]
+        rows = [(_stream(s), s.held, cli_terms(s.error)) for s in failing]
         print(table(("SESSION", "HELD", "WHY"), rows))
     if inflight.rows and not args.dry_run:
         print(
@@ -199,5 +233,5 @@ def _print_replay(
 
 
 def _stream(s: StreamReport) -> str:
-    """A stream as ``ls`` shows it: its session id, or ``key:<KEY>``."""
-    return f"key:{s.session_key}" if s.session_key is not None else str(s.session_id)
+    """A stream as ``ls`` shows it: its session id, or ``key:<KEY>``, quoted to paste."""
+    return stream_name(s.session_id if s.session_key is None else None, s.session_key)

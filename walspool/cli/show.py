@@ -16,7 +16,7 @@ from ..records import QUARANTINED, SUPERSEDED, Record
 from ..text import printable
 from . import _narrow
 from ._filters import has_stream, stream_rows, which_stream
-from ._output import clip, dump, iso, plural, printable_lines, table
+from ._output import cli_terms, clip, dump, iso, plural, printable_lines, table
 from ._reading import BadPayload, iter_records, reading, record_json, report_bad
 
 #: The mark after ``attempts`` in ``show`` for a row of each status.
@@ -89,7 +89,7 @@ def _show_full(args: argparse.Namespace, rows: Iterator[tuple[Record, int | None
             f"{'  ' + r.status if r.status else ''}"
         )
         if r.last_error is not None:
-            print(f"last error ({iso(r.last_attempt_at)}): {printable(r.last_error)}")
+            print(f"last error ({iso(r.last_attempt_at)}): {printable(cli_terms(r.last_error))}")
         print(pretty(r.message))
 
 
@@ -126,7 +126,7 @@ def _show_line(r: Record, inflight: int | None) -> tuple[Any, ...]:
         r.reason,
         iso(r.created_at),
         attempts,
-        clip(r.last_error, 60),
+        clip(cli_terms(r.last_error), 60),
         preview(r.message),
     )
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import time
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +12,7 @@ import apsw
 from ..records import QUARANTINED, SUPERSEDED
 from ..spool import STATS_BY_REASON_SQL, STATS_FAILING_SQL, STATS_SESSIONS_SQL, stats_from
 from ..text import printable
-from ._output import EXIT_OK, dump, iso, plural, size
+from ._output import EXIT_OK, dump, duration, iso, plural, size
 from ._reading import INFLIGHT_SQL, reading
 
 STATUS_COUNT_SQL = "SELECT status, count(*) FROM records WHERE status IS NOT NULL GROUP BY status"
@@ -20,11 +21,12 @@ STATUS_COUNT_SQL = "SELECT status, count(*) FROM records WHERE status IS NOT NUL
 def run(args: argparse.Namespace) -> int:
     """Summarize a spool.
 
-    Rows, sessions, payload bytes, oldest and newest row, rows by reason, rows with
-    errors, rows in flight, and the sizes of the db and WAL files.
+    Rows, sessions, payload bytes, oldest and newest row (time and age), rows by reason,
+    rows with errors, rows in flight, and the sizes of the db and WAL files. --json has
+    `oldest_age` and `newest_age` in seconds (null for an empty spool).
     """
     with reading(args.spool) as reader:
-        stats = reader.read(lambda conn: read_stats(conn, args.spool))
+        stats = reader.read(lambda conn: read_stats(conn, args.spool, time.time()))
     if args.json:
         print(dump(stats))
         return EXIT_OK
@@ -33,8 +35,8 @@ def run(args: argparse.Namespace) -> int:
         ("spool", printable(stats["spool"])),
         ("rows", f"{stats['rows']:,} in {plural(stats['sessions'], 'session')}"),
         ("payload", size(stats["bytes"])),
-        ("oldest", stats["oldest"] or "-"),
-        ("newest", stats["newest"] or "-"),
+        ("oldest", _when(stats["oldest"], stats["oldest_age"])),
+        ("newest", _when(stats["newest"], stats["newest_age"])),
         ("by reason", reasons[0]),
         *(("", r) for r in reasons[1:]),
         ("with errors", plural(stats["failing"], "row")),
@@ -47,8 +49,12 @@ def run(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def read_stats(conn: apsw.Connection, path: Path) -> dict[str, Any]:
-    """The ``stats --json`` object (see README, "Command line")."""
+def _when(moment: str | None, age: float | None) -> str:
+    return "-" if moment is None or age is None else f"{moment} ({duration(age)} ago)"
+
+
+def read_stats(conn: apsw.Connection, path: Path, now: float) -> dict[str, Any]:
+    """The ``stats --json`` object (see README, "Command line"); ages as of ``now``."""
     with conn:
         by_reason = conn.execute(STATS_BY_REASON_SQL).fetchall()
         sessions = conn.execute(STATS_SESSIONS_SQL).get
@@ -70,4 +76,6 @@ def read_stats(conn: apsw.Connection, path: Path) -> dict[str, Any]:
         "wal_bytes": s.wal_bytes,
         "quarantined": by_status.get(QUARANTINED, 0),
         "superseded": by_status.get(SUPERSEDED, 0),
+        "oldest_age": None if s.oldest is None else max(now - s.oldest, 0.0),
+        "newest_age": None if s.newest is None else max(now - s.newest, 0.0),
     }
