@@ -1253,3 +1253,57 @@ def test_an_evicted_message_holding_a_value_that_raises_lands_as_itself(store, s
         tool_calls = json.loads(tool_calls)
     assert tool_calls == [{**call, "function": {"name": "f", "arguments": "<Hostile>"}}]
     assert [m["content"] for m in rest] == ["m1", "m2", "fin"]
+
+
+def _replace(path: Path, how: str) -> None:
+    """An operator's ``rm`` or ``mv`` of the spool file while the gateway runs."""
+    if how == "deleted":
+        path.unlink()
+    else:
+        path.rename(path.with_name("moved.db"))
+
+
+@pytest.mark.parametrize("how", ["deleted", "moved"])
+def test_evictions_into_a_replaced_spool_are_dropped_and_say_why(store, spool, caplog, how):
+    """The spool's path no longer names its file: an eviction is not handed to the old
+    file (where the next start would never find it) nor reported as spooled; it takes
+    the drop-and-warn path, and the WARNING says why."""
+    store._db.create_session("s", "telegram")
+    install(store, spool, retry_interval=0)
+    _replace(spool.path, how)
+    sql(store, BREAK)
+    caplog.set_level(logging.WARNING, logger="walspool")
+    for i in range(203):
+        store.append_to_transcript("s", _m(f"m{i}"))
+    spool.flush()
+    assert spool.stats().rows == 0  # nothing went into the old file
+    lines = [r.getMessage() for r in caplog.records if r.name == "walspool.hermes"]
+    assert not [line for line in lines if "spooled" in line]
+    drops = [line for line in lines if "dropping oldest" in line]
+    assert len(drops) == 3
+    assert f"spool {spool.path} no longer names the file this Spool opened" in drops[0]
+    sql(store, HEAL)
+    store.append_to_transcript("s", _m("fin"))
+    assert contents(store, "s") == [f"m{i}" for i in range(4, 203)] + ["fin"]  # fin evicted m3
+
+
+@pytest.mark.parametrize("how", ["deleted", "moved"])
+def test_a_shutdown_flush_into_a_replaced_spool_keeps_the_queue_and_says_why(
+    store, spool, caplog, how
+):
+    store._db.create_session("s", "telegram")
+    link = install(store, spool, retry_interval=0)
+    sql(store, BREAK)
+    for i in range(3):
+        store.append_to_transcript("s", _m(f"m{i}"))
+    _replace(spool.path, how)
+    caplog.set_level(logging.WARNING, logger="walspool.hermes")
+    assert link.flush_queues() == 0
+    assert _lines(caplog, logging.ERROR) == [
+        "could not spool 3 queued transcript message(s) at shutdown; they stay queued: "
+        f"spool {spool.path} no longer names the file this Spool opened (it was moved, "
+        "replaced or deleted); nothing more is appended to it: open the spool again, and "
+        "look for the old file beside it"
+    ]
+    assert [m["content"] for m in store._dirty_transcripts["s"]] == ["m0", "m1", "m2"]
+    assert spool.stats().rows == 0

@@ -841,7 +841,7 @@ def test_quarantined_and_superseded_rows_move_only_when_asked_for(spool, sink):
     sink.refuse = lambda sid, rec: RowRejected("bad row") if sid == "q" else None
     assert Replayer(spool, sink).replay().quarantined == 1
     spool.append("r", msg("r", 1))
-    assert spool._supersede("r") == 1
+    assert spool.supersede("r") == 1
     sink.refuse = lambda sid, rec: None
     assert Replayer(spool, sink).replay().moved == 0
     assert Replayer(spool, sink).replay(superseded=True).moved == 1

@@ -426,7 +426,7 @@ def test_a_name_may_take_max_payload_bytes_and_no_more(tmp_path):
             "write reasons=['shutdown']",
         ),
         (lambda s: list(s.records(reasons=[42])), "reason must be a str, not int"),
-        (lambda s: s._supersede(42), "session_id must be a str, not int"),
+        (lambda s: s.supersede(42), "session_id must be a str, not int"),
     ],
 )
 def test_a_lookup_the_spool_cannot_make_is_refused_word_for_word(spool, call, text):
@@ -574,3 +574,35 @@ def test_a_spool_whose_writer_cannot_start_closes_what_its_open_took(spool_path,
     monkeypatch.undo()
     with walspool.Spool(spool_path) as spool:
         assert spool.append("s", MSG).seq == 1
+
+
+@pytest.mark.parametrize("how", ["deleted", "moved"])
+def test_put_nowait_makes_the_path_check_append_makes(spool, how):
+    """The gateway link's non-blocking path refuses a spool whose path no longer names
+    its file, as ``append`` does, before anything is queued."""
+    row = spool.prepare("s", {"content": "m"}, CAP_DROP)
+    assert spool.stats().rows == 0  # its reader is open on the file from now on
+    if how == "deleted":
+        spool.path.unlink()
+    else:
+        spool.path.rename(spool.path.with_name("moved.db"))
+    done: list = []
+    with pytest.raises(walspool.SpoolReplaced):
+        spool.put_nowait((row,), done.append)
+    spool.flush()
+    assert done == [] and spool.stats().rows == 0
+
+
+def test_the_internal_surface_answers_as_the_spool_is(spool):
+    assert not spool.has_replayable() and not spool.busy() and spool.has_room()
+    spool.append("s", {"content": "h"}, reason=walspool.AGENT_HISTORY)
+    assert not spool.has_replayable()  # agent histories are never replayed
+    done: list = []
+    spool.put_nowait((spool.prepare("s", {"content": "m"}, CAP_DROP),), done.append)
+    spool.flush()
+    (request,) = done
+    assert request.error is None and request.result.seq == 2
+    assert spool.has_replayable()
+    assert not spool.closed
+    spool.close()
+    assert spool.closed

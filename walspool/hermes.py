@@ -27,10 +27,13 @@ session up again, so every thread wakes to the current state.
 
 Waits a gateway thread can meet because of walspool, with their bounds:
 
-* the store's lock, held only for in-memory work: never a blocking put, never I/O.
-  An eviction is handed to the spool's writer with ``notify_nowait``; when its queue
-  is full, or the oldest message is being written right now, the message stays in
-  memory over the cap (WARNING when the spool is the reason);
+* the store's lock, held only for in-memory work: never a blocking put, never SQLite
+  or file I/O (an eviction costs one ``stat`` of the spool's path, no more).
+  An eviction is handed to the spool's writer with ``Spool.put_nowait``; when its
+  queue is full, or the oldest message is being written right now, the message stays
+  in memory over the cap (WARNING when the spool is the reason). ``put_nowait`` makes
+  the checks ``Spool.append`` makes: a closed spool, or one whose path no longer names
+  its file (deleted, moved), refuses the eviction, which takes the drop-and-warn path;
 * past twice the cap only (messages arriving faster than the spool or one state.db
   write takes them): at most ``HANDOFF_WAIT`` for room in the spool writer's queue or
   for that write to end, and no wait at all while another process holds the spool's
@@ -80,15 +83,13 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-import apsw
-
 from . import budget, text
 from .errors import ReplayBusy, UnsupportedGateway, WalspoolError
 from .records import AGENT_HISTORY, CAP_DROP, SHUTDOWN
 from .replay import LOCK_SUFFIX, Replayer, ReplayReport, _exclusive
 from .sinks import SessionDBSink
 from .spool import Spool
-from .writer import Append, Batched, Request
+from .writer import Batched, Request
 
 log = text.logger("walspool.hermes")
 
@@ -138,14 +139,6 @@ FLUSH_TIMEOUT = 10.0
 #: Longest the background thread sleeps before it looks for work again (it is woken
 #: whenever there is some; this only bounds the life of a forgotten link's thread).
 IDLE_WAKE_SECONDS = 60.0
-#: A rewrite's supersede when no replay runs: rows in flight are leftovers of failed
-#: drains (their write did not land), so they are superseded too.
-SUPERSEDE_ALL_SQL = """
-UPDATE records SET status = 'superseded', inflight = NULL
-WHERE session_id = ? AND status IS NULL AND reason != ?
-"""
-#: Whether a start has anything to recover: any row but agent histories.
-ANY_REPLAYABLE_SQL = "SELECT 1 FROM records WHERE reason != ? LIMIT 1"
 
 
 class _Writer:
@@ -299,11 +292,10 @@ class Link:
             # The spool writer's queue is full: wait for room, outside the store's lock,
             # unless another process holds the spool's write lock (no room soon), or
             # there is room and the oldest message itself cannot be spooled.
-            writer = self.spool._writer
-            if writer.busy_since is not None or writer.has_room():
+            if self.spool.busy() or self.spool.has_room():
                 deadline = 0.0
             else:
-                writer.wait_for_room(max(deadline - time.monotonic(), 0.0))
+                self.spool.wait_for_room(max(deadline - time.monotonic(), 0.0))
         try:
             _run(notes)
         finally:
@@ -350,7 +342,7 @@ class Link:
     def _supersede(self, session_id: str) -> int:
         """Supersede the session's replayable rows, those a failed drain left in flight too.
 
-        ``Spool._supersede`` leaves rows in flight to the replay that has them out. A
+        ``Spool.supersede`` leaves rows in flight to the replay that has them out. A
         row this link's failed drain left in flight has no replay: with the replay lock
         taken (not waited for) and this link's drains held off, every in-flight row of
         the session is such a leftover, and it is superseded with the rest.
@@ -358,12 +350,12 @@ class Link:
         if self._draining.acquire(timeout=HANDOFF_WAIT):
             try:
                 with _exclusive(Path(f"{self.spool.path}{LOCK_SUFFIX}"), wait=False):
-                    return self.spool._execute(partial(_supersede_all, session_id=session_id))
+                    return self.spool.supersede(session_id, inflight=True)
             except ReplayBusy:
                 pass  # another replay has rows out: leave those to it
             finally:
                 self._draining.release()
-        return self.spool._supersede(session_id)
+        return self.spool.supersede(session_id)
 
     # -- evictions -------------------------------------------------------------------
 
@@ -396,10 +388,10 @@ class Link:
                 notes.append(partial(self._report_drop, session_id, "oldest being written"))
                 continue
             try:
-                row = self.spool._row(session_id, pending[0], CAP_DROP, None)
+                row = self.spool.prepare(session_id, pending[0], CAP_DROP)
                 refused = budget.refusal(
                     self.max_bytes,
-                    self.spool._writer.footprint or 0,
+                    self.spool.footprint(),
                     self._unconfirmed_bytes,
                     state.spooled_bytes,
                     row[5],
@@ -408,7 +400,9 @@ class Link:
                     pending.pop(0)
                     notes.append(partial(self._report_drop, session_id, refused))
                     continue
-                self.spool._writer.notify_nowait(Append((row,), single=True), self._evicted)
+                # The checks ``Spool.append`` makes (closed, the path still names the
+                # spool's file) raise here, before the message leaves the queue.
+                self.spool.put_nowait((row,), self._evicted)
             except queue.Full:
                 if over and drops:
                     pending.pop(0)
@@ -534,7 +528,7 @@ class Link:
         to this gateway thread, then claim it; the lock is held."""
         if state.writer is None or not state.writer.background or self._closed:
             return None
-        if self.spool._writer.busy_since is not None:
+        if self.spool.busy():
             # The background writer may be waiting for the spool's write lock held by
             # another process: do not wait behind it; the message stays queued.
             return None
@@ -672,11 +666,7 @@ class Link:
                 state.retry_at = now
                 self._release(session_id, state, claim)
                 return None, notes
-            if (
-                not claim.background
-                and self.retry_interval > 0
-                and self.spool._writer.busy_since is not None
-            ):
+            if not claim.background and self.retry_interval > 0 and self.spool.busy():
                 # Another process holds the spool's write lock: the background thread,
                 # not a gateway thread, waits for it.
                 state.retry_at = now
@@ -697,7 +687,7 @@ class Link:
         deadline = time.monotonic() + CONFIRM_WAIT
         state.waiters += 1
         try:
-            while state.unconfirmed and self.spool._writer.busy_since is None:
+            while state.unconfirmed and not self.spool.busy():
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return
@@ -711,7 +701,7 @@ class Link:
         writer gave its role up."""
         with self._lock:
             seen, generation = state.spooled, state.generation
-            if self.spool._closed:
+            if self.spool.closed:
                 # Nothing to drain from (the spool's owner closed it); the rows wait
                 # for the next start's recovery, and the queue behind them.
                 self._failed(state, drain=True)
@@ -964,24 +954,31 @@ class Link:
         """
         deadline = time.monotonic() + FLUSH_TIMEOUT
         committed = threading.Event()
+        #: The spool's request, once committed or failed (``_flushed`` adds it).
+        requests: list[Request] = []
         while True:
             with self._lock:
                 taken, rows, notes = self._queued_rows()
                 if not rows:
                     _run(notes)
                     return 0
-                request = Append(rows, single=False)
                 # Filled below; ``_flushed`` reads it under the lock held here.
                 generations: dict[str, int] = {}
                 try:
                     # Under the lock, so no message of these sessions is queued, evicted
                     # or written meanwhile: the spool gets them in arrival order.
-                    self.spool._writer.notify_nowait(
-                        request, partial(self._flushed, taken, generations, committed)
+                    self.spool.put_nowait(
+                        rows,
+                        partial(self._flushed, taken, generations, committed, requests),
+                        single=False,
                     )
                 except queue.Full:
                     pass
+                except WalspoolError as exc:  # closed, or its path names another file
+                    refused: WalspoolError | None = exc
+                    break
                 else:
+                    refused = None
                     for session_id, messages in taken.items():
                         ids = {id(m) for m in messages}
                         pending = self.store._dirty_transcripts[session_id]
@@ -1000,8 +997,15 @@ class Link:
                     FLUSH_TIMEOUT,
                 )
                 return 0
-            self.spool._writer.wait_for_room(max(deadline - time.monotonic(), 0.0))
+            self.spool.wait_for_room(max(deadline - time.monotonic(), 0.0))
         _run(notes)
+        if refused is not None:
+            log.error(
+                "could not spool %d queued transcript message(s) at shutdown; they stay queued: %s",
+                len(rows),
+                refused,
+            )
+            return 0
         if not committed.wait(max(deadline - time.monotonic(), 0.0) + CONFIRM_WAIT):
             log.error(
                 "%d queued transcript message(s) were handed to %s at shutdown but not "
@@ -1011,6 +1015,7 @@ class Link:
                 FLUSH_TIMEOUT,
             )
             return 0
+        (request,) = requests
         if request.error is not None:
             log.error(
                 "could not spool %d queued transcript message(s) at shutdown to %s; they "
@@ -1030,6 +1035,7 @@ class Link:
         taken: dict[str, list[dict[str, Any]]],
         generations: dict[str, int],
         committed: threading.Event,
+        requests: list[Request],
         request: Request,
     ) -> None:
         """On the spool's writer: a shutdown flush committed (or failed)."""
@@ -1045,6 +1051,7 @@ class Link:
                 if state.writer is None and self._has_work(session_id, state):
                     self._schedule(state.retry_at)
             self._settled.notify_all()
+        requests.append(request)
         committed.set()
 
     def _queued_rows(
@@ -1059,7 +1066,7 @@ class Link:
             busy = state is not None and pending and pending[0] is state.inflight
             for message in pending[1 if busy else 0 :]:
                 try:
-                    rows.append(self.spool._row(session_id, message, SHUTDOWN, None))
+                    rows.append(self.spool.prepare(session_id, message, SHUTDOWN))
                 except Exception as exc:  # noqa: BLE001 - the others are spooled all the same
                     notes.append(partial(self._report_unspoolable, session_id, exc))
                     continue
@@ -1155,7 +1162,7 @@ def _background(link_ref: weakref.ref[Link], due: threading.Condition) -> None:
         if link is None:
             return
         with due:
-            if link._closed or link.spool._closed:
+            if link._closed or link.spool.closed:
                 return  # a closed spool can take and give back nothing any more
             claimed, soonest = link._due_sessions()
             link._wake_at = soonest
@@ -1208,7 +1215,7 @@ def install(
         )
     link = Link(store, spool, retry_interval, max_bytes)
     if max_bytes is not None:
-        spool._writer.track_footprint()
+        spool.track_footprint()
     if recover:
         if _nothing_to_replay(spool):
             link._recovered = True
@@ -1223,15 +1230,9 @@ def install(
 def _nothing_to_replay(spool: Spool) -> bool:
     """True when the spool surely holds no row a recovery would move (one index probe)."""
     try:
-        return not spool._read(ANY_REPLAYABLE_SQL, (AGENT_HISTORY,))
+        return not spool.has_replayable()
     except Exception:  # noqa: BLE001 - then the background recovery finds out
         return False
-
-
-def _supersede_all(conn: apsw.Connection, session_id: str) -> int:
-    """Mark all of a session's replayable rows superseded, freeing those in flight."""
-    conn.execute(SUPERSEDE_ALL_SQL, (session_id, AGENT_HISTORY))
-    return conn.changes()
 
 
 def _run(notes: list[Callable[[], None]]) -> None:

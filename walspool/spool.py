@@ -6,7 +6,7 @@ import concurrent.futures
 import os
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from functools import partial
 from pathlib import Path
 from types import TracebackType
@@ -19,7 +19,7 @@ from . import codec, files
 from .errors import InvalidArgument, PayloadTooLarge, SpoolClosed, SpoolCorrupt, SpoolReplaced
 from .records import AGENT_HISTORY, CAP_DROP, Receipt, Record, Stats
 from .schema import close_quietly, open_reader, open_writer, sqlite_error
-from .writer import Append, Operation, Row, Writer
+from .writer import Append, Operation, Quarantined, Row, Writer
 
 DEFAULT_MAX_PAYLOAD_BYTES = 64 * 1024 * 1024
 #: Rows fetched per read transaction while iterating, so a slow reader never pins
@@ -60,6 +60,14 @@ SUPERSEDE_SQL = """
 UPDATE records SET status = 'superseded'
 WHERE session_id = ? AND status IS NULL AND inflight IS NULL AND reason != ?
 """
+#: The same, for a caller that holds the replay lock: no replay has rows out, so rows
+#: left in flight are leftovers of failed replays (their writes did not land).
+SUPERSEDE_WITH_INFLIGHT_SQL = """
+UPDATE records SET status = 'superseded', inflight = NULL
+WHERE session_id = ? AND status IS NULL AND reason != ?
+"""
+#: Whether any row but agent histories is there (a start's recovery has work).
+ANY_REPLAYABLE_SQL = "SELECT 1 FROM records WHERE reason != ? LIMIT 1"
 
 
 def default_path() -> Path:
@@ -224,6 +232,70 @@ class Spool:
         """Block until everything submitted so far (``submit``, ``append_async``) is committed."""
         self._writer.call(Operation(_nothing))
 
+    # -- for walspool's own modules (the gateway link, the drop-in) ---------------
+    # Not public API: the small surface they need instead of this class's private
+    # attributes. Every path that appends makes the checks ``append`` makes.
+
+    def prepare(
+        self, session_id: str | None, message: Any, reason: str, session_key: str | None = None
+    ) -> Row:
+        """The row ``append`` would write for this message (its arguments checked, its
+        payload encoded and measured: ``row[5]`` bytes); nothing is queued yet."""
+        return self._row(session_id, message, reason, session_key)
+
+    def put_nowait(
+        self,
+        rows: Sequence[Row],
+        callback: Callable[[Any], None],
+        *,
+        single: bool = True,
+        quarantine: str | None = None,
+    ) -> None:
+        """Queue ``rows`` (from ``prepare``) as one ``Append`` without waiting: their
+        place in order is taken now, and ``callback(request)`` runs once they are
+        committed or have failed (see ``Writer.notify``). With ``quarantine`` (one row),
+        the row is committed already set aside, that text as its error. Raises
+        ``queue.Full`` when the writer's queue has no room, and what ``append`` raises
+        for a closed spool or one whose path names another file now (``SpoolReplaced``).
+        """
+        self._check_path()
+        if quarantine is not None:
+            (row,) = rows
+            request: Append = Quarantined(row, quarantine)
+        else:
+            request = Append(rows, single=single)
+        self._writer.notify_nowait(request, callback)
+
+    def has_room(self) -> bool:
+        """Whether a ``put_nowait`` now would find room (``Writer.has_room``)."""
+        return self._writer.has_room()
+
+    def wait_for_room(self, timeout: float) -> bool:
+        """Wait at most ``timeout`` s for room (``Writer.wait_for_room``)."""
+        return self._writer.wait_for_room(timeout)
+
+    def busy(self) -> bool:
+        """Whether the writer's last commit found the write lock held by another
+        connection (and none has succeeded since): no room comes soon."""
+        return self._writer.busy_since is not None
+
+    def track_footprint(self) -> None:
+        """Measure the spool's bytes on disk after every commit from now on."""
+        self._writer.track_footprint()
+
+    def footprint(self) -> int:
+        """Bytes the spool takes on disk after the last commit (0 until tracked)."""
+        return self._writer.footprint or 0
+
+    @property
+    def closed(self) -> bool:
+        """Whether ``close`` has run: nothing can be appended or read any more."""
+        return self._closed
+
+    def has_replayable(self) -> bool:
+        """Whether the spool holds any row but agent histories (one index probe)."""
+        return bool(self._read(ANY_REPLAYABLE_SQL, (AGENT_HISTORY,)))
+
     # -- writing on the replayer's behalf ----------------------------------------
 
     def _execute(self, fn: Any) -> Any:
@@ -234,17 +306,20 @@ class Spool:
         """Queue ``fn(conn)`` for the writer's next group; do not wait for the commit."""
         return self._writer.submit(Operation(fn))
 
-    def _supersede(self, session_id: str) -> int:
+    def supersede(self, session_id: str, *, inflight: bool = False) -> int:
         """Mark ``session_id``'s replayable rows superseded (kept, not replayed); count them.
 
         For a transcript rewrite (/retry, /undo, /compress): the gateway replaced the
         session's transcript, so rows spooled before it would land out of place.
-        Rows a replay has out at this moment are left to it.
+        Rows a replay has out at this moment are left to it; with ``inflight`` (for a
+        caller holding the replay lock, so that no replay has any out) rows left in
+        flight by failed replays are superseded too.
         """
         check_lookup(session_id, "session_id", self.path)
+        sql = SUPERSEDE_WITH_INFLIGHT_SQL if inflight else SUPERSEDE_SQL
 
         def supersede(conn: apsw.Connection) -> int:
-            conn.execute(SUPERSEDE_SQL, (session_id, AGENT_HISTORY))
+            conn.execute(sql, (session_id, AGENT_HISTORY))
             return conn.changes()
 
         return self._execute(supersede)

@@ -91,6 +91,10 @@ INSERT_RECORD_SQL = """
 INSERT INTO records (id, session_id, seq, reason, session_key, created_at, payload, size)
 VALUES (?, ?, ?, ?, ?, ?, ?, ?)
 """
+QUARANTINE_NEW_SQL = """
+UPDATE records SET status = 'quarantined', attempts = 1, last_error = ?, last_attempt_at = ?
+WHERE id = ?
+"""
 
 #: One row to append: (session_id, session_key, reason, created_at, payload, size).
 Row = tuple[str | None, str | None, str, float, str, int]
@@ -226,6 +230,23 @@ class Append(Request):
     def run(self, group: _Group) -> None:
         receipts = group.add(self.rows)
         self.result = receipts[0] if self.single else receipts
+
+
+class Quarantined(Append):
+    """Append one row already set aside for operators: status ``quarantined``, one
+    attempt, ``why`` as its last error (a message its target refused for its content
+    before it was ever spooled). Never replayed unless asked for."""
+
+    __slots__ = ("why",)
+
+    def __init__(self, row: Row, why: str) -> None:
+        super().__init__((row,), single=True)
+        self.why = why
+
+    def run(self, group: _Group) -> None:
+        super().run(group)
+        group.flush()  # the row exists before its status is set
+        group.conn.execute(QUARANTINE_NEW_SQL, (self.why, time.time(), self.result.id))
 
 
 class Operation(Request):
