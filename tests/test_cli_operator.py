@@ -256,3 +256,68 @@ def test_since_takes_an_age(capsys, spool_file):
     assert out.splitlines()[0].startswith("session sess-z: 1 of 5 rows")
     rc, _, err = usage(capsys, "export", spool_file, "--since", "10 minutes")
     assert rc == 2 and "an age (30s, 10m, 2h, 1d)" in err
+
+
+# -- a damaged spool: every command alike ------------------------------------------------
+
+
+def damage_index(path: Path, index: str) -> None:
+    """Garbage over the leaf pages of one index of a closed spool: the rows themselves
+    stay readable, so only a command that reads that index would meet the damage."""
+    conn = apsw.Connection(str(path), flags=apsw.SQLITE_OPEN_READONLY)
+    try:
+        size = conn.execute("PRAGMA page_size").get
+        pages = [p for (p,) in conn.execute(
+            "SELECT pageno FROM dbstat WHERE name = ? AND pagetype = 'leaf'", (index,)
+        )]  # fmt: skip
+    finally:
+        conn.close()
+    assert pages
+    with open(path, "r+b") as f:
+        for page in pages:
+            f.seek((page - 1) * size + 100)
+            f.write(bytes(range(256)) * 4)
+
+
+def test_a_damaged_spool_is_refused_alike_by_every_command(capsys, tmp_path):
+    """Damage in the statistics index, which show and export never read: each command
+    still says the spool is damaged, exit 1, nothing on stdout (with --json the error
+    object only), where show and export used to print and exit 0."""
+    path = tmp_path / "spool.db"
+    with walspool.Spool(path, durability="normal") as spool:
+        spool.append_many([(f"s{i % 5}", {"content": "m" * 300}) for i in range(2000)])
+    damage_index(path, "records_reason_created_at_size_session_id_session_key_idx")
+    commands = [
+        ["stats"], ["ls"], ["show", "s1"], ["export"], ["watch", "--interval", "0.1"],
+        ["requeue", "--quarantined"], ["drop", "--id", "1"],
+    ]  # fmt: skip
+    try:
+        from _gateway import state_db
+
+        pytest.importorskip("hermes_state")
+        state = state_db(tmp_path / "state.db", "s1")
+        commands += [["replay", "--into", state, "--dry-run"], ["replay", "--into", state]]
+    except pytest.skip.Exception:
+        pass
+    for command, *rest in commands:
+        rc, out, err = run(capsys, command, path, *rest)
+        assert (rc, out) == (1, ""), (command, out, err)
+        assert err.startswith(f"walspool {command}: spool {path} is damaged (quick_check: ")
+        assert err.count("\n") == 1
+        rc, out, err = run(capsys, command, path, *rest, "--json")
+        assert rc == 1 and json.loads(out)["error"].startswith(f"spool {path} is damaged")
+    rc, out, _ = run(capsys, "check", path)
+    assert rc == 1 and "problem: integrity_check" in out
+
+
+def test_export_json_puts_its_error_on_stdout_after_the_records(capsys, spool_file):
+    """export's lines are JSON whatever; --json adds the error as a last line."""
+    patch(spool_file, "UPDATE records SET payload = 'not json {' WHERE session_id = 'sess-y'")
+    rc, plain, err = run(capsys, "export", spool_file)
+    assert rc == 1 and "not valid JSON" in err
+    rc, out, err = run(capsys, "export", spool_file, "--json")
+    *records, last = [json.loads(line) for line in out.splitlines()]
+    assert rc == 1 and out.startswith(plain) and len(records) == 6
+    assert last == {"command": "export", "error": err[len("walspool export: ") : -1], "exit": 1}
+    rc, out, err = run(capsys, "show", spool_file, "sess-y", "--json")
+    assert rc == 1 and json.loads(out.splitlines()[-1])["exit"] == 1

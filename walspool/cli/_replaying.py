@@ -80,7 +80,7 @@ class InFlight(NamedTuple):
 def in_flight(spool: Path, state_db: Path) -> InFlight:
     """The spool's rows in flight now (read-only, after the replay closed the spool),
     and those whose ticket state.db holds (read-only)."""
-    with reading(spool) as reader:
+    with reading(spool, quick_check=False) as reader:  # checked before the replay
         uid, rows = reader.read(
             lambda conn: (conn.execute(UID_SQL).get, conn.execute(INFLIGHT_TICKETS_SQL).fetchall())
         )

@@ -106,14 +106,18 @@ class Rates(msgspec.Struct, frozen=True):
     replayed: float
 
 
-def read_snapshot(path: Path, stop: Callable[[], bool] | None = None) -> Snapshot:
+def read_snapshot(
+    path: Path, stop: Callable[[], bool] | None = None, *, quick_check: bool = False
+) -> Snapshot:
     """A reading of the spool at ``path``; raises what ``reading`` raises.
 
     ``stop`` is called every ``STOP_STEPS`` steps of SQLite while it reads (and so
     is any signal handler): when it returns True the reading ends with an error.
+    Without ``quick_check`` damage is found where the reading goes: every row and
+    the indexes it counts with, not every page.
     """
     taken, at = time.monotonic(), time.time()
-    with reading(path) as reader:
+    with reading(path, quick_check=quick_check) as reader:
         snap = reader.read(lambda conn: _read(conn, path, taken, at, stop))
     return msgspec.structs.replace(snap, took=time.monotonic() - taken)
 

@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from . import _narrow
-from ._filters import check_reasons
+from ._filters import KEY_PREFIX, check_reasons, has_stream
 from ._output import Progress, add_progress_argument, dump
 from ._reading import count_records, iter_records, reading, record_json, report_bad
 
@@ -16,17 +16,26 @@ def run(args: argparse.Namespace) -> int:
 
     Each session in drop order (rows spooled by session id first, then rows spooled
     by session key only). Every reason is exported unless --reason is given.
+    --session S takes `key:<KEY>` as ls prints it too. The lines are JSON whatever;
+    with --json an error (exit 1: a damaged spool, rows whose payload is not JSON) is
+    also one last line on stdout, {"command": "export", "error": ..., "exit": 1},
+    which no record line has (records have "id").
     """
     bad: list[str] = []
     with reading(args.spool) as reader:
         check_reasons(reader, args.reason)
+        kinds = ("id", "key")
+        if args.session is not None and args.session.startswith(KEY_PREFIX):
+            if not any(has_stream(reader, args.session, kind) for kind in kinds):
+                args.session, kinds = args.session[len(KEY_PREFIX) :], ("key",)
         progress = Progress("export", sys.stderr, enabled=args.progress)
         narrowing = args.limit, args.tail, args.since, args.failing or None
         counted = progress.enabled and narrowing == (None, None, None, None)
         total = count_records(reader, args.session, args.reason) if counted else 0
         out = sys.stdout
         try:
-            rows = _narrow.narrowed(iter_records(reader, args.session, args.reason, bad=bad), args)
+            found = iter_records(reader, args.session, args.reason, bad=bad, kinds=kinds)
+            rows = _narrow.narrowed(found, args)
             for n, (record, inflight) in enumerate(rows, 1):
                 out.write(dump(record_json(record, inflight)) + "\n")
                 progress(n, total)

@@ -98,7 +98,7 @@ def seconds(text: str) -> float:
 
 
 def _once(args: argparse.Namespace) -> int:
-    first = read_snapshot(args.spool)
+    first = read_snapshot(args.spool, quick_check=True)  # damage refused as stats does
     time.sleep(args.interval)
     last = read_snapshot(args.spool)
     rate = rates(first, last)
