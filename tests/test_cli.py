@@ -206,7 +206,8 @@ def test_stats(capsys: pytest.CaptureFixture[str], spool_file: Path) -> None:
     rc, out, err = run(capsys, "stats", spool_file, "--json")
     assert (rc, err) == (0, "")
     stats = json.loads(out)
-    assert set(stats) == STATS_KEYS | {"oldest_age", "newest_age"}
+    assert set(stats) == STATS_KEYS | {"oldest_age", "newest_age", "open_by"}
+    assert stats["open_by"] == []  # closed: no process has it open
     assert stats["rows"] == 7 and stats["sessions"] == 3 and stats["failing"] == 1
     assert stats["by_reason"] == {CAP_DROP: 5, SHUTDOWN: 1, AGENT_HISTORY: 1}
     assert ISO.match(stats["oldest"]) and ISO.match(stats["newest"])

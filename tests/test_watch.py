@@ -18,20 +18,22 @@ import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import apsw
+import msgspec
 import pytest
 from _helpers import ROOT, MemorySink
 
 import walspool
 from walspool.cli import main
+from walspool.cli._frame import drain_eta, fit, render
+from walspool.cli._holders import Holder
 from walspool.cli._watching import (
     MAX_STREAMS,
     Rates,
     Snapshot,
     Stream,
-    fit,
     rates,
     read_snapshot,
-    render,
     try_snapshot,
 )
 from walspool.replay import Replayer
@@ -46,7 +48,8 @@ POLL = 0.05
 ENV = {k: v for k, v in os.environ.items() if k != "TMUX"} | {"PYTHONPATH": str(ROOT)}
 TOTALS = re.compile(r"^rows +([\d,]+) in ([\d,]+) sessions?,", re.M)
 EVIL = "evil\x1b[2J\x1b[31mred\nline\u202e"
-EVIL_SHOWN = r"evil\x1b[2J\x1b[31mred\nline\u202e"
+#: As ls, show and watch print it: a shell word that gives the id back when pasted.
+EVIL_SHOWN = r"$'evil\x1b[2J\x1b[31mred\nline\u202e'"
 
 needs_tmux = pytest.mark.skipif(
     TMUX is None, reason="tmux is not installed (scripts/test installs it)"
@@ -95,24 +98,28 @@ def test_the_frame_shows_totals_rates_and_streams_oldest_first():
         streams=(*streams(2), Stream(None, "agent:main:x", 3, 300, 1_700_000_050.0, 0, 0)),
     )  # fmt: skip
     lines = render(reading, Rates(2.0, 10.0, 2.5), "walspool watch")
-    assert lines[:4] == [
+    assert lines[:5] == [
         "walspool watch  2023-11-14T22:15:00.000Z",
         "spool        /s/spool.db",
+        "open by      no process (no gateway or replay has the spool open; nothing drains "
+        "its rows until one opens it)",
         "rows         6 in 3 sessions, 600 B; oldest row 1m40s old",
         "in flight    1; failing 2 (with a last error); quarantined 3; superseded 4",
     ]
-    assert lines[4] == (
+    assert lines[5] == (
         "rates        appended 10.0 rows/s, replayed or dropped 2.5 rows/s (over the last 2.0s)"
     )
-    assert lines[5].startswith("files        db 4.0 KiB, WAL 0 B; read in ")
-    assert lines[7:] == [
-        "ROWS  BYTES  OLDEST  IN FLIGHT  FAILING  SESSION",
-        "1     100 B  1m40s   0          0        session-0",
-        "2     200 B  1m39s   1          1        session-1",
-        "3     300 B  50s     0          0        key:agent:main:x",
+    assert lines[6] == "drain ETA    not draining (no more rows leave than arrive)"
+    assert lines[7].startswith("files        db 4.0 KiB, WAL 0 B; read in ")
+    assert lines[9:] == [
+        "ROWS  BYTES  OLDEST  IN FLIGHT  FAILING  LAST ERROR  SESSION",
+        "1     100 B  1m40s   0          0        -           session-0",
+        "2     200 B  1m39s   1          1        -           session-1",
+        "3     300 B  50s     0          0        -           key:agent:main:x",
     ]
     first = render(reading, None, "t")
-    assert first[4] == "rates        appended -, replayed or dropped - (from the next reading)"
+    assert first[5] == "rates        appended -, replayed or dropped - (from the next reading)"
+    assert first[6] == "drain ETA    -"
     assert render(snap(uid="u"), None, "t")[-1] == "no rows in the spool"
 
 
@@ -122,15 +129,15 @@ def test_the_frame_fits_the_terminal_and_counts_the_streams_left_out():
     assert len(lines) == 15
     assert all(len(line) <= 40 for line in lines)
     assert lines[0] == "walspool watch  every 1s  q or Ctrl-C q…"
-    assert lines[7].startswith("ROWS  BYTES")
-    assert len(lines[8:14]) == 6 and lines[13].endswith("…")
-    assert lines[14] == "+34 more sessions"
+    assert lines[9].startswith("ROWS  BYTES")
+    assert len(lines[10:14]) == 4 and lines[13].endswith("…")
+    assert lines[14] == "+36 more sessions"
     # Exactly as many as fit: no "+N more" line; one more, and two make way for it.
-    assert render(snap(uid="u", sessions=7, streams=streams(7)), None, "t", 80, 15)[-1].endswith(
-        "  session-6"
+    assert render(snap(uid="u", sessions=5, streams=streams(5)), None, "t", 80, 15)[-1].endswith(
+        "  session-4"
     )
-    one_more = render(snap(uid="u", sessions=8, streams=streams(8)), None, "t", 80, 15)
-    assert one_more[-2].endswith("  session-5") and one_more[-1] == "+2 more sessions"
+    one_more = render(snap(uid="u", sessions=6, streams=streams(6)), None, "t", 80, 15)
+    assert one_more[-2].endswith("  session-3") and one_more[-1] == "+2 more sessions"
     # More streams than a reading holds: counted even without a height.
     many = snap(uid="u", sessions=MAX_STREAMS + 7, streams=streams(MAX_STREAMS))
     assert render(many, None, "t")[-1] == "+7 more sessions"
@@ -185,10 +192,24 @@ def test_a_missing_spool_is_a_frame_that_says_so(tmp_path, capsys):
         "(read again at each refresh)",
     ]
     # Not a terminal: one reading, so a missing spool is an error, as in stats.
+    path = tmp_path / "spool.db"
     assert main(["watch", str(path), "--interval", "0.1"]) == 1
     out, err = capsys.readouterr()
     assert out == "" and err.count("\n") == 1
     assert err.startswith(f"walspool watch: no spool at {path} (no such file)")
+
+
+def test_a_spool_in_a_directory_that_does_not_exist_is_an_error(tmp_path, capsys):
+    """A mistyped path is not watched forever as "not created yet", on a terminal or not."""
+    path = tmp_path / "hermse" / "spool.db"
+    for json_ in ([], ["--json"]):
+        assert main(["watch", str(path), "--interval", "0.1", *json_]) == 1
+        out, err = capsys.readouterr()
+        assert err == (
+            f"walspool watch: no directory {path.parent} for the spool spool.db (mistyped?): "
+            "watch waits for a spool to appear only in a directory that exists\n"
+        )
+        assert out == ("" if not json_ else out) and (not json_ or json.loads(out)["exit"] == 1)
 
 
 def test_a_damaged_file_is_a_frame_that_says_so(tmp_path):
@@ -206,11 +227,14 @@ def test_json_is_one_reading_with_rates(tmp_path, capsys):
     assert set(got) == {
         "spool", "at", "rows", "sessions", "bytes", "oldest", "oldest_age", "inflight",
         "failing", "quarantined", "superseded", "db_bytes", "wal_bytes", "appended", "seconds",
-        "append_rate", "replay_rate",
+        "append_rate", "replay_rate", "drain_eta", "open_by", "streams",
     }  # fmt: skip
     assert (got["spool"], got["rows"], got["sessions"], got["appended"]) == (str(path), 1, 1, 1)
     assert (got["append_rate"], got["replay_rate"]) == (0.0, 0.0)
     assert got["seconds"] > 0
+    assert (got["drain_eta"], got["open_by"]) == (None, [])
+    (stream,) = got["streams"]
+    assert (stream["session_id"], stream["rows"], stream["last_error"]) == ("s1", 1, None)
 
 
 def test_interval_must_be_a_number_of_seconds(capsys):
@@ -444,6 +468,7 @@ def test_no_file_is_created_beside_a_closed_spool_moved_aside_and_back(tmp_path,
 @needs_tmux
 def test_a_spool_created_while_watching_is_shown(tmp_path, pane):
     path = tmp_path / "home" / "spool.db"
+    path.parent.mkdir()  # the gateway's home: a directory that exists
     pane.start(path, "--interval", "0.2")
     pane.wait_for("no spool yet", no_spool)
     with walspool.Spool(path) as spool:
@@ -464,11 +489,11 @@ def test_the_frame_fits_the_terminal_and_follows_a_resize(tmp_path, pane):
     lines = screen.splitlines()
     assert len(lines) <= 12 and all(len(line) <= 60 for line in lines)
     assert lines[0].startswith("walspool watch") and screen.count("walspool watch") == 1
-    assert "+27 more sessions" in screen
+    assert "+29 more sessions" in screen
     pane.tmux("resize-window", "-t", "w", "-x", "160", "-y", "45")
     screen = pane.wait_for("every session", lambda s: s.count(" session-") == 30)
     assert "more sessions" not in screen and screen.count("walspool watch") == 1
-    table = [line for line in screen.splitlines()[8:] if line]
+    table = [line for line in screen.splitlines()[10:] if line]
     assert all(line.endswith(f"  {name}") for line, name in zip(table, names, strict=True))
     pane.keys("q")
     assert pane.exit_status() == 0
@@ -496,3 +521,102 @@ def test_a_replays_progress_is_redrawn_in_place_in_a_real_terminal(pane, tmp_pat
     assert re.fullmatch(r"replay: 3,000/3,000 \(100%\), [\d,]+ rows/s, took \d+s *", progress[0])
     assert f"moved 3,000 rows from {path} into {state}" in screen
     assert (tmp_path / "after").read_text() == (tmp_path / "before").read_text()
+
+
+# -- who has the spool open, errors, the drain's ETA, colour (issue 30) ------------------
+
+#: A gateway stand-in: opens the spool, says so, and keeps it open until stdin closes.
+HOLDER = """
+import sys, walspool
+spool = walspool.Spool(sys.argv[1])
+spool.append("s1", {"role": "user", "content": "held"})
+print("open", flush=True)
+sys.stdin.read()
+spool.close()
+"""
+
+
+def test_watch_says_which_process_has_the_spool_open(tmp_path, capsys):
+    path = tmp_path / "spool.db"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(path), "gateway-stand-in"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=ENV,
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == "open\n"
+        assert main(["watch", str(path), "--interval", "0.1", "--json"]) == 0
+        (holder,) = json.loads(capsys.readouterr().out)["open_by"]
+        assert holder["pid"] == proc.pid and holder["command"].startswith(f"{sys.executable} -c ")
+        assert main(["watch", str(path), "--interval", "0.1"]) == 0
+        assert f"\nopen by      pid {proc.pid} (" in capsys.readouterr().out
+        assert main(["stats", str(path)]) == 0  # stats says it too
+        assert f"\nopen by     pid {proc.pid} (" in capsys.readouterr().out
+        assert main(["stats", str(path), "--json"]) == 0
+        assert [h["pid"] for h in json.loads(capsys.readouterr().out)["open_by"]] == [proc.pid]
+    finally:
+        proc.communicate(input="", timeout=60)
+    # Closed (or killed): no process, and the frame says what that means.
+    assert main(["watch", str(path), "--interval", "0.1"]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "\nopen by      no process (no gateway or replay has the spool open; nothing drains" in out
+    )
+
+
+def test_each_session_shows_its_latest_error(tmp_path, capsys):
+    path = tmp_path / "spool.db"
+    with walspool.Spool(path) as spool:
+        spool.append_many([("s1", MSG)] * 3 + [("s2", MSG)])
+    conn = apsw.Connection(str(path))
+    conn.execute(
+        "UPDATE records SET last_error = 'old: locked', last_attempt_at = 10 WHERE seq = 1;"
+        "UPDATE records SET last_error = 'session s1 does not exist in state.db (FOREIGN KEY "
+        "constraint failed); replay with create_missing=True to create it', "
+        "last_attempt_at = 20 WHERE session_id = 's1' AND seq = 2"
+    )
+    conn.close()
+    reading = read_snapshot(path)
+    assert [(s.session_id, s.last_error) for s in reading.streams] == [
+        ("s1", reading.streams[0].last_error),
+        ("s2", "old: locked"),
+    ]
+    assert reading.streams[0].last_error.startswith("session s1 does not exist")
+    line = next(x for x in render(reading, None, "t") if x.endswith("  s1"))
+    assert "  session s1 does not exist in state.db (…  s1" in line  # cut to 40 columns
+    assert main(["watch", str(path), "--interval", "0.1", "--json"]) == 0
+    by = {s["session_id"]: s for s in json.loads(capsys.readouterr().out)["streams"]}
+    assert by["s2"]["last_error"] == "old: locked" and by["s1"]["failing"] == 2
+
+
+def test_the_drain_eta_is_rows_over_the_rate_they_shrink_by():
+    reading = snap(uid="u", rows=600, sessions=1)
+    assert drain_eta(reading, Rates(2.0, 10.0, 30.0)) == 30.0  # 600 rows at 20/s net
+    assert drain_eta(reading, Rates(2.0, 30.0, 30.0)) is None  # not shrinking
+    assert drain_eta(reading, None) is None  # no rates yet
+    assert drain_eta(snap(uid="u"), Rates(2.0, 0.0, 0.0)) == 0.0  # nothing to drain
+    lines = render(reading, Rates(2.0, 10.0, 30.0), "t")
+    assert "drain ETA    30s at the current rates" in lines
+    assert "drain ETA    drained" in render(snap(uid="u"), Rates(2.0, 0.0, 0.0), "t")
+
+
+def test_colour_marks_what_needs_a_look_only_when_asked_for():
+    reading = snap(
+        uid="u", rows=2, sessions=2, failing=1, open_by=(),
+        streams=(Stream("s1", None, 1, 5, 1.0, 0, 1, "locked"),
+                 Stream("s2", None, 1, 5, 2.0, 0, 0)),
+    )  # fmt: skip
+    plain = render(reading, None, "t", 200, 40)
+    assert not any("\x1b" in line for line in plain)
+    painted = render(reading, None, "t", 200, 40, colour=True)
+    red, yellow, reset = "\x1b[31m", "\x1b[33m", "\x1b[0m"
+    assert painted[2] == red + plain[2] + reset  # rows, and no process to drain them
+    assert painted[4] == yellow + plain[4] + reset  # failing rows
+    s1 = next(i for i, line in enumerate(plain) if line.endswith("  s1"))
+    assert painted[s1] == yellow + plain[s1] + reset and painted[s1 + 1] == plain[s1 + 1]
+    held = msgspec.structs.replace(reading, open_by=(Holder(7, "hermes gateway"),))
+    assert render(held, None, "t", 200, 40, colour=True)[2] == "open by      pid 7 (hermes gateway)"
+    failed = snap(error="no spool there: not created yet, or moved aside")
+    assert render(failed, None, "t", colour=True)[2] == red + failed.error + reset

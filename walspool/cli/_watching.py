@@ -1,20 +1,16 @@
-"""What ``walspool watch`` reads and draws: a snapshot of the spool, the rates between two
-snapshots, and the frame (lines fitted to a terminal). Not public API.
+"""What ``walspool watch`` reads: a snapshot of the spool (with who has it open) and
+the rates between two snapshots; ``_frame`` draws them. Not public API.
 
 Reading goes through ``_reading.reading``, as every read command's does: read-only,
-creating no file, holding nothing between readings. Rendering is pure: a snapshot (and
-the rates) in, lines out.
+creating no file, holding nothing between readings.
 """
 
 from __future__ import annotations
 
 import os
-import textwrap
 import time
-import unicodedata
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import apsw
 import msgspec
@@ -22,8 +18,7 @@ import msgspec
 from ..errors import WalspoolError
 from ..records import QUARANTINED, SUPERSEDED
 from ..spool import STATS_BY_REASON_SQL, STATS_FAILING_SQL, UID_SQL, stats_from
-from ..text import printable
-from ._output import duration, iso, plural, size, table
+from ._holders import Holder, holders
 from ._reading import INFLIGHT_SQL, reading
 from .stats import STATUS_COUNT_SQL
 
@@ -60,6 +55,15 @@ SELECT coalesce(sum(last), 0) FROM (
 """
 
 
+#: Each stream's latest error: the one row of the most recent failed attempt (a bare
+#: column beside a lone max() comes from that row), from the index of rows with one.
+LAST_ERRORS_SQL = """
+SELECT session_id, CASE WHEN session_id IS NULL THEN session_key END, last_error,
+       max(last_attempt_at)
+FROM records INDEXED BY records_last_error_idx WHERE last_error IS NOT NULL GROUP BY 1, 2
+"""
+
+
 class Stream(msgspec.Struct, frozen=True):
     """One stream's backlog: spooled by session id, or (``session_id`` None) by key."""
 
@@ -70,6 +74,7 @@ class Stream(msgspec.Struct, frozen=True):
     oldest: float
     inflight: int
     failing: int
+    last_error: str | None = None
 
 
 class Snapshot(msgspec.Struct, frozen=True):
@@ -96,6 +101,8 @@ class Snapshot(msgspec.Struct, frozen=True):
     wal_bytes: int = 0
     #: The oldest ``MAX_STREAMS`` streams, oldest first.
     streams: tuple[Stream, ...] = ()
+    #: The processes that have the spool open (see ``_holders``); None: unknown here.
+    open_by: tuple[Holder, ...] | None = ()
 
 
 class Rates(msgspec.Struct, frozen=True):
@@ -119,7 +126,9 @@ def read_snapshot(
     taken, at = time.monotonic(), time.time()
     with reading(path, quick_check=quick_check) as reader:
         snap = reader.read(lambda conn: _read(conn, path, taken, at, stop))
-    return msgspec.structs.replace(snap, took=time.monotonic() - taken)
+    found = holders(path)
+    open_by = None if found is None else tuple(found)
+    return msgspec.structs.replace(snap, took=time.monotonic() - taken, open_by=open_by)
 
 
 def try_snapshot(path: Path, stop: Callable[[], bool] | None = None) -> Snapshot:
@@ -149,6 +158,7 @@ def _read(
             appended = conn.execute(APPENDED_SQL).get
             uid = conn.execute(UID_SQL).get
             streams = conn.execute(STREAMS_SQL, {"limit": MAX_STREAMS}).fetchall()
+            errors = {(s, k): e for s, k, e, _ in conn.execute(LAST_ERRORS_SQL)}
     finally:
         conn.set_progress_handler(None)
     s = stats_from(by_reason, 0, failing, path)
@@ -168,7 +178,7 @@ def _read(
         appended=appended,
         db_bytes=s.db_bytes,
         wal_bytes=s.wal_bytes,
-        streams=tuple(Stream(*row[:-1]) for row in streams),
+        streams=tuple(Stream(*row[:-1], errors.get((row[0], row[1]))) for row in streams),
     )
 
 
@@ -189,88 +199,3 @@ def rates(before: Snapshot | None, after: Snapshot) -> Rates | None:
     if before.uid != after.uid or seconds <= 0 or appended < 0 or left < 0:
         return None
     return Rates(seconds, appended / seconds, left / seconds)
-
-
-def render(
-    snap: Snapshot,
-    rate: Rates | None,
-    title: str,
-    width: int | None = None,
-    height: int | None = None,
-) -> list[str]:
-    """The frame: ``title`` and the time, the spool, the totals, the rates, then one
-    line per stream, oldest first; at most ``height`` lines of at most ``width`` columns
-    (None: no bound), streams that do not fit counted in a last ``+N more`` line."""
-    head = [f"{title}  {iso(snap.at)}", f"spool        {printable(snap.spool)}"]
-    if snap.error is not None:
-        head += textwrap.wrap(printable(snap.error), width or 1_000_000) or [""]
-        head.append("(read again at each refresh)")
-        return _fitted(head, width, height)
-    age = duration(max(snap.at - snap.oldest, 0.0)) if snap.oldest is not None else "-"
-    head += [
-        f"rows         {snap.rows:,} in {plural(snap.sessions, 'session')}, "
-        f"{size(snap.bytes)}; oldest row {age} old",
-        f"in flight    {snap.inflight:,}; failing {snap.failing:,} (with a last error); "
-        f"quarantined {snap.quarantined:,}; superseded {snap.superseded:,}",
-        "rates        " + _rates_text(rate),
-        f"files        db {size(snap.db_bytes)}, WAL {size(snap.wal_bytes)}; "
-        f"read in {snap.took:.2f}s",
-        "",
-    ]
-    if not snap.streams:
-        return _fitted([*head, "no rows in the spool"], width, height)
-    shown = list(snap.streams)
-    if height is not None:
-        room = height - len(head) - 1  # the table's header line
-        if room < len(shown) or snap.sessions > len(shown):
-            shown = shown[: max(room - 1, 0)]  # one line for "+N more"
-    headers = ("ROWS", "BYTES", "OLDEST", "IN FLIGHT", "FAILING", "SESSION")
-    lines = [*head, *table(headers, [_stream_line(s, snap.at) for s in shown]).split("\n")]
-    if snap.sessions > len(shown):
-        lines.append(f"+{snap.sessions - len(shown):,} more sessions")
-    return _fitted(lines, width, height)
-
-
-def render_reading(title: str, spool: str, width: int, height: int) -> list[str]:
-    """The frame before the first reading is done."""
-    lines = [title, f"spool        {printable(spool)}", "reading it..."]
-    return _fitted(lines, width, height)
-
-
-def _rates_text(rate: Rates | None) -> str:
-    if rate is None:
-        return "appended -, replayed or dropped - (from the next reading)"
-    return (
-        f"appended {rate.appended:,.1f} rows/s, replayed or dropped {rate.replayed:,.1f} "
-        f"rows/s (over the last {rate.seconds:.1f}s)"
-    )
-
-
-def _stream_line(s: Stream, now: float) -> tuple[Any, ...]:
-    name = s.session_id if s.session_id is not None else f"key:{s.session_key}"
-    return (s.rows, size(s.bytes), duration(max(now - s.oldest, 0.0)), s.inflight, s.failing, name)
-
-
-def _fitted(lines: list[str], width: int | None, height: int | None) -> list[str]:
-    lines = lines if height is None else lines[: max(height, 0)]
-    return lines if width is None else [fit(line, width) for line in lines]
-
-
-def fit(text: str, width: int) -> str:
-    """``text`` cut to ``width`` terminal columns (a wide character takes two, a
-    combining one none), ``…`` marking a cut."""
-    if sum(map(_columns, text)) <= width:
-        return text
-    out, used = [], 0
-    for ch in text:
-        used += _columns(ch)
-        if used > width - 1:
-            break
-        out.append(ch)
-    return "".join(out) + "…" if width > 0 else ""
-
-
-def _columns(ch: str) -> int:
-    if unicodedata.combining(ch):
-        return 0
-    return 2 if unicodedata.east_asian_width(ch) in ("W", "F") else 1

@@ -8,10 +8,12 @@ from pathlib import Path
 from typing import Any
 
 import apsw
+import msgspec
 
 from ..records import QUARANTINED, SUPERSEDED
 from ..spool import STATS_BY_REASON_SQL, STATS_FAILING_SQL, STATS_SESSIONS_SQL, stats_from
 from ..text import printable
+from ._holders import holders, holders_text
 from ._output import EXIT_OK, dump, duration, iso, plural, size
 from ._reading import INFLIGHT_SQL, reading
 
@@ -22,17 +24,22 @@ def run(args: argparse.Namespace) -> int:
     """Summarize a spool.
 
     Rows, sessions, payload bytes, oldest and newest row (time and age), rows by reason,
-    rows with errors, rows in flight, and the sizes of the db and WAL files. --json has
-    `oldest_age` and `newest_age` in seconds (null for an empty spool).
+    rows with errors, rows in flight, and the sizes of the db and WAL files; and who has
+    the spool open (pid and command of each process holding its open lock, as watch
+    shows). --json has `oldest_age` and `newest_age` in seconds (null for an empty
+    spool) and `open_by` ([{"pid", "command"}]; null where the system cannot tell).
     """
     with reading(args.spool) as reader:
         stats = reader.read(lambda conn: read_stats(conn, args.spool, time.time()))
+    found = holders(args.spool)
+    stats["open_by"] = None if found is None else [msgspec.to_builtins(h) for h in found]
     if args.json:
         print(dump(stats))
         return EXIT_OK
     reasons = [f"{n:,} {printable(reason)}" for reason, n in stats["by_reason"].items()] or ["-"]
     lines = [
         ("spool", printable(stats["spool"])),
+        ("open by", holders_text(found, stats["rows"])),
         ("rows", f"{stats['rows']:,} in {plural(stats['sessions'], 'session')}"),
         ("payload", size(stats["bytes"])),
         ("oldest", _when(stats["oldest"], stats["oldest_age"])),

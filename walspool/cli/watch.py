@@ -16,17 +16,13 @@ from collections.abc import Iterator
 from types import TracebackType
 from typing import Any, TextIO
 
+import msgspec
+
+from ..errors import WalspoolError
+from ._frame import drain_eta, render, render_reading
 from ._interrupt import Interrupted, interruptible
 from ._output import EXIT_OK, dump, iso
-from ._watching import (
-    Rates,
-    Snapshot,
-    rates,
-    read_snapshot,
-    render,
-    render_reading,
-    try_snapshot,
-)
+from ._watching import Rates, Snapshot, rates, read_snapshot, try_snapshot
 
 #: Shortest --interval, in seconds: each reading opens the spool and counts its rows.
 MIN_INTERVAL = 0.1
@@ -40,11 +36,15 @@ QUIT, RESIZE, TIMEOUT = "quit", "resize", "timeout"
 def run(args: argparse.Namespace) -> int:
     """Watch a spool live: backlog per session, rows in flight and failing, rates.
 
-    Reads the spool every --interval seconds and redraws in place: rows, sessions and
-    payload bytes, the oldest row's age, rows in flight (out with a replay, or left to
-    be checked against state.db) and failing (with a last error), quarantined and
-    superseded rows, the db and WAL file sizes, the rates, then one line per session,
-    oldest first, as many as the terminal holds (the rest counted as "+N more").
+    Reads the spool every --interval seconds and redraws in place: who has the spool
+    open (pid and command of each process holding its open lock: the gateway, a
+    replay; "no process" for a gateway that was killed or stopped, whose rows nothing
+    drains), rows, sessions and payload bytes, the oldest row's age, rows in flight
+    (out with a replay or the gateway's drain, or left to be checked against state.db)
+    and failing (with a last error), quarantined and superseded rows, the rates and
+    the drain's ETA, the db and WAL file sizes, then one line per session, oldest
+    first, with its latest error, as many as the terminal holds (the rest counted as
+    "+N more"). On a terminal, what needs a look is in colour (not with NO_COLOR set).
     q or Ctrl-C quits, exit status 0.
 
     appended: rows appended per second between the last two readings, counted from
@@ -53,7 +53,9 @@ def run(args: argparse.Namespace) -> int:
     second, that is rows appended less the growth of the row count; rows leave when a
     replay moves them into state.db (or finds them there already) and when they are
     dropped (walspool drop, or by hand). Both show "-" until the second reading, and
-    when the spool file was replaced (or edited to count backwards) in between.
+    when the spool file was replaced (or edited to count backwards) in between. drain
+    ETA: the rows left over the rate they shrink by (replayed less appended), "not
+    draining" when they do not shrink.
 
     A reading takes its time (seconds for a million rows: it reads every row, as ls
     does); one slower than --interval is followed by a pause as long as it took, and
@@ -61,12 +63,20 @@ def run(args: argparse.Namespace) -> int:
 
     Read-only, as stats and ls: nothing is written or created beside the spool, and
     nothing is held between readings. A spool that does not exist (yet) or was moved
-    aside is said so on the screen, and watched for. When stdout is not a terminal,
-    watch reads the spool twice, --interval apart, prints one frame (no terminal
-    codes, no width or height limit, the 500 oldest sessions) and exits; a spool it
-    cannot read is then an error, as in stats. --json prints that one reading as a
-    JSON object.
+    aside is said so on the screen, and watched for; a directory that does not exist
+    is an error (exit 1), not watched. When stdout is not a terminal, watch reads the
+    spool twice, --interval apart, prints one frame (no terminal codes, no width or
+    height limit, the 500 oldest sessions) and exits; a spool it cannot read is then
+    an error, as in stats. --json prints that one reading as a JSON object, with
+    "open_by" ([{"pid", "command"}], null where the system cannot tell), "drain_eta"
+    (seconds, null when not draining) and "streams" (per session: rows, bytes,
+    oldest, oldest_age, inflight, failing, last_error).
     """
+    if not args.spool.parent.is_dir():
+        raise WalspoolError(
+            f"no directory {args.spool.parent} for the spool {args.spool.name} (mistyped?): "
+            "watch waits for a spool to appear only in a directory that exists"
+        )
     if args.json or not _isatty(sys.stdout):
         return _once(args)
     with interruptible():
@@ -105,7 +115,7 @@ def _once(args: argparse.Namespace) -> int:
     if args.json:
         print(dump(_json(last, rate)))
     else:
-        print("\n".join(render(last, rate, "walspool watch")))
+        print("\n".join(render(last, rate, "walspool watch")))  # no colour: not a terminal
     return EXIT_OK
 
 
@@ -129,6 +139,22 @@ def _json(snap: Snapshot, rate: Rates | None) -> dict[str, Any]:
         "seconds": None if rate is None else rate.seconds,
         "append_rate": None if rate is None else rate.appended,
         "replay_rate": None if rate is None else rate.replayed,
+        "drain_eta": drain_eta(snap, rate),
+        "open_by": None if snap.open_by is None else [msgspec.to_builtins(h) for h in snap.open_by],
+        "streams": [
+            {
+                "session_id": s.session_id,
+                "session_key": s.session_key,
+                "rows": s.rows,
+                "bytes": s.bytes,
+                "oldest": iso(s.oldest),
+                "oldest_age": max(snap.at - s.oldest, 0.0),
+                "inflight": s.inflight,
+                "failing": s.failing,
+                "last_error": s.last_error,
+            }
+            for s in snap.streams
+        ],
     }
 
 
@@ -150,7 +176,7 @@ def _live(args: argparse.Namespace, screen: Screen) -> None:
         event = RESIZE
         while event == RESIZE:  # a resized terminal is redrawn at once, not read again
             width, height = screen.size()
-            screen.draw(render(snap, rate, title, width, height), height)
+            screen.draw(render(snap, rate, title, width, height, colour=screen.colour), height)
             event = screen.wait(deadline)
         if event == QUIT:
             return
@@ -169,6 +195,8 @@ class Screen:
         self.wake = (-1, -1)  # a pipe the SIGWINCH handler writes to, wakes ``wait``
         #: q was typed (or the terminal went away) during a reading.
         self.quitting = False
+        #: Colour, on this terminal, unless the user said NO_COLOR (https://no-color.org).
+        self.colour = not os.environ.get("NO_COLOR")
 
     def __enter__(self) -> Screen:
         with _signals_held():
