@@ -1307,3 +1307,68 @@ def test_a_shutdown_flush_into_a_replaced_spool_keeps_the_queue_and_says_why(
     ]
     assert [m["content"] for m in store._dirty_transcripts["s"]] == ["m0", "m1", "m2"]
     assert spool.stats().rows == 0
+
+
+class _SdkObject:
+    """An SDK object in a tool call, which json.dumps (and so state.db) cannot take."""
+
+    def __init__(self) -> None:
+        self.name = "lookup"
+
+
+@pytest.mark.parametrize("retry_interval", [1.0, 0], ids=["retrying", "no-retries"])
+@pytest.mark.parametrize(
+    ("bad", "error"),
+    [
+        ({"role": "user", "content": 2**70}, "OverflowError"),
+        (
+            {"role": "assistant", "content": "calling", "tool_calls": [_SdkObject()]},
+            "TypeError: Object of type _SdkObject is not JSON serializable",
+        ),
+    ],
+    ids=["big-int", "sdk-object"],
+)
+def test_a_live_message_refused_for_its_content_is_quarantined_and_its_session_goes_on(
+    store, spool, capsys, retry_interval, bad, error
+):
+    """A healthy state.db refuses one live message for its content: it is set aside in the
+    spool as quarantined (``walspool ls`` shows it), and the 20 messages after it reach
+    state.db at once, in order, with no retry delay and no 201st message needed."""
+    store._db.create_session("s", "telegram")
+    link = install(store, spool, retry_interval=retry_interval)
+    store.append_to_transcript("s", _m("before"))
+    store.append_to_transcript("s", bad)
+    for i in range(20):
+        store.append_to_transcript("s", _m(f"m{i}"))
+    assert link.wait_idle(STEP)
+    assert contents(store, "s") == ["before"] + [f"m{i}" for i in range(20)]
+    assert "s" not in store._dirty_transcripts
+    spool.flush()
+    (rec,) = spool.records()
+    assert (rec.session_id, rec.reason, rec.status, rec.attempts) == (
+        "s",
+        hermes.REJECTED,
+        "quarantined",
+        1,
+    )
+    assert rec.last_error.startswith(f"state.db refused it for its content: {error}")
+    assert rec.message["role"] == bad["role"]
+    assert spool.stats().rows == 1
+    from walspool.cli import main
+
+    assert main(["ls", str(spool.path), "--json"]) == 0
+    (stream,) = json.loads(capsys.readouterr().out)
+    assert (stream["session_id"], stream["rows"], stream["quarantined"]) == ("s", 1, 1)
+
+
+def test_a_closed_state_db_is_not_taken_for_content_it_refuses(store, spool):
+    """A closed SessionDB fails every write with an AttributeError, which the gateway's
+    wider rule would blame on the row: that is the database's state, so the message stays
+    queued for the retry, never quarantined."""
+    store._db.create_session("s", "telegram")
+    install(store, spool, retry_interval=0)
+    store._db.close()
+    store.append_to_transcript("s", _m("m0"))
+    assert [m["content"] for m in store._dirty_transcripts["s"]] == ["m0"]
+    spool.flush()
+    assert spool.stats().rows == 0

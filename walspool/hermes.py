@@ -12,6 +12,10 @@ exactly that on one live store (and, with ``install_runner``, one runner):
   transcript in arrival order;
 * pending slots and unflushed agent histories are spooled before they are cleared,
   and the next ``install`` replays them, in the background;
+* a live message ``state.db`` refuses for its content (``sinks.rejects_live_row``: a
+  value it cannot bind or serialise) never blocks its session: it is set aside in the
+  spool as a quarantined row (reason ``REJECTED``; ``walspool ls`` shows it, replayed
+  only when asked for) and the session's next message is written at once;
 * a transcript rewrite (/retry, /undo, /compress: the store's ``_clear_dirty_transcript``)
   marks the session's spooled rows superseded: kept in the spool for operators, never
   replayed unless asked for, as the released store forgets its queue.
@@ -68,8 +72,9 @@ in the released store.
 Not guaranteed: messages still in memory when the process is killed are lost, as in
 the released gateway (only spooled rows are durable). A message the store or a drain
 is writing at the moment of a rewrite may land after the rewritten transcript, as in
-the released store. An eviction the spool accepted but then failed to commit (disk
-full, its write lock held elsewhere past the bound, closed) is dropped with a WARNING.
+the released store. An eviction or a quarantined message the spool accepted but then
+failed to commit (disk full, its write lock held elsewhere past the bound, closed) is
+dropped with a WARNING; so is a refused message the spool cannot take at all.
 """
 
 from __future__ import annotations
@@ -87,7 +92,7 @@ from . import budget, text
 from .errors import ReplayBusy, UnsupportedGateway, WalspoolError
 from .records import AGENT_HISTORY, CAP_DROP, SHUTDOWN
 from .replay import LOCK_SUFFIX, Replayer, ReplayReport, _exclusive
-from .sinks import SessionDBSink
+from .sinks import SessionDBSink, rejects_live_row
 from .spool import Spool
 from .writer import Batched, Request
 
@@ -116,6 +121,8 @@ RUNNER_ATTRIBUTES = (
     "_bounded_adapter_teardown",
     "_finalize_shutdown_agents",
 )
+#: The reason of a live message state.db refused for its content, quarantined at once.
+REJECTED = "transcript_rejected"
 #: Seconds: the cap of a failing session's retry delay (see the module docstring).
 RETRY_INTERVAL = 1.0
 #: Failures in a row until the retry delay reaches ``retry_interval``.
@@ -792,13 +799,22 @@ class Link:
                     pending.pop(0)
                 state.failures = 0
                 return True
-            failures = self.store._transcript_append_failures.get(session_id, 0) + 1
-            self.store._transcript_append_failures[session_id] = failures
-            queued = len(pending or ())
-            self._failed(state, drain=False)
-            # Messages that arrived during the write waited for it to be evicted.
-            notes = self._evict(session_id, state, pending) if pending else []
-            self._release(session_id, state, claim)
+            aside = None
+            if rejects_live_row(error, self.store._db):
+                aside = self._set_aside(session_id, pending, message, error)
+            if aside is not None:
+                state.failures = 0  # state.db works: the session goes on at once
+            else:
+                failures = self.store._transcript_append_failures.get(session_id, 0) + 1
+                self.store._transcript_append_failures[session_id] = failures
+                queued = len(pending or ())
+                self._failed(state, drain=False)
+                # Messages that arrived during the write waited for it to be evicted.
+                notes = self._evict(session_id, state, pending) if pending else []
+                self._release(session_id, state, claim)
+        if aside is not None:
+            _run(aside)
+            return True
         _run(notes)
         log.warning(
             "Session DB transcript append failed for %s (failure_count=%d, pending=%d); "
@@ -809,6 +825,56 @@ class Link:
             error,
         )
         return False
+
+    def _set_aside(
+        self,
+        session_id: str,
+        pending: list[dict[str, Any]] | None,
+        message: dict[str, Any],
+        error: Exception,
+    ) -> list[Callable[[], None]] | None:
+        """Take the queue's head, which state.db refused for its content, off the queue
+        into the spool as a quarantined row (``walspool ls`` shows it; replayed only when
+        asked for), so the session goes on; the lock is held. Never waits: None when
+        the spool's writer has no room now (then it is a failed write, retried later).
+        A spool that cannot take it at all (closed, its path replaced) drops it with a
+        WARNING that says why, as the released store drops at the cap. Returns the
+        lines to log once the lock is released."""
+        if not pending or pending[0] is not message:
+            return []  # a rewrite dropped the queue meanwhile, as the released store does
+        why = f"state.db refused it for its content: {type(error).__name__}: {error}"
+        try:
+            row = self.spool.prepare(session_id, message, REJECTED)
+            self.spool.put_nowait((row,), partial(self._set_aside_done, why), quarantine=why)
+        except queue.Full:
+            return None
+        except Exception as exc:  # noqa: BLE001 - closed, replaced, too big: cannot keep it
+            pending.pop(0)
+            return [partial(self._report_lost_rejection, session_id, why, exc)]
+        pending.pop(0)
+        return []
+
+    def _set_aside_done(self, why: str, request: Request) -> None:
+        """On the spool's writer: a quarantined live message committed (or failed)."""
+        if request.error is not None:
+            self._report_lost_rejection(request.session_id, why, request.error)
+            return
+        log.warning(
+            "Session DB transcript append refused a message of %s; quarantined it in the "
+            "spool (seq %d, shown by walspool ls), the session goes on: %s",
+            request.session_id,
+            request.result.seq,
+            why,
+        )
+
+    def _report_lost_rejection(self, session_id: str | None, why: str, exc: BaseException) -> None:
+        log.warning(
+            "Session DB transcript append refused a message of %s and the spool could not "
+            "keep it (%s); dropped it, the session goes on: %s",
+            session_id,
+            exc,
+            why,
+        )
 
     def _write_one(self, session_id: str, message: dict[str, Any]) -> Exception | None:
         """Write one queued message as the released store does, FTS repair included."""

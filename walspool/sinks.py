@@ -235,6 +235,20 @@ def is_row_rejection(exc: BaseException) -> bool:
     return isinstance(exc, (TypeError, ValueError, AttributeError, OverflowError))
 
 
+def rejects_live_row(exc: BaseException, session_db: Any) -> bool:
+    """Whether a live write through the gateway's own store (its ``append_message``, which
+    serialises structured fields itself) failed for the message, not the database.
+
+    ``rejects_content``, widened by the gateway's own rule (``is_row_rejection``: a
+    ``TypeError`` from serialising a field holding an SDK object, say), except while
+    ``session_db`` is closed, when every write fails with such an error whatever the
+    message: that is the database's state.
+    """
+    if rejects_content(exc):
+        return True
+    return is_row_rejection(exc) and not _is_closed_session_db(session_db)
+
+
 def as_rejection(exc: BaseException) -> RowRejected | None:
     """``exc`` as a ``RowRejected`` when the newer gateway's rule blames the row and
     ``rejects_content`` does not already; else None (raise ``exc`` unchanged)."""
