@@ -6,11 +6,17 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import shlex
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import apsw
 import pytest
+from _gateway import state_db
+from _helpers import ROOT
 
 import walspool
 from walspool.cli import main
@@ -164,8 +170,6 @@ def test_drop_without_yes_shows_what_it_would_drop_and_exits_2(capsys, set_aside
 
 def test_replay_names_the_flag_that_creates_missing_sessions(capsys, tmp_path):
     pytest.importorskip("hermes_state")
-    from _gateway import state_db
-
     path = tmp_path / "spool.db"
     with walspool.Spool(path) as spool:
         spool.append("s2", MSG)
@@ -188,8 +192,6 @@ def test_replay_that_quarantined_rows_exits_5(capsys, tmp_path):
     """Nothing held, but a row state.db refused for its content: `replay && ...` must
     not go on as if all moved."""
     pytest.importorskip("hermes_state")
-    from _gateway import state_db
-
     path = tmp_path / "spool.db"
     with walspool.Spool(path) as spool:
         spool.append_many([("s1", {"role": "user", "content": f"m{i}"}) for i in range(3)])
@@ -292,8 +294,6 @@ def test_a_damaged_spool_is_refused_alike_by_every_command(capsys, tmp_path):
         ["requeue", "--quarantined"], ["drop", "--id", "1"],
     ]  # fmt: skip
     try:
-        from _gateway import state_db
-
         pytest.importorskip("hermes_state")
         state = state_db(tmp_path / "state.db", "s1")
         commands += [["replay", "--into", state, "--dry-run"], ["replay", "--into", state]]
@@ -321,3 +321,34 @@ def test_export_json_puts_its_error_on_stdout_after_the_records(capsys, spool_fi
     assert last == {"command": "export", "error": err[len("walspool export: ") : -1], "exit": 1}
     rc, out, err = run(capsys, "show", spool_file, "sess-y", "--json")
     assert rc == 1 and json.loads(out.splitlines()[-1])["exit"] == 1
+
+
+# -- every id ls prints pastes back -------------------------------------------------------
+
+EVIL = "evil\x1b[2J\nline\u202e 'quoted'"
+
+
+def test_a_session_ls_prints_pastes_back_into_show_through_a_shell(capsys, tmp_path):
+    """ls escapes what a terminal would obey, as a shell word that gives the id back:
+    pasted into `walspool show` (through a real shell) it names the same rows; so does
+    the key:<KEY> of a stream spooled by key only."""
+    path = tmp_path / "spool.db"
+    with walspool.Spool(path) as spool:
+        spool.append(EVIL, {"role": "user", "content": "from evil"})
+        spool.append(None, {"role": "user", "content": "from a key"}, session_key="agent main:k")
+        spool.append("plain-1", {"role": "user", "content": "plain"})
+    rc, out, _ = run(capsys, "ls", path)
+    assert rc == 0 and "\x1b" not in out
+    words = [line.split("  ")[0] for line in out.splitlines()[1:]]
+    assert words == [r"$'evil\x1b[2J\nline\u202e \'quoted\''", "'key:agent main:k'", "plain-1"]
+    for word, content in zip(words, ("from evil", "from a key", "plain"), strict=True):
+        command = f"{shlex.quote(sys.executable)} -m walspool show {shlex.quote(str(path))} "
+        done = subprocess.run(
+            ["bash", "-c", command + word + " --json --full"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
+        assert done.returncode == 0, done.stderr
+        assert [r["message"]["content"] for r in json.loads(done.stdout)] == [content]
