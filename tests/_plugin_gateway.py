@@ -1,0 +1,139 @@
+"""A real gateway process for tests/test_plugin.py, run by the python of one gateway's
+environment (``.venv``: hermes-agent 0.19.0, ``.venv-axisrow``: 0.20.1.2,
+``.venv-upstream``: 0.22.2.post1) in a ``HERMES_HOME`` where the test enabled (or did
+not enable) the plugin the user's way.
+
+    python _plugin_gateway.py OUT probe              start a GatewayRunner, report, stop
+    python _plugin_gateway.py OUT outage N quiet     the same, with an outage of state.db in
+    python _plugin_gateway.py OUT outage N message   between: N messages to each of 3 sessions
+                                                 while every insert fails, then heal; then
+                                                 nothing more is sent (quiet), or one more
+                                                 message to each session (message)
+
+Nothing here touches walspool: the gateway's own plugin discovery loads it (or not). Writes
+one JSON object to the file OUT (the 0.22 gateway takes stdout over): what the test asserts
+on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import sys
+import time
+from typing import Any
+
+#: A deterministic outage every gateway treats as transient: inserts fail until healed.
+BREAK = (
+    "CREATE TRIGGER walspool_test_broken BEFORE INSERT ON messages "
+    "BEGIN SELECT RAISE(ABORT, 'walspool test outage'); END"
+)
+HEAL = "DROP TRIGGER IF EXISTS walspool_test_broken"
+SESSIONS = ("s1", "s2", "s3")
+#: Bound on the wait for a healed state.db to receive everything.
+SETTLE_SECONDS = 60.0
+
+
+class Lines(logging.Handler):
+    """Keeps what walspool logs, as text."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(f"{record.levelname} {record.getMessage()}")
+
+
+def sql(db: Any, statement: str) -> None:
+    with db._lock:
+        db._conn.execute(statement)
+
+
+def traffic(n: int) -> dict[str, list[dict[str, Any]]]:
+    """What real traffic looks like: each turn is a user message with a whole-second
+    timestamp and an assistant reply stamped with the same time; identical messages
+    ("ok") within a second."""
+    now = int(time.time())
+    sent: dict[str, list[dict[str, Any]]] = {}
+    for sid in SESSIONS:
+        rows = []
+        for i in range(n):
+            content = "ok" if i % 50 == 7 else f"{sid}-{i}"
+            role = "user" if i % 2 == 0 else "assistant"
+            rows.append({"role": role, "content": content, "timestamp": now + i // 2})
+        sent[sid] = rows
+    return sent
+
+
+def linked(runner: Any) -> dict[str, Any]:
+    """How walspool is linked into this gateway, as seen from outside it."""
+    store = runner.session_store
+    bound = getattr(store.append_to_transcript, "__self__", None)
+    module = sys.modules.get("gateway.shutdown_flush")
+    return {
+        "store_linked": type(bound).__module__ == "walspool.hermes",
+        "shutdown_flush": getattr(module, "__name__", None),
+        # What walspool's register did here (None: never called).
+        "registered": getattr(sys.modules.get("walspool.plugin"), "_registered", None),
+    }
+
+
+async def run(mode: str, n: int, after: str) -> dict[str, Any]:
+    from gateway.run import GatewayRunner
+
+    runner = GatewayRunner()
+    await runner.start()
+    result: dict[str, Any] = {"before": linked(runner)}
+    store = runner.session_store
+    if mode == "outage":
+        db = store._db
+        for sid in SESSIONS:
+            db.create_session(sid, "telegram")
+        sent = traffic(n)
+        sql(db, BREAK)
+        for i in range(n):
+            for sid in SESSIONS:
+                store.append_to_transcript(sid, sent[sid][i])
+        result["during"] = {sid: len(db.get_messages(sid)) for sid in SESSIONS}
+        sql(db, HEAL)
+        if after == "message":
+            for sid in SESSIONS:
+                last = {"role": "user", "content": f"{sid}-last", "timestamp": int(time.time())}
+                sent[sid].append(last)
+                store.append_to_transcript(sid, last)
+        await settle(db, sent)
+        result["sent"] = {sid: [(m["role"], m["content"]) for m in sent[sid]] for sid in SESSIONS}
+        result["landed"] = {
+            sid: [(m["role"], m["content"]) for m in db.get_messages(sid)] for sid in SESSIONS
+        }
+    await runner.stop()
+    return result
+
+
+async def settle(db: Any, sent: dict[str, list[dict[str, Any]]]) -> None:
+    """Wait, at most ``SETTLE_SECONDS``, until state.db holds as many rows as were sent
+    to each session (the test then compares them)."""
+    deadline = time.monotonic() + SETTLE_SECONDS
+    while time.monotonic() < deadline:
+        if all(len(db.get_messages(sid)) >= len(sent[sid]) for sid in SESSIONS):
+            return
+        await asyncio.sleep(0.05)
+
+
+def main() -> None:
+    out, mode = sys.argv[1], sys.argv[2]
+    n = int(sys.argv[3]) if len(sys.argv) > 3 else 0
+    after = sys.argv[4] if len(sys.argv) > 4 else "quiet"
+    lines = Lines()
+    logging.getLogger("walspool").addHandler(lines)
+    logging.getLogger("walspool").setLevel(logging.INFO)
+    result = asyncio.run(run(mode, n, after))
+    result["log"] = lines.lines
+    with open(out, "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main()

