@@ -5,12 +5,16 @@ exactly-once with the 0.19.0 link):
 
 * ``DrainSink``: the live drain. The gateway hands ``drain_transcript_spool`` a
   callback that writes one message its own way. When the store behind that
-  callback is known (the callback's ``self``, or the store ``recover_gateway_pending``
-  registered), the ticket of each row is recorded by the TEMP trigger of
-  ``SessionDBSink`` on that store's ``SessionDB``: the callback's insert runs on the
-  draining thread, inside the ``tracking`` block, so landings stay exact across a
-  crash. Otherwise the callback's raise is trusted and a row a crash left in
-  flight is quarantined (``landed`` answers None).
+  callback is known (the callback's ``self``: 0.22's store, through
+  ``_db_for_session_id``, or 0.20's, through its one ``_db``; else the store
+  ``recover_gateway_pending`` registered), the ticket of each row is recorded by the
+  TEMP trigger of ``SessionDBSink`` on that store's ``SessionDB``: the callback's
+  insert runs on the draining thread, inside the ``tracking`` block, so landings
+  stay exact across a crash. The first write of each drain checks that its ticket
+  was recorded; if it was not (the callback writes elsewhere), the drain goes on
+  untracked. Untracked, a row is set aside (quarantined, saying its landing is
+  unknown) in the spool before the callback runs and deleted once it returned, so
+  a crash in between leaves it quarantined for an operator: never written twice.
 * ``RoutingSink``: startup recovery. Rows spooled with a session id go to the
   default ``SessionDB``; rows spooled with only a routing key go to the store the
   gateway's resolver named for that key (a multiplexed gateway keeps one state.db
@@ -24,12 +28,14 @@ from __future__ import annotations
 
 import inspect
 import threading
+import time
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from . import text
 from .records import Record
+from .replay import UNKNOWN_LANDING
 from .sinks import SessionDBSink, Ticket, as_rejection
 
 log = text.logger("walspool.shutdown_flush")
@@ -40,11 +46,38 @@ _stores: weakref.WeakSet[Any] = weakref.WeakSet()
 _trackers: weakref.WeakKeyDictionary[Any, SessionDBSink] = weakref.WeakKeyDictionary()
 _trackers_lock = threading.Lock()
 
+#: Sets a row aside before an untracked callback writes it: if the process dies before
+#: the spool forgets the row, nobody can know whether it landed, and it stays set aside.
+SET_ASIDE_SQL = """
+UPDATE records SET status = 'quarantined', inflight = NULL, last_error = ?,
+    last_attempt_at = ?
+WHERE id = ?
+"""
+#: Puts it back once the callback raised (it did not land: the callback's word).
+PUT_BACK_SQL = "UPDATE records SET status = NULL WHERE id = ? AND status = 'quarantined'"
+
 
 def register_store(store: Any) -> None:
     """Remember ``store`` (a gateway ``SessionStore``) for tracking its drains."""
-    if callable(getattr(store, "_db_for_session_id", None)):
+    if _is_store(store):
         _stores.add(store)
+
+
+def _is_store(candidate: Any) -> bool:
+    """A gateway ``SessionStore``: 0.22's (``_db_for_session_id``) or 0.20's (one
+    ``_db`` with ``append_message``)."""
+    if callable(getattr(candidate, "_db_for_session_id", None)):
+        return True
+    db = getattr(candidate, "_db", None)
+    return db is not None and callable(getattr(db, "append_message", None))
+
+
+def db_of(store: Any, session_id: str) -> Any:
+    """The ``SessionDB`` ``store`` writes ``session_id``'s transcript to, or None."""
+    by_session = getattr(store, "_db_for_session_id", None)
+    if callable(by_session):
+        return by_session(session_id)
+    return getattr(store, "_db", None)
 
 
 def tracker(session_db: Any) -> SessionDBSink:
@@ -59,11 +92,19 @@ def tracker(session_db: Any) -> SessionDBSink:
 def store_of(replay: Callable[..., Any]) -> Any:
     """The ``SessionStore`` behind a drain callback, or None.
 
-    The gateway's callback is a closure over its store (``self`` in
-    ``SessionTranscriptMixin._drain_spooled_drops``); failing that, for a callback
-    defined in the gateway's own modules, the one store ``recover_gateway_pending``
-    registered in this process.
+    The gateway's callback is a closure over its store: ``self`` in 0.22's
+    ``SessionTranscriptMixin._drain_spooled_drops`` and in 0.20's
+    ``SessionStore._drain_spooled_drops`` (a lambda writing through
+    ``self._append_transcript_message``), or a bound method of it; failing that,
+    the one store ``recover_gateway_pending`` registered in this process. Only a
+    callback defined in the gateway's own modules counts: anything else is not
+    assumed to write through the store it closes over.
     """
+    if not str(getattr(replay, "__module__", "")).startswith("gateway."):
+        return None
+    owner = getattr(replay, "__self__", None)
+    if owner is not None and _is_store(owner):
+        return owner
     code = getattr(replay, "__code__", None)
     cells = getattr(replay, "__closure__", None) or ()
     if code is not None:
@@ -74,29 +115,30 @@ def store_of(replay: Callable[..., Any]) -> Any:
                 candidate = cell.cell_contents
             except ValueError:  # an empty cell
                 continue
-            if callable(getattr(candidate, "_db_for_session_id", None)):
+            if _is_store(candidate):
                 return candidate
-    # Only the gateway's own callbacks write through its store; anything else is
-    # trusted on its raise rather than assumed to record tickets.
-    if not str(getattr(replay, "__module__", "")).startswith("gateway."):
-        return None
     stores = list(_stores)
     return stores[0] if len(stores) == 1 else None
 
 
 class DrainSink:
     """``drain_transcript_spool``'s sink: each message goes through the gateway's
-    callback; landings are exact when the callback's store is known (see module)."""
+    callback; landings are exact when the callback's store is known, and an untracked
+    row is set aside while it is written (see module)."""
 
-    def __init__(self, replay: Callable[[dict[str, Any]], Any], session_id: str) -> None:
+    def __init__(
+        self, replay: Callable[[dict[str, Any]], Any], session_id: str, spool: Any
+    ) -> None:
         self.replay = replay
         self.session_id = session_id
+        self.spool = spool
         self._store = store_of(replay)
+        self._checked = False
 
     def _tracker(self) -> SessionDBSink | None:
         if self._store is None:
             return None
-        db = self._store._db_for_session_id(self.session_id)
+        db = db_of(self._store, self.session_id)
         return None if db is None else tracker(db)
 
     def write(self, session_id: str, record: Record, ticket: Ticket) -> None:
@@ -104,6 +146,8 @@ class DrainSink:
         # Outside the try: a state.db that cannot be prepared holds the row, whatever
         # the error's type (never a rejection of the row).
         tracked = track is not None and track.prepare()
+        if not tracked:
+            self._set_aside(record)
         try:
             if track is not None and tracked:
                 with track.tracking(ticket):
@@ -111,10 +155,41 @@ class DrainSink:
             else:
                 self.replay(record.message)
         except Exception as exc:
+            if not tracked:
+                self._put_back(record)
             rejected = as_rejection(exc)
             if rejected is None:
                 raise
             raise rejected from exc
+        if track is not None and tracked and not self._checked:
+            self._checked = True
+            if ticket not in (track.landed([ticket]) or ()):
+                # The callback wrote somewhere else: this drain's later rows are set
+                # aside while they are written instead.
+                log.warning(
+                    "The drain callback for %s does not write through its store's "
+                    "state.db connection; its rows are tracked in the spool instead",
+                    self.session_id,
+                )
+                self._store = None
+
+    def _set_aside(self, record: Record) -> None:
+        self.spool._execute(
+            lambda conn: conn.execute(SET_ASIDE_SQL, (UNKNOWN_LANDING, time.time(), record.id))
+        )
+
+    def _put_back(self, record: Record) -> None:
+        try:
+            self.spool._execute(lambda conn: conn.execute(PUT_BACK_SQL, (record.id,)))
+        except Exception as exc:  # noqa: BLE001 - it stays set aside, for an operator
+            log.warning(
+                "Row %d of %s stays quarantined in %s (its write failed, and putting it "
+                "back failed too: %s); replay it with --quarantined",
+                record.id,
+                self.session_id,
+                self.spool.path,
+                exc,
+            )
 
     def landed(self, tickets: Sequence[Ticket]) -> set[Ticket] | None:
         track = self._tracker()

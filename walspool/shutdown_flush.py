@@ -34,9 +34,13 @@ by a crash are quarantined, never guessed).
 
 from __future__ import annotations
 
+import atexit
 import os
+import queue
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +51,7 @@ from .jsonspool import FILE_PATTERN, QUARANTINE_PATTERN, import_json_spool
 from .records import AGENT_HISTORY, CAP_DROP
 from .replay import Replayer, ReplayReport
 from .sinks import is_row_rejection
-from .spool import Spool
+from .spool import Spool, check_lookup
 
 __all__ = [
     "AGENT_HISTORY_REASON",
@@ -78,8 +82,19 @@ FLUSH_DIR_NAME = "pending_messages"
 #: Key under which an imported file's name is kept in its message (see jsonspool).
 IMPORT_SOURCE_KEY = "_walspool_import"
 
+#: Seconds a drain waits for the spool's writer to commit what was handed to it before
+#: (this session's evictions); none once the spool's write lock is found held elsewhere.
+CONFIRM_WAIT = 0.25
+#: How often that wait looks whether the writer found the write lock held elsewhere.
+BUSY_LOOK_SECONDS = 0.01
+
 _spools: dict[Path, Spool] = {}
 _spools_lock = threading.Lock()
+#: Evictions handed to a spool's writer and not yet committed, per (spool, session).
+_unconfirmed: dict[tuple[Path, str], int] = {}
+#: Spools with an empty transaction queued to learn whether their write lock is free.
+_probing: dict[Path, threading.Event] = {}
+_handoffs = threading.Condition()
 
 COUNT_SESSION_ROWS_SQL = """
 SELECT count(*) FROM records
@@ -137,11 +152,22 @@ def shared_spool() -> Spool:
 
 
 def close_shared_spools() -> None:
-    """Close every spool opened by these functions (for tests and clean exits)."""
+    """Close every spool opened by these functions (for tests and clean exits).
+
+    Runs at interpreter exit too, so evictions handed to a spool's writer commit
+    (within ``walspool.writer.CLOSE_TIMEOUT``) before its thread stops.
+    """
     with _spools_lock:
-        for spool in _spools.values():
-            spool.close()
+        spools = list(_spools.values())
         _spools.clear()
+    for spool in spools:
+        try:
+            spool.close()
+        except WalspoolError as exc:
+            log.error("Closing the transcript spool %s failed: %s", spool.path, exc)
+
+
+atexit.register(close_shared_spools)
 
 
 # -- live operation ----------------------------------------------------------------------
@@ -150,16 +176,97 @@ def close_shared_spools() -> None:
 def spool_dropped_transcript_message(session_id: str, message: dict[str, Any]) -> Path | None:
     """Spool a message the transcript queue evicted (or diverted) instead of dropping it.
 
-    Returns the spool's path once the row is committed, or None when it could not
-    be spooled (the caller then drops the message and warns, as before).
+    Never waits: the row is handed to the spool's writer, which takes its place in
+    the session's order at once and commits it in the background. Returns the
+    spool's path once handed off, or None when the spool cannot take it now (closed,
+    a bad value, the writer's queue full: the caller then drops the message and
+    warns, as before). A hand-off the writer then fails to commit (its write lock
+    held elsewhere past ``walspool.writer.BUSY_RETRY_SECONDS``, a full disk) is
+    dropped with a WARNING. A drain of the session counts it as remaining until it
+    is committed.
     """
     try:
         spool = shared_spool()
-        spool.append(session_id, message, reason=CAP_DROP)
+        row = spool.prepare(session_id, message, CAP_DROP)
+        key = (spool.path, session_id)
+        with _handoffs:
+            _unconfirmed[key] = _unconfirmed.get(key, 0) + 1
+        try:
+            spool.put_nowait((row,), partial(_evicted, key))
+        except BaseException:
+            _settled(key)
+            raise
     except Exception as exc:  # noqa: BLE001 - the caller drops and warns, as upstream
         log.debug("Failed to spool cap-dropped transcript message for %s: %s", session_id, exc)
         return None
     return spool.path
+
+
+def _evicted(key: tuple[Path, str], request: Any) -> None:
+    """The writer's word on a hand-off (on whichever thread committed it)."""
+    _settled(key)
+    if request.error is not None:
+        log.warning(
+            "Session DB transcript message evicted for %s could not be committed to %s; "
+            "dropped: %s",
+            key[1],
+            key[0],
+            request.error,
+        )
+
+
+def _settled(key: tuple[Path, str]) -> None:
+    with _handoffs:
+        left = _unconfirmed.get(key, 0) - 1
+        if left > 0:
+            _unconfirmed[key] = left
+        else:
+            _unconfirmed.pop(key, None)
+        _handoffs.notify_all()
+
+
+def _handed_off(spool: Spool, session_id: str) -> int:
+    with _handoffs:
+        return _unconfirmed.get((spool.path, session_id), 0)
+
+
+def _probe(spool: Spool, *, wait: float) -> bool:
+    """Whether the spool's writer has committed everything handed to it so far, with
+    its write lock free: an empty transaction queued behind it, waited for at most
+    ``wait`` s, and not at all once the writer finds the lock held elsewhere.
+
+    At most one probe per spool is queued at a time (a second caller waits for the
+    same one); a probe that finds the lock free again also clears the writer's busy
+    state, so skipped drains resume at the gateway's next write.
+    """
+    with _handoffs:
+        done = _probing.get(spool.path)
+        if done is None:
+            done = _probing[spool.path] = threading.Event()
+            queued = False
+        else:
+            queued = True
+    if not queued:
+
+        def confirmed(request: Any) -> None:
+            with _handoffs:
+                _probing.pop(spool.path, None)
+            if request.error is None:
+                done.set()
+
+        try:
+            spool.confirm_nowait(confirmed)
+        except (queue.Full, WalspoolError):
+            with _handoffs:
+                _probing.pop(spool.path, None)
+            return False
+    deadline = time.monotonic() + wait
+    while not done.is_set() and not spool.busy():
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        done.wait(min(left, BUSY_LOOK_SECONDS))
+    return done.is_set()
 
 
 def drain_transcript_spool(
@@ -173,9 +280,16 @@ def drain_transcript_spool(
     Each row is removed only after ``replay(message)`` returned; the first failure
     stops the drain and keeps that row and the later ones, but a message refused for
     its content (``is_row_rejection``) is quarantined and the drain goes on.
-    Returns ``(replayed, remaining)``. With ``db_known_failing`` a failure logs at
-    DEBUG, not WARNING. Never waits for a replay of the spool running elsewhere:
-    then nothing is replayed and the rows count as remaining.
+    Returns ``(replayed, remaining)``; remaining counts evictions handed to the
+    spool's writer and not yet committed. With ``db_known_failing`` a failure logs
+    at DEBUG, not WARNING.
+
+    Waits: at most ``CONFIRM_WAIT`` for the spool's writer to commit what was handed
+    to it before, and none while another process holds the spool's write lock or a
+    replay of the spool runs elsewhere: the drain is skipped (nothing replayed, the
+    rows count as remaining) and the gateway tries again at its next write. A spool
+    transaction of the drain itself waits at most ``walspool.writer.BUSY_RETRY_SECONDS``
+    for a write lock taken elsewhere after that check.
     """
     try:
         spool = shared_spool()
@@ -183,20 +297,35 @@ def drain_transcript_spool(
         log.warning("Cannot open the transcript spool to drain %s: %s", session_id, exc)
         return 0, 0
     try:
+        check_lookup(session_id, "session_id", spool.path)
+    except InvalidArgument:  # an id the spool cannot hold has no rows in it
+        return 0, 0
+    busy = spool.busy()
+    if not _probe(spool, wait=0.0 if busy else CONFIRM_WAIT) or busy:
+        remaining = _remaining(spool, session_id)
+        log.debug(
+            "The spool %s is busy (its write lock is held elsewhere, or its writer is "
+            "behind); %s keeps %d row(s) for its next write",
+            spool.path,
+            session_id,
+            remaining,
+        )
+        return 0, remaining
+    try:
         report = Replayer(
-            spool, _upstream.DrainSink(replay, session_id), wait_for_bookkeeping=False
+            spool, _upstream.DrainSink(replay, session_id, spool), wait_for_bookkeeping=False
         ).replay(session_id=session_id, reasons=[CAP_DROP], wait=False)
     except InvalidArgument:  # an id the spool cannot hold has no rows in it
         return 0, 0
     except ReplayBusy:
-        remaining = _count(spool, COUNT_SESSION_ROWS_SQL, (session_id, CAP_DROP))
+        remaining = _remaining(spool, session_id)
         log.debug(
             "Another replay of %s runs; %s keeps %d row(s)", spool.path, session_id, remaining
         )
         return 0, remaining
     except Exception as exc:  # noqa: BLE001 - rows may remain: say so, never raise
         log.warning("Cannot drain the transcript spool for %s: %s", session_id, exc)
-        return 0, max(_count(spool, COUNT_SESSION_ROWS_SQL, (session_id, CAP_DROP)), 1)
+        return 0, max(_remaining(spool, session_id), 1)
     if report.held:
         (log.debug if db_known_failing else log.warning)(
             "Replay of spooled transcript message for %s failed; keeping %d row(s) in %s for "
@@ -212,7 +341,14 @@ def drain_transcript_spool(
             report.moved,
             session_id,
         )
-    return report.moved, report.held
+    return report.moved, report.held + _handed_off(spool, session_id)
+
+
+def _remaining(spool: Spool, session_id: str) -> int:
+    """The session's spooled cap drops, committed or still being handed off."""
+    return _count(spool, COUNT_SESSION_ROWS_SQL, (session_id, CAP_DROP)) + _handed_off(
+        spool, session_id
+    )
 
 
 # -- shutdown ----------------------------------------------------------------------------
@@ -348,6 +484,10 @@ def recover_pending_spool(
     except Exception as exc:  # noqa: BLE001 - never raises, as upstream
         log.warning("Failed to recover pending messages: %s", exc)
         return 0, set()
+    try:
+        spool.flush()  # evictions handed off earlier in this process are rows now
+    except WalspoolError as exc:
+        log.warning("Pending-message recovery could not commit earlier evictions: %s", exc)
     _import_leftover_files(spool)
     if not _count(spool, ANY_TO_REPLAY_SQL, (AGENT_HISTORY,)):
         return 0, set()

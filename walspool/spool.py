@@ -266,6 +266,14 @@ class Spool:
             request = Append(rows, single=single)
         self._writer.notify_nowait(request, callback)
 
+    def confirm_nowait(self, callback: Callable[[Any], None]) -> None:
+        """Queue an empty transaction without waiting: ``callback(request)`` runs once
+        everything queued before it has committed or failed, and the write lock was
+        taken for it (``request.error`` is set if not: held elsewhere past the bound).
+        Raises ``queue.Full`` as ``put_nowait`` does."""
+        self._check_path()
+        self._writer.notify_nowait(Operation(_nothing), callback)
+
     def has_room(self) -> bool:
         """Whether a ``put_nowait`` now would find room (``Writer.has_room``)."""
         return self._writer.has_room()
