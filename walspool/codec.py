@@ -15,6 +15,14 @@ The rule, applied once when a message is appended:
   and infinities as null (JSON has no spelling for them); lone UTF-16 surrogates as
   U+FFFD, as state.db itself scrubs them; and whatever is left as ``repr(value)``.
 
+Decoding has a budget, so a stored payload cannot cost more memory or stack than a
+reader can give it: ``decode`` refuses (``OverBudget``, a ``msgspec.DecodeError``)
+a payload nested deeper than ``MAX_DEPTH`` or holding more than ``MAX_VALUES``
+JSON values, before decoding it. Both are counted on the text, outside its strings,
+at the speed of a byte scan. Encoding keeps within them for a message of ordinary
+shape; a message deeper or wider than that is stored all the same, and its readers
+quarantine (replay) or flag (``show``, ``export``) it rather than decode it.
+
 One field is read, not just converted: a message's ``timestamp`` (a dict key or an
 object's attribute) that is a datetime is stored as epoch seconds, a naive one read
 once in the appending process's zone, so no later reader, in whatever zone, has to
@@ -30,15 +38,39 @@ field as the rule above converts it.
 
 from __future__ import annotations
 
+import array
 import dataclasses
 import datetime
 import enum
+import itertools
+import re
 from collections.abc import Mapping
 from typing import Any
 
 import msgspec
 
 _MAX_DEPTH = 32
+
+#: The deepest nesting of arrays and objects ``decode`` takes: well within the
+#: interpreter's recursion limit (1,000) whatever the caller's own depth, so decoding
+#: never raises ``RecursionError``.
+MAX_DEPTH = 512
+#: The most JSON values (each array, object, key and scalar) ``decode`` takes from one
+#: payload: about ``MAX_VALUES * VALUE_BYTES`` = 128 MiB of Python objects.
+MAX_VALUES = 2_000_000
+#: What one decoded value costs in memory, about: a small object, string or number and
+#: its slot in its container. ``decoded_bytes`` estimates a payload's cost with it.
+VALUE_BYTES = 64
+
+#: A JSON string (its quotes, and escapes within it): what the scans leave out.
+_STRINGS = {
+    bytes: re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL),
+    str: re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL),
+}
+#: Keeps only the brackets of a text; opening ones become 1, closing ones -1 (as
+#: signed bytes), so a running sum is the depth.
+_BRACKETS = bytes.maketrans(b"[{]}", b"\x01\x01\xff\xff")
+_NOT_BRACKETS = bytes(c for c in range(256) if c not in b"[{]}")
 
 _encoder = msgspec.json.Encoder(enc_hook=lambda obj: _object_fields(obj))
 _decoder = msgspec.json.Decoder()
@@ -85,9 +117,70 @@ def with_epoch_timestamp(message: Any) -> Any:
     return plain
 
 
+class OverBudget(msgspec.DecodeError):
+    """A payload deeper or wider than ``decode`` takes; the message says which."""
+
+
 def decode(payload: str | bytes) -> Any:
-    """Return the JSON value stored in a payload."""
-    return _decoder.decode(payload)
+    """Return the JSON value stored in a payload.
+
+    Raises ``OverBudget`` (a ``msgspec.DecodeError``, as for text that is not JSON)
+    when the payload is nested deeper than ``MAX_DEPTH`` or holds more than
+    ``MAX_VALUES`` values; nothing is decoded then.
+    """
+    check_budget(payload)
+    try:
+        return _decoder.decode(payload)
+    except RecursionError:  # only a caller already deep in its stack meets this
+        raise OverBudget(f"nested too deep to decode here (at most {MAX_DEPTH} levels)") from None
+
+
+def values_at_most(payload: str | bytes) -> int:
+    """An upper bound of the values a payload decodes to, in four byte counts: its
+    commas, colons and opening brackets, strings included (so it may count high)."""
+    if isinstance(payload, str):
+        count = payload.count
+        return count(",") + count(":") + count("[") + count("{") + 1
+    count_b = payload.count
+    return count_b(b",") + count_b(b":") + count_b(b"[") + count_b(b"{") + 1
+
+
+def decoded_bytes(payload: str | bytes) -> int:
+    """About the most memory decoding ``payload`` takes: ``VALUE_BYTES`` per value
+    (``values_at_most``) besides the text itself."""
+    return VALUE_BYTES * values_at_most(payload)
+
+
+def check_budget(payload: str | bytes) -> None:
+    """Raise ``OverBudget`` if ``payload`` is nested deeper than ``MAX_DEPTH`` or
+    holds more than ``MAX_VALUES`` values, counted outside its strings; else nothing.
+
+    A payload whose brackets and separators, strings included, are within both
+    limits passes on four byte counts; only others have their strings scanned.
+    """
+    if isinstance(payload, str):
+        opening = payload.count("[") + payload.count("{")
+    else:
+        opening = payload.count(b"[") + payload.count(b"{")
+    if opening <= MAX_DEPTH and values_at_most(payload) <= MAX_VALUES:
+        return
+    if isinstance(payload, str):
+        structure = _STRINGS[str].sub("", payload).encode("utf-8", "surrogatepass")
+    else:
+        structure = _STRINGS[bytes].sub(b"", payload)
+    values = values_at_most(structure)
+    if values > MAX_VALUES:
+        raise OverBudget(
+            f"{values:,} JSON values or more, over the {MAX_VALUES:,} a payload may decode to"
+        )
+    brackets = structure.translate(_BRACKETS, _NOT_BRACKETS)
+    if brackets.count(1) <= MAX_DEPTH:
+        return
+    depth = max(itertools.accumulate(array.array("b", brackets)), default=0)
+    if depth > MAX_DEPTH:
+        raise OverBudget(
+            f"nested {depth:,} levels deep, over the {MAX_DEPTH} a payload may decode to"
+        )
 
 
 class _Fields(dict):  # type: ignore[type-arg]

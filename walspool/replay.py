@@ -25,10 +25,11 @@ a failed row is freed at once; a row left in flight by a crash, whose fate nobod
 can know, is quarantined (kept, flagged for an operator), never guessed.
 
 A row the sink refuses for its content (``rejects_content``), a payload that is not
-JSON and a whole agent history are quarantined: kept with their error, visible to
-operators, replayed only when asked for (``quarantined=True``), and their stream
-goes on. Any other failure (locked, I/O, missing session) holds the stream: order
-over progress.
+JSON or is too costly to decode (nested deeper than ``codec.MAX_DEPTH``, more than
+``codec.MAX_VALUES`` values) and a whole agent history are quarantined: kept with
+their error, visible to operators, replayed only when asked for
+(``quarantined=True``), and their stream goes on. Any other failure (locked, I/O,
+missing session) holds the stream: order over progress.
 """
 
 from __future__ import annotations
@@ -54,16 +55,10 @@ from .errors import (
     SpoolIOError,
     WalspoolError,
 )
+from .paging import ROW_BYTES_SQL, read_page, record_from_row
 from .records import AGENT_HISTORY, QUARANTINED, SUPERSEDED, Record
 from .sinks import Sink, rejects_content
-from .spool import (
-    RECORD_COLUMNS,
-    Spool,
-    check_lookup,
-    read_page,
-    reasons_filter,
-    record_from_row,
-)
+from .spool import RECORD_COLUMNS, Spool, check_lookup, reasons_filter
 
 log = text.logger("walspool.replay")
 
@@ -81,18 +76,18 @@ REASON_FILTER = """(CASE WHEN :reasons IS NULL THEN reason != :agent_history
      ELSE reason IN (SELECT value FROM json_each(:reasons)) END)
      AND (status IS NULL OR status IN (SELECT value FROM json_each(:statuses)))"""
 NEXT_BY_ID_SQL = f"""
-SELECT {RECORD_COLUMNS}, size FROM records
+SELECT {RECORD_COLUMNS}, {ROW_BYTES_SQL} FROM records
 WHERE session_id IS NOT NULL AND (session_id, seq) > (:after_name, :after_seq)
   AND inflight IS NULL AND {REASON_FILTER}
 ORDER BY session_id, seq LIMIT :limit
 """
 NEXT_IN_SESSION_SQL = f"""
-SELECT {RECORD_COLUMNS}, size FROM records
+SELECT {RECORD_COLUMNS}, {ROW_BYTES_SQL} FROM records
 WHERE session_id = :session_id AND seq > :after_seq AND inflight IS NULL AND {REASON_FILTER}
 ORDER BY seq LIMIT :limit
 """
 NEXT_BY_KEY_SQL = f"""
-SELECT {RECORD_COLUMNS}, size FROM records INDEXED BY records_session_key_seq_idx
+SELECT {RECORD_COLUMNS}, {ROW_BYTES_SQL} FROM records INDEXED BY records_session_key_seq_idx
 WHERE session_id IS NULL AND (session_key, seq) > (:after_name, :after_seq)
   AND inflight IS NULL AND {REASON_FILTER}
 ORDER BY session_key, seq LIMIT :limit
@@ -714,9 +709,10 @@ def _take_batch(
 ) -> tuple[list[tuple[tuple[Any, ...], int]], list[int], bool]:
     """Select the next batch and give each row its ticket, in one transaction.
 
-    A batch is at most ``limit`` rows and ``PAGE_BYTES`` of payload (at least one
-    row). Also returns the tickets of rows still in flight from before (failed
-    writes), whose records the sink must keep, and whether more rows may follow.
+    A batch is at most ``limit`` rows and ``paging.PAGE_BYTES`` of what its rows cost,
+    as SQLite measures them and as decoding may make of them (at least one row). Also
+    returns the tickets of rows still in flight from before (failed writes), whose
+    records the sink must keep, and whether more rows may follow.
     """
     page, full = read_page(conn, sql, params, limit=params["limit"])
     rows = [row[:-1] for row in page]

@@ -5,7 +5,8 @@ people's files. Printed raw, an escape sequence (``ESC[2K``, a C1 ``CSI``) would
 rewrite the operator's screen, a newline would forge a row of a table or a whole log
 line, and a bidirectional override would reorder what is shown. ``printable``
 spells each such character as a Python escape (``\\x1b``, ``\\n``, ``\\u202e``); the
-``--json`` outputs are JSON, which is already unambiguous.
+``--json`` outputs are JSON, lossless, with the same characters as ``\\uXXXX`` escapes
+(``json_safe``), since a JSON line reaches a terminal or a log too.
 """
 
 from __future__ import annotations
@@ -13,17 +14,54 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-#: C0 controls, DEL, C1 controls and the bidirectional embedding, override and
-#: isolate characters.
-_UNSAFE = [*range(0x00, 0x20), 0x7F, *range(0x80, 0xA0), *range(0x202A, 0x202F),
-           *range(0x2066, 0x206A)]  # fmt: skip
-_ESCAPES = {c: (f"\\x{c:02x}" if c < 0x100 else f"\\u{c:04x}") for c in _UNSAFE}
+#: Every character that is not text to look at: the controls (C0, DEL, C1: category
+#: Cc), the format characters (Cf: bidirectional marks, embeddings, overrides and
+#: isolates, U+061C, zero-width characters, the BOM, the tag characters), the line and
+#: paragraph separators (Zl, Zp) and the surrogates (Cs, which no terminal can show).
+#: Unicode 15.1's set; a test checks it covers the running Python's ``unicodedata``.
+UNSAFE_RANGES = (
+    (0x0000, 0x001F), (0x007F, 0x009F), (0x00AD, 0x00AD), (0x0600, 0x0605),
+    (0x061C, 0x061C), (0x06DD, 0x06DD), (0x070F, 0x070F), (0x0890, 0x0891),
+    (0x08E2, 0x08E2), (0x180E, 0x180E), (0x200B, 0x200F), (0x2028, 0x202E),
+    (0x2060, 0x2064), (0x2066, 0x206F), (0xD800, 0xDFFF), (0xFEFF, 0xFEFF),
+    (0xFFF9, 0xFFFB), (0x110BD, 0x110BD), (0x110CD, 0x110CD), (0x13430, 0x1343F),
+    (0x1BCA0, 0x1BCA3), (0x1D173, 0x1D17A), (0xE0001, 0xE0001), (0xE0020, 0xE007F),
+)  # fmt: skip
+_UNSAFE = [c for first, last in UNSAFE_RANGES for c in range(first, last + 1)]
+
+
+def _python_escape(c: int) -> str:
+    if c < 0x100:
+        return f"\\x{c:02x}"
+    return f"\\u{c:04x}" if c < 0x10000 else f"\\U{c:08x}"
+
+
+def _json_escape(c: int) -> str:
+    if c < 0x10000:
+        return f"\\u{c:04x}"
+    high, low = divmod(c - 0x10000, 0x400)  # JSON spells it as its UTF-16 pair
+    return f"\\u{0xD800 + high:04x}\\u{0xDC00 + low:04x}"
+
+
+_ESCAPES = {c: _python_escape(c) for c in _UNSAFE}
 _ESCAPES.update({ord("\n"): "\\n", ord("\r"): "\\r", ord("\t"): "\\t"})
+#: In JSON text: the same characters as ``\\uXXXX`` escapes (C0 never appears raw in
+#: valid JSON, and a JSON encoder has already escaped it).
+_JSON_ESCAPES = {c: _json_escape(c) for c in _UNSAFE if c >= 0x20}
 
 
 def printable(text: Any) -> str:
-    """``str(text)`` with every control or bidi character spelled as an escape."""
+    """``str(text)`` with every control, format, separator or surrogate character
+    (``UNSAFE_RANGES``) spelled as a Python escape (``\\x1b``, ``\\u202e``)."""
     return str(text).translate(_ESCAPES)
+
+
+def json_safe(json_text: str) -> str:
+    """Valid JSON text with each ``UNSAFE_RANGES`` character it holds raw (only strings
+    can hold them) spelled as a ``\\uXXXX`` escape: the same JSON value, lossless, that
+    a terminal or a log shows as it is. What ``json.dumps(ensure_ascii=True)`` does for
+    these characters, leaving other non-ASCII text readable."""
+    return json_text.translate(_JSON_ESCAPES)
 
 
 def _escaped(arg: Any) -> Any:

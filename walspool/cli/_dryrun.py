@@ -12,16 +12,17 @@ from __future__ import annotations
 import sqlite3
 from collections.abc import Sequence
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import apsw
 
 from .. import codec
-from ..errors import SessionMissing, WalspoolError
+from ..errors import SessionMissing, SpoolCorrupt, WalspoolError
+from ..paging import record_from_row
 from ..records import AGENT_HISTORY, Record
 from ..replay import REASON_FILTER, ReplayReport, StreamReport, report_of
 from ..sinks import LANDED_SQL, LANDED_TABLE, LANDED_TABLE_EXISTS_SQL, rejects_content
-from ..spool import RECORD_COLUMNS, UID_SQL, record_from_row
+from ..spool import RECORD_COLUMNS, UID_SQL
 from ._statedb import session_exists
 from ._trial import Trial, trial_session_db
 
@@ -108,6 +109,15 @@ def replay_streams(
     return [StreamCount(*row, invalid.get((row[0], row[1]), 0)) for row in rows]
 
 
+def _decoded(row: tuple[Any, ...]) -> Record | None:
+    """The row's record, or None when its payload is too costly to decode (a replay
+    quarantines it) or not JSON."""
+    try:
+        return record_from_row(row)
+    except SpoolCorrupt:
+        return None
+
+
 def plan(
     conn: apsw.Connection, session: str | None, reasons: Sequence[str] | None, statuses: str
 ) -> Plan:
@@ -117,14 +127,16 @@ def plan(
     inflight: dict[str, list[InFlight]] = {}
     for row in conn.execute(INFLIGHT_ROWS_SQL, params):
         *columns, ticket, valid = row
-        record = record_from_row(tuple(columns)) if valid else None
+        record = _decoded(tuple(columns)) if valid else None
         inflight.setdefault(columns[1], []).append(InFlight(ticket, record))
     first = {}
     for stream in streams:
         if stream.session_id is not None:
             found = conn.execute(FIRST_ROW_SQL, {**params, "session_id": stream.session_id})
             for row in found:
-                first[stream.session_id] = record_from_row(row)
+                record = _decoded(row)
+                if record is not None:
+                    first[stream.session_id] = record
     return Plan(str(conn.execute(UID_SQL).get), streams, inflight, first)
 
 

@@ -22,7 +22,7 @@ from typing import Any, TextIO
 
 import msgspec
 
-from ..text import printable
+from ..text import json_safe, printable
 
 EXIT_OK = 0
 #: An error: one line on stderr.
@@ -133,8 +133,9 @@ def cli_terms(text: str | None) -> str | None:
 
 
 def dump(value: Any) -> str:
-    """Compact JSON text of a value (the ``--json`` outputs)."""
-    return msgspec.json.encode(value).decode("utf-8")
+    """Compact JSON text of a value (the ``--json`` outputs), lossless, with control,
+    format and separator characters as ``\\uXXXX`` escapes (``json_safe``)."""
+    return json_safe(msgspec.json.encode(value).decode("utf-8"))
 
 
 def printable_lines(text: str) -> str:

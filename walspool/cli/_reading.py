@@ -16,17 +16,12 @@ import apsw
 from .. import files, schema
 from ..errors import NotASpool, SpoolCorrupt, WalspoolError
 from ..files import SQLITE_MAGIC
+from ..paging import PAGE_ROWS, ROW_BYTES_SQL, read_page, record_from_row
 from ..records import Record
 from ..schema import sqlite_error
-from ..spool import (
-    PAGE_ROWS,
-    RECORD_COLUMNS,
-    check_lookup,
-    read_page,
-    reasons_filter,
-    record_from_row,
-)
-from ._output import EXIT_OK, plural
+from ..spool import RECORD_COLUMNS, check_lookup, reasons_filter
+from ..text import json_safe
+from ._output import EXIT_OK, dump, plural
 from ._readonly import SpoolReader
 
 #: Every page of the file walked, each b-tree's structure checked (not each index
@@ -107,7 +102,9 @@ INFLIGHT_BY_STREAM_SQL = """
 SELECT session_id, CASE WHEN session_id IS NULL THEN session_key END, count(*)
 FROM records INDEXED BY records_inflight_idx WHERE inflight IS NOT NULL GROUP BY 1, 2
 """
-_ROW = f"SELECT {RECORD_COLUMNS}, inflight, size FROM records"
+#: Each row's columns, whether its payload is JSON (as SQLite reads it, in C: no Python
+#: object per value) and what it costs to hold (``paging``): never the ``size`` column.
+_ROW = f"SELECT {RECORD_COLUMNS}, inflight, json_valid(payload), {ROW_BYTES_SQL} FROM records"
 _BY_REASON = "(:reasons IS NULL OR reason IN (SELECT value FROM json_each(:reasons)))"
 #: Keyset pages: streams spooled by session_id, then those spooled by key only,
 #: each in seq order; or one name's two streams. One short read per page.
@@ -130,7 +127,8 @@ COUNT_SQL = f"""SELECT count(*) FROM records WHERE {_BY_REASON}
 
 
 class BadPayload:
-    """In place of a message whose stored payload is not JSON: its raw text, flagged."""
+    """In place of a message whose stored payload is not JSON, or too costly to decode
+    (``codec.MAX_DEPTH``, ``codec.MAX_VALUES``): its raw text, flagged."""
 
     __slots__ = ("raw", "error")
 
@@ -139,12 +137,24 @@ class BadPayload:
         self.error = error
 
 
+class RawPayload:
+    """In place of a message that is only copied (``export``, ``show --json --full``):
+    its stored JSON text, which SQLite found valid, never decoded."""
+
+    __slots__ = ("text",)
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+
 def iter_records(
     reader: SpoolReader,
     session: str | None = None,
     reasons: Sequence[str] | None = None,
     bad: list[str] | None = None,
     kinds: Sequence[str] = ("id", "key"),
+    *,
+    raw: bool = False,
 ) -> Iterator[tuple[Record, int | None]]:
     """Yield ``(record, inflight)`` in drop order, a page per read transaction.
 
@@ -152,8 +162,10 @@ def iter_records(
     with that session_key but no session_id; ``kinds`` narrows it to streams
     spooled by session id (``"id"``) or by key only (``"key"``). Rows appended
     meanwhile may or may not be seen; none is seen twice. A row whose payload is
-    not JSON is yielded all the same, its message a ``BadPayload``, and named in
-    ``bad``.
+    not JSON, or is too costly to decode, is yielded all the same, its message a
+    ``BadPayload``, and named in ``bad``. With ``raw``, a payload that is JSON is not
+    decoded at all: its message is a ``RawPayload`` of the stored text, whatever its
+    depth or size (a page is bounded by what its rows cost: ``paging``).
     """
     path = reader.path
     if session is not None:
@@ -170,7 +182,12 @@ def iter_records(
             page = {**params, "name": name, "seq": seq}
             rows, full = reader.read(lambda c, sql=sql, page=page: read_page(c, sql, page))
             for row in rows:
-                yield _record_or_flagged(row[:-2], path, bad), row[-2]
+                columns, inflight, valid = row[:-3], row[-3], row[-2]
+                if raw and valid:
+                    record = Record(*columns[:6], RawPayload(columns[6]), *columns[7:])
+                else:
+                    record = _record_or_flagged(columns, path, bad)
+                yield record, inflight
             if not full:
                 break
             last = rows[-1]
@@ -219,6 +236,15 @@ def record_json(record: Record, inflight: int | None, *, message: bool = True) -
     return out
 
 
+def record_line(record: Record, inflight: int | None, *, message: bool = True) -> str:
+    """``record_json`` as JSON text (``dump``); a ``RawPayload`` goes in as stored, its
+    controls escaped (``json_safe``), never decoded and encoded again."""
+    if not (message and isinstance(record.message, RawPayload)):
+        return dump(record_json(record, inflight, message=message))
+    head = dump(record_json(record, inflight, message=False))
+    return f'{head[:-1]},"message":{json_safe(record.message.text)}}}'
+
+
 def report_bad(command: str, bad: list[str]) -> int:
     """Name the rows shown flagged because their payload is not JSON: raise (exit 1,
     after the output) if any."""
@@ -226,6 +252,7 @@ def report_bad(command: str, bad: list[str]) -> int:
         return EXIT_OK
     listed = ", ".join(bad[:20]) + (f" and {len(bad) - 20} more" if len(bad) > 20 else "")
     raise WalspoolError(
-        f"{plural(len(bad), 'row')} with a payload that is not valid JSON, shown flagged: "
+        f"{plural(len(bad), 'row')} with a payload that is not valid JSON or too costly to "
+        f"decode, shown flagged: "
         f"{listed}; `walspool check` names them too"
     )

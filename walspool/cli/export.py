@@ -7,8 +7,8 @@ import sys
 
 from . import _narrow
 from ._filters import KEY_PREFIX, check_reasons, has_stream
-from ._output import Progress, add_progress_argument, dump
-from ._reading import count_records, iter_records, reading, record_json, report_bad
+from ._output import Progress, add_progress_argument
+from ._reading import count_records, iter_records, reading, record_line, report_bad
 
 
 def run(args: argparse.Namespace) -> int:
@@ -19,7 +19,9 @@ def run(args: argparse.Namespace) -> int:
     --session S takes `key:<KEY>` as ls prints it too. The lines are JSON whatever;
     with --json an error (exit 1: a damaged spool, rows whose payload is not JSON) is
     also one last line on stdout, {"command": "export", "error": ..., "exit": 1},
-    which no record line has (records have "id").
+    which no record line has (records have "id"). Each message is the payload's JSON
+    text as stored, copied, not decoded (control, format and separator characters in
+    it as \\uXXXX escapes); a payload that is not JSON is flagged ("bad_payload").
     """
     bad: list[str] = []
     with reading(args.spool) as reader:
@@ -34,10 +36,10 @@ def run(args: argparse.Namespace) -> int:
         total = count_records(reader, args.session, args.reason) if counted else 0
         out = sys.stdout
         try:
-            found = iter_records(reader, args.session, args.reason, bad=bad, kinds=kinds)
+            found = iter_records(reader, args.session, args.reason, bad=bad, kinds=kinds, raw=True)
             rows = _narrow.narrowed(found, args)
             for n, (record, inflight) in enumerate(rows, 1):
-                out.write(dump(record_json(record, inflight)) + "\n")
+                out.write(record_line(record, inflight) + "\n")
                 progress(n, total)
         finally:
             progress.close()

@@ -17,7 +17,7 @@ from ..text import printable
 from . import _narrow
 from ._filters import has_stream, stream_rows, which_stream
 from ._output import cli_terms, clip, dump, iso, plural, printable_lines, table
-from ._reading import BadPayload, iter_records, reading, record_json, report_bad
+from ._reading import BadPayload, iter_records, reading, record_line, report_bad
 
 #: The mark after ``attempts`` in ``show`` for a row of each status.
 STATUS_MARKS = {QUARANTINED: "Q", SUPERSEDED: "S"}
@@ -36,7 +36,8 @@ def run(args: argparse.Namespace) -> int:
     with reading(args.spool) as reader:
         name, kind = which_stream(reader, args.session, key=args.key)
         # Streamed: one page of rows in memory at a time, whatever their size.
-        rows = iter_records(reader, name, bad=bad, kinds=(kind,))
+        copied = args.json and args.full  # payloads go out as stored, never decoded
+        rows = iter_records(reader, name, bad=bad, kinds=(kind,), raw=copied)
         first = next(rows, None)
         if first is not None:
             rows = _narrow.narrowed(itertools.chain([first], rows), args)
@@ -76,7 +77,7 @@ def _show_json(rows: Iterator[tuple[Record, int | None]], full: bool) -> None:
     out = sys.stdout
     out.write("[")
     for n, (r, inflight) in enumerate(rows):
-        out.write(("," if n else "") + dump(record_json(r, inflight, message=full)))
+        out.write(("," if n else "") + record_line(r, inflight, message=full))
     out.write("]\n")
 
 

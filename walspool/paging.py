@@ -1,0 +1,96 @@
+"""Reading rows a page at a time, with memory bounded by what each row really costs.
+
+A page ends after ``limit`` rows, or once its rows' cost reaches ``PAGE_BYTES`` (at
+least one row). A row's cost is every byte it brings into memory as SQLite measures
+the stored values (``ROW_BYTES_SQL``: session id, session key, reason, payload and
+last error), plus what decoding its payload may make of it (``codec.decoded_bytes``).
+Never the ``size`` column: that is the writer's note of the payload's length, and
+anyone who can write the file can set it to 0.
+
+Not guaranteed: a bound below one row. The row that ends a page is in it whole, so a
+page holds at most ``PAGE_BYTES`` plus one row (whose payload decodes, if at all,
+within ``codec.MAX_VALUES``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import apsw
+import msgspec
+
+from . import codec
+from .errors import SpoolCorrupt
+from .records import Record
+
+#: Rows fetched per read transaction while iterating, so a slow reader never pins
+#: the WAL for long.
+PAGE_ROWS = 512
+#: A page also ends once its rows cost this many bytes (see the module docstring).
+PAGE_BYTES = 8 * 1024 * 1024
+
+#: The bytes of a row's variable-length values, measured by SQLite from what is stored
+#: (``octet_length`` reads a value's length from its record header). The last column
+#: of every query ``read_page`` pages through.
+ROW_BYTES_SQL = (
+    "(coalesce(octet_length(session_id), 0) + coalesce(octet_length(session_key), 0)"
+    " + coalesce(octet_length(reason), 0) + coalesce(octet_length(payload), 0)"
+    " + coalesce(octet_length(last_error), 0))"
+)
+#: Where a ``RECORD_COLUMNS`` row holds its payload.
+PAYLOAD = 6
+
+
+def read_page(
+    conn: apsw.Connection, sql: str, params: Any, limit: int = PAGE_ROWS
+) -> tuple[list[tuple[Any, ...]], bool]:
+    """The next page of ``sql``, whose rows start with ``RECORD_COLUMNS`` and end with
+    ``ROW_BYTES_SQL``; ``full`` says whether more may follow.
+
+    Reading stops at the page's end, so the rest is never fetched into memory, and the
+    read transaction ends with it.
+    """
+    rows: list[tuple[Any, ...]] = []
+    total = 0
+    cursor = conn.execute(sql, params)
+    try:
+        for row in cursor:
+            rows.append(row)
+            payload = row[PAYLOAD]
+            decoded = codec.decoded_bytes(payload) if isinstance(payload, (str, bytes)) else 0
+            total += row[-1] + decoded
+            if total >= PAGE_BYTES or len(rows) >= limit:
+                return rows, True
+    finally:
+        cursor.close()
+    return rows, False
+
+
+def record_from_row(row: tuple[Any, ...], path: Path | None = None) -> Record:
+    """Build a Record from a row selected as ``RECORD_COLUMNS``, its payload decoded
+    within ``codec``'s budget.
+
+    Raises ``SpoolCorrupt`` naming the row when its payload is not JSON (a hand edit
+    or a damaged page: walspool writes JSON only), or is nested too deep or holds too
+    many values to decode (``codec.MAX_DEPTH``, ``codec.MAX_VALUES``).
+    """
+    row_id, session_id, seq, payload = row[0], row[1], row[2], row[PAYLOAD]
+    where = f"row {row_id} (session {session_id}, seq {seq}) of {path or 'the spool'}"
+    try:
+        message = codec.decode(payload)
+    except codec.OverBudget as exc:
+        raise SpoolCorrupt(
+            f"{where} has a payload too costly to decode ({exc}); it is kept, not decoded: "
+            "`walspool export` copies it as stored",
+            path=path,
+            session_id=session_id,
+        ) from exc
+    except (msgspec.DecodeError, TypeError) as exc:
+        raise SpoolCorrupt(
+            f"{where} has a payload that is not valid JSON ({exc}); export the others "
+            "and delete it by hand",
+            path=path,
+            session_id=session_id,
+        ) from exc
+    return Record(*row[:PAYLOAD], message, *row[PAYLOAD + 1 :])
