@@ -284,6 +284,7 @@ def test_a_full_workload_writes_only_inside_the_spool_directory(tmp_path, monkey
     watched = tmp_path / "watched"
     spool_dir = watched / "spooldir"
     spool_dir.mkdir(parents=True, mode=0o700)
+    watched.chmod(0o755)  # under umask 0 it is 0777: a path anyone could swap, refused
     (watched / "neighbour.txt").write_text("leave me alone")
     (watched / "sibling").mkdir()
     (watched / "sibling" / "spool.db").write_text("a file that is not the spool")

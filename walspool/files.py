@@ -2,25 +2,29 @@
 
 Trust model. A spool belongs to the owner of its directory. walspool writes a spool
 only if that directory is not writable by group or others, and, unless the process
-runs as root, belongs to the effective user; then nobody else can create, replace or
-rename files in it. Every existing spool file (the database, its ``-wal`` and
-``-shm``, the lock files) must be a regular file owned by the spool's owner (root's
-files are accepted too when root runs it); otherwise walspool refuses, naming the
-file and the fix. Run as root on another user's spool (an operator's replay), files
-walspool creates are given to the spool's owner, as SQLite does for ``-wal``/``-shm``.
+runs as root, belongs to the effective user; every directory on the way to it must be
+root's or the owner's, and not writable by others unless sticky
+(``walspool.directories``). Every existing spool file (the database, its ``-wal`` and
+``-shm``, the lock files) must be a regular file owned by the spool's owner, with one
+link (root's leftover lock files are given back when root runs it); otherwise walspool
+refuses, naming the file and the fix. Run as root on another user's spool (an
+operator's replay), files walspool creates are given to the spool's owner, as SQLite
+does for ``-wal``/``-shm``.
 
-The directory is checked first, on a descriptor; once it is known that only the
-owner can create or rename entries in it, nothing can be swapped in between a check
-and a use. The lock files are checked on descriptors opened with ``O_NOFOLLOW`` and
-``O_NONBLOCK`` (a FIFO never hangs an open), modes fixed with ``fchmod``. The
-database, ``-wal`` and ``-shm`` are checked with ``lstat`` and never opened and
-closed behind SQLite's back: closing any descriptor of a file drops every POSIX lock
-the process holds on it, SQLite's included
+The owner can change their own directory at any moment, so when root runs walspool
+nothing is used by path after a check: the directory is opened and checked once, and
+every file below it is opened relative to that descriptor (``O_NOFOLLOW``,
+``O_NONBLOCK``: a FIFO never hangs an open), checked with ``fstat`` and changed on the
+descriptor (``fchmod``, ``fchown``). The database, ``-wal`` and ``-shm`` are opened
+with ``O_PATH`` only: closing any other descriptor of a file drops every POSIX lock the
+process holds on it, SQLite's included
 (https://www.sqlite.org/howtocorrupt.html#_posix_advisory_locks_canceled_by_a_separate_thread_doing_close_).
-For the same reason the header of a database this process already has open is not
-read again (``opened``/``closed`` keep count). Symlinks in the directory's own path
-are followed (a symlinked ``HERMES_HOME`` is common); only the spool's last path
-component must not be one.
+SQLite itself is handed the path; once it has opened the file, the descriptor it holds
+is compared with what the path names (``check_opened``). For the same reason the
+header of a database this process already has open is not read again
+(``opened``/``closed`` keep count). Symlinks in the directory's own path are resolved
+once (a symlinked ``HERMES_HOME`` is common); only the spool's last path component
+must not be one.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import sys
 import time
 from pathlib import Path
 
+from .directories import Directory, changed, open_directory
 from .errors import DiskFull, NotASpool, SpoolIOError, SymlinkRefused, UntrustedSpool
 
 #: Beside the spool; every open ``Spool`` holds a shared ``flock`` on it.
@@ -68,70 +73,124 @@ def prepare(path: Path) -> int:
     """
     refuse_symlink(path)
     try:
-        _make_directories(path.parent)
-        owner = trusted_directory(path)
-        _create_database(path, owner)
-        check_files(path, owner)
+        with open_directory(path.parent, path, create=True, own=True) as directory:
+            _create_database(directory, path)
+            _check_files(directory, path)
+            return directory.owner
     except OSError as exc:
         error = DiskFull if exc.errno in (errno.ENOSPC, errno.EFBIG) else SpoolIOError
         raise error(f"cannot prepare spool {path}: {exc}", path=path) from exc
-    return owner
 
 
 def trusted_directory(path: Path) -> int:
-    """The uid owning the spool's directory, once it is known nobody else can write it."""
-    directory = path.parent
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        st = os.fstat(fd)
-    finally:
-        os.close(fd)
-    euid = os.geteuid()
-    if euid != 0 and st.st_uid != euid:
-        raise UntrustedSpool(
-            f"the spool's directory {directory} belongs to uid {st.st_uid}, not to you "
-            f"(uid {euid}); put the spool in a directory of your own",
-            path=path,
-        )
-    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        raise UntrustedSpool(
-            f"the spool's directory {directory} is writable by group or others (mode "
-            f"{stat.S_IMODE(st.st_mode):o}), so anyone could replace the spool's files; "
-            f"run `chmod go-w {directory}`",
-            path=path,
-        )
-    return st.st_uid
+    """The uid owning the spool's directory, once it is known nobody else can write it
+    or any directory on the way to it (``walspool.directories``)."""
+    with open_directory(path.parent, path, own=True) as directory:
+        return directory.owner
 
 
 def check_files(path: Path, owner: int) -> None:
-    """Check each existing spool file (type, owner) and make it 0600."""
-    for name in (path, Path(f"{path}-wal"), Path(f"{path}-shm")):
+    """Check each existing spool file (type, owner, links) and make it 0600."""
+    with open_directory(path.parent, path) as directory:
+        if directory.owner != owner:
+            raise changed(path.parent, path)
+        _check_files(directory, path)
+
+
+def _check_files(directory: Directory, path: Path) -> None:
+    """Check the database, ``-wal`` and ``-shm`` in ``directory``; fix modes by descriptor.
+
+    Each is opened below the directory with ``O_PATH | O_NOFOLLOW`` (Linux): that
+    opens neither a FIFO nor a link's target, and closing it drops none of the POSIX
+    locks SQLite holds in this process (see the module docstring). It is checked on
+    that descriptor, and its mode changed through it (``/proc/self/fd``, as glibc's
+    ``fchmodat`` does): never by the path again.
+    """
+    for name in (path.name, f"{path.name}-wal", f"{path.name}-shm"):
+        shown = path.with_name(name)
         try:
-            st = os.lstat(name)
+            fd = directory.open(name, _PATH_ONLY)
         except FileNotFoundError:
             continue
-        if stat.S_ISLNK(st.st_mode):
-            raise SymlinkRefused(
-                f"{name} is a symbolic link; walspool does not follow links among a "
-                "spool's files: remove it",
-                path=path,
-            )
-        _check_stat(st, name, owner, path)
-        if stat.S_IMODE(st.st_mode) != 0o600:
-            os.chmod(name, 0o600)  # a regular file in a directory only the owner changes
-    # The lock files are checked when they are opened (``open_private``).
+        try:
+            st = os.fstat(fd)
+            if stat.S_ISLNK(st.st_mode):
+                raise SymlinkRefused(
+                    f"{shown} is a symbolic link; walspool does not follow links among a "
+                    "spool's files: remove it",
+                    path=path,
+                )
+            _check_stat(st, shown, directory.owner, path)
+            if stat.S_IMODE(st.st_mode) != 0o600:
+                _chmod_descriptor(fd, directory, name)
+        finally:
+            os.close(fd)
 
 
-def check_descriptor(fd: int, name: Path, owner: int, path: Path) -> None:
-    """Refuse an opened lock file that is not a regular file of the spool's owner
-    (one root left behind is given back to the owner); make it 0600."""
-    st = os.fstat(fd)
-    if st.st_uid != owner and st.st_uid == 0 and os.geteuid() == 0 and stat.S_ISREG(st.st_mode):
-        _give(fd, owner)  # left by an earlier run as root: the owner's again
-        st = os.fstat(fd)
-    _check_stat(st, name, owner, path)
-    if stat.S_IMODE(st.st_mode) != 0o600:
+#: Opens a name itself (a link, a FIFO) without opening what it leads to.
+_PATH_ONLY = getattr(os, "O_PATH", os.O_RDONLY)
+
+
+def _chmod_descriptor(fd: int, directory: Directory, name: str) -> None:
+    """Make the file ``fd`` is open on 0600."""
+    if hasattr(os, "O_PATH"):
+        os.chmod(f"/proc/self/fd/{fd}", 0o600)  # the inode fd holds, whatever the name
+        return
+    if not _is_open_here(directory, name):  # else closing it would drop SQLite's locks
         os.fchmod(fd, 0o600)
+
+
+def _is_open_here(directory: Directory, name: str) -> bool:
+    st = directory.lstat(name)
+    return st is not None and (st.st_dev, st.st_ino) in _open_here
+
+
+def check_opened(path: Path, opened: os.stat_result | None) -> None:
+    """After SQLite opened the spool: the path names the file that was checked.
+
+    ``opened`` is ``fstat`` of the descriptor SQLite holds (None where it cannot be
+    had): the spool's name must still name that very file, and every file of the
+    spool must still pass the checks (``-wal``/``-shm`` may have been made, or
+    replaced by a checkpoint, meanwhile: their identity is not compared). Raises
+    ``UntrustedSpool``/``NotASpool``/``SymlinkRefused`` naming the file.
+    """
+    with open_directory(path.parent, path) as directory:
+        st = directory.lstat(path.name)
+        if st is None or (
+            opened is not None and (st.st_dev, st.st_ino) != (opened.st_dev, opened.st_ino)
+        ):
+            raise changed(path, path)
+        for name in (path.name, f"{path.name}-wal", f"{path.name}-shm"):
+            st = directory.lstat(name)
+            if st is None:
+                continue
+            if stat.S_ISLNK(st.st_mode):
+                raise SymlinkRefused(
+                    f"{path.with_name(name)} is a symbolic link; walspool does not follow "
+                    "links among a spool's files: remove it",
+                    path=path,
+                )
+            _check_stat(st, path.with_name(name), directory.owner, path)
+        if opened is not None:
+            _check_stat(opened, path, directory.owner, path)
+
+
+def check_for_reading(path: Path) -> None:
+    """Before a read-only open: the directory trusted, and each spool file there a
+    regular file of its owner (a FIFO is refused here, before SQLite could wait on
+    it). Checked with ``lstat`` only, which never drops a lock."""
+    refuse_symlink(path)
+    with open_directory(path.parent, path) as directory:
+        for name in (path.name, f"{path.name}-wal", f"{path.name}-shm"):
+            st = directory.lstat(name)
+            if st is not None and not stat.S_ISLNK(st.st_mode):
+                _check_stat(st, path.with_name(name), directory.owner, path)
+            elif st is not None:
+                raise SymlinkRefused(
+                    f"{path.with_name(name)} is a symbolic link; walspool does not follow "
+                    "links among a spool's files: remove it",
+                    path=path,
+                )
 
 
 def _check_stat(st: os.stat_result, name: Path, owner: int, path: Path) -> None:
@@ -147,24 +206,90 @@ def _check_stat(st: os.stat_result, name: Path, owner: int, path: Path) -> None:
             f"walspool does not use it: if it is the owner's, run {fix}",
             path=path,
         )
+    if st.st_nlink != 1:
+        raise UntrustedSpool(
+            f"{name} has {st.st_nlink} hard links, so it is also another file's content; "
+            f"walspool does not use it: if it is the spool's, run `cp {name} {name}.copy && "
+            f"mv {name}.copy {name}`",
+            path=path,
+        )
+
+
+#: A lock file holds at most its holder's pid: a bigger one is not a leftover lock.
+_LOCK_LEFTOVER_BYTES = 64
 
 
 def open_private(name: Path, owner: int, path: Path, what: str) -> int:
-    """Open (creating 0600, given to ``owner``) ``what``, a file beside the spool, checked."""
+    """Open ``what``, a lock file beside the spool, checked; create it (0600, given to
+    ``owner``) if missing.
+
+    Opened below the checked directory with ``O_NOFOLLOW | O_NONBLOCK``; an existing
+    file is checked on its descriptor (regular, one link, the owner's) before anything
+    is changed: a file another user planted, a hard link and a FIFO are refused, never
+    chowned, chmodded or truncated. Only a lock file root left behind (regular, one
+    link, no more than a pid in it) is given to the owner when root runs this.
+    """
     try:
-        fd = os.open(name, os.O_RDWR | os.O_CREAT | _NOFOLLOW, 0o600)
+        with open_directory(name.parent, path) as directory:
+            if directory.owner != owner:
+                raise changed(name.parent, path)
+            fd = _open_lock(directory, name, path)
     except OSError as exc:
+        exc = OSError(exc.errno, exc.strerror, str(name))  # named in full
         raise SpoolIOError(
             f"cannot open {what} {name} ({exc}); it must be a regular file beside the spool",
             path=path,
         ) from exc
-    try:
-        _give(fd, owner)
-        check_descriptor(fd, name, owner, path)
-    except BaseException:
-        os.close(fd)
-        raise
     return fd
+
+
+def _open_lock(directory: Directory, name: Path, path: Path) -> int:
+    for _ in range(100):  # each turn lost to a concurrent create or remove
+        try:
+            fd = directory.open(name.name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            pass
+        else:
+            try:
+                os.fchmod(fd, 0o600)  # whatever the umask
+                _give(fd, directory.owner)
+            except BaseException:
+                os.close(fd)
+                raise
+            return fd
+        try:
+            fd = directory.open(name.name, os.O_RDWR)  # a link: ELOOP, never followed
+        except FileNotFoundError:
+            continue
+        try:
+            check_descriptor(fd, name, directory.owner, path)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+    raise changed(name, path)
+
+
+def check_descriptor(fd: int, name: Path, owner: int, path: Path) -> None:
+    """Refuse an opened lock file that is not a regular file of the spool's owner with
+    one link (one root left behind is given back to the owner); make it 0600.
+
+    Every check is made before any change, on the descriptor."""
+    st = os.fstat(fd)
+    leftover = (
+        st.st_uid == 0
+        and owner != 0
+        and os.geteuid() == 0
+        and stat.S_ISREG(st.st_mode)
+        and st.st_nlink == 1
+        and st.st_size <= _LOCK_LEFTOVER_BYTES
+    )
+    if not leftover:
+        _check_stat(st, name, owner, path)
+    if stat.S_IMODE(st.st_mode) != 0o600:
+        os.fchmod(fd, 0o600)
+    if leftover:
+        _give(fd, owner)  # left by an earlier run as root: the owner's again
 
 
 #: (device, inode) of each database this process has open as a spool, with a count.
@@ -283,57 +408,47 @@ def _being_created(path: Path, head: bytes) -> bool:
 
 
 def move_aside(path: Path) -> Path:
-    """Rename a damaged spool and its ``-wal``/``-shm`` files (made 0600); never delete them."""
+    """Rename a damaged spool and its ``-wal``/``-shm`` files (made 0600); never delete them.
+
+    Renamed and changed below the checked directory: a link stays a link, never
+    followed, and only a regular file of the owner with one link is chmodded."""
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     target = path.with_name(f"{path.name}.damaged-{stamp}-{os.getpid()}")
-    for suffix in ("-wal", "-shm", ""):
-        with contextlib.suppress(FileNotFoundError):
-            os.rename(f"{path}{suffix}", f"{target}{suffix}")
-            with contextlib.suppress(OSError):  # a link stays a link: never followed
-                fd = os.open(f"{target}{suffix}", os.O_RDONLY | _NOFOLLOW)
+    with open_directory(path.parent, path) as directory:
+        for suffix in ("-wal", "-shm", ""):
+            old, new = f"{path.name}{suffix}", f"{target.name}{suffix}"
+            try:
+                os.rename(old, new, src_dir_fd=directory.fd, dst_dir_fd=directory.fd)
+            except FileNotFoundError:
+                continue
+            with contextlib.suppress(OSError):
+                fd = directory.open(new, os.O_RDONLY)
                 try:
-                    if stat.S_ISREG(os.fstat(fd).st_mode):
-                        os.fchmod(fd, 0o600)
+                    st = os.fstat(fd)
+                    if stat.S_ISREG(st.st_mode) and st.st_nlink == 1:
+                        if st.st_uid == directory.owner:
+                            os.fchmod(fd, 0o600)
                 finally:
                     os.close(fd)
     return target
 
 
-def _make_directories(directory: Path) -> None:
-    """Create the missing directories of the spool's path, each 0700."""
-    missing = []
-    while not directory.exists():
-        missing.append(directory)
-        directory = directory.parent
-    for new in reversed(missing):
-        try:
-            os.mkdir(new, 0o700)
-        except FileExistsError:
-            continue
-        fd = os.open(new, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        try:
-            os.fchmod(fd, 0o700)  # whatever the umask
-        finally:
-            os.close(fd)
-        sync_directory(new.parent)
-
-
-def _create_database(path: Path, owner: int) -> None:
+def _create_database(directory: Directory, path: Path) -> None:
     """Create an empty database file, 0600 and the owner's, unless one exists.
 
     SQLite gives the ``-wal`` and ``-shm`` files the mode and owner of the database
     file (https://www.sqlite.org/tempfiles.html), so they are private too.
     """
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o600)
+        fd = directory.open(path.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:
         return
     try:
         os.fchmod(fd, 0o600)
-        _give(fd, owner)
+        _give(fd, directory.owner)
     finally:
         os.close(fd)
-    sync_directory(path.parent)
+    directory.sync()
 
 
 def sync_directory(directory: Path) -> None:
@@ -350,14 +465,20 @@ def sync_directory(directory: Path) -> None:
     """
     fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
+        sync_fd(fd)
+    finally:
+        os.close(fd)
+
+
+def sync_fd(fd: int) -> None:
+    """fsync an open directory (``sync_directory``)."""
+    try:
         if _full_fsync(fd):
             return
         os.fsync(fd)
     except OSError as exc:
         if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
             raise
-    finally:
-        os.close(fd)
 
 
 def _full_fsync(fd: int) -> bool:

@@ -8,6 +8,7 @@ on a spool: two SQLite libraries in one process can drop each other's POSIX lock
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import fcntl
 import os
@@ -417,20 +418,14 @@ def open_reader(path: Path) -> apsw.Connection:
     files.refuse_symlink(path)
     if not path.exists():
         raise WalspoolError(f"no spool at {path}", path=path)
+    files.check_for_reading(path)
     files.refuse_non_sqlite(path)
     flags = apsw.SQLITE_OPEN_READONLY | apsw.SQLITE_OPEN_URI | apsw.SQLITE_OPEN_NOFOLLOW
     conn = None
     try:
         conn = apsw.Connection(f"file:{_uri_path(path)}?mode=ro", flags=flags)
         set_busy_timeout(conn)
-        _check_identity(conn, path, allow_empty=False)
-        version = conn.execute("PRAGMA user_version").get
-        if version < SCHEMA_VERSION:
-            raise NotASpool(
-                f"{path} has spool schema {version}; a read-only open cannot upgrade it to "
-                f"{SCHEMA_VERSION}: open it once for writing (walspool.Spool) first",
-                path=path,
-            )
+        verify_read_only(conn, path)
     except apsw.Error as exc:
         close_quietly(conn)
         raise sqlite_error(exc, path) from exc
@@ -438,6 +433,64 @@ def open_reader(path: Path) -> apsw.Connection:
         close_quietly(conn)
         raise
     return conn
+
+
+def verify_read_only(conn: apsw.Connection, path: Path) -> None:
+    """A read-only connection just made: the file SQLite opened is the one checked, a
+    spool of this schema version, and its schema walspool's, before any other statement.
+
+    Raises ``NotASpool``/``SchemaTooNew`` for another file or version, and
+    ``ForeignSchema`` naming every object that is not walspool's.
+    """
+    files.check_opened(path, opened_file(conn))
+    _check_identity(conn, path, allow_empty=False)
+    version = conn.execute("PRAGMA user_version").get
+    if version < SCHEMA_VERSION:
+        raise NotASpool(
+            f"{path} has spool schema {version}; a read-only open cannot upgrade it to "
+            f"{SCHEMA_VERSION}: open it once for writing (walspool.Spool) first",
+            path=path,
+        )
+    problems = schema_problems(conn)
+    if problems:
+        raise ForeignSchema(path, problems)
+
+
+class ForeignSchema(SpoolCorrupt):
+    """A spool whose schema has objects walspool did not make, or lacks some of its
+    own; ``problems`` names each. None of its statements was run."""
+
+    def __init__(self, path: Path, problems: list[str]) -> None:
+        super().__init__(
+            f"{path}: the spool's schema is not walspool's ({'; '.join(problems)}); "
+            f"nothing was read from it: run `walspool check {path}`",
+            path=path,
+        )
+        self.problems = problems
+
+
+#: Bytes before ``int h`` (the descriptor) in os_unix.c's ``struct unixFile``: the
+#: ``pMethod``, ``pVfs`` and ``pInode`` pointers.
+_UNIX_FILE_FD_OFFSET = 3 * ctypes.sizeof(ctypes.c_void_p)
+
+
+def opened_file(conn: apsw.Connection) -> os.stat_result | None:
+    """``fstat`` of the descriptor SQLite holds for ``conn``'s main database, or None
+    where it cannot be had (another VFS than SQLite's own ``unix``).
+
+    This proves which file SQLite opened, whatever the path names now or named then.
+    """
+    if conn.open_vfs != "unix":
+        return None
+    pointer = ctypes.c_void_p()
+    found = conn.file_control("main", apsw.SQLITE_FCNTL_FILE_POINTER, ctypes.addressof(pointer))
+    if not found or not pointer.value:
+        return None
+    fd = ctypes.c_int.from_address(pointer.value + _UNIX_FILE_FD_OFFSET).value
+    try:
+        return os.fstat(fd)
+    except OSError:
+        return None
 
 
 def _open_checked(path: Path, durability: str, max_bytes: int | None) -> apsw.Connection:
@@ -454,6 +507,7 @@ def _open_checked(path: Path, durability: str, max_bytes: int | None) -> apsw.Co
         # Until the file is known to be a healthy spool, closing must not checkpoint:
         # that would fold a refused or damaged file's -wal into it and delete the -wal.
         conn.config(apsw.SQLITE_DBCONFIG_NO_CKPT_ON_CLOSE, 1)
+        files.check_opened(path, opened_file(conn))
         set_busy_timeout(conn)
         set_foreign_keys_off(conn)
         # Before the schema's first commit or an upgrade's: those are synced as asked.
@@ -462,6 +516,11 @@ def _open_checked(path: Path, durability: str, max_bytes: int | None) -> apsw.Co
             set_wal(conn, path)
             _create_schema(conn)
         else:
+            # Before any statement of the file's own (an upgrade's UPDATE would fire
+            # a planted trigger): a schema that is not walspool's is a damaged spool.
+            problems = schema_problems(conn)
+            if problems:
+                raise apsw.CorruptError(f"spool schema: {'; '.join(problems)}")
             set_wal(conn, path)
             _migrate(conn, path)
         cheap_check(conn)
@@ -572,43 +631,106 @@ def cheap_check(conn: apsw.Connection) -> None:
 
 
 def schema_problems(conn: apsw.Connection) -> list[str]:
-    """What in the file's schema is not walspool's: missing objects, views, indexes or
-    triggers whose stored SQL differs from walspool's definitions, and any other trigger.
+    """What in the file's schema is not walspool's, read from ``sqlite_schema`` and the
+    tables' column lists only (no statement of the file's own runs): objects missing,
+    objects walspool did not make (tables, views, indexes, triggers), views, indexes or
+    triggers whose stored SQL differs from walspool's definitions, and tables whose
+    columns (generated ones included) or options (STRICT, WITHOUT ROWID) differ.
+
+    A spool of an older schema version is held to what an upgrade may meet: the
+    objects any version made, no trigger but walspool's, no column walspool never
+    made, none generated; the upgraded file is then checked in full.
 
     A crafted spool could otherwise run its own SQL whenever walspool reads a view
-    (an endless recursive ``backlog``) or appends (a trigger).
+    (an endless recursive ``backlog``), a generated column, or appends (a trigger).
     """
+    current = conn.execute("PRAGMA user_version").get >= SCHEMA_VERSION
     found = {(kind, name): sql for kind, name, sql in conn.execute(SCHEMA_OBJECTS_SQL)}
-    problems = [
-        f"the schema lacks the {kind} `{name}`"
-        for kind, name in sorted(EXPECTED_OBJECTS - found.keys())
-    ]
     expected = _expected_definitions()
+    problems = []
+    if current:
+        problems = [
+            f"the schema lacks the {kind} `{name}`"
+            for kind, name in sorted(EXPECTED_OBJECTS - found.keys())
+        ]
     for (kind, name), sql in sorted(found.items()):
-        if kind == "trigger" and (kind, name) not in expected:
-            problems.append(f"the trigger `{name}` is not walspool's")
-        elif (kind, name) in expected and _words(sql) != expected[(kind, name)]:
+        if kind == "table" and name in _SQLITE_OWN_TABLES:
+            continue
+        known = (kind, name) in EXPECTED_OBJECTS or (not current and (kind, name) in _OLDER_OBJECTS)
+        if not known:
+            problems.append(f"the {kind} `{name}` is not walspool's")
+        elif kind == "table":
+            problems.extend(_table_problems(conn, name, current))
+        elif kind == "view" and not current:
+            continue  # an upgrade drops and remakes the views; it never reads them
+        elif _words(sql) != expected.get((kind, name)):
             problems.append(f"the {kind} `{name}` is not walspool's definition")
     return problems
 
 
 SCHEMA_OBJECTS_SQL = "SELECT type, name, sql FROM sqlite_schema WHERE sql IS NOT NULL"
+TABLE_COLUMNS_SQL = (
+    'SELECT name, type, "notnull", dflt_value, pk, hidden FROM pragma_table_xinfo(?)'
+)
+TABLE_OPTIONS_SQL = "SELECT strict, wr FROM pragma_table_list(?) WHERE schema = 'main'"
+#: Tables SQLite itself makes (``ANALYZE``): statistics, no SQL of anyone's.
+_SQLITE_OWN_TABLES = {"sqlite_stat1", "sqlite_stat4"}
+#: Objects only older schema versions have (dropped or replaced by an upgrade).
+_OLDER_OBJECTS = {("index", "records_reason_created_at_size_idx")}
+_OLDER_DEFINITIONS = (
+    "CREATE INDEX IF NOT EXISTS records_reason_created_at_size_idx "
+    "ON records (reason, created_at, size)",
+)
 _definitions: dict[tuple[str, str], str] = {}
+_tables: dict[str, tuple[list[tuple[object, ...]], tuple[object, ...]]] = {}
+
+
+def _table_problems(conn: apsw.Connection, name: str, current: bool) -> list[str]:
+    columns, options = _expected_tables()[name]
+    found = sorted(tuple(row) for row in conn.execute(TABLE_COLUMNS_SQL, (name,)))
+    if current and found != columns:
+        return [f"the table `{name}` does not have walspool's columns"]
+    known = {column[0]: column for column in columns}
+    for column in found:
+        if column[5] != 0:  # generated or hidden: computed whenever it is read
+            return [f"the table `{name}` has a generated column `{column[0]}`"]
+        if column[0] not in known:
+            return [f"the table `{name}` has a column `{column[0]}` walspool never made"]
+    if tuple(conn.execute(TABLE_OPTIONS_SQL, (name,)).fetchall()[0]) != options:
+        return [f"the table `{name}` is not STRICT as walspool makes it"]
+    return []
 
 
 def _expected_definitions() -> dict[tuple[str, str], str]:
     """The stored SQL of walspool's own views, indexes and triggers, from a scratch
     database."""
-    if not _definitions:
-        scratch = apsw.Connection(":memory:")
-        try:
-            scratch.execute(SCHEMA_SQL)
-            for kind, name, sql in scratch.execute(SCHEMA_OBJECTS_SQL):
-                if kind in ("view", "index", "trigger"):
-                    _definitions[(kind, name)] = _words(sql)
-        finally:
-            scratch.close()
+    _scratch()
     return _definitions
+
+
+def _expected_tables() -> dict[str, tuple[list[tuple[object, ...]], tuple[object, ...]]]:
+    """Each of walspool's tables: its ``table_xinfo`` rows and (strict, without rowid)."""
+    _scratch()
+    return _tables
+
+
+def _scratch() -> None:
+    if _definitions:
+        return
+    scratch = apsw.Connection(":memory:")
+    try:
+        scratch.execute(SCHEMA_SQL)
+        for sql in _OLDER_DEFINITIONS:
+            scratch.execute(sql)
+        for kind, name, sql in scratch.execute(SCHEMA_OBJECTS_SQL).fetchall():
+            if kind in ("view", "index", "trigger"):
+                _definitions[(kind, name)] = _words(sql)
+            elif kind == "table":
+                columns = sorted(tuple(r) for r in scratch.execute(TABLE_COLUMNS_SQL, (name,)))
+                options = tuple(scratch.execute(TABLE_OPTIONS_SQL, (name,)).fetchall()[0])
+                _tables[name] = (columns, options)
+    finally:
+        scratch.close()
 
 
 def _words(sql: str) -> str:

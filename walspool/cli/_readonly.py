@@ -25,6 +25,7 @@ import contextlib
 import errno
 import fcntl
 import os
+import stat
 import struct
 from collections.abc import Callable
 from pathlib import Path
@@ -33,8 +34,9 @@ from typing import TypeVar
 import apsw
 
 from .. import files, schema
+from ..directories import open_directory
 from ..errors import NotASpool
-from ..schema import SCHEMA_VERSION, open_reader
+from ..schema import open_reader
 
 T = TypeVar("T")
 
@@ -73,6 +75,8 @@ class SpoolReader:
         self._unlock()
 
     def _open(self) -> apsw.Connection:
+        # Before SQLite opens anything: a FIFO or a stranger's file is refused here.
+        files.check_for_reading(self.path)
         if not _has_wal(self.path):
             self.lock = _lock_shared(self.path)
             if self.lock is not None and not _has_wal(self.path):
@@ -105,11 +109,17 @@ def _has_wal(path: Path) -> bool:
 
 def _lock_shared(path: Path) -> int | None:
     """A descriptor of ``path`` holding a shared lock on SQLite's SHARED range, or
-    None when it cannot be had now (a writer is closing the spool) or here."""
+    None when it cannot be had now (a writer is closing the spool) or here.
+
+    Opened below the checked directory with ``O_NOFOLLOW | O_NONBLOCK`` (a FIFO
+    swapped in never hangs the open) and refused unless it is a regular file."""
     if not hasattr(fcntl, "F_OFD_SETLK"):
         return None
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    with open_directory(path.parent, path) as directory:
+        fd = directory.open(path.name, os.O_RDONLY)
     try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise NotASpool(f"{path} is not a regular file, so not a spool", path=path)
         lock = struct.pack(FLOCK, fcntl.F_RDLCK, os.SEEK_SET, SHARED_FIRST, SHARED_SIZE, 0)
         fcntl.fcntl(fd, fcntl.F_OFD_SETLK, lock)
     except OSError as exc:
@@ -117,24 +127,20 @@ def _lock_shared(path: Path) -> int | None:
         if exc.errno in (errno.EAGAIN, errno.EACCES, errno.EINVAL):
             return None
         raise
+    except BaseException:
+        os.close(fd)
+        raise
     return fd
 
 
 def _open_immutable(path: Path) -> apsw.Connection:
     """``open_reader``'s checks on an ``immutable=1`` connection."""
-    files.refuse_symlink(path)
+    files.check_for_reading(path)
     files.refuse_non_sqlite(path)
     flags = apsw.SQLITE_OPEN_READONLY | apsw.SQLITE_OPEN_URI | apsw.SQLITE_OPEN_NOFOLLOW
     conn = apsw.Connection(f"file:{schema._uri_path(path)}?mode=ro&immutable=1", flags=flags)
     try:
-        schema._check_identity(conn, path, allow_empty=False)
-        version = conn.execute("PRAGMA user_version").get
-        if version < SCHEMA_VERSION:
-            raise NotASpool(
-                f"{path} has spool schema {version}; a read-only open cannot upgrade it to "
-                f"{SCHEMA_VERSION}: open it once for writing (walspool.Spool) first",
-                path=path,
-            )
+        schema.verify_read_only(conn, path)
     except BaseException:
         with contextlib.suppress(apsw.Error):
             conn.close()

@@ -34,7 +34,9 @@ def run(args: argparse.Namespace) -> int:
             raise
         # Not advice to run check itself, which is running.
         text = str(exc).replace(f"; run `walspool check {args.spool}`", "")
-        result = check_result(args.spool, None, None, None, [text], [])
+        # A schema that is not walspool's: each object named, none of its SQL run.
+        problems = getattr(exc, "problems", None) or [text]
+        result = check_result(args.spool, None, None, None, problems, [])
     if args.json:
         print(dump(result))
     else:

@@ -1,0 +1,173 @@
+"""Directories opened once and checked, and the files below them reached by descriptor.
+
+A path is only as safe as every directory on the way to it: whoever can write one of
+them can swap what the next name means between a check and a use. So a directory is
+opened a component at a time from ``/`` (``O_DIRECTORY | O_NOFOLLOW``), each
+component checked on its descriptor: owned by root or by the final directory's owner,
+and not writable by group or others unless sticky (``/tmp``: there only an entry's
+owner may rename it, and the next component's owner is checked in turn). The final
+directory must not be writable by group or others at all. Everything below it is then
+reached relative to its descriptor (``dir_fd``), never by the path again.
+
+Symlinks in the directory's own path are resolved once, before the walk (a symlinked
+``HERMES_HOME`` is common); a component that turns into a link during the walk makes
+the open fail rather than be followed. Not guaranteed: that the directory still has
+the path it was opened by afterwards (a rename of a directory the owner controls).
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+from types import TracebackType
+
+from .errors import UntrustedSpool
+
+#: Enough to ``fstat`` a directory and use it as ``dir_fd``, with search permission
+#: only (a 0711 directory on the way); Linux's ``O_PATH`` where there is one.
+_WALK = getattr(os, "O_PATH", os.O_RDONLY) | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+#: Flags for every file opened below a directory: no link followed, no FIFO waited on.
+FILE_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_WRITABLE = stat.S_IWGRP | stat.S_IWOTH
+
+
+class Directory:
+    """A checked directory held open; ``fd`` is the ``dir_fd`` for names below it."""
+
+    def __init__(self, fd: int, path: Path, owner: int) -> None:
+        self.fd = fd
+        self.path = path
+        self.owner = owner
+
+    def lstat(self, name: str) -> os.stat_result | None:
+        """What ``name`` is in this directory now, links not followed; None if nothing."""
+        try:
+            return os.stat(name, dir_fd=self.fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return None
+
+    def open(self, name: str, flags: int, mode: int = 0o600) -> int:
+        """``openat`` of ``name`` below this directory, never following a link or
+        waiting on a FIFO; the caller checks what it got with ``fstat``."""
+        return os.open(name, flags | FILE_FLAGS, mode, dir_fd=self.fd)
+
+    def sync(self) -> None:
+        """fsync this directory (see ``files.sync_directory``)."""
+        from .files import sync_fd
+
+        fd = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=self.fd)
+        try:
+            sync_fd(fd)
+        finally:
+            os.close(fd)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __enter__(self) -> Directory:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+def open_directory(
+    directory: Path, about: Path, *, create: bool = False, own: bool = False
+) -> Directory:
+    """Open ``directory`` component by component from ``/`` and check it (see the
+    module docstring); ``about`` is the file errors name.
+
+    ``create`` makes missing components (0700, whatever the umask, each entry
+    synced). ``own``: unless the process runs as root, the directory must be the
+    effective user's (a spool is written only in a directory of one's own).
+    Raises ``UntrustedSpool``, or ``OSError`` when the file system refuses.
+    """
+    real = Path(os.path.realpath(directory))
+    fd = os.open("/", _WALK)
+    walked: list[tuple[Path, os.stat_result]] = [(Path("/"), os.fstat(fd))]
+    try:
+        here = Path("/")
+        for name in real.parts[1:]:
+            here = here / name
+            nfd = _step(fd, name, here, create)
+            os.close(fd)
+            fd = nfd
+            walked.append((here, os.fstat(fd)))
+        owner = _check_walk(walked, about, own)
+    except BaseException:
+        os.close(fd)
+        raise
+    return Directory(fd, real, owner)
+
+
+def _step(fd: int, name: str, here: Path, create: bool) -> int:
+    try:
+        return os.open(name, _WALK, dir_fd=fd)
+    except FileNotFoundError:
+        if not create:
+            raise
+    try:
+        os.mkdir(name, 0o700, dir_fd=fd)
+    except FileExistsError:
+        return os.open(name, _WALK, dir_fd=fd)  # made meanwhile: checked as any other
+    made = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+    try:
+        os.fchmod(made, 0o700)  # whatever the umask
+    finally:
+        os.close(made)
+    Directory(fd, here.parent, -1).sync()  # the new entry survives a power cut
+    return os.open(name, _WALK, dir_fd=fd)
+
+
+def _check_walk(walked: list[tuple[Path, os.stat_result]], about: Path, own: bool) -> int:
+    """The final directory's owner, once every directory on the way is trusted."""
+    directory, st = walked[-1]
+    euid = os.geteuid()
+    if own and euid != 0 and st.st_uid != euid:
+        raise UntrustedSpool(
+            f"the spool's directory {directory} belongs to uid {st.st_uid}, not to you "
+            f"(uid {euid}); put the spool in a directory of your own",
+            path=about,
+        )
+    if st.st_mode & _WRITABLE:
+        raise UntrustedSpool(
+            f"the directory {directory} of {about.name} is writable by group or others "
+            f"(mode {stat.S_IMODE(st.st_mode):o}), so anyone could replace the files in it; "
+            f"run `chmod go-w {directory}`",
+            path=about,
+        )
+    owner = st.st_uid
+    for above, ast in walked[:-1]:
+        if ast.st_uid not in (0, owner):
+            raise UntrustedSpool(
+                f"{above}, on the way to {about}, belongs to uid {ast.st_uid}, neither root "
+                f"nor the directory's owner (uid {owner}), who could swap what the path "
+                "names; move the files to a path only root and their owner control",
+                path=about,
+            )
+        if ast.st_mode & _WRITABLE and not ast.st_mode & stat.S_ISVTX:
+            raise UntrustedSpool(
+                f"{above}, on the way to {about}, is writable by group or others (mode "
+                f"{stat.S_IMODE(ast.st_mode):o}) and not sticky, so anyone could swap what "
+                f"the path names; run `chmod go-w {above}` or `chmod +t {above}`",
+                path=about,
+            )
+    return owner
+
+
+def changed(name: Path, about: Path) -> UntrustedSpool:
+    """The error for a file that was swapped between its check and its use."""
+    return UntrustedSpool(
+        f"{name} changed while walspool was opening it (replaced, or linked "
+        "elsewhere); nothing was used from it: if nobody else changes the spool's "
+        "directory, try again",
+        path=about,
+    )
