@@ -494,6 +494,10 @@ def recover_pending_spool(
     owned = session_db is None
     if owned:
         session_db, release = _open_default_db()
+    from_disk = session_resolver is None
+    if from_disk:
+        # 0.20 calls this with no arguments: the gateway's own routing, from disk.
+        session_resolver = partial(routed_session_id, session_db)
     try:
         report = _replay_all(spool, session_db, session_resolver)
     except ReplayBusy:
@@ -525,6 +529,21 @@ def recover_pending_spool(
                 + [f"key:{k} ({v})" for k, v in report.key_errors.items()]
             ),
         )
+    # (With the gateway's own resolver, 0.22, an unknown key is its call: held, at INFO.)
+    unresolved = {
+        key: stream.held for key, stream in report.keys.items() if stream.session_id is None
+    }
+    if unresolved and from_disk:
+        log.warning(
+            "%d spooled message(s) of %d session key(s) found no session in the gateway's "
+            "routing table and stay in %s; each start tries again (a new message from that "
+            "chat routes its key), `walspool ls` shows them as key:<KEY>, `walspool export` "
+            "gives their text: %s",
+            sum(unresolved.values()),
+            len(unresolved),
+            spool.path,
+            ", ".join(sorted(unresolved)),
+        )
     if report.quarantined:
         log.warning(
             "Quarantined %d spooled message(s) in %s that state.db refused; see `walspool ls`",
@@ -550,6 +569,66 @@ def _replay_all(
     return Replayer(
         spool, sink, resolver=lambda key: targets[key][0] if key in targets else None
     ).replay(wait=False)
+
+
+#: The gateway's routing table in state.db (0.20+): session key -> its ``SessionEntry``.
+ROUTING_SQL = "SELECT scope, entry_json FROM gateway_routing WHERE session_key = ?"
+ROUTING_TABLE_SQL = "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'gateway_routing'"
+#: The gateway's default ``sessions_dir`` under the home: the routing table's scope, and
+#: where its legacy ``sessions.json`` mirror lives.
+SESSIONS_DIR_NAME = "sessions"
+
+
+def routed_session_id(session_db: Any, session_key: str) -> str | None:
+    """The session the gateway routes ``session_key`` to, from what it keeps on disk.
+
+    As the gateway's ``SessionStore.peek_session_id`` reads it after a restart: the
+    ``gateway_routing`` table in state.db (the entry of the home's ``sessions``
+    scope; else the one session every scope agrees on), then the legacy
+    ``<HERMES_HOME>/sessions/sessions.json`` mirror. None when neither knows the key
+    (the rows stay, reported).
+    """
+    from .sinks import _private_connection
+
+    scope = str((home() / SESSIONS_DIR_NAME).resolve())
+    conn, lock = _private_connection(session_db)
+    if conn is not None:
+        try:
+            with lock:
+                rows = []
+                if conn.execute(ROUTING_TABLE_SQL).fetchone():
+                    rows = conn.execute(ROUTING_SQL, (session_key,)).fetchall()
+        except Exception as exc:  # noqa: BLE001 - unresolved: the rows stay, reported
+            log.debug("Cannot read the gateway's routing table: %s", exc)
+            rows = []
+        found = {row_scope: _entry_session_id(entry) for row_scope, entry in rows}
+        if found.get(scope):
+            return found[scope]
+        ids = {sid for sid in found.values() if sid}
+        if len(ids) == 1:
+            return ids.pop()
+    try:
+        import json
+
+        with open(home() / SESSIONS_DIR_NAME / "sessions.json", encoding="utf-8") as f:
+            entries = json.load(f)
+    except (OSError, ValueError):
+        return None
+    entry = entries.get(session_key) if isinstance(entries, dict) else None
+    return _entry_session_id(entry)
+
+
+def _entry_session_id(entry: Any) -> str | None:
+    """A routing entry's ``session_id`` (its JSON text, or the decoded dict)."""
+    if isinstance(entry, str):
+        import json
+
+        try:
+            entry = json.loads(entry)
+        except ValueError:
+            return None
+    session_id = entry.get("session_id") if isinstance(entry, dict) else None
+    return session_id if isinstance(session_id, str) and session_id else None
 
 
 def recover_gateway_pending(runner: Any) -> int:
