@@ -59,9 +59,11 @@ between the interrupted import and the next (the drop-in imports first at startu
 
 Files left in place, each logged at WARNING with its name and why: unreadable ones
 (not a regular file, a symbolic link, permission denied), ones that are not JSON or
-not a JSON object, ones missing the fields above, and ones the spool refuses (a name
-it cannot store, a payload over ``max_payload_bytes``). Upstream's quarantined files
-(``*.json.bad``) are left alone and listed in the report.
+not a JSON object, ones too costly to decode (nested deeper than ``codec.MAX_DEPTH``,
+or more than ``codec.MAX_VALUES`` values: checked on the text before it is parsed),
+ones missing the fields above, and ones the spool refuses (a name it cannot store, a
+payload over ``max_payload_bytes``). Upstream's quarantined files (``*.json.bad``) are
+left alone and listed in the report.
 """
 
 from __future__ import annotations
@@ -79,7 +81,7 @@ from typing import Any, NamedTuple
 
 import msgspec
 
-from . import text
+from . import codec, text
 from .errors import InvalidArgument, PayloadTooLarge, WalspoolError
 from .records import AGENT_HISTORY, CAP_DROP
 from .spool import Spool
@@ -137,7 +139,8 @@ class _Item(NamedTuple):
     #: (device, inode, size, mtime) of the file as read: it is deleted only if it is
     #: still that file.
     identity: tuple[int, int, int, int] = (0, 0, 0, 0)
-    #: The file's size, for batching by bytes.
+    #: What the file costs in memory, about (its bytes and what decoding made of
+    #: them), for batching by bytes.
     size: int = 0
 
 
@@ -264,7 +267,7 @@ class _Import:
         keyed = []
         for name in names:
             try:
-                payload, _ = _read_payload(self.dir_fd, name, self.max_file_bytes)
+                payload, _, _ = _read_payload(self.dir_fd, name, self.max_file_bytes)
                 keyed.append((sort_key(payload, name), name))
             except _Refused as exc:
                 self._skip(name, str(exc))
@@ -273,13 +276,13 @@ class _Import:
 
     def _item(self, name: str) -> _Item | None:
         try:
-            payload, st = _read_payload(self.dir_fd, name, self.max_file_bytes)
+            payload, st, cost = _read_payload(self.dir_fd, name, self.max_file_bytes)
             item = _item_from(payload, name)
         except _Refused as exc:
             self._skip(name, str(exc))
             return None
         identity = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-        item = item._replace(identity=identity, size=st.st_size)
+        item = item._replace(identity=identity, size=cost)
         if self.source_key is not None and isinstance(item.message, dict):
             item = item._replace(message={**item.message, self.source_key: name})
         return item
@@ -436,14 +439,18 @@ def _lock_directory(dir_fd: int, path: Path) -> None:
         ) from None
 
 
-def _read_payload(dir_fd: int, name: str, max_bytes: int) -> tuple[dict[str, Any], os.stat_result]:
+def _read_payload(
+    dir_fd: int, name: str, max_bytes: int
+) -> tuple[dict[str, Any], os.stat_result, int]:
     """Read and parse one spool file; raise ``_Refused`` saying why it is unusable.
 
     Parsed with the stdlib ``json`` module, which reads what upstream's
     ``json.dump`` writes (including ``NaN``). Only regular files are read, never
     through a symbolic link, and a FIFO cannot block the import. A file over
-    ``max_bytes`` is refused from its size before anything is read. Returns the
-    payload and the file's ``fstat``.
+    ``max_bytes`` is refused from its size before anything is read, and one nested
+    deeper than ``codec.MAX_DEPTH`` or holding more than ``codec.MAX_VALUES`` values
+    from its text before it is parsed. Returns the payload, the file's ``fstat`` and
+    what it costs in memory, about (its bytes and ``codec.decoded_bytes``).
     """
     try:
         fd = os.open(name, _READ_FLAGS, dir_fd=dir_fd)
@@ -472,12 +479,16 @@ def _read_payload(dir_fd: int, name: str, max_bytes: int) -> tuple[dict[str, Any
     finally:
         os.close(fd)
     try:
+        codec.check_budget(raw)
+    except codec.OverBudget as exc:
+        raise _Refused(f"too costly to decode: {exc}") from None
+    try:
         payload = json.loads(raw)
     except (ValueError, RecursionError) as exc:
         raise _Refused(f"not JSON: {exc}") from None
     if not isinstance(payload, dict):
         raise _Refused(f"not a JSON object but {type(payload).__name__}")
-    return payload, st
+    return payload, st, len(raw) + codec.decoded_bytes(raw)
 
 
 def _is_symlink(dir_fd: int, name: str) -> bool:

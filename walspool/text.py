@@ -45,6 +45,12 @@ def _json_escape(c: int) -> str:
 
 _ESCAPES = {c: _python_escape(c) for c in _UNSAFE}
 _ESCAPES.update({ord("\n"): "\\n", ord("\r"): "\\r", ord("\t"): "\\t"})
+_ANSI_C_ESCAPES = {
+    **{c: _json_escape(c) if c < 0x10000 else _python_escape(c) for c in _UNSAFE},
+    **{c: e for c, e in _ESCAPES.items() if c < 0x80},
+    ord("\\"): "\\\\",
+    ord("'"): "\\'",
+}
 #: In JSON text: the same characters as ``\\uXXXX`` escapes (C0 never appears raw in
 #: valid JSON, and a JSON encoder has already escaped it).
 _JSON_ESCAPES = {c: _json_escape(c) for c in _UNSAFE if c >= 0x20}
@@ -54,6 +60,13 @@ def printable(text: Any) -> str:
     """``str(text)`` with every control, format, separator or surrogate character
     (``UNSAFE_RANGES``) spelled as a Python escape (``\\x1b``, ``\\u202e``)."""
     return str(text).translate(_ESCAPES)
+
+
+def ansi_c(text: str) -> str:
+    """``text`` for bash's ``$'...'`` quotes, giving ``text`` back: backslash and quote
+    escaped, and each ``UNSAFE_RANGES`` character escaped as ``printable`` does, but
+    ``\\uHHHH`` from U+0080 on (bash reads ``\\xHH`` as a byte, not a character)."""
+    return text.translate(_ANSI_C_ESCAPES)
 
 
 def json_safe(json_text: str) -> str:

@@ -212,13 +212,20 @@ class Request:
         """Wake whoever waits; called after commit, or after the request failed."""
 
 
+def row_bytes(row: Row) -> int:
+    """What a row holds until it is committed: its payload's bytes and its names' (a
+    session id, key or reason may be as long as a payload: counted in characters), not
+    the payload alone."""
+    return row[5] + sum(len(name) for name in (row[0], row[1], row[2]) if name is not None)
+
+
 class Append(Request):
     """Append rows; the result is a list of receipts, or one receipt when ``single``."""
 
     __slots__ = ("rows", "single")
 
     def __init__(self, rows: Sequence[Row], single: bool) -> None:
-        size = rows[0][5] if len(rows) == 1 else sum(row[5] for row in rows)
+        size = row_bytes(rows[0]) if len(rows) == 1 else sum(row_bytes(row) for row in rows)
         super().__init__(rows[0][0] if rows else None, size)
         self.rows = rows
         self.single = single

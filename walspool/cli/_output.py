@@ -22,7 +22,7 @@ from typing import Any, TextIO
 
 import msgspec
 
-from ..text import json_safe, printable
+from ..text import ansi_c, json_safe, printable
 
 EXIT_OK = 0
 #: An error: one line on stderr.
@@ -93,16 +93,36 @@ def size(n: int) -> str:
     raise AssertionError("unreachable")
 
 
+#: The widest cell a text table prints, in characters once escaped: a wider one (a
+#: session id of 4 MiB) is clipped to this, its last character "…". ``--json`` has it
+#: whole.
+CELL_WIDTH = 120
+
+
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    """Left-aligned columns, two spaces apart; None prints as "-"."""
-    cells = [[str(h) for h in headers]] + [
-        ["-" if c is None else f"{c:,}" if isinstance(c, int) else printable(c) for c in row]
-        for row in rows
-    ]
+    """Left-aligned columns, two spaces apart; None prints as "-"; cells clipped to
+    ``CELL_WIDTH``."""
+    return "\n".join(table_lines(headers, rows))
+
+
+def table_lines(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> Iterator[str]:
+    """``table`` a line at a time: each column as wide as its widest clipped cell."""
+    cells = [[str(h) for h in headers]] + [[_cell(c) for c in row] for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    return "\n".join(
-        "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in cells
-    )
+    for r in cells:
+        yield "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, int):
+        return f"{value:,}"
+    text = str(value)
+    shown = printable(text[: CELL_WIDTH + 1])  # never the whole of a huge value
+    if len(text) > CELL_WIDTH or len(shown) > CELL_WIDTH:
+        return shown[: CELL_WIDTH - 1] + "…"
+    return shown
 
 
 def plural(n: int, word: str) -> str:
@@ -114,7 +134,8 @@ def clip(text: str | None, width: int = 80) -> str | None:
     """One line of at most ``width`` characters."""
     if text is None:
         return None
-    text = printable(" ".join(text.split()))
+    # A prefix only: whitespace runs shrink, escapes grow, and the rest is never shown.
+    text = printable(" ".join(text[: 8 * width + 64].split()))
     return text if len(text) <= width else text[: width - 1] + "…"
 
 
@@ -242,8 +263,6 @@ def as_path(text: str) -> Path:
 
 #: Characters a shell reads as themselves in a word: such a name prints as it is.
 _PLAIN = re.compile(r"[\w@%+=:,./-]+", re.ASCII)
-#: What bash's ``$'...'`` quoting spells with a backslash.
-_ANSI_C = {ord("\\"): "\\\\", ord("'"): "\\'"}
 
 
 def shell_word(text: str) -> str:
@@ -255,7 +274,7 @@ def shell_word(text: str) -> str:
         return text
     if printable(text) == text:
         return shlex.quote(text)
-    return "$'" + printable(text.translate(_ANSI_C)) + "'"
+    return "$'" + ansi_c(text) + "'"
 
 
 def stream_name(session_id: str | None, session_key: str | None) -> str:

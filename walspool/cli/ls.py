@@ -9,7 +9,17 @@ from typing import Any
 import apsw
 
 from ..text import printable
-from ._output import EXIT_OK, cli_terms, clip, dump, duration, iso, size, stream_name, table
+from ._output import (
+    EXIT_OK,
+    cli_terms,
+    clip,
+    dump,
+    duration,
+    iso,
+    size,
+    stream_name,
+    table_lines,
+)
 from ._reading import INFLIGHT_BY_STREAM_SQL, reading
 
 #: The ``backlog`` view's columns from indexes only, never a row's page: rows, bytes and
@@ -61,7 +71,9 @@ def run(args: argparse.Namespace) -> int:
     NEWEST are ages (4s, 1m05s, 2h03m, 3d04h); --json has the times, and adds
     `oldest_age` and `newest_age` in seconds, `inflight` and `retrying`. SESSION is the
     session id, or `key:<KEY>` for rows spooled by session key only, quoted as a shell
-    word when it needs to be: pasted into `walspool show` it names the same rows.
+    word when it needs to be: pasted into `walspool show` it names the same rows. A cell
+    wider than 120 characters (once escaped) is clipped, its last character "…": such
+    a session's name is in --json whole.
     """
     with reading(args.spool) as reader:
         backlog = reader.read(lambda conn: read_backlog(conn, time.time()))
@@ -74,7 +86,8 @@ def run(args: argparse.Namespace) -> int:
             "SESSION", "ROWS", "RETRYING", "QUARANTINED", "SUPERSEDED", "IN FLIGHT", "BYTES",
             "OLDEST", "NEWEST", "ATTEMPTS", "LAST ERROR",
         )  # fmt: skip
-        print(table(headers, [_backlog_line(b) for b in backlog]))
+        for line in table_lines(headers, [_backlog_line(b) for b in backlog]):
+            print(line)
     return EXIT_OK
 
 
