@@ -17,7 +17,13 @@ from ..spool import UID_SQL
 from ._dryrun import landed
 from ._output import Progress, warn
 from ._reading import reading
-from ._statedb import StateDBError, open_state_db, state_db_message
+from ._statedb import (
+    StateDBError,
+    check_state_db,
+    open_descriptors,
+    open_state_db,
+    state_db_message,
+)
 
 INFLIGHT_TICKETS_SQL = "SELECT id, inflight FROM records WHERE inflight IS NOT NULL"
 
@@ -39,10 +45,17 @@ def replay_into(
     from ..sinks import SessionDBSink
     from ..spool import Spool
 
+    checked = check_state_db(args.into)
+    before = open_descriptors()
     try:
         db = hermes_state.SessionDB(db_path=args.into)
     except sqlite3.Error as exc:
         raise StateDBError(state_db_message(exc, args.into), path=args.into) from exc
+    try:
+        checked.verify(before)  # the rows go into the state.db checked, or nowhere
+    except BaseException:
+        db.close()
+        raise
     try:
         with Spool(args.spool) as spool:
             sink = SessionDBSink(db, create_missing=args.create_missing)

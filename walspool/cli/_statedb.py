@@ -7,12 +7,15 @@ creates a state.db.
 
 from __future__ import annotations
 
+import errno
+import os
 import sqlite3
+import stat
 from pathlib import Path
 from urllib.parse import quote
 
-from .. import files
-from ..errors import NotASpool, WalspoolError
+from ..directories import open_directory
+from ..errors import UntrustedSpool, WalspoolError
 from ..files import SQLITE_MAGIC
 
 #: Seconds a replay waits for the gateway to release state.db's write lock.
@@ -37,23 +40,8 @@ def open_state_db(
     read-only file).
     """
     wait = STATE_DB_WAIT_SECONDS if wait is None else wait
-    if not path.exists():
-        raise StateDBError(
-            f"no state.db at {path} (no such file); give the gateway's state.db "
-            "(<HERMES_HOME>/state.db); walspool does not create one",
-            path=path,
-        )
-    if not path.is_file():
-        raise StateDBError(f"{path} is not a file; give the gateway's state.db", path=path)
-    try:
-        head = files.read_head(path)
-    except (OSError, NotASpool) as exc:
-        raise StateDBError(
-            f"cannot read state.db at {path}: {exc.strerror or exc}; check its permissions",
-            path=path,
-        ) from exc
-    if head != SQLITE_MAGIC:
-        raise StateDBError(f"{path} is not a SQLite database, so not a hermes state.db", path=path)
+    checked = check_state_db(path)
+    before = open_descriptors()
     mode = "rw" if write else "ro"
     conn: sqlite3.Connection | None = None
     try:
@@ -63,6 +51,7 @@ def open_state_db(
             timeout=wait,
             isolation_level=None,
         )
+        checked.verify(before)  # before any statement: SQLite opened the file checked
         tables = {
             r[0]
             for r in conn.execute(
@@ -85,6 +74,130 @@ def open_state_db(
             raise StateDBError(state_db_message(exc, path), path=path) from exc
         raise
     return conn
+
+
+class CheckedStateDB:
+    """A state.db checked on a descriptor opened below its checked directory: its
+    identity, to prove that what SQLite opens by the path is that very file."""
+
+    def __init__(self, path: Path, identity: tuple[int, int], owner: int) -> None:
+        self.path = path
+        self.identity = identity
+        self.owner = owner
+
+    def verify(self, before: dict[int, tuple[int, int]] | None) -> None:
+        """Raise ``StateDBError`` unless SQLite, having opened the path since the
+        descriptors ``before`` were listed (``open_descriptors``), holds the file checked.
+
+        The checked file must be open on a descriptor made since (the file SQLite
+        opened: a link swapped in after the check, or a file renamed over it, shows as
+        another file), and the path must still name it. Refused before the first
+        write. Where descriptors cannot be listed, or SQLite may have reused a
+        descriptor of this file it already held, only the path is compared.
+        """
+        try:
+            with open_directory(self.path.parent, self.path) as directory:
+                st = directory.lstat(self.path.name)
+        except (OSError, UntrustedSpool) as exc:
+            raise StateDBError(f"cannot check state.db at {self.path}: {exc}") from exc
+        if st is None or (st.st_dev, st.st_ino) != self.identity:
+            raise self._changed()
+        now = open_descriptors()
+        if before is None or now is None or self.identity in before.values():
+            return
+        opened = {identity for fd, identity in now.items() if fd not in before}
+        if self.identity not in opened:
+            raise self._changed()
+
+    def _changed(self) -> StateDBError:
+        return StateDBError(
+            f"state.db at {self.path} changed while walspool was opening it (replaced, or "
+            "a link put in its place); nothing was written: if nobody else changes its "
+            "directory, run the command again",
+            path=self.path,
+        )
+
+
+def check_state_db(path: Path) -> CheckedStateDB:
+    """Open ``path`` below its checked directory (``O_NOFOLLOW | O_NONBLOCK``) and
+    check it on the descriptor: a regular file of the directory's owner, one link,
+    SQLite's header. Raises ``StateDBError`` saying what it is instead."""
+    try:
+        directory = open_directory(path.parent, path)
+    except FileNotFoundError as exc:
+        raise _missing(path) from exc
+    except OSError as exc:
+        raise StateDBError(
+            f"cannot open the directory of state.db at {path}: {exc.strerror or exc}",
+            path=path,
+        ) from exc
+    except UntrustedSpool as exc:
+        raise StateDBError(str(exc), path=path) from exc
+    with directory:
+        try:
+            fd = directory.open(path.name, os.O_RDONLY)
+        except FileNotFoundError as exc:
+            raise _missing(path) from exc
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise StateDBError(
+                    f"{path} is a symbolic link; give the real path of the gateway's "
+                    "state.db (walspool does not follow a link to it)",
+                    path=path,
+                ) from exc
+            if exc.errno == errno.EISDIR:
+                raise StateDBError(
+                    f"{path} is not a file; give the gateway's state.db", path=path
+                ) from exc
+            raise StateDBError(
+                f"cannot read state.db at {path}: {exc.strerror or exc}; check its permissions",
+                path=path,
+            ) from exc
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise StateDBError(f"{path} is not a file; give the gateway's state.db", path=path)
+            if st.st_uid != directory.owner or st.st_nlink != 1:
+                raise StateDBError(
+                    f"{path} belongs to uid {st.st_uid} and has {st.st_nlink} link(s); a "
+                    f"state.db must be its directory owner's (uid {directory.owner}) with "
+                    "one link, or it may be another user's file: walspool does not write it",
+                    path=path,
+                )
+            head = os.pread(fd, len(SQLITE_MAGIC), 0)
+        finally:
+            os.close(fd)  # before SQLite opens it: closing later would drop its locks
+        if head != SQLITE_MAGIC:
+            raise StateDBError(
+                f"{path} is not a SQLite database, so not a hermes state.db", path=path
+            )
+        return CheckedStateDB(path, (st.st_dev, st.st_ino), directory.owner)
+
+
+def _missing(path: Path) -> StateDBError:
+    return StateDBError(
+        f"no state.db at {path} (no such file); give the gateway's state.db "
+        "(<HERMES_HOME>/state.db); walspool does not create one",
+        path=path,
+    )
+
+
+def open_descriptors() -> dict[int, tuple[int, int]] | None:
+    """(device, inode) of the regular file on each descriptor this process has open,
+    or None where they cannot be listed (no ``/proc``)."""
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return None
+    found = {}
+    for name in names:
+        try:
+            st = os.fstat(int(name))
+        except OSError:
+            continue  # the listing's own descriptor, closed by now
+        if stat.S_ISREG(st.st_mode):
+            found[int(name)] = (st.st_dev, st.st_ino)
+    return found
 
 
 def try_write(conn: sqlite3.Connection) -> None:
