@@ -1,108 +1,146 @@
-"""Rates and ratios of the benchmarks, from a run or from its JSON file.
+"""Rates and ratios of the benchmarks, from a run or from its JSON files.
 
-    python benchmarks/report.py /tmp/bench.json
+    python benchmarks/report.py BENCH_JSON [BENCH_JSON ...]
+    python benchmarks/report.py --markdown BENCH_JSON [BENCH_JSON ...]
 
-prints, for each benchmark, messages per second (messages per round over the median
-round time), then each walspool/baseline ratio against its target (DESIGN.md section 6),
-with its spread round by round where the two designs ran interleaved, then each peer
-library's rate against walspool's (``bench_peers.py``).
+The first prints, for each benchmark, messages per second (messages per round over the
+median round time), then each case's ratio to its floor or baseline against its target
+(``CASES``), with its spread round by round where the two designs ran interleaved, then
+each peer library's rate against walspool's (``bench_peers.py``). The same text ends a
+``pytest benchmarks`` run.
+
+``--markdown`` prints benchmarks/README.md's table: a line with the run's date, commits
+and machine, then each case beside its floor (or the baseline its target is set
+against), the ratio and the target. Give it the JSON files of one run; a replay file
+that has the gateway's own batch write (``.venv-upstream``, 0.22) fills the 0.22 rows.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 #: name -> {"group", "msgs_per_round", "median_s", "msgs_per_s", extra...}; filled
 #: by the benchmarks as they run, printed by conftest at the end of the session.
 RESULTS: dict[str, dict[str, Any]] = {}
 
-#: (what, walspool benchmark, baseline benchmark, target ratio; None: a floor, shown only)
-RATIOS = [
-    ("1 producer: walspool / write+fsync", "test_walspool_1_producer", "test_write_fsync", 0.9),
-    (
-        "64 threads: walspool / jsonfile",
-        "test_walspool_64_threads",
-        "test_jsonfile_64_threads",
-        10.0,
-    ),
-    (
-        # The issue's other bound for this case: within 1.5x of CPython's hand-off.
-        "64 threads: walspool / hand-off floor (no I/O)",
-        "test_walspool_64_threads",
-        "test_handoff_floor_64_threads",
-        1 / 1.5,
-    ),
-    (
-        "64 threads: walspool / hand-off + bare SQL floor",
+#: Prefix of the replay results of a gateway with a batch write (0.22): bench_replay.py
+#: names its results alike in both environments.
+BATCHED = "batched:"
+BATCH_DIRECT = "test_append_messages_batch_direct"
+
+
+@dataclass(frozen=True)
+class Case:
+    """walspool's rate in one case over its floor's (or its baseline's)."""
+
+    what: str
+    ours: str
+    base: str
+    #: At least this ratio; None: no target of its own (``note`` says what the row is).
+    target: float | None
+    note: str = ""
+
+
+CONTEXT = "context"
+#: The append cases and their targets. Floors are measured in the same run: a bare
+#: write+fsync per message; the same hand-off to one thread that commits with a bare apsw
+#: ``executemany`` at ``synchronous=FULL``; bare ``executemany`` for batches. The peer
+#: libraries' cases (``peer_cases``) follow them in the table.
+APPEND_CASES = [
+    Case("1 producer: `append` / write+fsync", "test_walspool_1_producer", "test_write_fsync", 1.0),
+    Case(
+        "64 threads / hand-off + bare SQL",
         "test_walspool_64_threads",
         "test_handoff_sql_floor_64_threads",
-        None,
+        0.9,
     ),
-    (
-        "64 asyncio tasks: walspool / jsonfile",
-        "test_walspool_64_async",
-        "test_jsonfile_64_async",
-        25.0,
-    ),
-    (
-        "batches of 1,000: walspool append_many / jsonfile",
-        "test_walspool_append_many",
-        "test_jsonfile_append_many",
-        50.0,
-    ),
-    (
-        "batches of 1,000: walspool append_many / bare SQL floor",
-        "test_walspool_append_many",
-        "test_sql_floor_append_many",
-        None,
-    ),
-    (
-        "64 asyncio tasks: walspool / hand-off + bare SQL floor",
+    Case(
+        "64 asyncio tasks / hand-off + bare SQL",
         "test_walspool_64_async",
         "test_handoff_sql_floor_64_async",
-        None,
+        0.9,
     ),
-    (
-        "gateway outage: linked / released (drops)",
+    Case(
+        "`append_many` 1,000 / bare SQL",
+        "test_walspool_append_many",
+        "test_sql_floor_append_many",
+        0.9,
+    ),
+    Case(
+        "1 producer / JSON files",
+        "test_walspool_1_producer",
+        "test_jsonfile_1_producer",
+        None,
+        CONTEXT,
+    ),
+    Case(
+        "64 threads / JSON files",
+        "test_walspool_64_threads",
+        "test_jsonfile_64_threads",
+        None,
+        CONTEXT,
+    ),
+    Case(
+        "64 asyncio tasks / JSON files",
+        "test_walspool_64_async",
+        "test_jsonfile_64_async",
+        None,
+        CONTEXT,
+    ),
+    Case(
+        "`append_many` 1,000 / JSON files",
+        "test_walspool_append_many",
+        "test_jsonfile_append_many",
+        None,
+        CONTEXT,
+    ),
+]
+#: The gateway link's and the replay's cases.
+OTHER_CASES = [
+    Case(
+        "gateway outage: linked / released store (drops)",
         "test_gateway_walspool",
         "test_gateway_released",
         0.5,
     ),
-    (
+    Case(
         "gateway outage: linked / JSON-file spool",
         "test_gateway_walspool",
         "test_gateway_jsonfile",
         5.0,
     ),
-    (
-        "replay: walspool / append_message direct",
+    Case(
+        "replay row by row (0.19.0) / `append_message`",
         "test_replay_into_sessiondb",
         "test_append_message_direct",
         0.8,
     ),
-    (
-        # The floor on a gateway without a batch write: append_message + landing ticket.
-        "replay: walspool / sink write direct (with tickets)",
+    Case(
+        "replay row by row (0.19.0) / the sink's write alone",
         "test_replay_into_sessiondb",
         "test_sink_write_direct",
         None,
+        "its floor: `append_message` + ticket",
     ),
-    (
-        "replay: sink write direct / append_message direct",
-        "test_sink_write_direct",
-        "test_append_message_direct",
-        None,
+    Case(
+        "replay in batches (0.22) / `append_message`",
+        BATCHED + "test_replay_into_sessiondb",
+        BATCHED + "test_append_message_direct",
+        0.8,
     ),
-    (
-        # The floor where the gateway has a batch write (0.22): its own batch.
-        "replay: walspool / the gateway's append_messages_batch",
-        "test_replay_into_sessiondb",
-        "test_append_messages_batch_direct",
+    Case(
+        "replay in batches (0.22) / `append_messages_batch`",
+        BATCHED + "test_replay_into_sessiondb",
+        BATCHED + BATCH_DIRECT,
         None,
+        "its floor: the gateway's batch write",
     ),
 ]
+CASES = APPEND_CASES + OTHER_CASES
 
 
 def record(name: str, group: str, msgs_per_round: int, median_s: float, **extra: Any) -> float:
@@ -154,27 +192,35 @@ def format_report(results: dict[str, dict[str, Any]]) -> str:
             f"{'' if per_commit is None else f'{per_commit:.1f}':>11}"
         )
     lines.append("")
-    for what, ours, base, target in RATIOS:
-        if ours in results and base in results:
-            ratio = results[ours]["msgs_per_s"] / results[base]["msgs_per_s"]
-            if target is None:  # a floor: how far from it, not a target
-                lines.append(f"{what:<52} {ratio:7.2f}x  (a floor, no target)")
+    named = by_gateway(results)
+    for case in CASES:
+        if case.ours in named and case.base in named:
+            ours = named[case.ours]
+            ratio = ours["msgs_per_s"] / named[case.base]["msgs_per_s"]
+            what = case.what.replace("`", "")
+            if case.target is None:
+                note = case.note.replace("`", "")
+                lines.append(f"{what:<52} {ratio:7.2f}x  ({note}; no target)")
                 continue
-            verdict = "met" if ratio >= target else f"MISSED ({ratio / target:.0%} of target)"
-            lines.append(f"{what:<52} {ratio:7.2f}x  target >= {target:.3g}x  {verdict}")
-            if "round_ratio_min" in results[ours]:
-                lines.append(spread_line(results[ours], target))
+            verdict = (
+                "met" if ratio >= case.target else f"MISSED ({ratio / case.target:.0%} of target)"
+            )
+            lines.append(f"{what:<52} {ratio:7.2f}x  target >= {case.target:.3g}x  {verdict}")
+    for case in CASES:
+        ours = named.get(case.ours, {})
+        if case.target is None and "round_ratio_min" in ours and ours["ratio_to"] == case.base:
+            lines.append(f"{case.what.replace('`', '')}:")
+            lines.append(spread_line(ours))
     lines.extend(peer_lines(results))
     return "\n".join(lines)
 
 
-def spread_line(result: dict[str, Any], target: float) -> str:
+def spread_line(result: dict[str, Any]) -> str:
     """The ratio round by round of an interleaved benchmark: lowest, median, highest."""
     low, mid, high = (result[f"round_ratio_{k}"] for k in ("min", "median", "max"))
-    below = sum(r < target for r in result["round_ratios"])
     return (
         f"{'':<4}over {result['rounds']} interleaved rounds: min {low:.2f}x, "
-        f"median {mid:.2f}x, max {high:.2f}x; {below} round(s) below {target:g}x"
+        f"median {mid:.2f}x, max {high:.2f}x"
     )
 
 
@@ -201,21 +247,163 @@ def peer_lines(results: dict[str, dict[str, Any]]) -> list[str]:
         spread = f"{r['round_ratio_min']:.2f}-{r['round_ratio_max']:.2f}x"
         frames = [x.get("wal_frames_per_append") for x in (r, ours)]
         pages = "" if None in frames else f"{frames[0]:.2f} vs {frames[1]:.2f}"
-        peer = name.removesuffix("]").rsplit("[", 1)[-1]
         lines.append(
-            f"{r['group'].removeprefix(PEER_GROUP_PREFIX):<12} {peer:<14} "
+            f"{r['group'].removeprefix(PEER_GROUP_PREFIX):<12} {peer_name(name):<14} "
             f"{r['msgs_per_s']:>7.0f} {ours['msgs_per_s']:>10.0f} {ratio:>7.2f}x "
             f"{spread:>15}  {pages:>16}  {'walspool leads' if ratio < 1 else 'PEER LEADS'}"
         )
     return lines
 
 
+def peer_name(name: str) -> str:
+    """The peer library of a ``bench_peers.py`` result: ``test_peer_1_producer[litequeue]``."""
+    return name.removesuffix("]").rsplit("[", 1)[-1]
+
+
+def peer_cases(results: dict[str, dict[str, Any]]) -> list[Case]:
+    """walspool over each peer library in the same case and rounds: walspool leads."""
+    return [
+        Case(
+            f"{r['group'].removeprefix(PEER_GROUP_PREFIX)} / {peer_name(name)}",
+            r["ratio_to"],
+            name,
+            1.0,
+        )
+        for name, r in sorted(results.items(), key=lambda kv: (kv[1]["group"], kv[0]))
+        if r["group"].startswith(PEER_GROUP_PREFIX) and r.get("ratio_to") in results
+    ]
+
+
+def by_gateway(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """``results``, its replay results renamed with ``BATCHED`` where they come from a
+    gateway with a batch write (the run has ``test_append_messages_batch_direct``)."""
+    if BATCH_DIRECT not in results:
+        return results
+    return {BATCHED + name if r["group"] == "replay" else name: r for name, r in results.items()}
+
+
+def load(paths: list[str]) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]]]:
+    """The results of several ``--benchmark-json`` files of one run, and the files."""
+    results: dict[str, dict[str, Any]] = {}
+    runs = []
+    for path in paths:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+        runs.append(data)
+        results.update(by_gateway(from_json(data)))
+    return results, runs
+
+
+#: The scale figures (``bench_scale.py``): what, benchmark, its figure from the JSON
+#: entry, the unit, the bound the benchmark asserts.
+SCALE = [
+    (
+        "peak RSS growth over 1,000,000 appends",
+        "test_peak_rss_over_a_million_appends",
+        lambda b: b["extra_info"]["peak_rss_growth_mib"],
+        "MiB",
+        32,
+    ),
+    (
+        "opening a 1,000,000-row spool",
+        "test_open_a_million_row_spool",
+        lambda b: b["stats"]["median"],
+        "s",
+        0.2,
+    ),
+    (
+        "`stats()` on 1,000,000 rows",
+        "test_stats_on_a_million_rows",
+        lambda b: b["stats"]["median"],
+        "s",
+        1.0,
+    ),
+    (
+        "largest `-wal` while a reader pages, 200,000 appends",
+        "test_wal_bounded_while_a_reader_pages",
+        lambda b: b["extra_info"]["largest_wal_mib"],
+        "MiB",
+        96,
+    ),
+]
+
+
+def _quantity(value: float, unit: str) -> str:
+    if unit == "s" and value < 0.1:
+        return f"{value * 1000:.3g} ms"
+    return f"{value:.3g} {unit}" if value < 100 else f"{value:,.0f} {unit}"
+
+
+def run_line(runs: list[dict[str, Any]]) -> str:
+    """When (UTC), at which commits and on what machine the files' runs were made."""
+    times = sorted(datetime.fromisoformat(run["datetime"]) for run in runs)
+    first, last = times[0], times[-1]
+    when = first.strftime("%Y-%m-%d %H:%M")
+    if last.date() != first.date():
+        when += last.strftime(" - %Y-%m-%d %H:%M")
+    elif last != first:
+        when += last.strftime("-%H:%M")
+    commits = []
+    machines = []
+    for run in runs:
+        commit = run.get("commit_info", {})
+        cid = str(commit.get("id") or "unknown")
+        name = (cid[:7] if len(cid) == 40 else cid) + ("+dirty" if commit.get("dirty") else "")
+        if name not in commits:
+            commits.append(name)
+        info = run.get("machine_info", {})
+        cpu = info.get("cpu", {})
+        brand = f" ({cpu['brand_raw']})" if cpu.get("brand_raw") else ""
+        machine = (
+            f"{info.get('system', '?')} {info.get('machine', '?')}, "
+            f"{cpu.get('count', '?')} CPUs{brand}, Python {info.get('python_version', '?')}"
+        )
+        if machine not in machines:
+            machines.append(machine)
+    return f"Run of {when} UTC at {', '.join(commits)}, on {'; '.join(machines)}."
+
+
+def markdown_table(results: dict[str, dict[str, Any]], runs: list[dict[str, Any]]) -> str:
+    """benchmarks/README.md's table: each case beside its floor, the ratio, the target."""
+    lines = [
+        run_line(runs),
+        "",
+        "| case | walspool | its floor | ratio | target |",
+        "|---|---:|---:|---:|---|",
+    ]
+    cases = APPEND_CASES + peer_cases(results) + OTHER_CASES
+    for case in cases:
+        if case.ours not in results or case.base not in results:
+            continue
+        ours, base = results[case.ours]["msgs_per_s"], results[case.base]["msgs_per_s"]
+        ratio = ours / base
+        if case.target is None:
+            target = case.note
+        else:
+            target = f">= {case.target:.1f}x: {'met' if ratio >= case.target else 'missed'}"
+        lines.append(f"| {case.what} | {ours:,.0f}/s | {base:,.0f}/s | {ratio:.2f}x | {target} |")
+    entries = {b["name"]: b for run in runs for b in run["benchmarks"]}
+    for what, name, figure, unit, bound in SCALE:
+        if name in entries:
+            value = figure(entries[name])
+            verdict = "met" if value < bound else "missed"
+            lines.append(
+                f"| {what} | {_quantity(value, unit)} | | | < {bound:g} {unit}: {verdict} |"
+            )
+    return "\n".join(lines)
+
+
+USAGE = "usage: python benchmarks/report.py [--markdown] BENCH_JSON [BENCH_JSON ...]"
+
+
 def main(argv: list[str]) -> int:
-    if len(argv) != 1:
-        print("usage: python benchmarks/report.py BENCH_JSON", file=sys.stderr)
+    markdown = argv[:1] == ["--markdown"]
+    paths = argv[1:] if markdown else argv
+    if not paths or any(p.startswith("-") for p in paths):
+        print(USAGE, file=sys.stderr)
         return 2
-    with open(argv[0], encoding="utf-8") as f:
-        print(format_report(from_json(json.load(f))))
+    results, runs = load(paths)
+    print(markdown_table(results, runs) if markdown else format_report(results))
     return 0
 
 
