@@ -18,7 +18,7 @@ from pathlib import Path
 
 import apsw
 
-from . import files, text
+from . import files, open_guard, text
 from .errors import (
     DiskFull,
     NotASpool,
@@ -29,6 +29,9 @@ from .errors import (
 )
 
 log = text.logger("walspool.schema")
+
+# SQLite never waits on a FIFO swapped in after a check (see open_guard).
+open_guard.install()
 
 #: ``PRAGMA application_id`` of a spool: "WSPL".
 APPLICATION_ID = 0x5753504C
@@ -428,11 +431,24 @@ def open_reader(path: Path) -> apsw.Connection:
         verify_read_only(conn, path)
     except apsw.Error as exc:
         close_quietly(conn)
-        raise sqlite_error(exc, path) from exc
+        raise fifo_refused(path) or sqlite_error(exc, path) from exc
     except BaseException:
         close_quietly(conn)
         raise
     return conn
+
+
+def fifo_refused(path: Path) -> NotASpool | None:
+    """The error for a FIFO SQLite was about to open in this thread (``open_guard``):
+    one swapped in after walspool's own check."""
+    name = open_guard.refused()
+    if name is None:
+        return None
+    return NotASpool(
+        f"{name} is not a regular file (a FIFO, put there while walspool opened the "
+        f"spool {path}); a spool's files are regular files: remove it",
+        path=path,
+    )
 
 
 def verify_read_only(conn: apsw.Connection, path: Path) -> None:
@@ -529,7 +545,7 @@ def _open_checked(path: Path, durability: str, max_bytes: int | None) -> apsw.Co
         set_max_bytes(conn, max_bytes)
     except apsw.Error as exc:
         close_quietly(conn)
-        raise sqlite_error(exc, path) from exc
+        raise fifo_refused(path) or sqlite_error(exc, path) from exc
     except BaseException:
         close_quietly(conn)
         raise

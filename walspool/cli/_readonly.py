@@ -21,7 +21,6 @@ descriptor cannot drop a POSIX lock SQLite holds (the classic fcntl pitfall).
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import fcntl
 import os
@@ -138,11 +137,17 @@ def _open_immutable(path: Path) -> apsw.Connection:
     files.check_for_reading(path)
     files.refuse_non_sqlite(path)
     flags = apsw.SQLITE_OPEN_READONLY | apsw.SQLITE_OPEN_URI | apsw.SQLITE_OPEN_NOFOLLOW
-    conn = apsw.Connection(f"file:{schema._uri_path(path)}?mode=ro&immutable=1", flags=flags)
+    conn = None
     try:
+        conn = apsw.Connection(f"file:{schema._uri_path(path)}?mode=ro&immutable=1", flags=flags)
         schema.verify_read_only(conn, path)
+    except apsw.Error as exc:
+        schema.close_quietly(conn)
+        refused = schema.fifo_refused(path)  # a FIFO swapped in after the check
+        if refused is not None:
+            raise refused from exc
+        raise
     except BaseException:
-        with contextlib.suppress(apsw.Error):
-            conn.close()
+        schema.close_quietly(conn)
         raise
     return conn
