@@ -71,3 +71,59 @@ def spool_rows(home: Path) -> int:
 
     with walspool.Spool(home / "spool.db") as spool:
         return spool.stats().rows
+
+
+class DropInWaits:
+    """The waits the drop-in can make a gateway thread (the thread that made this) start,
+    as they start: which, its bound (None: unbounded but for the spool's busy bound),
+    and whether the spool's writer had found its write lock held elsewhere by then.
+
+    The places: a spool transaction on the caller's thread (``Writer.call``), a blocking
+    put (``notify``, ``submit``), a wait for room, the drain's wait for earlier
+    hand-offs (``shutdown_flush._probe``) and the replay lock (``replay._exclusive``).
+    """
+
+    def __init__(self, spool: object, monkeypatch: object) -> None:
+        import threading
+
+        import walspool.replay as replay
+        import walspool.shutdown_flush as wsf
+
+        self.seen: list[tuple[str, float | None, bool]] = []
+        self._thread = threading.current_thread()
+        self._writer = spool._writer  # type: ignore[attr-defined]
+        writer = self._writer
+        for name in ("call", "notify", "submit"):  # unbounded but for the busy bound
+            self._wrap(monkeypatch, writer, name, lambda *a, **k: None)
+        self._wrap(monkeypatch, writer, "wait_for_room", lambda timeout, *a, **k: timeout)
+        self._wrap(monkeypatch, wsf, "_probe", lambda spool, *, wait: wait)
+        self._wrap(
+            monkeypatch,
+            replay,
+            "_exclusive",
+            lambda path, wait=True, owner=None: 0.0 if wait is False else float(wait),
+        )
+
+    def _wrap(self, monkeypatch: object, owner: object, name: str, bound: object) -> None:
+        original = getattr(owner, name)
+        note = self._note
+
+        def recorded(*args: object, **kw: object) -> object:
+            note(name, bound(*args, **kw))  # type: ignore[operator]
+            return original(*args, **kw)
+
+        monkeypatch.setattr(owner, name, recorded)  # type: ignore[attr-defined]
+
+    def _note(self, what: str, bound: float | None) -> None:
+        import threading
+
+        if threading.current_thread() is self._thread:
+            self.seen.append((what, bound, self._writer.busy_since is not None))
+
+    def once_found_locked(self) -> list[tuple[str, float | None]]:
+        """The waits with a bound above zero started once the writer had found its write
+        lock held elsewhere: none is allowed."""
+        return [(w, b) for w, b, locked in self.seen if locked and (b is None or b > 0)]
+
+    def before_found_locked(self) -> list[tuple[str, float | None]]:
+        return [(w, b) for w, b, locked in self.seen if not locked]

@@ -178,15 +178,23 @@ def spool_dropped_transcript_message(session_id: str, message: dict[str, Any]) -
 
     Never waits: the row is handed to the spool's writer, which takes its place in
     the session's order at once and commits it in the background. Returns the
-    spool's path once handed off, or None when the spool cannot take it now (closed,
-    a bad value, the writer's queue full: the caller then drops the message and
-    warns, as before). A hand-off the writer then fails to commit (its write lock
-    held elsewhere past ``walspool.writer.BUSY_RETRY_SECONDS``, a full disk) is
-    dropped with a WARNING. A drain of the session counts it as remaining until it
-    is committed.
+    spool's path once handed off, or None when the spool cannot take it now (the
+    caller then keeps or drops the message, as upstream does when its spool fails):
+    closed, a bad value, the writer's queue full, or its write lock found held by
+    another process (nothing is handed to a writer that cannot commit: 0.22 then
+    keeps a stalled backlog in memory). A hand-off the writer then fails to commit
+    (the lock held elsewhere past ``walspool.writer.BUSY_RETRY_SECONDS``, a full
+    disk) is dropped with a WARNING. A drain of the session counts it as remaining
+    until it is committed.
     """
     try:
         spool = shared_spool()
+        if spool.busy():
+            _probe(spool, wait=0.0)  # a probe that commits ends the busy state
+            log.debug(
+                "The spool %s is locked elsewhere; not spooling for %s", spool.path, session_id
+            )
+            return None
         row = spool.prepare(session_id, message, CAP_DROP)
         key = (spool.path, session_id)
         with _handoffs:
