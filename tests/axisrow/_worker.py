@@ -2,6 +2,7 @@
 
     python _worker.py HOME outage SESSIONS N          # N messages per session, state.db broken
     python _worker.py HOME live SESSIONS N KILL_AT    # outage, heal, one message: live drain
+    python _worker.py HOME live-foreign ...           # the same through a callback of its own
     python _worker.py HOME start SESSIONS [KILL_AT]   # heal, recover_pending_to_db() as the
                                                       # gateway calls it, one more message per
                                                       # session; prints the rows
@@ -35,6 +36,9 @@ sys.modules["gateway.shutdown_flush"] = wsf
 
 from _axisrow import break_db, contents, heal_db, keyed_session, new_store  # noqa: E402
 
+#: ``live-foreign``: the drain's callback is wrapped in one defined here (not the gateway's).
+FOREIGN = sys.argv[2] == "live-foreign"
+
 
 def sessions(count: int) -> list[str]:
     return [f"s{i}" for i in range(count)]
@@ -61,10 +65,16 @@ def kill_after(commits: int, *, in_drain: bool) -> None:
     hermes_state.SessionDB.append_message = append_message
     drain = wsf.drain_transcript_spool
 
-    def drain_transcript_spool(*args: Any, **kwargs: Any) -> Any:
+    def drain_transcript_spool(session_id: str, replay: Any, **kwargs: Any) -> Any:
         draining[0] = True
+        if FOREIGN:  # a callback walspool cannot track: defined outside the gateway
+
+            def foreign(message: Any, replay: Any = replay) -> None:
+                replay(message)
+
+            replay = foreign
         try:
-            return drain(*args, **kwargs)
+            return drain(session_id, replay, **kwargs)
         finally:
             draining[0] = not in_drain
 
@@ -86,7 +96,7 @@ def main() -> None:
     if command == "outage":
         count, n = args
         outage(store, sessions(count), n)
-    elif command == "live":
+    elif command in ("live", "live-foreign"):
         count, n, kill_at = args
         outage(store, sessions(count), n)
         heal_db(store._db)

@@ -52,3 +52,19 @@ def test_kill_during_startup_recovery_loses_and_duplicates_nothing(tmp_path, kil
     for sid in ("s0", "s1", "s2"):
         assert result["rows"][sid] == [*(f"{sid}-{i}" for i in range(30)), f"{sid}-last"]
     assert spool_rows(home) == 0
+
+
+def test_a_kill_during_an_untracked_drain_quarantines_the_row_never_writes_it_twice(tmp_path):
+    """A drain callback walspool cannot track (not the gateway's own): the row being
+    written when the process dies is quarantined for an operator, not written again."""
+    import walspool
+
+    home = tmp_path / "hermes"
+    n = CAP + 60
+    run_and_kill(WORKER, home, "live-foreign", 1, n, 1)
+    rows = start(home, 1)["rows"]["s0"]
+    assert len(rows) == len(set(rows))  # nothing twice
+    assert set(rows) >= {f"s0-{i}" for i in range(n)}  # the quarantined one had landed
+    with walspool.Spool(home / "spool.db") as spool:
+        (kept,) = spool.records()
+    assert kept.message["content"] == "s0-0" and "cannot tell" in (kept.last_error or "")
