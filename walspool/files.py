@@ -199,18 +199,18 @@ def _check_stat(st: os.stat_result, name: Path, owner: int, path: Path) -> None:
             f"{name} is not a regular file; a spool's files are regular files: remove it",
             path=path,
         )
+    if st.st_nlink != 1:
+        raise UntrustedSpool(
+            f"{name} has {st.st_nlink} hard links, so it is also another file's content; "
+            f"walspool does not use it: if it is the spool's, run `cp -p {name} {name}.copy && "
+            f"mv {name}.copy {name}`",
+            path=path,
+        )
     if st.st_uid != owner:
         fix = f"`chown {owner} {name}` as root" if st.st_uid == 0 else f"`rm {name}`"
         raise UntrustedSpool(
             f"{name} belongs to uid {st.st_uid}, not to the spool's owner (uid {owner}); "
             f"walspool does not use it: if it is the owner's, run {fix}",
-            path=path,
-        )
-    if st.st_nlink != 1:
-        raise UntrustedSpool(
-            f"{name} has {st.st_nlink} hard links, so it is also another file's content; "
-            f"walspool does not use it: if it is the spool's, run `cp {name} {name}.copy && "
-            f"mv {name}.copy {name}`",
             path=path,
         )
 

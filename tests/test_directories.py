@@ -1,0 +1,340 @@
+"""Files trusted by descriptor (walspool.directories, walspool.files, walspool.open_guard),
+against a real attacker.
+
+The tests run as root; the attacker is a real second process switched with
+``setpriv`` to ``nobody``, the owner of the spool's directory (a gateway user that
+wants root's powers), swapping names in its own directory with
+``renameat2(RENAME_EXCHANGE)`` as fast as it can while root runs walspool. Each race
+is run for many tries: the code before issue 29 lost each of them within a few
+hundred (a chmod, chown, truncate or write through the swapped name, or a hang).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import select
+import stat
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from _helpers import ROOT, MemorySink
+from _users import NOBODY, SETPRIV, as_root, shared_directory
+from _users import python_as as as_user
+
+import walspool
+from walspool.cli import main
+from walspool.replay import Replayer
+
+OWNER = NOBODY
+NEIGHBOUR = 1  # daemon
+#: Tries per race; each race ends early once it is lost.
+TRIES = 400
+#: Seconds any one command may take before it counts as hung (generous: a loaded machine).
+BOUND = 60
+
+SWAPPER = """
+import ctypes, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+AT_FDCWD, RENAME_EXCHANGE = -100, 2
+os.chdir(sys.argv[1])
+a, b = sys.argv[2].encode(), sys.argv[3].encode()
+exec(sys.argv[4])  # setup(): put both names in place; called again when one is gone
+setup()
+print("ready", flush=True)
+while True:
+    if libc.renameat2(AT_FDCWD, a, AT_FDCWD, b, RENAME_EXCHANGE) != 0:
+        try:
+            setup()
+        except OSError:
+            pass  # root's walspool made or removed a name meanwhile: next turn
+"""
+
+
+@pytest.fixture
+def shared_tmp() -> Iterator[Path]:
+    with shared_directory("walspool-dirs-", 0o711) as top:
+        yield top
+
+
+def owned_dir(path: Path, uid: int, mode: int = 0o700) -> Path:
+    path.mkdir(parents=True)
+    os.chown(path, uid, uid)
+    os.chmod(path, mode)
+    return path
+
+
+@contextlib.contextmanager
+def swapping(directory: Path, a: str, b: str, setup: str) -> Iterator[subprocess.Popen[str]]:
+    """``nobody`` exchanging the names ``a`` and ``b`` in ``directory`` in a loop (a
+    real second process) for the block; ``setup`` defines ``setup()``, which (re)makes
+    them."""
+    assert SETPRIV is not None
+    proc = subprocess.Popen(
+        [SETPRIV, f"--reuid={OWNER}", f"--regid={OWNER}", "--clear-groups", sys.executable]
+        + ["-c", SWAPPER, str(directory), a, b, textwrap.dedent(setup)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "HOME": "/nonexistent"},
+    )
+    try:
+        ready, _, _ = select.select([proc.stdout], [], [], BOUND)
+        assert ready and proc.stdout.readline() == "ready\n", proc.stderr.read()
+        yield proc
+        assert proc.poll() is None, f"the swapper stopped: {proc.stderr.read()}"
+    finally:
+        proc.kill()
+        proc.wait(BOUND)
+
+
+def gateway_spool(home: Path) -> Path:
+    """A spool the gateway's user made, with one row."""
+    path = home / "spool.db"
+    done = as_user(
+        OWNER,
+        "import sys, walspool\n"
+        "with walspool.Spool(sys.argv[1]) as s: s.append('s', {'role': 'user', 'content': 'x'})",
+        str(path),
+    )
+    assert done.returncode == 0, done.stderr
+    return path
+
+
+def root_file(directory: Path, mode: int, text: str = "root's own") -> Path:
+    victim = directory / "victim"
+    victim.write_text(text)
+    os.chmod(victim, mode)
+    return victim
+
+
+def state(path: Path) -> tuple[int, int, str]:
+    st = path.stat()
+    return st.st_uid, stat.S_IMODE(st.st_mode), path.read_text()
+
+
+# -- a check, then a use by path ------------------------------------------------------------
+
+
+@as_root
+def test_root_never_chmods_through_a_link_swapped_in_after_the_check(shared_tmp):
+    """The owner swaps a loose ``-wal`` for a link to root's file, over and over, while
+    root opens the spool: root's file keeps its mode (before: chmodded to 0600)."""
+    home = owned_dir(shared_tmp / "hermes", OWNER)
+    spool_path = gateway_spool(home)
+    victim = root_file(shared_tmp, 0o644)
+    setup = f"""
+        def setup():
+            if not os.path.lexists("spool.db-wal"):
+                os.close(os.open("spool.db-wal", os.O_CREAT | os.O_WRONLY, 0o644))
+            if not os.path.lexists("link"):
+                os.symlink({str(victim)!r}, "link")
+            for name in ("spool.db-wal", "link"):
+                if not os.path.islink(name):
+                    os.chmod(name, 0o644)  # loose again: root's walspool fixes the mode
+        """
+    refused = 0
+    with swapping(home, "spool.db-wal", "link", setup):
+        for _ in range(TRIES):
+            try:
+                walspool.Spool(spool_path).close()
+            except walspool.WalspoolError:
+                refused += 1
+            assert state(victim) == (0, 0o644, "root's own")
+    assert refused < TRIES  # the race ran against opens that also succeed
+
+
+@as_root
+def test_a_lock_file_hard_linked_to_another_file_is_refused_untouched(shared_tmp):
+    """``.open-lock`` and ``.replay-lock`` hard links to a file of root's (one any user
+    can write, so the kernel lets the owner link it): refused by name; the file is not
+    chowned, chmodded or truncated (before: all three, by root's walspool)."""
+    home = owned_dir(shared_tmp / "hermes", OWNER)
+    spool_path = gateway_spool(home)
+    victim = root_file(shared_tmp, 0o666)
+    for lock in ("spool.db.open-lock", "spool.db.replay-lock"):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(home / lock)
+        done = as_user(
+            OWNER, "import os, sys; os.link(*sys.argv[1:])", str(victim), str(home / lock)
+        )
+        assert done.returncode == 0, done.stderr
+        with pytest.raises(walspool.UntrustedSpool, match=f"{lock} has 2 hard links"):
+            with walspool.Spool(spool_path) as spool:
+                Replayer(spool, MemorySink()).replay()
+        assert state(victim) == (0, 0o666, "root's own")
+        os.unlink(home / lock)
+
+
+@as_root
+@pytest.mark.parametrize("lock", ["spool.db.open-lock", "spool.db.replay-lock"])
+def test_a_lock_file_a_third_user_planted_is_refused_not_adopted(shared_tmp, lock):
+    """Root runs walspool on the owner's spool; a neighbour's file at a lock's name is
+    refused, never handed to the owner (before: chowned to the owner, made 0600)."""
+    home = owned_dir(shared_tmp / "hermes", OWNER)
+    spool_path = gateway_spool(home)
+    planted = home / lock
+    planted.write_text("neighbour's")
+    os.chown(planted, NEIGHBOUR, NEIGHBOUR)
+    os.chmod(planted, 0o644)
+    with pytest.raises(walspool.UntrustedSpool, match=f"{lock} belongs to uid {NEIGHBOUR}"):
+        with walspool.Spool(spool_path) as spool:
+            Replayer(spool, MemorySink()).replay()
+    assert state(planted) == (NEIGHBOUR, 0o644, "neighbour's")
+
+
+@as_root
+def test_a_lock_file_root_left_with_more_than_a_pid_in_it_is_not_adopted(shared_tmp):
+    """Root's leftover lock files are given back to the owner; a root file with more
+    in it than a pid is no leftover lock (some root file moved there): refused."""
+    home = owned_dir(shared_tmp / "hermes", OWNER)
+    spool_path = gateway_spool(home)
+    lock = home / "spool.db.replay-lock"
+    lock.write_text("x" * 4096)
+    with walspool.Spool(spool_path) as spool:
+        with pytest.raises(walspool.UntrustedSpool, match="belongs to uid 0"):
+            Replayer(spool, MemorySink()).replay()
+    assert state(lock) == (0, 0o644, "x" * 4096)
+
+
+# -- FIFOs never hang a command --------------------------------------------------------
+
+
+def walspool_cli(*argv: object) -> subprocess.CompletedProcess[str]:
+    """``python -m walspool ARGV`` in a child, waited for at most ``BOUND`` seconds."""
+    return subprocess.run(
+        [sys.executable, "-m", "walspool", *map(str, argv)],
+        capture_output=True,
+        text=True,
+        timeout=BOUND,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+
+
+@pytest.mark.parametrize("fifo", ["spool.db-wal", "spool.db-shm"])
+def test_a_fifo_beside_the_spool_makes_every_command_refuse_at_once(tmp_path, fifo):
+    path = tmp_path / "spool.db"
+    with walspool.Spool(path) as spool:
+        spool.append("s", {"role": "user", "content": "x"})
+    os.mkfifo(tmp_path / fifo)
+    for command in ("stats", "ls", "check", "export", "show"):
+        argv = [command, path, "s"] if command == "show" else [command, path]
+        done = walspool_cli(*argv)  # a hang fails here (TimeoutExpired), never blocks
+        assert done.returncode == 1, (command, done.stdout, done.stderr)
+        assert f"{fifo} is not a regular file" in done.stderr, (command, done.stderr)
+    done = walspool_cli("check", path, "--json")
+    assert done.returncode == 1 and "is not a regular file" in done.stdout
+    with pytest.raises(walspool.NotASpool, match=f"{fifo} is not a regular file"):
+        walspool.Spool(path)
+
+
+@pytest.mark.parametrize("lock", ["spool.db.open-lock", "spool.db.replay-lock"])
+def test_a_fifo_as_a_lock_file_is_refused_at_once(tmp_path, lock):
+    path = tmp_path / "spool.db"
+    with walspool.Spool(path) as spool:
+        spool.append("s", {"role": "user", "content": "x"})
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp_path / lock)
+    os.mkfifo(tmp_path / lock)
+    done = walspool_cli("requeue", path, "--id", "1")
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "not a regular file" in done.stderr
+    assert stat.S_ISFIFO(os.lstat(tmp_path / lock).st_mode)
+
+
+READ_LOOP = """
+import sys
+from walspool.cli import main
+codes = {main(["stats", sys.argv[1], "--json"]) for _ in range(int(sys.argv[2]))}
+print("codes", sorted(codes))
+"""
+
+
+@as_root
+def test_a_fifo_swapped_in_after_the_check_never_hangs_roots_reads(shared_tmp):
+    """The owner exchanges the spool with a FIFO over and over while root runs
+    ``stats``: every run returns (refused or read), none waits on the FIFO (before:
+    root's ``stats`` hung for good once it opened the FIFO)."""
+    home = owned_dir(shared_tmp / "hermes", OWNER)
+    spool_path = gateway_spool(home)
+    setup = """
+        def setup():
+            if not os.path.lexists("fifo"):
+                os.mkfifo("fifo", 0o600)
+        """
+    with swapping(home, "spool.db", "fifo", setup):
+        done = subprocess.run(
+            [sys.executable, "-c", READ_LOOP, str(spool_path), str(TRIES)],
+            capture_output=True,
+            text=True,
+            timeout=BOUND * 3,  # a hang fails the test here
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
+    assert done.returncode == 0, done.stderr[-2000:]
+    (last,) = [line for line in done.stdout.splitlines() if line.startswith("codes ")]
+    assert set(json.loads(last[len("codes ") :])) <= {0, 1}
+
+
+# -- replay writes into the state.db it checked ----------------------------------------
+
+
+def hermes_state_db(path: Path, uid: int) -> Path:
+    done = as_user(
+        uid,
+        "import sys, hermes_state\n"
+        "from pathlib import Path\n"
+        "db = hermes_state.SessionDB(db_path=Path(sys.argv[1])); db.create_session('s', 'cli')\n"
+        "db.close()",
+        str(path),
+    )
+    assert done.returncode == 0, done.stderr
+    return path
+
+
+def messages(path: Path) -> int:
+    import sqlite3
+
+    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    try:
+        return conn.execute("SELECT count(*) FROM messages").fetchone()[0]
+    finally:
+        conn.close()
+
+
+@as_root
+def test_roots_replay_never_writes_through_a_state_db_link_swapped_in_after_the_check(
+    shared_tmp, capsys
+):
+    """The owner exchanges its state.db with a link to another user's state.db while
+    root replays its spool into it: no row lands in the other user's state.db (before:
+    a forged row did), each run moves its row into the checked one or refuses."""
+    home = owned_dir(shared_tmp / "hermes", OWNER)
+    spool_path = gateway_spool(home)
+    state_db = hermes_state_db(home / "state.db", OWNER)
+    other = owned_dir(shared_tmp / "other", NEIGHBOUR, 0o755)
+    victim = hermes_state_db(other / "state.db", NEIGHBOUR)
+    setup = f"""
+        def setup():
+            if not os.path.lexists("link"):
+                os.symlink({str(victim)!r}, "link")
+        """
+    codes = set()
+    with swapping(home, "state.db", "link", setup):
+        for i in range(TRIES // 4):
+            with walspool.Spool(spool_path) as spool:
+                spool.append("s", {"role": "user", "content": f"forged {i}"})
+            codes.add(main(["replay", str(spool_path), "--into", str(home / "state.db")]))
+            capsys.readouterr()
+            assert messages(victim) == 0
+    assert codes <= {0, 1}, codes
+    # every row went into the checked state.db (wherever the swaps left its name) or
+    # stayed spooled: none lost, none elsewhere
+    (real,) = [p for p in (state_db, home / "link") if not p.is_symlink()]
+    with walspool.Spool(spool_path) as spool:
+        left = sum(1 for _ in spool.records())
+    assert messages(real) + left == TRIES // 4 + 1
