@@ -1,0 +1,296 @@
+"""Memory bounded by what a row really costs (issue 29): pages count every stored byte
+as SQLite measures it, never the ``size`` column; payloads too deep or too wide to
+decode are quarantined or flagged and the rest goes on; export copies payloads as
+stored; ls clips wide cells. The bounded-memory tests measure the peak RSS of a real
+CLI process (``os.wait4``: that child's own figure)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import apsw
+import pytest
+from _gateway import state_db
+from _helpers import ROOT, MemorySink
+
+import walspool
+from walspool import codec, paging
+from walspool.cli import main
+from walspool.cli._output import CELL_WIDTH
+from walspool.replay import Replayer
+from walspool.spool import RECORD_COLUMNS
+
+MiB = 1024 * 1024
+#: A generous bound on the peak RSS of a command here. Measured on these spools: the
+#: code before issue 29's fix peaked at 880 MiB (replay), 510 MiB (export), 690 MiB
+#: (export of 8 million objects), 1.6 GiB (ls, printing 808 MiB) and 690 MiB
+#: (import-json); the fixed code at 210, 175, 150, 85 and 115 MiB.
+PEAK_BOUND = 320 * MiB
+
+
+#: Runs ``python -m walspool ARGV`` (stdout inherited, stderr dropped) and prints its
+#: peak RSS in KiB. A process started from this small one: Linux counts into a child's
+#: ``ru_maxrss`` the memory of the process it was forked from (its mm's high-water mark
+#: at exec), so a CLI forked from the test process would carry pytest's own peak.
+_LAUNCHER = """
+import os, subprocess, sys
+proc = subprocess.Popen([sys.executable, "-m", "walspool", *sys.argv[1:]],
+                        stderr=subprocess.DEVNULL)
+_, status, usage = os.wait4(proc.pid, 0)
+print(os.waitstatus_to_exitcode(status), usage.ru_maxrss, file=sys.stderr)
+"""
+
+
+def peak_rss(argv: list[Any], stdout: Path) -> tuple[int, int]:
+    """Run ``walspool ARGV`` with stdout to a file; its exit status and the peak RSS of
+    that process in bytes."""
+    with open(stdout, "wb") as out:
+        done = subprocess.run(
+            [sys.executable, "-c", _LAUNCHER, *map(str, argv)],
+            stdout=out,
+            stderr=subprocess.PIPE,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            check=True,
+            timeout=600,
+        )
+    rc, kib = map(int, done.stderr.split())
+    return rc, kib * 1024  # Linux: KiB
+
+
+def spool_with(path: Path, sessions: list[str], *, per_session: int = 1) -> Path:
+    with walspool.Spool(path) as spool:
+        for session in sessions:
+            for n in range(per_session):
+                spool.append(session, {"role": "user", "content": f"{session} {n}"})
+    return path
+
+
+def edit(path: Path, *statements: tuple[str, tuple[Any, ...]]) -> None:
+    """Change the spool behind walspool's back, as anyone who can write the file can."""
+    conn = apsw.Connection(str(path))
+    try:
+        with conn:
+            for sql, params in statements:
+                conn.execute(sql, params)
+    finally:
+        conn.close()
+
+
+def big_content_sql(nbytes: int, field: str = "content") -> str:
+    """A payload with ``nbytes`` of text in ``field``, made by SQLite itself (no Python
+    copy), its size set to 0."""
+    head = '{"role":"user",' + ('"content":"hi",' if field != "content" else "")
+    return f"""UPDATE records SET payload = '{head}"{field}":"' ||
+        printf('%.*c', {nbytes}, 'x') || '"}}', size = 0"""
+
+
+# -- pages ----------------------------------------------------------------------------
+
+
+def test_a_page_counts_names_errors_and_payloads_measured_by_sqlite(tmp_path):
+    """Rows whose session key and last error are 3 MiB each and whose size says 0: a page
+    ends once what SQLite measures reaches PAGE_BYTES, not after PAGE_ROWS rows."""
+    path = tmp_path / "spool.db"
+    with walspool.Spool(path) as spool:
+        for n in range(40):
+            spool.append(None, {"n": n}, session_key=f"k{n:02d}")
+    edit(
+        path,
+        (
+            "UPDATE records SET session_key = session_key || printf('%.*c', ?, 'k'), "
+            "last_error = printf('%.*c', ?, 'e'), size = 0",
+            (3 * MiB, 3 * MiB),
+        ),
+    )
+    conn = apsw.Connection(str(path), flags=apsw.SQLITE_OPEN_READONLY)
+    try:
+        sql = f"SELECT {RECORD_COLUMNS}, {paging.ROW_BYTES_SQL} FROM records ORDER BY id"
+        rows, full = paging.read_page(conn, sql, {})
+    finally:
+        conn.close()
+    row_bytes = 6 * MiB + 3 + len('{"n":0}') + len("transcript_cap_drop")
+    assert full and len(rows) == -(-paging.PAGE_BYTES // row_bytes) == 2
+    assert rows[0][-1] == row_bytes
+
+
+def test_a_page_counts_what_decoding_makes_of_a_payload(tmp_path):
+    """Payloads of 300,000 empty objects (900 KB each, about 19 MiB once decoded): one
+    row per page, where their stored bytes alone would put nine in one."""
+    path = spool_with(tmp_path / "spool.db", ["s"], per_session=12)
+    edit(path, ("UPDATE records SET payload = '[' || replace(printf('%.*c', ?, 'x'), 'x', "
+                "'{},') || '{}]'", (300_000 - 1,)))  # fmt: skip
+    conn = apsw.Connection(str(path), flags=apsw.SQLITE_OPEN_READONLY)
+    try:
+        sql = f"SELECT {RECORD_COLUMNS}, {paging.ROW_BYTES_SQL} FROM records ORDER BY id"
+        rows, full = paging.read_page(conn, sql, {})
+    finally:
+        conn.close()
+    assert full and len(rows) == 1
+
+
+def test_replay_takes_rows_a_page_at_a_time_whatever_the_size_column_says(tmp_path):
+    """12 rows of 32 MiB with size set to 0: replay peaks far below the 12 rows' 384 MiB
+    plus their decoded form. Each session is missing in state.db, so nothing is written,
+    and the 32 MiB are in a field the sink does not pass on: what is measured is the
+    replay's own memory, not state.db's full-text index of the content."""
+    sessions = [f"s{n:02d}" for n in range(12)]
+    path = spool_with(tmp_path / "spool.db", sessions)
+    edit(path, (big_content_sql(32 * MiB, field="junk"), ()))
+    state = state_db(tmp_path / "state.db")
+    rc, peak = peak_rss(["replay", path, "--into", state], tmp_path / "out")
+    assert rc == 3  # held: no session in state.db
+    assert peak < PEAK_BOUND, f"replay peaked at {peak / MiB:.0f} MiB"
+    with walspool.Spool(path) as spool:
+        assert [r.attempts for r in spool.records()] == [1] * 12  # each one was tried
+
+
+def test_export_reads_a_page_at_a_time_whatever_the_size_column_says(tmp_path):
+    path = spool_with(tmp_path / "spool.db", [f"s{n:02d}" for n in range(12)])
+    edit(path, (big_content_sql(32 * MiB), ()))
+    out = tmp_path / "export.jsonl"
+    rc, peak = peak_rss(["export", path], out)
+    assert rc == 0
+    assert peak < PEAK_BOUND, f"export peaked at {peak / MiB:.0f} MiB"
+    with open(out, "rb") as f:
+        lines = f.read().split(b"\n")
+    assert lines[-1] == b"" and len(lines) == 13
+    first = json.loads(lines[0])
+    assert first["session_id"] == "s00" and len(first["message"]["content"]) == 32 * MiB
+
+
+# -- decoding within a budget --------------------------------------------------------------
+
+DEEP = "[" * 100_000 + "]" * 100_000
+
+
+def deep_spool(path: Path) -> tuple[Path, int]:
+    """Sessions a and c healthy; session b's second of three rows nested 100,000 deep."""
+    spool_with(path, ["a", "b", "c"], per_session=3)
+    edit(path, ("UPDATE records SET payload = ? WHERE session_id = 'b' AND seq = 2", (DEEP,)))
+    conn = apsw.Connection(str(path))
+    try:
+        deep_id = conn.execute("SELECT id FROM records WHERE session_id = 'b' AND seq = 2").get
+    finally:
+        conn.close()
+    return path, deep_id
+
+
+def test_replay_quarantines_a_row_nested_too_deep_and_every_session_goes_on(tmp_path):
+    path, deep_id = deep_spool(tmp_path / "spool.db")
+    sink = MemorySink()
+    with walspool.Spool(path) as spool:
+        report = Replayer(spool, sink).replay()
+        assert (report.moved, report.held, report.quarantined) == (8, 0, 1)
+        assert sink.contents("a") == ["a 0", "a 1", "a 2"]
+        assert sink.contents("b") == ["b 0", "b 2"]
+        assert sink.contents("c") == ["c 0", "c 1", "c 2"]
+    conn = apsw.Connection(str(path))
+    try:
+        kept = conn.execute("SELECT id, status, last_error, payload FROM records").fetchall()
+    finally:
+        conn.close()
+    [(row_id, status, error, payload)] = kept
+    assert (row_id, status, payload) == (deep_id, "quarantined", DEEP)
+    assert f"nested 100,000 levels deep, over the {codec.MAX_DEPTH}" in error
+
+
+def test_export_and_show_flag_a_row_nested_too_deep_and_go_on(tmp_path, capsys):
+    path, deep_id = deep_spool(tmp_path / "spool.db")
+    capsys.readouterr()
+    rc = main(["export", str(path)])
+    out, err = capsys.readouterr()
+    lines = [json.loads(line) for line in out.splitlines()]
+    assert rc == 1 and len(lines) == 9
+    [flagged] = [line for line in lines if "bad_payload" in line]
+    assert flagged["id"] == deep_id and flagged["message"] is None
+    assert "nested 100,000 levels deep" in flagged["bad_payload"]["error"]
+    assert [line["message"]["content"] for line in lines if line["session_id"] == "c"] == [
+        "c 0",
+        "c 1",
+        "c 2",
+    ]
+    assert f"too costly to decode, shown flagged: id {deep_id} (session b, seq 2)" in err
+    rc = main(["show", str(path), "b"])
+    out, err = capsys.readouterr()
+    assert rc == 1 and "user: b 0" in out and "user: b 2" in out and "Traceback" not in err
+
+
+def test_a_payload_too_wide_to_decode_is_exported_as_stored(tmp_path):
+    """24 MiB of ``[{},{},...]`` (8 million objects, about 600 MiB decoded): export
+    copies the stored text, never decoded, and stays small."""
+    path = spool_with(tmp_path / "spool.db", ["wide", "after"])
+    objects = 8 * 1024 * 1024
+    edit(path, ("UPDATE records SET payload = '[' || replace(printf('%.*c', ?, 'x'), 'x', "
+                "'{},') || '{}]' WHERE session_id = 'wide'", (objects - 1,)))  # fmt: skip
+    out = tmp_path / "export.jsonl"
+    rc, peak = peak_rss(["export", path], out)
+    assert rc == 0
+    assert peak < PEAK_BOUND, f"export peaked at {peak / MiB:.0f} MiB"
+    with open(out, "rb") as f:
+        after, wide, end = f.read().split(b"\n")  # in session order
+    assert end == b"" and json.loads(after)["message"]["content"] == "after 0"
+    head, _, message = wide.partition(b',"message":')
+    assert json.loads(head + b"}")["session_id"] == "wide"
+    assert message == b"[" + b"{}," * (objects - 1) + b"{}]}"
+
+
+def test_import_json_leaves_a_file_too_wide_to_decode_in_place(tmp_path):
+    """A pending file of 8 million objects is refused from its text, before parsing;
+    the other file is imported."""
+    pending = tmp_path / "pending_messages"
+    pending.mkdir()
+    good = {"reason": "shutdown", "session_key": "k", "ts": 1.0, "data": {"text": "hi"}}
+    (pending / "pending-1.json").write_text(json.dumps(good))
+    junk = b"[" + b"{}," * (8 * 1024 * 1024 - 1) + b"{}]"
+    wide = b'{"reason":"shutdown","session_key":"k","ts":2.0,"data":{"text":"x","junk":'
+    (pending / "pending-2.json").write_bytes(wide + junk + b"}}")
+    spool = tmp_path / "spool.db"
+    rc, peak = peak_rss(["import-json", spool, pending, "--json"], tmp_path / "out")
+    report = json.loads((tmp_path / "out").read_text())
+    assert rc == 3 and report["imported"] == 1, report
+    assert peak < PEAK_BOUND, f"import-json peaked at {peak / MiB:.0f} MiB"
+    [skipped] = report["skipped"]
+    assert skipped.startswith("pending-2.json: too costly to decode: ")
+    assert f"over the {codec.MAX_VALUES:,} a payload may decode to" in skipped
+    assert sorted(p.name for p in pending.iterdir()) == ["pending-2.json"]
+
+
+@pytest.mark.parametrize(
+    ("payload", "why"),
+    [
+        ("[" * 513 + "]" * 513, "nested 513 levels deep"),
+        ("[" + "0," * codec.MAX_VALUES + "0]", "2,000,002 JSON values or more"),
+    ],
+)
+def test_decode_refuses_past_its_budget_and_takes_what_is_within(payload, why):
+    with pytest.raises(codec.OverBudget, match=why):
+        codec.decode(payload)
+    assert codec.decode("[" * 512 + "]" * 512) is not None
+    # Brackets and commas inside strings are text, not structure.
+    text = '["' + "[{,:" * codec.MAX_VALUES + '"]'
+    assert codec.decode(text) == ["[{,:" * codec.MAX_VALUES]
+
+
+# -- ls -----------------------------------------------------------------------------------
+
+
+def test_ls_clips_a_wide_session_id_and_json_keeps_it_whole(tmp_path, capsys):
+    """One 4 MiB session id among 200 sessions: the text view clips it to CELL_WIDTH
+    (ending in …) and does not pad the other rows to it; --json has it whole."""
+    huge = "h" * (4 * MiB)
+    path = spool_with(tmp_path / "spool.db", [huge, *(f"s{n:03d}" for n in range(200))])
+    rc, peak = peak_rss(["ls", path], tmp_path / "ls.txt")
+    assert rc == 0 and peak < PEAK_BOUND
+    lines = (tmp_path / "ls.txt").read_text().splitlines()
+    assert len(lines) == 202 and max(map(len, lines)) < CELL_WIDTH + 200
+    [row] = [line for line in lines if line.startswith("h")]
+    assert row.split("  ")[0] == "h" * (CELL_WIDTH - 1) + "…"
+    capsys.readouterr()
+    assert main(["ls", str(path), "--json"]) == 0
+    streams = json.loads(capsys.readouterr().out)
+    assert huge in [s["session_id"] for s in streams]
