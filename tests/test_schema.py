@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import json
 import logging
 import os
 import shutil
@@ -828,3 +829,57 @@ def test_each_schema_problem_is_named_when_the_spool_is_moved_aside(
         "the view `backlog` is not walspool's definition); "
         f"moved it aside to {aside} and opened a fresh spool"
     ]
+
+
+# -- a spool's schema is compared before any of its statements runs (issue 29) ----------
+
+
+@pytest.mark.parametrize(
+    ("sql", "named"),
+    [
+        (
+            "ALTER TABLE records ADD COLUMN g TEXT GENERATED ALWAYS AS (upper(payload))",
+            "the table `records` does not have walspool's columns",
+        ),
+        ("CREATE TABLE extra (x)", "the table `extra` is not walspool's"),
+        ("CREATE VIEW evil AS SELECT 1", "the view `evil` is not walspool's"),
+        ("CREATE INDEX evil_idx ON records (length(payload))", "the index `evil_idx` is not"),
+    ],
+)
+def test_an_object_walspool_did_not_make_is_named_by_every_reader(spool_path, capsys, sql, named):
+    from walspool.cli import main
+
+    with walspool.Spool(spool_path) as spool:
+        spool.append("s", {"role": "user", "content": "x"})
+    conn = apsw.Connection(str(spool_path))
+    conn.execute(sql)
+    conn.close()
+    for command in ("stats", "ls", "export"):
+        assert main([command, str(spool_path)]) == 1
+        assert named in capsys.readouterr().err
+    assert main(["check", str(spool_path), "--json"]) == 1
+    assert any(named in p for p in json.loads(capsys.readouterr().out)["problems"])
+
+
+def test_an_upgrade_runs_no_trigger_planted_in_an_older_spool(spool_path, caplog):
+    """A schema 2 spool with a trigger that would fire on the upgrade's UPDATE of rows
+    in flight: refused (moved aside, kept) before the upgrade runs, the trigger unfired."""
+    make_v2_spool(spool_path, [("s", 1, '{"n": 1}', 7)])
+    conn = apsw.Connection(str(spool_path))
+    conn.execute(
+        "CREATE TRIGGER planted AFTER UPDATE ON records BEGIN "
+        "INSERT INTO sequences VALUES ('session_id', 'fired', 1); END"
+    )
+    conn.close()
+    with walspool.Spool(spool_path) as spool:
+        assert list(spool.records()) == []  # a fresh spool
+    assert "the trigger `planted` is not walspool's" in caplog.text
+    (moved,) = [p for p in spool_path.parent.iterdir() if p.name.endswith(tuple("0123456789"))]
+    conn = apsw.Connection(
+        f"file:{moved}?mode=ro", flags=apsw.SQLITE_OPEN_READONLY | apsw.SQLITE_OPEN_URI
+    )
+    try:
+        assert conn.execute("SELECT user_version FROM pragma_user_version").get == 2
+        assert conn.execute("SELECT count(*) FROM sequences WHERE name = 'fired'").get == 0
+    finally:
+        conn.close()
