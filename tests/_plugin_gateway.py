@@ -9,6 +9,10 @@ not enable) the plugin the user's way.
                                                  while every insert fails, then heal; then
                                                  nothing more is sent (quiet), or one more
                                                  message to each session (message)
+    python _plugin_gateway.py OUT rewrite N          an outage as above, during which s1's
+                                                 transcript is rewritten (emptied, as a
+                                                 /compress or /retry replaces it), then
+                                                 heal and one more message to each
 
 Nothing here touches walspool: the gateway's own plugin discovery loads it (or not). Writes
 one JSON object to the file OUT (the 0.22 gateway takes stdout over): what the test asserts
@@ -87,7 +91,7 @@ async def run(mode: str, n: int, after: str) -> dict[str, Any]:
     await runner.start()
     result: dict[str, Any] = {"before": linked(runner)}
     store = runner.session_store
-    if mode == "outage":
+    if mode in ("outage", "rewrite"):
         db = store._db
         for sid in SESSIONS:
             db.create_session(sid, "telegram")
@@ -97,8 +101,11 @@ async def run(mode: str, n: int, after: str) -> dict[str, Any]:
             for sid in SESSIONS:
                 store.append_to_transcript(sid, sent[sid][i])
         result["during"] = {sid: len(db.get_messages(sid)) for sid in SESSIONS}
+        if mode == "rewrite":
+            result["rewritten"] = store.rewrite_transcript("s1", [])
+            sent["s1"] = []
         sql(db, HEAL)
-        if after == "message":
+        if after == "message" or mode == "rewrite":
             for sid in SESSIONS:
                 last = {"role": "user", "content": f"{sid}-last", "timestamp": int(time.time())}
                 sent[sid].append(last)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import apsw
 import pytest
 from _helpers import ROOT, STEP
 
@@ -188,6 +189,26 @@ def test_an_enabled_plugin_carries_an_outage_into_state_db(gateway: Gateway, hom
         assert result["landed"][session] == sent, session  # each once, in drop order
     with walspool.Spool(spool) as s:
         assert s.stats().rows == 0
+
+
+def test_a_rewrite_during_an_outage_supersedes_the_sessions_spooled_rows(
+    gateway: Gateway, home: Path
+) -> None:
+    configure(gateway, home, gateway.enable)
+    result = run_worker(gateway, home, "rewrite", str(BURST))
+
+    assert result["landed"]["s1"] == [["user", "s1-last"]]  # nothing from before the rewrite
+    for session in ("s2", "s3"):
+        assert result["landed"][session] == result["sent"][session]
+    with apsw.Connection(str(home / "spool.db"), flags=apsw.SQLITE_OPEN_READONLY) as db:
+        kept = dict(
+            db.execute(
+                "SELECT coalesce(status, 'replayable'), count(*) FROM records "
+                "WHERE session_id = 's1' GROUP BY 1"
+            ).fetchall()
+        )
+    assert list(kept) == ["superseded"]  # kept for operators, never replayed
+    assert kept["superseded"] >= BURST - 200
 
 
 def test_a_plugin_not_enabled_is_never_imported(gateway: Gateway, home: Path) -> None:

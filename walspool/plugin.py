@@ -24,7 +24,9 @@ the gateway installed:
   module bound from the gateway's own module earlier are rebound too. 0.20's store
   writes a session's in-memory backlog before it drains the session's spooled (older)
   rows; the plugin makes each of its live writes drain them first (see
-  ``_drain_before_live_writes``), so ``state.db`` keeps drop order there too.
+  ``_drain_before_live_writes``), so ``state.db`` keeps drop order there too. On both,
+  a transcript rewrite (/retry, /undo, /compress: the store's ``_clear_dirty_transcript``)
+  also supersedes the session's spooled rows, as the 0.19.0 link does.
 
 ``register`` never raises into the gateway, does its work once per process however
 often discovery runs, and takes no I/O (the spool opens when the runner starts, or at
@@ -45,6 +47,7 @@ import sys
 import threading
 from collections.abc import Callable
 from functools import wraps
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -101,9 +104,10 @@ def _register() -> str:
         _link_on_start()
         return LINK
     _swap_shutdown_flush(f"{name} {version}")
-    if how == DROP_IN_DRAINED_FIRST:
-        from gateway.session import SessionStore
+    from gateway.session import SessionStore
 
+    _supersede_on_rewrite(SessionStore)
+    if how == DROP_IN_DRAINED_FIRST:
         _drain_before_live_writes(SessionStore)
     return how
 
@@ -308,6 +312,62 @@ def _swap_shutdown_flush(gateway: str) -> None:
         gateway,
         ours.spool_path(),
     )
+
+
+def _supersede_on_rewrite(store_class: type) -> None:
+    """Make a transcript rewrite supersede the session's spooled rows.
+
+    The store's ``_clear_dirty_transcript`` (called by ``rewrite_transcript`` and
+    ``rewind_session``) forgets the session's queue; wrapped here, it then marks the
+    session's replayable rows superseded: kept in the spool for operators, never
+    replayed unless asked for. The rewrite waits at most for one spool transaction
+    (``walspool.writer.BUSY_RETRY_SECONDS`` while another process holds the write lock).
+    """
+    clear = store_class._clear_dirty_transcript
+    if getattr(clear, MARK, False):
+        return
+
+    @wraps(clear)
+    def clear_and_supersede(self: Any, session_id: str) -> None:
+        clear(self, session_id)
+        from .shutdown_flush import shared_spool
+
+        try:
+            spool = shared_spool()
+            superseded = _supersede(spool, session_id)
+        except Exception:  # noqa: BLE001 - the rewrite goes on; the rows stay, reported
+            log.exception(
+                "walspool could not supersede the spooled rows of session %s after its "
+                "transcript was rewritten; a replay would put them after it",
+                session_id,
+            )
+            return
+        if superseded:
+            log.warning(
+                "Transcript of %s rewritten: %d spooled message(s) in %s superseded (kept "
+                "for operators, not replayed)",
+                session_id,
+                superseded,
+                spool.path,
+            )
+
+    setattr(clear_and_supersede, MARK, True)
+    store_class._clear_dirty_transcript = clear_and_supersede
+
+
+def _supersede(spool: Any, session_id: str) -> int:
+    """Supersede the session's replayable rows, and the rows a failed drain left in
+    flight when no drain or replay runs now (the replay lock, taken without waiting):
+    their write did not land, or their ticket says so at the next recovery. While a
+    replay runs, the rows it has out are left to it."""
+    from .errors import ReplayBusy
+    from .replay import LOCK_SUFFIX, _exclusive
+
+    try:
+        with _exclusive(Path(f"{spool.path}{LOCK_SUFFIX}"), wait=False):
+            return int(spool.supersede(session_id, inflight=True))
+    except ReplayBusy:
+        return int(spool.supersede(session_id))
 
 
 class SpooledFirst(Exception):
