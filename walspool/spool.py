@@ -17,6 +17,7 @@ import msgspec
 
 from . import codec, files
 from .errors import InvalidArgument, PayloadTooLarge, SpoolClosed, SpoolCorrupt, SpoolReplaced
+from .paging import ROW_BYTES_SQL
 from .records import AGENT_HISTORY, CAP_DROP, Receipt, Record, Stats
 from .schema import close_quietly, open_reader, open_writer, sqlite_error
 from .writer import Append, Operation, Quarantined, Row, Writer
@@ -34,12 +35,12 @@ RECORD_COLUMNS = (
     "last_attempt_at, status"
 )
 RECORDS_PAGE_SQL = f"""
-SELECT {RECORD_COLUMNS}, size FROM records
+SELECT {RECORD_COLUMNS}, {ROW_BYTES_SQL} FROM records
 WHERE id > :after AND (:reasons IS NULL OR reason IN (SELECT value FROM json_each(:reasons)))
 ORDER BY id LIMIT :limit
 """
 SESSION_RECORDS_PAGE_SQL = f"""
-SELECT {RECORD_COLUMNS}, size FROM records
+SELECT {RECORD_COLUMNS}, {ROW_BYTES_SQL} FROM records
 WHERE session_id = :session_id AND seq > :after
   AND (:reasons IS NULL OR reason IN (SELECT value FROM json_each(:reasons)))
 ORDER BY seq LIMIT :limit
@@ -454,9 +455,10 @@ def _nothing(conn: apsw.Connection) -> None:
 def read_page(
     conn: apsw.Connection, sql: str, params: Any, limit: int = PAGE_ROWS
 ) -> tuple[list[tuple[Any, ...]], bool]:
-    """The next page of a query whose last column is each row's payload ``size``.
+    """The next page of a query whose last column is what each row costs
+    (``paging.ROW_BYTES_SQL``: every stored byte as SQLite measures it, never ``size``).
 
-    The page ends after ``limit`` rows or once the payloads reach ``PAGE_BYTES``
+    The page ends after ``limit`` rows or once the rows reach ``PAGE_BYTES``
     (at least one row); ``full`` says whether more may follow. Reading stops there,
     so the rest is never fetched into memory, and the read transaction ends with it.
     """
