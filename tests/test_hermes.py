@@ -6,6 +6,7 @@ import asyncio
 import gc
 import json
 import logging
+import re
 import threading
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ from _helpers import STEP, naming_threads, run_python
 
 import walspool
 import walspool.hermes as hermes
+import walspool.outage as outage
 from walspool.hermes import Link, install, install_runner
 
 hermes_state = pytest.importorskip("hermes_state")
@@ -46,9 +48,8 @@ def test_outage_of_1001_messages_loses_nothing_and_keeps_order(store, spool, cap
         for i in range(1001):
             store.append_to_transcript("s", {"role": "user", "content": f"m{i}"})
     spool.flush()
-    spooled = [r for r in caplog.records if "spooled oldest message" in r.getMessage()]
-    assert len(spooled) == 801
-    assert str(spool.path) in spooled[0].getMessage()
+    (spooling,) = [r for r in caplog.records if "spooling the oldest" in r.getMessage()]
+    assert str(spool.path) in spooling.getMessage()
     assert spool.stats().rows == 801
     sql(store, HEAL)
     store.append_to_transcript("s", {"role": "user", "content": "fin"})
@@ -282,6 +283,7 @@ class Committed(logging.Handler):  # the link's WARNING for each committed evict
         if "spooled oldest message" in record.msg:
             say(f"spooled {record.args[-1]}")
 logging.getLogger("walspool.hermes").addHandler(Committed())
+logging.getLogger("walspool.hermes").setLevel(logging.DEBUG)  # that line is DEBUG
 install(store, spool)
 with store._db._lock:
     store._db._conn.execute(sys.argv[2])
@@ -534,10 +536,15 @@ def test_a_rewrite_resets_a_failing_session_so_the_next_message_is_written_at_on
     caplog.set_level(logging.DEBUG, logger="walspool.hermes")
     caplog.clear()
     assert store.rewrite_transcript("s", [_m("rewritten")])
-    assert _lines(caplog, logging.WARNING) == [
+    over, rewritten = _lines(caplog, logging.WARNING)
+    assert rewritten == (
         f"Transcript of s rewritten: 5 spooled message(s) in {spool.path} superseded (kept for "
         "operators, not replayed)"
-    ]
+    )
+    assert re.fullmatch(
+        r"walspool: outage over: 5 spooled, 0 replayed, 5 superseded by rewrites in \d+\.\d s",
+        over,
+    )
     assert "s" not in store._transcript_append_failures
     store.append_to_transcript("s", _m("next"))  # not held back by the failures before
     assert contents(store, "s") == ["rewritten", "next"]
@@ -1372,3 +1379,47 @@ def test_a_closed_state_db_is_not_taken_for_content_it_refuses(store, spool):
     assert [m["content"] for m in store._dirty_transcripts["s"]] == ["m0"]
     spool.flush()
     assert spool.stats().rows == 0
+
+
+def test_an_outage_of_a_thousand_evictions_is_told_in_a_few_lines(store, spool, caplog):
+    """The operator's log of a real burst: no line per eviction or per failed retry, but
+    the first few failures word for word, one line when the session starts spooling
+    (naming the spool, once), one when it has drained and one when the outage is over,
+    with counts; no object reprs."""
+    store._db.create_session("s", "telegram")
+    link = install(store, spool)  # the default retry interval
+    sql(store, BREAK)
+    caplog.set_level(logging.INFO, logger="walspool")
+    for i in range(1200):
+        store.append_to_transcript("s", _m(f"m{i}"))
+    spool.flush()
+    assert spool.stats().rows == 1000
+    sql(store, HEAL)
+    assert link.wait_idle(STEP)  # the background thread drains it, no message needed
+    assert contents(store, "s") == [f"m{i}" for i in range(1200)]
+    lines = [
+        r.getMessage()
+        for r in caplog.records
+        if r.name.startswith("walspool") and r.levelno >= logging.WARNING
+    ]
+    retries = [line for line in lines if "failed" in line]
+    assert 1 <= len(retries) <= outage.QUIET_AFTER, retries  # however many retries
+    assert retries[0] == (
+        "Session DB transcript append failed for s (failure_count=1, pending=1); "
+        "will retry: database disk image is malformed"
+    )
+    rest = [line for line in lines if line not in retries]
+    assert len(rest) == 3, rest
+    started, drained, over = rest
+    assert started == (
+        "Session DB transcript pending queue full for s (cap=200); spooling the oldest "
+        f"messages to {spool.path} until state.db takes them (one line when it has drained)"
+    )
+    assert re.fullmatch(
+        r"Session DB transcript of s drained: 1000 message\(s\) spooled, 1000 replayed into "
+        r"state\.db in \d+\.\d s",
+        drained,
+    )
+    assert re.fullmatch(r"walspool: outage over: 1000 spooled, 1000 replayed in \d+\.\d s", over)
+    assert sum(str(spool.path) in line for line in rest) == 1  # a held retry names it too
+    assert not [r for r in caplog.records if " object at 0x" in r.getMessage()]

@@ -882,7 +882,8 @@ def test_evictions_that_fail_and_commit_in_one_group_are_each_reported_word_for_
         store.append_to_transcript("b", msg("b0"))  # fails: queued
         go_on = _hold_the_writer(spool)  # both evictions queue behind this, for one group
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="walspool.hermes"):
+        # DEBUG: the line per eviction too (the session's start line is a WARNING)
+        with caplog.at_level(logging.DEBUG, logger="walspool.hermes"):
             store.append_to_transcript("a", msg("a1"))  # evicts a0
             store.append_to_transcript("b", msg("b1"))  # evicts b0
             go_on.set()
@@ -891,6 +892,9 @@ def test_evictions_that_fail_and_commit_in_one_group_are_each_reported_word_for_
             "Session DB transcript pending queue full for a (cap=1); dropping oldest message "
             f"to make room (on-disk spool unavailable: spool {spool.path} is full "
             "(max_bytes=131072); replay it into state.db or raise max_bytes)",
+            "Session DB transcript pending queue full for b (cap=1); spooling the oldest "
+            f"messages to {spool.path} until state.db takes them (one line when it has "
+            "drained)",
             "Session DB transcript pending queue full for b (cap=1); spooled oldest message "
             f"to {spool.path} (seq 1) for replay after DB recovery",
         ]
@@ -1026,7 +1030,8 @@ def test_a_message_too_big_for_the_spool_is_dropped_at_the_cap_word_for_word(
         sql(store, BREAK)
         store.append_to_transcript("s", msg("x" * 2000))  # fails: queued
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="walspool.hermes"):
+        # DEBUG: the line per eviction too (the session's start line is a WARNING)
+        with caplog.at_level(logging.DEBUG, logger="walspool.hermes"):
             store.append_to_transcript("s", msg("a"))  # evicts the big one
             store.append_to_transcript("s", msg("b"))  # evicts "a"
             spool.flush()
@@ -1035,6 +1040,9 @@ def test_a_message_too_big_for_the_spool_is_dropped_at_the_cap_word_for_word(
             "to make room (on-disk spool unavailable: message for session 's' is 2028 bytes "
             "as JSON, over the spool's max_payload_bytes=1000; raise the limit or trim the "
             "message)",
+            "Session DB transcript pending queue full for s (cap=1); spooling the oldest "
+            f"messages to {spool.path} until state.db takes them (one line when it has "
+            "drained)",
             "Session DB transcript pending queue full for s (cap=1); spooled oldest message "
             f"to {spool.path} (seq 1) for replay after DB recovery",
         ]
@@ -1180,16 +1188,11 @@ def test_a_flush_while_a_drain_finds_nothing_is_not_taken_for_what_that_drain_sa
     spool.flush()
     replay = link.replayer.replay
     armed, flushed = threading.Event(), []
-    # Held by a drain from its look at ``armed`` until its replay returns: arming
-    # (and healing) while a drain is past that look would let that drain, unarmed,
-    # move m0 itself after the heal, and the armed one find nothing to move.
-    looking = threading.Lock()
 
     def elsewhere_then_flush(*args: Any, **kw: Any) -> Any:
-        with looking:
-            if not armed.is_set():
-                return replay(*args, **kw)
-            armed.clear()
+        if not armed.is_set():
+            return replay(*args, **kw)
+        armed.clear()
         # Another process's replay moves m0 just before this drain looks.
         assert walspool.Replayer(spool, walspool.SessionDBSink(store._db)).replay().moved == 1
         report = replay(*args, **kw)
@@ -1199,7 +1202,11 @@ def test_a_flush_while_a_drain_finds_nothing_is_not_taken_for_what_that_drain_sa
         return report
 
     link.replayer.replay = elsewhere_then_flush
-    with looking, link._lock:
+    # Armed (and healed) between two drains: every drain holds ``_draining`` across its
+    # replay. One that had begun (with this wrapper, or before it was put in place)
+    # would otherwise go on unarmed, move m0 itself after the heal, and leave the armed
+    # one nothing to find moved by "another process".
+    with link._draining, link._lock:
         assert link._sessions["s"].spooled == 1
         armed.set()
         sql(store, HEAL)

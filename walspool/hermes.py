@@ -69,6 +69,13 @@ outage costs no failing write, and no wait, per message. ``retry_interval=0`` tu
 the background thread off (as does ``Link.close``): each message retries at once, as
 in the released store.
 
+Logs (``walspool.outage``): one WARNING when a session starts spooling (naming the
+spool), one when its spooled rows are all written back and one when the outage is over,
+with counts and durations; a progress line at most once a minute; the released store's
+retry WARNING for the first ``outage.QUIET_AFTER`` failures in a row, then at most once a
+minute. Drops and errors are said each time, with their detail. The line per eviction
+is DEBUG.
+
 Not guaranteed: messages still in memory when the process is killed are lost, as in
 the released gateway (only spooled rows are durable). A message the store or a drain
 is writing at the moment of a rewrite may land after the rewritten transcript, as in
@@ -88,7 +95,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from . import budget, text
+from . import budget, outage, text
 from .errors import ReplayBusy, UnsupportedGateway, WalspoolError
 from .records import AGENT_HISTORY, CAP_DROP, SHUTDOWN
 from .replay import LOCK_SUFFIX, Replayer, ReplayReport, _exclusive
@@ -174,6 +181,8 @@ class _Session:
         "generation",
         "waiters",
         "spooled_bytes",
+        "episode",
+        "said_at",
     )
 
     def __init__(self, spooled: int) -> None:
@@ -200,6 +209,10 @@ class _Session:
         #: Payload bytes of the evictions since ``spooled`` was last 0 (its share of
         #: the link's cap, see ``walspool.budget``).
         self.spooled_bytes = 0
+        #: Its spooling since its first eviction committed, for the operator's lines.
+        self.episode: outage.Episode | None = None
+        #: When a failed retry past ``outage.QUIET_AFTER`` was last logged.
+        self.said_at = 0.0
 
 
 class Link:
@@ -226,6 +239,7 @@ class Link:
             wait_for_bookkeeping=False,
         )
         self.cap = int(store._MAX_PENDING_PER_SESSION)
+        self._outage = outage.OutageLog(spool.path, self.cap)
         self._lock = store._transcript_retry_lock
         #: Notified when a writer gives its role up, evictions commit, a recovery ends:
         #: what waiting gateway threads (and ``wait_idle``) wait for.
@@ -322,8 +336,15 @@ class Link:
                 state.generation += 1
                 state.spooled = state.failures = state.spooled_bytes = 0
                 state.retry_at = state.hold_until = 0.0
+                ended = self._outage.ended(
+                    session_id, state.episode, time.monotonic(), superseded=True
+                )
+                state.episode = None
                 self._forget_if_idle(session_id, state)
+            else:
+                ended = []
             self._settled.notify_all()
+        _run(ended)
         try:
             # The queue was just emptied, so no eviction of this session can be
             # submitted before this runs: every row it spooled until now is
@@ -451,13 +472,19 @@ class Link:
         """On the spool's writer: a group of evictions committed (or failed); count
         them under one take of the lock, then log each."""
         settled = False
+        lines: list[list[Callable[[], None]]] = []  # the operator's lines, per request
+        now = time.monotonic()
         with self._lock:
             self._unconfirmed_bytes -= sum(r.payload_bytes for r in requests)
             for request in requests:
                 session_id = request.session_id
                 state = self._sessions.get(session_id)
+                said: list[Callable[[], None]] = []
+                lines.append(said)
                 if state is None:  # never: ``unconfirmed`` keeps it there
                     continue
+                if request.error is None and state.spooled:
+                    state.episode, said[:] = self._outage.evicted(session_id, state.episode, 1, now)
                 state.unconfirmed -= 1
                 if not state.unconfirmed:
                     settled = True
@@ -468,11 +495,14 @@ class Link:
                             self._forget_if_idle(session_id, state)
             if settled:
                 self._settled.notify_all()
-        for request in requests:
+        for request, said in zip(requests, lines, strict=True):
+            _run(said)
             if request.error is not None:
                 self._report_drop(request.session_id, str(request.error))
                 continue
-            log.warning(
+            # One line per eviction only for debugging: operators get the session's
+            # start, progress and drained lines (``walspool.outage``).
+            log.debug(
                 "Session DB transcript pending queue full for %s (cap=%d); spooled oldest "
                 "message to %s (seq %d) for replay after DB recovery",
                 request.session_id,
@@ -738,23 +768,32 @@ class Link:
             return None
         finally:
             self._draining.release()
+        ended: list[Callable[[], None]] = []
         with self._lock:
             if state.generation != generation:
                 return 0  # rewritten meanwhile: the next step decides afresh
+            now = time.monotonic()
             if report.held or session_id in report.errors:
                 self._failed(state, drain=True)
                 failures = self.store._transcript_append_failures.get(session_id, 0) + 1
                 self.store._transcript_append_failures[session_id] = failures
                 queued = len(self.store._dirty_transcripts.get(session_id) or ())
+                say = self._say_again(state, now)
                 self._release(session_id, state, claim)
             else:
                 state.failures = 0
+                self._outage.replayed_rows(state.episode, report.moved)
                 touched = report.moved + report.recovered + report.quarantined
                 if not touched and state.spooled == seen:
                     # Nothing left: the rows counted in ``seen`` were all committed
                     # before this replay looked (``unconfirmed`` was 0), so all moved.
                     state.spooled = state.spooled_bytes = 0
+                    ended = self._outage.ended(session_id, state.episode, now)
+                    state.episode = None
+        _run(ended)
         if report.held or session_id in report.errors:
+            if not say:
+                return None
             log.warning(
                 "Replay of %d spooled transcript message(s) for %s failed; keeping them in %s "
                 "and holding back %d queued message(s): %s",
@@ -772,6 +811,15 @@ class Link:
                 session_id,
             )
         return report.moved
+
+    def _say_again(self, state: _Session, now: float) -> bool:
+        """Whether to log the session's latest failed retry (rate-limited, see
+        ``walspool.outage.repeat_due``); the lock is held, ``_failed`` has counted it."""
+        if not outage.repeat_due(state.failures, state.said_at, now):
+            return False
+        if state.failures >= outage.QUIET_AFTER:
+            state.said_at = now  # the next is said no sooner than REPORT_SECONDS after
+        return True
 
     def _busy(self, session_id: str, state: _Session, claim: _Writer) -> None:
         """Give a drain up for now (another replay runs); the background thread tries
@@ -809,6 +857,7 @@ class Link:
                 self.store._transcript_append_failures[session_id] = failures
                 queued = len(pending or ())
                 self._failed(state, drain=False)
+                say = self._say_again(state, time.monotonic())
                 # Messages that arrived during the write waited for it to be evicted.
                 notes = self._evict(session_id, state, pending) if pending else []
                 self._release(session_id, state, claim)
@@ -816,6 +865,8 @@ class Link:
             _run(aside)
             return True
         _run(notes)
+        if not say:
+            return False
         log.warning(
             "Session DB transcript append failed for %s (failure_count=%d, pending=%d); "
             "will retry: %s",
@@ -1161,7 +1212,10 @@ class Link:
         held = {s.session_id for s in report.sessions.values() if s.error}
         ready: list[tuple[str, _Session, _Writer]] = []
         background = threading.current_thread() is self._thread
+        moved = {s.session_id: s.moved for s in report.sessions.values() if s.session_key is None}
+        ended: list[Callable[[], None]] = []
         with self._lock:
+            now = time.monotonic()
             self._recovered = True
             for session_id in held:
                 state = self._session(session_id)
@@ -1174,6 +1228,9 @@ class Link:
                     continue
                 state.spooled, state.failures, state.spooled_bytes = 0, 0, 0
                 state.retry_at = state.hold_until = 0.0
+                self._outage.replayed_rows(state.episode, moved.get(session_id, 0))
+                ended += self._outage.ended(session_id, state.episode, now)
+                state.episode = None
                 claim = None
                 if self.store._dirty_transcripts.get(session_id):
                     claim = self._claim(state, background=background)
@@ -1182,6 +1239,7 @@ class Link:
                 else:
                     self._forget_if_idle(session_id, state)
             self._end_recovery()
+        _run(ended)
         for session_id, state, claim in ready:
             self._write_session(session_id, state, claim, budget=None)
         if report.moved or report.held:

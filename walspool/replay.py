@@ -265,7 +265,7 @@ class Replayer:
                 "replayed %d rows from %s into %s; %d held in %d streams, %d quarantined",
                 report.moved,
                 self.spool.path,
-                repr(self.sink),  # formatted here: the log filter turns arguments into text
+                str(self.sink),  # formatted here: the log filter turns arguments into text
                 report.held,
                 len(report.errors) + len(report.key_errors),
                 report.quarantined,

@@ -22,6 +22,7 @@ import math
 import sqlite3
 import threading
 from collections.abc import Callable, Collection, Iterator, Sequence
+from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from . import codec, text
@@ -490,6 +491,11 @@ class SessionDBSink:
 
     def __repr__(self) -> str:
         return f"SessionDBSink({self.session_db!r}, create_missing={self.create_missing})"
+
+    def __str__(self) -> str:
+        """Its state.db's path, for log lines (no object repr); the repr without one."""
+        path = getattr(self.session_db, "db_path", None)
+        return str(path) if isinstance(path, (str, Path)) else repr(self)
 
 
 #: ``append_message`` keywords that are not fields of the message dict it builds.
