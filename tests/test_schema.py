@@ -844,6 +844,10 @@ def test_each_schema_problem_is_named_when_the_spool_is_moved_aside(
         ("CREATE TABLE extra (x)", "the table `extra` is not walspool's"),
         ("CREATE VIEW evil AS SELECT 1", "the view `evil` is not walspool's"),
         ("CREATE INDEX evil_idx ON records (length(payload))", "the index `evil_idx` is not"),
+        (
+            "CREATE TABLE _litestream_seq (id INTEGER PRIMARY KEY, seq INTEGER, g AS (1))",
+            "the table `_litestream_seq` is not walspool's",
+        ),
     ],
 )
 def test_an_object_walspool_did_not_make_is_named_by_every_reader(spool_path, capsys, sql, named):
@@ -859,6 +863,20 @@ def test_an_object_walspool_did_not_make_is_named_by_every_reader(spool_path, ca
         assert named in capsys.readouterr().err
     assert main(["check", str(spool_path), "--json"]) == 1
     assert any(named in p for p in json.loads(capsys.readouterr().out)["problems"])
+
+
+def test_the_tables_litestream_makes_are_taken_as_litestream_makes_them(spool_path):
+    """Litestream (0.5) adds two plain tables to a database it replicates; a spool it
+    replicates stays a spool (tests/test_litestream.py runs the real binary)."""
+    with walspool.Spool(spool_path) as spool:
+        spool.append("s", {"role": "user", "content": "x"})
+    conn = apsw.Connection(str(spool_path))
+    conn.execute("CREATE TABLE _litestream_seq (id INTEGER PRIMARY KEY, seq INTEGER)")
+    conn.execute("CREATE TABLE _litestream_lock (id INTEGER)")
+    conn.close()
+    with walspool.Spool(spool_path) as spool:
+        assert [r.message for r in spool.records()] == [{"role": "user", "content": "x"}]
+    assert not list(spool_path.parent.glob("*.damaged-*"))  # not moved aside
 
 
 def test_an_upgrade_runs_no_trigger_planted_in_an_older_spool(spool_path, caplog):

@@ -672,6 +672,8 @@ def schema_problems(conn: apsw.Connection) -> list[str]:
     for (kind, name), sql in sorted(found.items()):
         if kind == "table" and name in _SQLITE_OWN_TABLES:
             continue
+        if kind == "table" and _words(sql) == _LITESTREAM_TABLES.get(name):
+            continue  # Litestream's, as it makes them: walspool never reads them
         known = (kind, name) in EXPECTED_OBJECTS or (not current and (kind, name) in _OLDER_OBJECTS)
         if not known:
             problems.append(f"the {kind} `{name}` is not walspool's")
@@ -691,6 +693,12 @@ TABLE_COLUMNS_SQL = (
 TABLE_OPTIONS_SQL = "SELECT strict, wr FROM pragma_table_list(?) WHERE schema = 'main'"
 #: Tables SQLite itself makes (``ANALYZE``): statistics, no SQL of anyone's.
 _SQLITE_OWN_TABLES = {"sqlite_stat1", "sqlite_stat4"}
+#: The tables Litestream (0.5) makes in a database it replicates, as it makes them:
+#: plain tables, no SQL of theirs runs when walspool reads or writes the spool.
+_LITESTREAM_TABLES = {
+    "_litestream_seq": "CREATE TABLE _litestream_seq (id INTEGER PRIMARY KEY, seq INTEGER)",
+    "_litestream_lock": "CREATE TABLE _litestream_lock (id INTEGER)",
+}
 #: Objects only older schema versions have (dropped or replaced by an upgrade).
 _OLDER_OBJECTS = {("index", "records_reason_created_at_size_idx")}
 _OLDER_DEFINITIONS = (
