@@ -29,10 +29,20 @@ import apsw
 
 _OPEN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_int, use_errno=True)
 _state = threading.local()
+#: ``PyErr_Fetch`` with its three out-slots made in advance (see ``_guarded_open``).
+_pyerr_fetch = ctypes.pythonapi.PyErr_Fetch
+_pyerr_fetch.restype = None
+_SLOTS = (ctypes.py_object(), ctypes.py_object(), ctypes.py_object())
+_PENDING = tuple(ctypes.byref(slot) for slot in _SLOTS)
 _installed: list[Any] = []  # the callback and the C function: alive as long as SQLite
 
 
 def _guarded_open(path: bytes, flags: int, mode: int) -> int:
+    # SQLite may open a file while a Python exception is pending in this thread (an
+    # apsw VFS written in Python failed just before): every C call made here would
+    # then fail. It is taken out first (apsw has it no more; SQLite has the error
+    # code); nothing in this function may call C before this line.
+    _pyerr_fetch(_PENDING[0], _PENDING[1], _PENDING[2])
     fd = _libc_open(path, flags | os.O_NONBLOCK, mode)
     if fd < 0:
         return fd
