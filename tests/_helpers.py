@@ -21,6 +21,18 @@ ROOT = Path(__file__).resolve().parent.parent
 STEP = float(os.environ.get("WALSPOOL_TEST_STEP", "30"))
 
 
+def doc_section(title: str) -> str:
+    """The text of the ``## title`` section of README.md or of a page in docs/, up to
+    the next ``## `` heading."""
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        text = path.read_text(encoding="utf-8")
+        start = text.find(f"\n## {title}\n")
+        if start != -1:
+            end = text.find("\n## ", start + 1)
+            return text[start : end if end != -1 else len(text)]
+    raise AssertionError(f"no section {title!r} in README.md or docs/")
+
+
 def terminal_line(config: Any, line: str) -> None:
     """Write ``line`` to the terminal whatever pytest's capture setting (a summary a
     slow matrix prints: its counts belong in every run's output)."""

@@ -23,7 +23,7 @@ from typing import Any
 
 import apsw
 import pytest
-from _helpers import ROOT
+from _helpers import ROOT, doc_section
 
 import walspool
 from walspool import AGENT_HISTORY, CAP_DROP, SHUTDOWN
@@ -32,7 +32,6 @@ from walspool.cli.ls import BACKLOG_KEYS
 from walspool.replay import Replayer
 from walspool.schema import SCHEMA_VERSION
 
-README = (ROOT / "README.md").read_text(encoding="utf-8")
 KEY = "agent:main:telegram:dm:42"
 
 STATS_KEYS = {
@@ -75,10 +74,8 @@ def one_error_line(err: str) -> str:
 
 
 def section(title: str) -> str:
-    """The text of one ``## title`` section of README.md."""
-    start = README.index(f"\n## {title}\n")
-    end = README.find("\n## ", start + 1)
-    return README[start : end if end != -1 else len(README)]
+    """The text of one ``## title`` section of the docs (README.md, docs/*.md)."""
+    return doc_section(title)
 
 
 class FailingSink:

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import apsw
 import pytest
-from _helpers import ROOT, MemorySink, terminal_line
+from _helpers import MemorySink, doc_section, terminal_line
 from _litestream import WAIT, GatewayHost, Replication, Row, binary, missing_reason, read_rows
 from _old_schemas import DOWNGRADE_TO_V1_SQL, make_v2_spool
 
@@ -98,16 +98,14 @@ def restored_spool(replication: Replication, out: Path, *, txid: str | None = No
 
 # -- README: the configuration and the procedure, as written ----------------------------
 
-README = (ROOT / "README.md").read_text(encoding="utf-8")
 #: The placeholders the README's examples use, replaced by the test's own paths.
 README_HOME = "/home/hermes/.hermes"
 README_REPLICA = "/var/backups/hermes/spool"
 
 
 def readme_section() -> str:
-    start = README.index("\n## Running beyond one host\n")
-    end = README.find("\n## ", start + 1)
-    return README[start : end if end != -1 else len(README)]
+    """docs/beyond-one-host.md's section, where the README sends its readers."""
+    return doc_section("Running beyond one host")
 
 
 def readme_block(language: str, marker: str) -> str:

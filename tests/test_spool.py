@@ -301,15 +301,16 @@ def test_public_api_is_pinned():
     assert walspool.AGENT_HISTORY == "shutdown-with-unpersisted-agent-history"
 
 
-def test_readme_example_runs():
-    """The README's spool example is real code: run it as written."""
+@pytest.mark.parametrize("doc", ["README.md", "docs/spool.md"])
+def test_the_docs_spool_example_runs(doc):
+    """The spool example of README and of docs/spool.md is real code: run it as written."""
     import re
 
     from _helpers import ROOT
 
-    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / doc).read_text(), re.S)
     (example,) = [b for b in blocks if "walspool.Spool(" in b and "tempfile" in b]
-    exec(compile(example, "README.md", "exec"), {})
+    exec(compile(example, doc, "exec"), {})
 
 
 def test_append_many_takes_pairs_and_triples_with_a_session_key(spool):
