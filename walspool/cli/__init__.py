@@ -1,6 +1,6 @@
 """The ``walspool`` command line: inspect a spool, replay it into state.db, export it.
 
-See ``DESCRIPTION`` (the top-level help) and README.md, "Command line".
+See ``DESCRIPTION`` (the top-level help) and docs/cli.md.
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
             add_args(sub)
         if name != "demo":
             sub.add_argument(
-                "--json", action="store_true", help="print JSON (see the README contract)"
+                "--json", action="store_true", help="print JSON (the contract: docs/cli.md)"
             )
         sub.set_defaults(func=fn)
     return parser

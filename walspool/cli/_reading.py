@@ -213,7 +213,7 @@ def count_records(reader: SpoolReader, session: str | None, reasons: Sequence[st
 
 
 def record_json(record: Record, inflight: int | None, *, message: bool = True) -> dict[str, Any]:
-    """One record as an ``export`` line / ``show --json`` row (see README)."""
+    """One record as an ``export`` line / ``show --json`` row (see docs/cli.md)."""
     out: dict[str, Any] = {
         "id": record.id,
         "session_id": record.session_id,

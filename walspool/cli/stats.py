@@ -61,7 +61,7 @@ def _when(moment: str | None, age: float | None) -> str:
 
 
 def read_stats(conn: apsw.Connection, path: Path, now: float) -> dict[str, Any]:
-    """The ``stats --json`` object (see README, "Command line"); ages as of ``now``."""
+    """The ``stats --json`` object (see docs/cli.md); ages as of ``now``."""
     with conn:
         by_reason = conn.execute(STATS_BY_REASON_SQL).fetchall()
         sessions = conn.execute(STATS_SESSIONS_SQL).get

@@ -120,7 +120,7 @@ def _once(args: argparse.Namespace) -> int:
 
 
 def _json(snap: Snapshot, rate: Rates | None) -> dict[str, Any]:
-    """The ``watch --json`` object (see README, "Command line")."""
+    """The ``watch --json`` object (see docs/cli.md)."""
     return {
         "spool": snap.spool,
         "at": iso(snap.at),
