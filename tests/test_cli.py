@@ -36,12 +36,16 @@ KEY = "agent:main:telegram:dm:42"
 
 STATS_KEYS = {
     "spool", "rows", "sessions", "bytes", "oldest", "newest", "by_reason", "failing",
-    "inflight", "db_bytes", "wal_bytes", "quarantined", "superseded",
+    "inflight", "db_bytes", "wal_bytes", "quarantined", "superseded", "oldest_age",
+    "newest_age", "open_by",
 }  # fmt: skip
 LS_KEYS = {
     "session_id", "session_key", "rows", "bytes", "oldest", "newest", "max_attempts",
-    "last_error", "quarantined", "superseded",
+    "last_error", "quarantined", "superseded", "inflight", "retrying", "oldest_age",
+    "newest_age",
 }  # fmt: skip
+#: The error object every command prints on stdout with --json.
+ERROR_KEYS = {"command", "error", "exit"}
 RECORD_KEYS = {
     "id", "session_id", "session_key", "seq", "reason", "created_at", "attempts",
     "last_error", "last_attempt_at", "inflight", "status", "message",
@@ -184,7 +188,15 @@ def test_bad_usage_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_json_contract_is_documented() -> None:
     contract = section("Command line")
-    for keys in (STATS_KEYS, LS_KEYS, RECORD_KEYS, CHECK_KEYS, REPLAY_KEYS, IMPORT_KEYS):
+    for keys in (
+        STATS_KEYS,
+        LS_KEYS,
+        RECORD_KEYS,
+        CHECK_KEYS,
+        REPLAY_KEYS,
+        IMPORT_KEYS,
+        ERROR_KEYS,
+    ):
         for key in keys:
             assert f'"{key}"' in contract, key
 
@@ -203,7 +215,7 @@ def test_stats(capsys: pytest.CaptureFixture[str], spool_file: Path) -> None:
     rc, out, err = run(capsys, "stats", spool_file, "--json")
     assert (rc, err) == (0, "")
     stats = json.loads(out)
-    assert set(stats) == STATS_KEYS | {"oldest_age", "newest_age", "open_by"}
+    assert set(stats) == STATS_KEYS
     assert stats["open_by"] == []  # closed: no process has it open
     assert stats["rows"] == 7 and stats["sessions"] == 3 and stats["failing"] == 1
     assert stats["by_reason"] == {CAP_DROP: 5, SHUTDOWN: 1, AGENT_HISTORY: 1}
@@ -281,9 +293,7 @@ def test_ls(capsys: pytest.CaptureFixture[str], spool_file: Path) -> None:
     rc, out, err = run(capsys, "ls", spool_file, "--json")
     assert (rc, err) == (0, "")
     backlog = json.loads(out)
-    assert all(
-        set(b) == LS_KEYS | {"inflight", "retrying", "oldest_age", "newest_age"} for b in backlog
-    )
+    assert all(set(b) == LS_KEYS for b in backlog)
     by_name = {b["session_id"] or b["session_key"]: b for b in backlog}
     assert by_name["session-1"]["rows"] == 4
     assert by_name["session-2"]["max_attempts"] == 1
