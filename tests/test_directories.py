@@ -347,3 +347,31 @@ def test_roots_replay_never_writes_through_a_state_db_link_swapped_in_after_the_
     with walspool.Spool(spool_path) as spool:
         left = sum(1 for _ in spool.records())
     assert messages(real) + left == TRIES // 4 + 1
+
+
+# -- every directory on the way --------------------------------------------------------
+
+
+@as_root
+def test_a_directory_on_the_way_that_a_third_user_controls_is_refused(shared_tmp, capsys):
+    """The neighbour owns a directory above the owner's spool: they could swap the
+    owner's directory for another, so root refuses the spool, naming that directory."""
+    above = owned_dir(shared_tmp / "neighbours", NEIGHBOUR, 0o755)
+    made = gateway_spool(owned_dir(shared_tmp / "hermes", OWNER))
+    os.rename(made.parent, above / "hermes")  # the owner's spool, moved below it
+    spool_path = above / "hermes" / "spool.db"
+    with pytest.raises(walspool.UntrustedSpool, match=f"{above}, on the way to"):
+        walspool.Spool(spool_path)
+    assert main(["stats", str(spool_path)]) == 1
+    assert f"{above}, on the way to" in capsys.readouterr().err
+
+
+def test_a_directory_on_the_way_others_can_write_is_refused_unless_sticky(tmp_path):
+    shared = tmp_path / "shared"
+    (shared / "hermes").mkdir(parents=True, mode=0o700)
+    shared.chmod(0o777)
+    with pytest.raises(walspool.UntrustedSpool, match=r"shared, on the way to .* not sticky"):
+        walspool.Spool(shared / "hermes" / "spool.db")
+    shared.chmod(0o1777)  # as /tmp: only an entry's owner may rename it
+    with walspool.Spool(shared / "hermes" / "spool.db") as spool:
+        spool.append("s", {"role": "user", "content": "x"})
