@@ -375,3 +375,17 @@ def test_a_directory_on_the_way_others_can_write_is_refused_unless_sticky(tmp_pa
     shared.chmod(0o1777)  # as /tmp: only an entry's owner may rename it
     with walspool.Spool(shared / "hermes" / "spool.db") as spool:
         spool.append("s", {"role": "user", "content": "x"})
+
+
+def test_an_import_directory_others_can_write_is_refused(tmp_path):
+    """Anyone could plant a forged message file there for an import to spool."""
+    pending = tmp_path / "pending_messages"
+    pending.mkdir()
+    planted = pending / "pending-1.json"
+    planted.write_text(json.dumps({"session_id": "s", "message": "forged"}))
+    pending.chmod(0o777)
+    with walspool.Spool(tmp_path / "spool.db") as spool:
+        with pytest.raises(walspool.UntrustedSpool, match="writable by group or others"):
+            walspool.import_json_spool(spool, pending)
+        assert list(spool.records()) == []
+    assert planted.exists()

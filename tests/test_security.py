@@ -293,7 +293,8 @@ def test_a_full_workload_writes_only_inside_the_spool_directory(tmp_path, monkey
     elsewhere = tmp_path / "elsewhere"
     pending = elsewhere / "pending_messages"
     pending.mkdir(parents=True)
-    elsewhere.chmod(0o755)  # state.db's directory: not one anyone could swap it in
+    for directory in (elsewhere, pending):  # not directories anyone could plant files in
+        directory.chmod(0o755)
     monkeypatch.setenv("HOME", str(home))
     monkeypatch.setenv("HERMES_HOME", str(spool_dir))
     monkeypatch.setattr(hermes_state, "DEFAULT_DB_PATH", elsewhere / "state.db")

@@ -82,6 +82,7 @@ from typing import Any, NamedTuple
 import msgspec
 
 from . import codec, text
+from .directories import open_directory
 from .errors import InvalidArgument, PayloadTooLarge, WalspoolError
 from .records import AGENT_HISTORY, CAP_DROP
 from .spool import Spool
@@ -411,8 +412,12 @@ class _Import:
 
 
 def _open_directory(path: Path) -> int:
+    """A descriptor of the import directory, opened through checked directories
+    (``walspool.directories``): nobody but its owner and root can plant files in it
+    or swap it, so every file read below it (by ``dir_fd``) is theirs."""
     try:
-        return os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        with open_directory(path, path) as checked:
+            return os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=checked.fd)
     except FileNotFoundError:
         raise WalspoolError(
             f"{path} does not exist; upstream keeps its JSON spool in "
