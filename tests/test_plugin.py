@@ -211,6 +211,26 @@ def test_a_rewrite_during_an_outage_supersedes_the_sessions_spooled_rows(
     assert kept["superseded"] >= BURST - 200
 
 
+def test_a_home_walspool_cannot_trust_is_told_at_start_with_the_fix(
+    gateway: Gateway, home: Path
+) -> None:
+    """HERMES_HOME in a group-writable directory (a home under umask 002): walspool
+    refuses to put its spool there, says so at start with the fix, and leaves the
+    gateway as released (0.20 and 0.22 keep their own JSON-file spool meanwhile). The
+    home itself being group-writable is not such a case: the gateways make it 0700 at
+    start."""
+    configure(gateway, home, gateway.enable)
+    home.parent.chmod(0o775)
+    result = run_worker(gateway, home, "probe")
+    errors = [line for line in result["log"] if line.startswith("ERROR")]
+    assert len(errors) == 1, result["log"]
+    assert "is not linked" in errors[0] and str(home) in errors[0]
+    assert f"chmod go-w {home.parent}" in errors[0]  # the fix
+    assert result["before"]["store_linked"] is False
+    assert result["before"]["shutdown_flush"] in (None, "gateway.shutdown_flush")
+    assert not (home / "spool.db").exists()
+
+
 def test_a_plugin_not_enabled_is_never_imported(gateway: Gateway, home: Path) -> None:
     assert_released(run_worker(gateway, home, "probe"))
     assert not (home / "spool.db").exists()

@@ -32,8 +32,10 @@ the gateway installed:
 often discovery runs, and takes no I/O (the spool opens when the runner starts, or at
 the drop-in's first call). Where it cannot work, it logs one ERROR that says what to
 change and leaves the gateway as released: a gateway it does not know (another
-distribution or version), or a plugin host process (0.22's ``plugins.isolation: host``),
-from which no swap can reach the gateway. ``HERMES_SAFE_MODE=1`` and
+distribution or version), a plugin host process (0.22's ``plugins.isolation: host``),
+from which no swap can reach the gateway, or a spool it cannot open (a ``HERMES_HOME``
+its trust policy refuses, say: the ERROR carries the fix; on 0.19.0 this is told when
+the runner starts). ``HERMES_SAFE_MODE=1`` and
 ``plugins.disabled`` are the gateway's own: walspool is then never imported.
 """
 
@@ -103,6 +105,19 @@ def _register() -> str:
     if how == LINK:
         _link_on_start()
         return LINK
+    from .shutdown_flush import shared_spool, spool_path
+
+    try:
+        shared_spool()  # opened now: a home walspool cannot trust is told at start
+    except Exception as exc:  # noqa: BLE001 - the gateway keeps its own module
+        log.error(
+            "walspool is not linked: it cannot open the spool %s (%s). The gateway keeps "
+            "its own JSON-file spool meanwhile; once this is fixed, walspool imports those "
+            "files at the gateway's next start.",
+            spool_path(),
+            exc,
+        )
+        return "refused"
     _swap_shutdown_flush(f"{name} {version}")
     from gateway.session import SessionStore
 
@@ -211,11 +226,10 @@ def link_runner(runner: Any) -> Any:
         spool = Spool(path)
     except Exception as exc:  # noqa: BLE001 - the gateway runs as released
         log.error(
-            "walspool is not linked: could not open the spool %s (%s); the gateway runs as "
-            "released. Fix the spool (walspool check %s) and restart the gateway.",
+            "walspool is not linked: it cannot open the spool %s (%s). The gateway runs as "
+            "released until this is fixed and the gateway restarted.",
             path,
             exc,
-            path,
         )
         return None
     try:
