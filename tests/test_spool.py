@@ -541,17 +541,21 @@ def test_a_spool_overwritten_in_place_after_close_is_refused_as_someone_elses_fi
     assert not [p for p in spool_path.parent.iterdir() if ".damaged-" in p.name]
 
 
-def test_a_page_ends_once_its_payloads_reach_page_bytes():
-    """A page holds rows until their payloads reach ``PAGE_BYTES`` (the row that reaches
-    it included), and at least one row however big."""
-    from walspool.spool import PAGE_BYTES, read_page
+def test_a_page_ends_once_its_rows_cost_page_bytes():
+    """A page holds rows until what they cost reaches ``PAGE_BYTES`` (the row that
+    reaches it included), and at least one row however big. (Rows here have no payload
+    to decode: their cost is the last column alone.)"""
+    from walspool.paging import PAGE_BYTES, read_page
 
     conn = apsw.Connection(":memory:")
-    sql = "SELECT value FROM json_each(:sizes) WHERE key >= :after ORDER BY key"
+    sql = (
+        "SELECT key, NULL, NULL, NULL, NULL, NULL, NULL, value FROM json_each(:sizes) "
+        "WHERE key >= :after ORDER BY key"
+    )
 
     def page(*sizes: int) -> tuple[list[int], bool]:
         rows, full = read_page(conn, sql, {"sizes": json.dumps(sizes), "after": 0}, limit=10)
-        return [r[0] for r in rows], full
+        return [r[-1] for r in rows], full
 
     assert page(PAGE_BYTES - 1, 1, 5) == ([PAGE_BYTES - 1, 1], True)
     assert page(PAGE_BYTES - 2, 1, 5) == ([PAGE_BYTES - 2, 1, 5], True)

@@ -28,7 +28,9 @@ from _users import NOBODY, as_root, shared_directory
 from _users import python_as as as_user
 
 import walspool
+import walspool.codec
 import walspool.jsonspool
+import walspool.paging
 import walspool.spool
 from walspool.cli import main
 from walspool.replay import Replayer
@@ -293,8 +295,8 @@ def test_text_from_users_reaches_the_terminal_escaped(tmp_path, capsys):
     assert len(ls) == 3  # the header and one line per session: no forged row
     assert "s1\\ns2 999 rows" in outputs[0]
     assert "\\x1b[2K FORGED OUTPUT\\x9b31m\\u202e" in outputs[2]  # a preview: one line
-    # --full: JSON, with what JSON leaves raw escaped as well
-    assert "\\u001b[2K\\rFORGED OUTPUT\\x9b31m\\u202e" in outputs[3]
+    # --full: JSON, with what JSON leaves raw escaped as JSON escapes as well
+    assert "\\u001b[2K\\rFORGED OUTPUT\\u009b31m\\u202e" in outputs[3]
     # --json stays the lossless form
     assert main(["show", str(path), "victim", "--json", "--full"]) == 0
     assert json.loads(capsys.readouterr().out)[0]["message"]["content"] == FORGED
@@ -319,13 +321,18 @@ def test_text_from_users_cannot_forge_a_log_line(tmp_path, caplog):
 
 
 def test_pages_and_replay_batches_are_bounded_by_bytes(tmp_path, monkeypatch, capsys):
-    """With pages of 1,000 bytes, 600-byte payloads come two to a page and to a
-    replay batch, and every path still sees every row once, in order."""
-    monkeypatch.setattr(walspool.spool, "PAGE_BYTES", 1000)
+    """With pages that hold what two rows cost but not three, rows come two to a page
+    and to a replay batch, and every path still sees every row once, in order."""
     path = tmp_path / "spool.db"
     text = [f"{i}:" + "x" * 560 for i in range(9)]
     with walspool.Spool(path) as spool:
         spool.append_many([("s", {"role": "user", "content": t}) for t in text])
+        # What one row costs a page: its stored bytes and what decoding makes of it.
+        (row,) = list(spool.records(session_id="s"))[:1]
+        payload = walspool.codec.encode(row.message)
+        cost = len(b"s") + len(row.reason.encode()) + len(payload)
+        cost += walspool.codec.decoded_bytes(payload)
+        monkeypatch.setattr(walspool.paging, "PAGE_BYTES", 2 * cost - 1)
         assert [r.message["content"] for r in spool.records()] == text
         assert [r.message["content"] for r in spool.records(session_id="s")] == text
         assert main(["show", str(path), "s", "--json", "--full"]) == 0
@@ -403,11 +410,15 @@ def test_a_file_changed_after_it_was_read_is_not_deleted(tmp_path, monkeypatch):
 
 
 def test_import_batches_are_bounded_by_bytes(tmp_path, monkeypatch):
-    monkeypatch.setattr(walspool.jsonspool, "BATCH_BYTES", 2000)
+    """A batch holds files until what they cost (their bytes and what decoding makes of
+    them) would pass ``BATCH_BYTES``: set to fit two of these files, not three."""
     directory = tmp_path / "pending_messages"
     directory.mkdir()
-    for n in range(6):
-        pending(directory, n, "y" * 700)
+    paths = [pending(directory, n, "y" * 700) for n in range(6)]
+    raw = paths[0].read_bytes()
+    cost = len(raw) + walspool.codec.decoded_bytes(raw)
+    assert all(len(p.read_bytes()) == len(raw) for p in paths)
+    monkeypatch.setattr(walspool.jsonspool, "BATCH_BYTES", 3 * cost - 1)
     with walspool.Spool(tmp_path / "spool" / "spool.db") as spool:
         batches: list[int] = []
         append_many = spool.append_many

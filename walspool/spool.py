@@ -13,23 +13,15 @@ from types import TracebackType
 from typing import Any
 
 import apsw
-import msgspec
 
 from . import codec, files
-from .errors import InvalidArgument, PayloadTooLarge, SpoolClosed, SpoolCorrupt, SpoolReplaced
-from .paging import ROW_BYTES_SQL
+from .errors import InvalidArgument, PayloadTooLarge, SpoolClosed, SpoolReplaced
+from .paging import PAGE_ROWS, ROW_BYTES_SQL, read_page, record_from_row
 from .records import AGENT_HISTORY, CAP_DROP, Receipt, Record, Stats
 from .schema import close_quietly, open_reader, open_writer, sqlite_error
 from .writer import Append, Operation, Quarantined, Row, Writer
 
 DEFAULT_MAX_PAYLOAD_BYTES = 64 * 1024 * 1024
-#: Rows fetched per read transaction while iterating, so a slow reader never pins
-#: the WAL for long.
-PAGE_ROWS = 512
-#: A page also ends once its payloads reach this many bytes, so memory is bounded
-#: by bytes (a page holds at most this plus one payload), not by rows.
-PAGE_BYTES = 8 * 1024 * 1024
-
 RECORD_COLUMNS = (
     "id, session_id, seq, reason, session_key, created_at, payload, attempts, last_error, "
     "last_attempt_at, status"
@@ -450,49 +442,6 @@ def _file_identity(path: Path) -> tuple[int, int] | None:
 
 def _nothing(conn: apsw.Connection) -> None:
     """An empty request: the writer commits it after everything queued before it."""
-
-
-def read_page(
-    conn: apsw.Connection, sql: str, params: Any, limit: int = PAGE_ROWS
-) -> tuple[list[tuple[Any, ...]], bool]:
-    """The next page of a query whose last column is what each row costs
-    (``paging.ROW_BYTES_SQL``: every stored byte as SQLite measures it, never ``size``).
-
-    The page ends after ``limit`` rows or once the rows reach ``PAGE_BYTES``
-    (at least one row); ``full`` says whether more may follow. Reading stops there,
-    so the rest is never fetched into memory, and the read transaction ends with it.
-    """
-    rows: list[tuple[Any, ...]] = []
-    total = 0
-    cursor = conn.execute(sql, params)
-    try:
-        for row in cursor:
-            rows.append(row)
-            total += row[-1]
-            if total >= PAGE_BYTES or len(rows) >= limit:
-                return rows, True
-    finally:
-        cursor.close()
-    return rows, False
-
-
-def record_from_row(row: tuple[Any, ...], path: Path | None = None) -> Record:
-    """Build a Record from a row selected as ``RECORD_COLUMNS``.
-
-    Raises ``SpoolCorrupt`` naming the row when its payload is not JSON (only a
-    hand edit or a damaged page can do that: walspool writes JSON only).
-    """
-    row_id, session_id, seq, payload = row[0], row[1], row[2], row[6]
-    try:
-        message = codec.decode(payload)
-    except (msgspec.DecodeError, TypeError) as exc:
-        raise SpoolCorrupt(
-            f"row {row_id} (session {session_id}, seq {seq}) of {path or 'the spool'} has a "
-            f"payload that is not valid JSON ({exc}); export the others and delete it by hand",
-            path=path,
-            session_id=session_id,
-        ) from exc
-    return Record(*row[:6], message, *row[7:])
 
 
 def reasons_filter(reasons: Sequence[str] | None, path: Path) -> str | None:
