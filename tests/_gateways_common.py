@@ -4,13 +4,61 @@ and reading the spool it left."""
 
 from __future__ import annotations
 
+import importlib.metadata
+import importlib.util
 import os
 import select
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
+
+import pytest
+
+
+def installed(distribution: str) -> bool:
+    """Whether this environment has the gateway ``distribution`` (else a conftest
+    collects nothing)."""
+    try:
+        importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+def mark_folder(items: list[pytest.Item], folder: Path, marker: pytest.MarkDecorator) -> None:
+    """Mark every test collected from ``folder`` (a conftest's collection hook)."""
+    for item in items:
+        if folder in Path(str(item.path)).resolve().parents:
+            item.add_marker(marker)
+
+
+def drop_in_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A fresh HERMES_HOME with walspool's module in place of the gateway's."""
+    import walspool.shutdown_flush as wsf
+
+    home = tmp_path / "hermes"
+    home.mkdir()
+    monkeypatch.setenv("HERMES_HOME", str(home))
+    monkeypatch.setitem(sys.modules, "gateway.shutdown_flush", wsf)
+    yield home
+    wsf.close_shared_spools()
+
+
+def own_module() -> Any:
+    """The gateway's own ``gateway/shutdown_flush.py``, loaded under another name."""
+    import gateway
+
+    path = Path(gateway.__file__).parent / "shutdown_flush.py"
+    spec = importlib.util.spec_from_file_location("_gateways_own_shutdown_flush", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
 
 #: Seconds any one worker step may take before the test fails (a bound, not a sleep).
 STEP_TIMEOUT = 120.0

@@ -23,7 +23,7 @@ from typing import Any
 
 import apsw
 import pytest
-from _helpers import ROOT, STEP
+from _helpers import ROOT
 
 import walspool
 from walspool import plugin
@@ -99,15 +99,20 @@ GATEWAYS = [
 IDS = ["0.19.0", "0.20", "0.22"]
 
 
-@pytest.fixture(params=GATEWAYS, ids=IDS)
-def gateway(request: pytest.FixtureRequest) -> Gateway:
-    gw: Gateway = request.param
+def present(gw: Gateway) -> Gateway:
+    """``gw``, if its environment exists: else the test skips (fails under
+    ``scripts/test``, which makes all three)."""
     if not gw.python().exists():
         message = f"{gw.venv} is missing: scripts/test makes it"
         if os.environ.get("WALSPOOL_ALL_GATEWAYS"):
             pytest.fail(message)
         pytest.skip(message)
     return gw
+
+
+@pytest.fixture(params=GATEWAYS, ids=IDS)
+def gateway(request: pytest.FixtureRequest) -> Gateway:
+    return present(request.param)
 
 
 @pytest.fixture
@@ -416,18 +421,24 @@ print(json.dumps({
 """
 
 
-def test_a_second_discovery_links_nothing_twice(home: Path) -> None:
-    gw = GATEWAYS[0]
-    configure(gw, home, gw.enable)
+def run_code(gateway: Gateway, home: Path, code: str) -> Any:
+    """Run ``code`` in a fresh interpreter of the gateway's environment; the JSON value
+    its last line of stdout prints."""
     done = subprocess.run(
-        [str(gw.python()), "-c", IDEMPOTENT_LINK],
+        [str(gateway.python()), "-c", code],
         env=env(home),
         capture_output=True,
         text=True,
         timeout=PROCESS_SECONDS,
     )
     assert done.returncode == 0, done.stderr[-4000:]
-    result = json.loads(done.stdout.splitlines()[-1])
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def test_a_second_discovery_links_nothing_twice(home: Path) -> None:
+    gw = GATEWAYS[0]
+    configure(gw, home, gw.enable)
+    result = run_code(gw, home, IDEMPOTENT_LINK)
     assert result == {"start_wrapped_once": True, "same_link": True, "link_of_store": True}
 
 
@@ -435,18 +446,7 @@ def test_a_second_discovery_links_nothing_twice(home: Path) -> None:
 def test_names_bound_from_the_gateways_own_module_before_register_are_rebound(
     gw: Gateway, home: Path
 ) -> None:
-    if not gw.python().exists():
-        pytest.skip(f"{gw.venv} is missing: scripts/test makes it")
-    done = subprocess.run(
-        [str(gw.python()), "-c", REBIND],
-        env=env(home),
-        capture_output=True,
-        text=True,
-        timeout=STEP * 4,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    result = json.loads(done.stdout.splitlines()[-1])
-    assert result == {
+    assert run_code(present(gw), home, REBIND) == {
         "module": True,
         "package": True,
         "their_names": True,

@@ -2,28 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import inspect
-from pathlib import Path
-from typing import Any
+
+from _gateways_common import own_module
 
 import walspool.shutdown_flush as wsf
 
 
-def fork_module() -> Any:
-    """The fork's own ``gateway/shutdown_flush.py``, loaded under another name."""
-    import gateway
-
-    path = Path(gateway.__file__).parent / "shutdown_flush.py"
-    spec = importlib.util.spec_from_file_location("_axisrow_shutdown_flush", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_every_function_the_fork_module_has_exists_with_a_compatible_signature() -> None:
-    theirs = fork_module()
+    theirs = own_module()
     public = [
         name
         for name, value in vars(theirs).items()

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 from typing import Any
+
+from _gateways_common import own_module
 
 #: A deterministic outage the fork treats as transient (retry, spool, drain).
 TRANSIENT = "walspool test outage"
@@ -12,16 +13,8 @@ TRANSIENT = "walspool test outage"
 CORRUPT = "database disk image is malformed"
 
 
-def upstream_module() -> Any:
-    """The fork's own ``gateway/shutdown_flush.py``, loaded under another name."""
-    import gateway
-
-    path = Path(gateway.__file__).parent / "shutdown_flush.py"
-    spec = importlib.util.spec_from_file_location("_fork_shutdown_flush", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+#: The fork's own ``gateway/shutdown_flush.py``, loaded under another name.
+upstream_module = own_module
 
 
 def break_db(db: Any, message: str = TRANSIENT, session_id: str | None = None) -> None:

