@@ -72,13 +72,6 @@ TABLE = [
     # Another process holds the spool's write lock: only the background thread waits.
     (G, HOLD, OK, {"spool_busy": True}, Decision(Step.YIELD, retry_at=NOW)),
     (B, HOLD, OK, {"spool_busy": True}, Decision(Step.DRAIN)),
-    (
-        G,
-        HOLD,
-        OK,
-        {"spool_busy": True, "background_on": False},
-        Decision(Step.DRAIN),
-    ),
     # A gateway thread waits to take over: the background thread hands over.
     (B, HOLD, OK, {"waiters": True}, Decision(Step.YIELD)),
     (B, NONE, OK, {"waiters": True, "queued": True}, Decision(Step.YIELD)),

@@ -91,7 +91,8 @@ class Facts:
     recovering: bool = False
     #: The background thread runs (``retry_interval > 0`` and the link is open).
     background_on: bool = True
-    #: Another process holds the spool's write lock.
+    #: Another process holds the spool's write lock, and the link retries in the
+    #: background (``retry_interval > 0``): a gateway thread leaves the wait to it.
     spool_busy: bool = False
     #: The gateway thread has drained its budget of spooled rows in this call.
     budget_spent: bool = False
@@ -138,7 +139,7 @@ def next_step(facts: Facts, now: float) -> Decision:
                 return Decision(Step.CONFIRM)
             # The drain must see those rows; their last commit wakes the session.
             return Decision(Step.YIELD, retry_at=now)
-        if gateway and facts.background_on and facts.spool_busy:
+        if gateway and facts.spool_busy:
             # The background thread, not a gateway thread, waits for the write lock.
             return Decision(Step.YIELD, retry_at=now)
         return Decision(Step.DRAIN)
@@ -188,9 +189,7 @@ class Candidate:
     retry_at: float
 
 
-def pick_due(
-    candidates: dict[str, Candidate], now: float
-) -> tuple[str | None, float | None]:
+def pick_due(candidates: dict[str, Candidate], now: float) -> tuple[str | None, float | None]:
     """The session the background thread claims (the one longest due), and when to
     look next (``now`` after a claim; the soonest retry otherwise, None for never)."""
     due: tuple[float, str] | None = None

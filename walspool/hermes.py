@@ -95,7 +95,9 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from . import _link_machine as machine
 from . import budget, outage, text
+from ._link_machine import Entry, Facts, Owner, Spooled, Step
 from .errors import ReplayBusy, UnsupportedGateway, WalspoolError
 from .records import AGENT_HISTORY, CAP_DROP, SHUTDOWN
 from .replay import LOCK_SUFFIX, Replayer, ReplayReport, _exclusive
@@ -165,6 +167,10 @@ class _Writer:
     def __init__(self, background: bool) -> None:
         #: Held by the link's background thread (a gateway thread may take it over).
         self.background = background
+
+    @property
+    def owner(self) -> Owner:
+        return Owner.BACKGROUND if self.background else Owner.GATEWAY
 
 
 class _Session:
@@ -304,8 +310,7 @@ class Link:
                 late = time.monotonic() >= deadline
                 notes += self._evict(session_id, state, pending, drops=late)
                 if len(pending) <= 2 * self.cap or late:
-                    if not self._failing(state):
-                        claim = self._claim(state) or self._take_over(state)
+                    claim = self._enter(state)
                     break
                 if pending[0] is state.inflight:
                     self._wait_for_head(state, deadline)
@@ -541,6 +546,22 @@ class Link:
 
     # -- the writer role -----------------------------------------------------------
 
+    def _enter(self, state: _Session) -> _Writer | None:
+        """After queueing a message: claim the session, take it over, or leave the
+        message queued, as the machine says (``Entry``); the lock is held."""
+        owner = _owner(state)
+        step = machine.entry(
+            owner,
+            self._failing(state),
+            self._closed,
+            owner is Owner.BACKGROUND and self.spool.busy(),
+        )
+        if step is Entry.CLAIM:
+            return self._claim(state)
+        if step is Entry.TAKE_OVER:
+            return self._take_over(state)
+        return None
+
     def _claim(self, state: _Session, *, background: bool = False) -> _Writer | None:
         """Become the session's writer if it has none; the lock is held."""
         if state.writer is not None:
@@ -553,12 +574,17 @@ class Link:
         it when its delay ends: a gateway thread only queues its messages (and spools
         at the cap), so an outage costs no failing write, and no wait, per message.
         Once the link is closed (no background thread), each message retries again."""
-        return (
-            bool(state.failures)
-            and self.retry_interval > 0
-            and not self._closed
-            and time.monotonic() < state.retry_at
+        now = time.monotonic()
+        return machine.failing(
+            machine.backoff_of(state.failures, state.hold_until, now),
+            state.retry_at,
+            self._background_on(),
+            now,
         )
+
+    def _background_on(self) -> bool:
+        """Whether the background thread retries failing sessions."""
+        return self.retry_interval > 0 and not self._closed
 
     def _take_over(self, state: _Session) -> _Writer | None:
         """Wait (at most ``HANDOFF_WAIT``) for the background writer to hand the session
@@ -620,10 +646,9 @@ class Link:
         """Schedule the next attempt after a failure; the lock is held."""
         if count:
             state.failures += 1
-        steps = min(max(state.failures, 1), RETRY_STEPS) - RETRY_STEPS
-        delay = self.retry_interval * 2.0**steps
-        if self.retry_interval > 0:
-            delay = max(delay, MIN_RETRY_SECONDS)
+        delay = machine.retry_delay(
+            state.failures, self.retry_interval, RETRY_STEPS, MIN_RETRY_SECONDS
+        )
         state.retry_at = time.monotonic() + delay
         if drain:
             state.hold_until = state.retry_at
@@ -650,7 +675,7 @@ class Link:
                 _run(notes)
                 if step is None:
                     return
-                if step == "drain":
+                if step is Step.DRAIN:
                     done = self._drain_step(session_id, state, claim)
                     if done is None:
                         return
@@ -668,55 +693,68 @@ class Link:
 
     def _next_step(
         self, session_id: str, state: _Session, claim: _Writer, moved: int, budget: int | None
-    ) -> tuple[str | None, list[Callable[[], None]]]:
-        """What the writer does next ("drain", "write"), or None after giving the role
-        up; and the WARNINGs to log. The lock is held."""
+    ) -> tuple[Step | None, list[Callable[[], None]]]:
+        """What the writer does next (``Step.DRAIN``, ``Step.WRITE``), or None after
+        giving the role up; and the WARNINGs to log. The machine decides
+        (``_link_machine.next_step``); this performs its waits and its release. The
+        lock is held."""
         notes: list[Callable[[], None]] = []
         pending = self.store._dirty_transcripts.get(session_id)
         if pending:
             notes = self._evict(session_id, state, pending)
-        now = time.monotonic()
-        if claim.background and state.waiters:
-            # A gateway thread with a new message for this session waits to take over.
-            self._release(session_id, state, claim)
-            return None, notes
-        if self._recovering:
-            # The start's recovery may hold rows of this session (spooled by key,
-            # resolved to it) that go first; it wakes the session when it ends.
-            self._release(session_id, state, claim)
-            return None, notes
-        if self._failing(state) and not claim.background:
-            self._release(session_id, state, claim)
-            return None, notes
-        if state.spooled:
-            if now < state.hold_until:
-                self._release(session_id, state, claim)
-                return None, notes
-            if budget is not None and moved >= budget:
-                state.retry_at = now  # the background thread goes on at once
-                self._release(session_id, state, claim)
-                return None, notes
-            if state.unconfirmed and not claim.background:
+        confirm_waited = False
+        while True:
+            now = time.monotonic()
+            facts = self._facts(session_id, state, claim, moved, budget, confirm_waited)
+            decision = machine.next_step(facts, now)
+            if decision.retry_at is not None:
+                state.retry_at = decision.retry_at
+            step = decision.step
+            if step is Step.CONFIRM:
+                # Decided again on the state after the wait.
                 self._wait_for_evictions(state)
-            if state.unconfirmed:
-                # The drain must see those rows; their last commit wakes the session.
-                state.retry_at = now
+                confirm_waited = True
+                continue
+            if step is Step.IDLE:
+                self.store._transcript_append_failures.pop(session_id, None)
+                state.failures = 0
+                state.retry_at = state.hold_until = 0.0
+            if step is Step.IDLE or step is Step.YIELD:
                 self._release(session_id, state, claim)
                 return None, notes
-            if not claim.background and self.retry_interval > 0 and self.spool.busy():
-                # Another process holds the spool's write lock: the background thread,
-                # not a gateway thread, waits for it.
-                state.retry_at = now
-                self._release(session_id, state, claim)
-                return None, notes
-            return "drain", notes
-        if not pending:
-            self.store._transcript_append_failures.pop(session_id, None)
-            state.failures = 0
-            state.retry_at = state.hold_until = 0.0
-            self._release(session_id, state, claim)
-            return None, notes
-        return "write", notes
+            return step, notes
+
+    def _facts(
+        self,
+        session_id: str,
+        state: _Session,
+        claim: _Writer,
+        moved: int,
+        budget: int | None,
+        confirm_waited: bool,
+    ) -> Facts:
+        """What the machine needs to know of the session, read now; the lock is held."""
+        now = time.monotonic()
+        return Facts(
+            owner=claim.owner,
+            spooled=Spooled.MAY_HOLD if state.spooled else Spooled.NONE,
+            backoff=machine.backoff_of(state.failures, state.hold_until, now),
+            unconfirmed=bool(state.unconfirmed),
+            queued=bool(self.store._dirty_transcripts.get(session_id)),
+            retry_at=state.retry_at,
+            hold_until=state.hold_until,
+            waiters=bool(state.waiters),
+            recovering=self._recovering,
+            background_on=self._background_on(),
+            spool_busy=(
+                bool(state.spooled)
+                and not claim.background
+                and self.retry_interval > 0
+                and self.spool.busy()
+            ),
+            budget_spent=budget is not None and moved >= budget,
+            confirm_waited=confirm_waited,
+        )
 
     def _wait_for_evictions(self, state: _Session) -> None:
         """Wait at most ``CONFIRM_WAIT`` for the session's evictions to commit, and not
@@ -970,26 +1008,23 @@ class Link:
         of ``GATEWAY_DRAIN_ROWS`` rows is due again from then on, so sessions with
         backlogs take turns. Lock held."""
         now = time.monotonic()
-        due: tuple[float, str, _Session] | None = None
-        later: float | None = None
-        for session_id, state in self._sessions.items():
-            if (
-                state.writer is not None
-                or state.waiters
-                or state.unconfirmed
-                or not self._has_work(session_id, state)
-            ):
-                continue
-            if state.retry_at > now:
-                later = state.retry_at if later is None else min(later, state.retry_at)
-            elif due is None or state.retry_at < due[0]:
-                due = (state.retry_at, session_id, state)
-        if due is None:
-            return [], later
-        _, session_id, state = due
+        candidates = {
+            session_id: machine.Candidate(
+                owner=_owner(state),
+                waiters=bool(state.waiters),
+                unconfirmed=bool(state.unconfirmed),
+                has_work=self._has_work(session_id, state),
+                retry_at=state.retry_at,
+            )
+            for session_id, state in self._sessions.items()
+        }
+        session_id, look_at = machine.pick_due(candidates, now)
+        if session_id is None:
+            return [], look_at
+        state = self._sessions[session_id]
         claim = self._claim(state, background=True)
         assert claim is not None  # no writer: checked above, under the same lock
-        return [(session_id, state, claim)], now
+        return [(session_id, state, claim)], look_at
 
     def close(self) -> None:
         """Stop the background thread (at its next look). Idempotent. The link goes on
@@ -1357,6 +1392,11 @@ def _nothing_to_replay(spool: Spool) -> bool:
         return not spool.has_replayable()
     except Exception:  # noqa: BLE001 - then the background recovery finds out
         return False
+
+
+def _owner(state: _Session) -> Owner:
+    """Who holds the session's claim."""
+    return Owner.NOBODY if state.writer is None else state.writer.owner
 
 
 def _run(notes: list[Callable[[], None]]) -> None:
