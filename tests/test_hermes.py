@@ -16,8 +16,10 @@ from _gateway import BREAK, HEAL, contents, sql
 from _helpers import STEP, naming_threads, run_python
 
 import walspool
+import walspool._link_bounds as bounds
 import walspool.hermes as hermes
 import walspool.outage as outage
+from walspool._link_state import Writer
 from walspool.hermes import Link, install, install_runner
 
 hermes_state = pytest.importorskip("hermes_state")
@@ -712,9 +714,7 @@ def test_the_teardown_passes_its_keywords_on(hermes_home, monkeypatch):
 
 
 def test_close_stops_the_background_thread_and_is_safe_without_one(store, spool, monkeypatch):
-    import walspool.hermes as hermes
-
-    monkeypatch.setattr(hermes, "HANDOFF_WAIT", 30.0)
+    monkeypatch.setattr(bounds, "HANDOFF_WAIT", 30.0)
     link = install(store, spool, retry_interval=0.05)
     thread = link._thread
     assert thread.is_alive()
@@ -922,10 +922,8 @@ def test_the_background_thread_claims_only_the_session_longest_due_with_nothing_
     on, one with evictions not yet committed (their commit wakes it) and one not due
     yet, and claims the one whose retry time passed first; with none due, it looks
     again at the earliest retry time."""
-    from walspool import hermes
-
     link = install(store, spool, recover=False, retry_interval=0)  # no thread of its own
-    now = hermes.time.monotonic()
+    now = link.clock()
     with link._lock:
         states = {}
         names = ("writing", "waited", "unconfirmed", "idle", "sooner", "later", "due", "first")
@@ -934,7 +932,7 @@ def test_the_background_thread_claims_only_the_session_longest_due_with_nothing_
             state.spooled = 0
             if session_id != "idle":
                 store._dirty_transcripts[session_id] = [{"role": "user", "content": "q"}]
-        states["writing"].writer = hermes._Writer(background=False)
+        states["writing"].writer = Writer(background=False)
         states["waited"].waiters = 1
         states["unconfirmed"].unconfirmed = 1
         states["later"].retry_at = now + 100
@@ -983,7 +981,7 @@ def test_the_background_thread_ends_once_its_store_and_link_are_gone(
     from gateway.config import GatewayConfig
     from gateway.session import SessionStore
 
-    monkeypatch.setattr(hermes, "IDLE_WAKE_SECONDS", 0.05)
+    monkeypatch.setattr(bounds, "IDLE_WAKE_SECONDS", 0.05)
     sessions = hermes_home / "sessions"
     store = SessionStore(sessions, GatewayConfig(sessions_dir=sessions))
     link = install(store, spool, retry_interval=3600)
@@ -1055,7 +1053,7 @@ def test_the_background_thread_waits_no_longer_than_until_the_next_retry(store, 
     wait = link._due.wait
 
     def recorded(timeout: float | None = None) -> bool:
-        if timeout != hermes.IDLE_WAKE_SECONDS:  # not the wait with nothing scheduled
+        if timeout != bounds.IDLE_WAKE_SECONDS:  # not the wait with nothing scheduled
             waits.append(timeout)
             waited.release()
         return wait(timeout)
@@ -1078,8 +1076,8 @@ def test_a_gateway_thread_drains_a_backlog_in_chunks_up_to_its_budget(
     ``DRAIN_CHUNK_ROWS``, at most ``GATEWAY_DRAIN_ROWS`` rows on the gateway's thread
     (whatever the retry interval, short ones too); the background thread moves the
     rest."""
-    monkeypatch.setattr(hermes, "DRAIN_CHUNK_ROWS", 10)
-    monkeypatch.setattr(hermes, "GATEWAY_DRAIN_ROWS", 20)
+    monkeypatch.setattr(bounds, "DRAIN_CHUNK_ROWS", 10)
+    monkeypatch.setattr(bounds, "GATEWAY_DRAIN_ROWS", 20)
     store._db.create_session("s", "telegram")
     spool.append_many([("s", _m(f"old{i}")) for i in range(50)])  # an earlier run's
     link = install(store, spool, recover=False, retry_interval=interval)
@@ -1121,8 +1119,8 @@ def test_an_unexpected_error_in_the_link_never_reaches_the_gateway(store, spool,
 def test_a_gateway_thread_under_its_drain_budget_writes_its_own_message(store, spool, monkeypatch):
     """A backlog one row under the gateway thread's drain budget: the thread drains it
     all and writes its own message itself before it returns."""
-    monkeypatch.setattr(hermes, "DRAIN_CHUNK_ROWS", 10)
-    monkeypatch.setattr(hermes, "GATEWAY_DRAIN_ROWS", 20)
+    monkeypatch.setattr(bounds, "DRAIN_CHUNK_ROWS", 10)
+    monkeypatch.setattr(bounds, "GATEWAY_DRAIN_ROWS", 20)
     store._db.create_session("s", "telegram")
     spool.append_many([("s", _m(f"old{i}")) for i in range(19)])  # an earlier run's
     install(store, spool, recover=False, retry_interval=3600)

@@ -25,7 +25,7 @@ from _helpers import ROOT, STEP
 from _lock_holder import replay_lock_held, write_lock_held
 
 import walspool
-import walspool.hermes as hermes
+import walspool._link_bounds as bounds
 import walspool.writer as writer
 from walspool.errors import ReplayBusy
 from walspool.hermes import Link, install
@@ -253,7 +253,7 @@ def test_a_lock_held_past_the_bound_takes_the_drop_path_and_the_gateway_goes_on(
 
 def test_shutdown_flush_with_a_locked_spool_is_bounded(store, spool, monkeypatch, caplog):
     monkeypatch.setattr(writer, "BUSY_RETRY_SECONDS", 60.0)
-    monkeypatch.setattr(hermes, "FLUSH_TIMEOUT", 0.5)
+    monkeypatch.setattr(bounds, "FLUSH_TIMEOUT", 0.5)
     store._db.create_session("a", "telegram")
     link = install(store, spool, retry_interval=0)
     sql(store, BREAK)
@@ -263,7 +263,7 @@ def test_shutdown_flush_with_a_locked_spool_is_bounded(store, spool, monkeypatch
         started = time.monotonic()
         with caplog.at_level(logging.ERROR, logger="walspool.hermes"):
             assert link.flush_queues() == 0
-        assert time.monotonic() - started < 0.5 + hermes.CONFIRM_WAIT + 1.0
+        assert time.monotonic() - started < 0.5 + bounds.CONFIRM_WAIT + 1.0
         assert "not committed within 0.5 s" in caplog.text
         holder.release()
     spool.flush()  # accepted before the timeout: committed once the lock is free
@@ -284,7 +284,7 @@ def test_a_replay_lock_held_elsewhere_never_blocks_a_drain(store, spool):
         # Returns while the lock is still held. It may wait, at most HANDOFF_WAIT, for
         # the background thread to finish a state.db write it had started (under load,
         # one failing write includes SessionDB's own FTS rebuild), never for the lock.
-        assert timed_append(store, "s", "live") < hermes.HANDOFF_WAIT + 1.0
+        assert timed_append(store, "s", "live") < bounds.HANDOFF_WAIT + 1.0
         assert contents(store, "s") == []  # live rows never overtake the spooled ones
         holder.release()
     assert link.wait_idle(WAIT)  # the background thread drains it, no new message
@@ -522,7 +522,7 @@ def test_the_links_log_lines_escape_session_ids(store, spool, caplog):
 def test_after_an_outage_sessions_with_backlogs_take_turns(store, spool, monkeypatch):
     """The background thread drains a slice of GATEWAY_DRAIN_ROWS rows of a session,
     then the session longest due: a small session is not held behind a large backlog."""
-    monkeypatch.setattr(hermes, "GATEWAY_DRAIN_ROWS", 100)
+    monkeypatch.setattr(bounds, "GATEWAY_DRAIN_ROWS", 100)
     for s in ("big", "small"):
         store._db.create_session(s, "telegram")
     link = install(store, spool, retry_interval=3600)  # no retry unless made due

@@ -24,7 +24,8 @@ from _helpers import STEP, naming_threads
 from _lock_holder import write_lock_held
 
 import walspool
-import walspool.hermes as hermes
+import walspool._link_bounds as bounds
+import walspool._link_shutdown as link_shutdown
 import walspool.writer as writer
 from walspool.hermes import Link, install
 
@@ -251,7 +252,7 @@ def test_a_failed_write_never_drops_what_a_waiting_thread_may_still_spool(
     The failed writer keeps the messages in memory: only the waiting thread, once its
     own bound has passed, may drop, and here room comes before that."""
     monkeypatch.setattr(writer, "QUEUE_REQUESTS", 4)
-    monkeypatch.setattr(hermes, "HANDOFF_WAIT", STEP)
+    monkeypatch.setattr(bounds, "HANDOFF_WAIT", STEP)
     store._db.create_session("s", "telegram")
     link = install(store, spool, retry_interval=0)
     gate = gate_live_writes(store)
@@ -370,13 +371,13 @@ class _CountedWaits(threading.Condition):
         return True
 
 
-def _stop_the_clock(monkeypatch: pytest.MonkeyPatch) -> None:
+def _stop_the_clock(monkeypatch: pytest.MonkeyPatch, link: Link) -> None:
     """Stop the link's clock: a bound it waits for never runs out by itself (each wait
     is cut short only by a notification), so a wait given up early shows. With a short
     bound (0.5 s) this checks every part of the bound is waited for, not only what is
     left over 1 s."""
     now = time.monotonic()
-    monkeypatch.setattr(hermes, "time", SimpleNamespace(monotonic=lambda: now))
+    monkeypatch.setattr(link, "clock", lambda: now)
 
 
 #: A bound waited for in full: the whole default, or 0.5 s on a stopped clock.
@@ -387,12 +388,12 @@ BOUNDS = [pytest.param(STEP, id="bound"), pytest.param(0.5, id="short-bound-stop
 def test_gateway_threads_past_twice_the_cap_wait_for_the_head_counted_as_waiters(
     store, spool, monkeypatch, bound
 ):
-    monkeypatch.setattr(hermes, "HANDOFF_WAIT", bound)
-    if bound < 1:
-        _stop_the_clock(monkeypatch)
+    monkeypatch.setattr(bounds, "HANDOFF_WAIT", bound)
     monkeypatch.setattr(store, "_MAX_PENDING_PER_SESSION", 3, raising=False)
     store._db.create_session("s", "telegram")
     link = install(store, spool, retry_interval=0)
+    if bound < 1:
+        _stop_the_clock(monkeypatch, link)
     link._settled = counted = _CountedWaits(link._lock)
     gate = gate_live_writes(store)
     gate.arm()
@@ -425,7 +426,7 @@ def test_a_gateway_thread_waits_for_the_head_at_most_its_bound_then_drops(
     """Past twice the cap, with the oldest message being written: a gateway thread
     waits for that write at most ``HANDOFF_WAIT``, then drops the oldest it can. With
     no wait at all (on a stopped clock) it drops at once, at its deadline exactly."""
-    monkeypatch.setattr(hermes, "HANDOFF_WAIT", bound)
+    monkeypatch.setattr(bounds, "HANDOFF_WAIT", bound)
     monkeypatch.setattr(store, "_MAX_PENDING_PER_SESSION", 3, raising=False)
     store._db.create_session("s", "telegram")
     link = install(store, spool, retry_interval=0)
@@ -436,7 +437,7 @@ def test_a_gateway_thread_waits_for_the_head_at_most_its_bound_then_drops(
     for i in range(1, 6):
         store.append_to_transcript("s", msg(f"m{i}"))
     if not bound:
-        _stop_the_clock(monkeypatch)
+        _stop_the_clock(monkeypatch, link)
     with caplog.at_level(logging.WARNING, logger="walspool.hermes"):
         b = in_thread(lambda: store.append_to_transcript("s", msg("m6")))
         assert joined(b)  # while m0 is still being written
@@ -456,13 +457,13 @@ def test_a_shutdown_flush_gives_each_wait_only_what_is_left_of_its_bound(store, 
     flush. Each wait for room gets what is left of ``FLUSH_TIMEOUT``, and the wait for
     the commit what is left of it plus ``CONFIRM_WAIT``, so the flush as a whole stays
     within its bound."""
-    monkeypatch.setattr(hermes, "FLUSH_TIMEOUT", 0.5)
+    monkeypatch.setattr(bounds, "FLUSH_TIMEOUT", 0.5)
     clock = [1000.0]
     store._db.create_session("s", "telegram")
     link = install(store, spool, retry_interval=3600)
     sql(store, BREAK)
     store.append_to_transcript("s", msg("m0"))  # fails: queued, retried in an hour
-    monkeypatch.setattr(hermes, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    monkeypatch.setattr(link, "clock", lambda: clock[0])
     full = [2]
     notify_nowait = spool._writer.notify_nowait
 
@@ -488,10 +489,12 @@ def test_a_shutdown_flush_gives_each_wait_only_what_is_left_of_its_bound(store, 
 
     monkeypatch.setattr(spool._writer, "notify_nowait", full_twice)
     monkeypatch.setattr(spool._writer, "wait_for_room", wait_for_room)
-    monkeypatch.setattr(hermes, "threading", SimpleNamespace(**{**vars(threading), "Event": Event}))
+    monkeypatch.setattr(
+        link_shutdown, "threading", SimpleNamespace(**{**vars(threading), "Event": Event})
+    )
     assert link.flush_queues() == 1
     assert room_waits == pytest.approx([0.5, 0.3])
-    assert commit_waits == pytest.approx([0.1 + hermes.CONFIRM_WAIT])
+    assert commit_waits == pytest.approx([0.1 + bounds.CONFIRM_WAIT])
     assert [r.message["content"] for r in spool.records()] == ["m0"]
 
 
@@ -501,13 +504,13 @@ def test_a_shutdown_flush_the_spool_has_no_room_for_gives_up_at_its_bound(
     """On a clock the test moves: the spool's queue stays full. The flush waits for
     room until ``FLUSH_TIMEOUT`` is reached exactly, no longer, then says so; the
     message stays queued in memory."""
-    monkeypatch.setattr(hermes, "FLUSH_TIMEOUT", 0.5)
+    monkeypatch.setattr(bounds, "FLUSH_TIMEOUT", 0.5)
     clock = [1000.0]
     store._db.create_session("s", "telegram")
     link = install(store, spool, retry_interval=3600)
     sql(store, BREAK)
     store.append_to_transcript("s", msg("m0"))  # fails: queued, retried in an hour
-    monkeypatch.setattr(hermes, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    monkeypatch.setattr(link, "clock", lambda: clock[0])
 
     def full(request: Any, callback: Any) -> None:
         raise queue.Full
@@ -583,7 +586,7 @@ def test_the_start_recovery_writes_as_the_background_thread_and_a_gateway_thread
     """The start's recovery runs on the background thread, and writes the queue of a
     session it found waiting as the background thread does: a gateway thread with a
     new message waits for the session (counted) and writes its own message itself."""
-    monkeypatch.setattr(hermes, "HANDOFF_WAIT", STEP)
+    monkeypatch.setattr(bounds, "HANDOFF_WAIT", STEP)
     store._db.create_session("s", "telegram")
     spool.append("s", msg("r0"))  # spooled by an earlier run
     gate = gate_live_writes(store)
@@ -639,12 +642,12 @@ def test_a_wait_for_evictions_looks_again_often_and_gives_up_at_its_bound(
 
     settled = link._settled
     link._settled = Looks(link._lock)
-    monkeypatch.setattr(hermes, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    monkeypatch.setattr(link, "clock", lambda: clock[0])
     store.append_to_transcript("s", msg("m3"))  # evicts m0, then waits for its commit
     link._settled = settled
     monkeypatch.undo()
-    assert looks and all(w is not None and 0 < w <= hermes.BUSY_LOOK_SECONDS for w in looks)
-    assert sum(looks) == pytest.approx(hermes.CONFIRM_WAIT)
+    assert looks and all(w is not None and 0 < w <= bounds.BUSY_LOOK_SECONDS for w in looks)
+    assert sum(looks) == pytest.approx(bounds.CONFIRM_WAIT)
     go_on.set()
     store.append_to_transcript("s", msg("fin"))
     assert contents(store, "s") == ["m0", "m1", "m2", "m3", "fin"]
@@ -752,7 +755,7 @@ def test_a_quarantined_row_in_a_drain_chunk_does_not_end_the_drain(
     """A chunk that quarantines a row (a payload that is not JSON), alone or beside
     one it moves, touched the spool: the drain goes on with the next chunk instead of
     taking the session for drained, so no row is left behind its queue."""
-    monkeypatch.setattr(hermes, "DRAIN_CHUNK_ROWS", chunk)
+    monkeypatch.setattr(bounds, "DRAIN_CHUNK_ROWS", chunk)
     store._db.create_session("s", "telegram")
     receipts = spool.append_many([("s", msg(c)) for c in ("a", "bad", "c", "d")])
     bad = receipts[1].id
@@ -777,7 +780,7 @@ def test_a_drain_chunk_that_recovers_as_many_rows_as_it_moves_does_not_end_the_d
     link's drain takes chunks of 2: the first finds r1 and r2 landed (recovered, not
     written again) and writes r3 and r4. It touched the spool, so the drain goes on,
     and r5 lands before the queue; each row once."""
-    monkeypatch.setattr(hermes, "DRAIN_CHUNK_ROWS", 2)
+    monkeypatch.setattr(bounds, "DRAIN_CHUNK_ROWS", 2)
     store._db.create_session("s", "telegram")
     spool.append_many([("s", msg(f"r{i}")) for i in range(1, 6)])
     sink = walspool.SessionDBSink(store._db)
@@ -816,7 +819,7 @@ def test_an_eviction_that_commits_after_its_writer_gave_up_wakes_the_session(
     the eviction's commit (``CONFIRM_WAIT``), leaving the session due. The commit then
     wakes the background thread, which drains m1 and writes the rest, no new message
     needed."""
-    monkeypatch.setattr(hermes, "CONFIRM_WAIT", 0.0)
+    monkeypatch.setattr(bounds, "CONFIRM_WAIT", 0.0)
     monkeypatch.setattr(store, "_MAX_PENDING_PER_SESSION", 3, raising=False)
     store._db.create_session("s", "telegram")
     link = install(store, spool, retry_interval=3600)
@@ -944,7 +947,7 @@ def test_a_gateway_thread_waits_for_room_in_the_spool_at_most_its_bound_then_dro
     most ``HANDOFF_WAIT``, then drops the oldest, says so, and returns while the
     commit still runs."""
     monkeypatch.setattr(writer, "QUEUE_REQUESTS", 1)
-    monkeypatch.setattr(hermes, "HANDOFF_WAIT", 0.01)
+    monkeypatch.setattr(bounds, "HANDOFF_WAIT", 0.01)
     monkeypatch.setattr(store, "_MAX_PENDING_PER_SESSION", 2, raising=False)
     store._db.create_session("s", "telegram")
     link = install(store, spool, retry_interval=3600)
@@ -960,7 +963,7 @@ def test_a_gateway_thread_waits_for_room_in_the_spool_at_most_its_bound_then_dro
     # The link's clock moves only while it waits for room: however late the thread
     # runs, the bound is spent in that wait, not before it.
     clock = [0.0]  # from 0, deadline - now is the bound itself, not a rounding of it
-    monkeypatch.setattr(hermes, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    monkeypatch.setattr(link, "clock", lambda: clock[0])
 
     def recorded(timeout: float) -> bool:
         room_waits.append(timeout)
@@ -1088,8 +1091,8 @@ def test_a_drain_release_with_work_left_wakes_the_background_thread_beside_a_lat
     """A gateway thread gives the session up at its drain budget, with rows left: the
     background thread is woken for it at once, though it already waits for another
     session's later retry; it moves the rest and the message, no error on the way."""
-    monkeypatch.setattr(hermes, "DRAIN_CHUNK_ROWS", 10)
-    monkeypatch.setattr(hermes, "GATEWAY_DRAIN_ROWS", 10)
+    monkeypatch.setattr(bounds, "DRAIN_CHUNK_ROWS", 10)
+    monkeypatch.setattr(bounds, "GATEWAY_DRAIN_ROWS", 10)
     for sid in ("s", "t"):
         store._db.create_session(sid, "telegram")
     spool.append_many([("s", msg(f"old{i}")) for i in range(25)])  # an earlier run's
@@ -1131,8 +1134,8 @@ def test_a_failing_sessions_retry_delay_doubles_up_to_the_retry_interval(
     sooner than ``MIN_RETRY_SECONDS``."""
     store._db.create_session("s", "telegram")
     link = install(store, spool, retry_interval=interval)
-    _stop_the_clock(monkeypatch)
-    now = hermes.time.monotonic()
+    _stop_the_clock(monkeypatch, link)
+    now = link.clock()
     sql(store, BREAK)
     got = []
     for i in range(len(delays)):
@@ -1155,7 +1158,7 @@ def test_a_drain_behind_another_of_this_link_gives_up_at_its_bound_quietly(
     """Drains of one link take turns; one that waits ``HANDOFF_WAIT`` for its turn
     gives up as an expected outcome: no error, the message stays queued, the session
     is not counted as failing, and the next message drains and writes in order."""
-    monkeypatch.setattr(hermes, "HANDOFF_WAIT", 0.01)
+    monkeypatch.setattr(bounds, "HANDOFF_WAIT", 0.01)
     store._db.create_session("s", "telegram")
     spool.append("s", msg("old"))  # an earlier run's row: the next message drains it
     link = install(store, spool, recover=False, retry_interval=0)
@@ -1448,12 +1451,12 @@ def test_a_session_a_waiter_keeps_after_it_is_written_out_starts_its_bookkeeping
     assert contents(store, "s") == [f"m{i}" for i in range(7)]
     sql(store, BREAK)
     with caplog.at_level(logging.WARNING):
-        before = hermes.time.monotonic()
+        before = link.clock()
         store.append_to_transcript("s", msg("m7"))  # fails: queued
-        after = hermes.time.monotonic()
+        after = link.clock()
         with link._lock:
             assert link._sessions["s"] is state
-            first = interval * 2.0 ** (1 - hermes.RETRY_STEPS)
+            first = interval * 2.0 ** (1 - bounds.RETRY_STEPS)
             assert state.failures == 1
             assert before + first <= state.retry_at <= after + first
         for i in range(8, 11):  # past the cap: m7 spooled
@@ -1476,10 +1479,10 @@ def test_a_session_a_waiter_keeps_after_it_is_written_out_starts_its_bookkeeping
 def test_a_gateway_thread_takes_the_session_over_and_writes_its_own_message(
     store, spool, monkeypatch, bound
 ):
-    monkeypatch.setattr(hermes, "HANDOFF_WAIT", bound)
+    monkeypatch.setattr(bounds, "HANDOFF_WAIT", bound)
     link, gate, counted, writers = _held_by_the_background_thread(store, spool)
     if bound < 1:
-        _stop_the_clock(monkeypatch)  # the background thread's retry is under way
+        _stop_the_clock(monkeypatch, link)  # the background thread's retry is under way
     g = threading.Thread(
         target=lambda: store.append_to_transcript("s", msg("new")), name="gateway", daemon=True
     )
@@ -1499,7 +1502,7 @@ def test_two_gateway_threads_waiting_to_take_a_session_over_are_both_counted(
 ):
     """Both wait for the background writer, counted as two waiters; once it lets go,
     one of them writes both messages, in order, and the session is forgotten."""
-    monkeypatch.setattr(hermes, "HANDOFF_WAIT", STEP)
+    monkeypatch.setattr(bounds, "HANDOFF_WAIT", STEP)
     link, gate, counted, writers = _held_by_the_background_thread(store, spool)
     g1 = in_thread(lambda: store.append_to_transcript("s", msg("new1")))
     assert counted.waits.acquire(timeout=STEP)
@@ -1533,7 +1536,7 @@ def test_a_gateway_thread_that_takes_over_a_session_whose_write_just_failed_leav
     background thread, whose write then fails. The thread takes over a failing
     session: it does not write before the retry time (no extra failing write), gives
     the role up and leaves the retry scheduled; no error on the way."""
-    monkeypatch.setattr(hermes, "HANDOFF_WAIT", STEP)
+    monkeypatch.setattr(bounds, "HANDOFF_WAIT", STEP)
     link, gate, counted, writers = _held_by_the_background_thread(store, spool)
     g = in_thread(lambda: store.append_to_transcript("s", msg("new")))
     assert counted.waits.acquire(timeout=STEP)  # g waits for the background writer
@@ -1586,7 +1589,7 @@ def test_a_gateway_thread_leaves_a_drain_to_the_background_thread_while_the_spoo
 def test_a_take_over_waits_at_most_its_bound_then_leaves_the_message_queued(
     store, spool, monkeypatch
 ):
-    monkeypatch.setattr(hermes, "HANDOFF_WAIT", 0.01)
+    monkeypatch.setattr(bounds, "HANDOFF_WAIT", 0.01)
     link, gate, counted, writers = _held_by_the_background_thread(store, spool)
     g = in_thread(lambda: store.append_to_transcript("s", msg("new")))
     assert joined(g)  # while "old" is still being written
@@ -1602,7 +1605,7 @@ def test_a_take_over_waits_at_most_its_bound_then_leaves_the_message_queued(
 def test_after_close_a_gateway_thread_never_waits_for_the_background_writer(
     store, spool, monkeypatch
 ):
-    monkeypatch.setattr(hermes, "HANDOFF_WAIT", STEP)
+    monkeypatch.setattr(bounds, "HANDOFF_WAIT", STEP)
     link, gate, counted, writers = _held_by_the_background_thread(store, spool)
     with link._lock:  # what close() does first; its join would wait for the gate
         link._closed = True
@@ -1623,7 +1626,7 @@ def test_wait_idle_waits_its_whole_bound_for_a_write_to_end(store, spool, monkey
     a = in_thread(lambda: store.append_to_transcript("s", msg("m0")))
     assert gate.entered.wait(STEP)
     link._settled = counted = _CountedWaits(link._lock)
-    _stop_the_clock(monkeypatch)
+    _stop_the_clock(monkeypatch, link)
     idle: list[bool] = []
     w = in_thread(lambda: idle.append(link.wait_idle(0.5)))
     assert counted.waits.acquire(timeout=STEP)  # w waits for the write
@@ -1638,7 +1641,7 @@ def test_close_waits_for_a_busy_background_thread_at_most_its_bound(store, spool
     returns after ``HANDOFF_WAIT`` with the thread still running; the write then ends
     and the thread stops at its next look."""
     link, gate, counted, writers = _held_by_the_background_thread(store, spool)
-    monkeypatch.setattr(hermes, "HANDOFF_WAIT", 0.2)
+    monkeypatch.setattr(bounds, "HANDOFF_WAIT", 0.2)
     link.close()
     assert link._thread.is_alive() and not gate.release.is_set()
     gate.open()
@@ -1658,8 +1661,8 @@ def test_a_shutdown_flush_waits_for_a_slow_commit_up_to_its_bound(
 ):
     """The commit is waited for ``FLUSH_TIMEOUT`` (less the time waiting for room) plus
     ``CONFIRM_WAIT``: either one alone is enough for a slow commit."""
-    monkeypatch.setattr(hermes, "FLUSH_TIMEOUT", flush_timeout)
-    monkeypatch.setattr(hermes, "CONFIRM_WAIT", confirm_wait)
+    monkeypatch.setattr(bounds, "FLUSH_TIMEOUT", flush_timeout)
+    monkeypatch.setattr(bounds, "CONFIRM_WAIT", confirm_wait)
     store._db.create_session("s", "telegram")
     link = install(store, spool, retry_interval=0)
     sql(store, BREAK)
@@ -1681,8 +1684,8 @@ def test_a_shutdown_flush_waits_for_a_slow_commit_up_to_its_bound(
 
 
 def test_a_shutdown_flush_not_committed_within_its_bound_says_so(store, spool, monkeypatch, caplog):
-    monkeypatch.setattr(hermes, "FLUSH_TIMEOUT", 0.0)
-    monkeypatch.setattr(hermes, "CONFIRM_WAIT", 0.0)
+    monkeypatch.setattr(bounds, "FLUSH_TIMEOUT", 0.0)
+    monkeypatch.setattr(bounds, "CONFIRM_WAIT", 0.0)
     store._db.create_session("s", "telegram")
     link = install(store, spool, retry_interval=0)
     sql(store, BREAK)
@@ -1702,7 +1705,7 @@ def test_a_shutdown_flush_not_committed_within_its_bound_says_so(store, spool, m
 def test_a_shutdown_flush_with_no_room_within_its_bound_keeps_the_queue(
     store, spool, monkeypatch, caplog
 ):
-    monkeypatch.setattr(hermes, "FLUSH_TIMEOUT", 0.01)
+    monkeypatch.setattr(bounds, "FLUSH_TIMEOUT", 0.01)
     monkeypatch.setattr(writer, "QUEUE_REQUESTS", 1)
     store._db.create_session("s", "telegram")
     link = install(store, spool, retry_interval=0)
@@ -1820,8 +1823,8 @@ def test_a_rewrite_after_the_writer_chose_to_write_leaves_it_nothing_to_write(
     the next message is written at once."""
     store._db.create_session("s", "telegram")
     link = install(store, spool, retry_interval=0)
-    decided = Gate(hermes._run)  # called right after each decision, outside the lock
-    monkeypatch.setattr(hermes, "_run", decided)
+    decided = Gate(link._run)  # called right after each decision, outside the lock
+    monkeypatch.setattr(link, "_run", decided)
     decided.arm(skip=1)  # the first call is the appender's own, before it writes
     caplog.set_level(logging.WARNING, logger="walspool")
     appender = in_thread(lambda: store.append_to_transcript("s", msg("dropped")))
@@ -1929,9 +1932,9 @@ def test_without_a_background_thread_a_gateway_thread_drains_itself_once_the_loc
     behind until the session's next message. Both the blocked append and the drain wait
     for the lock with the writer's own bound: the lock is released only after the gateway
     thread has decided, and how long that takes depends on the machine."""
-    _, replays = _linked_with_an_earlier_row(store, spool, retry_interval=0)
-    decided = Gate(hermes._run)  # called right after each decision, outside the lock
-    monkeypatch.setattr(hermes, "_run", decided)
+    link, replays = _linked_with_an_earlier_row(store, spool, retry_interval=0)
+    decided = Gate(link._run)  # called right after each decision, outside the lock
+    monkeypatch.setattr(link, "_run", decided)
     with write_lock_held(spool.path):
         blocked = _a_commit_finds_the_write_lock_held(spool)
         decided.arm(skip=1)  # the first call is the appender's own, before it writes

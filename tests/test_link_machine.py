@@ -1,0 +1,311 @@
+"""The link's per-session state machine (``walspool._link_machine``), without threads:
+from a table (state x facts -> step) and by a Hypothesis state machine that plays a
+session's writer, its spool and state.db against the pure transition function."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from walspool._link_machine import (
+    Backoff,
+    Candidate,
+    Decision,
+    Entry,
+    Facts,
+    Owner,
+    Spooled,
+    Step,
+    backoff_of,
+    entry,
+    failing,
+    next_step,
+    pick_due,
+    retry_delay,
+)
+
+G, B = Owner.GATEWAY, Owner.BACKGROUND
+NONE, HOLD = Spooled.NONE, Spooled.MAY_HOLD
+OK, FAIL = Backoff.HEALTHY, Backoff.FAILING
+NOW = 100.0
+
+# (owner, spooled, backoff, other facts) -> decision, at ``NOW``.
+TABLE = [
+    # Nothing spooled: write the queue, or give the claim up when it is empty.
+    (G, NONE, OK, {"queued": True}, Decision(Step.WRITE)),
+    (B, NONE, OK, {"queued": True}, Decision(Step.WRITE)),
+    (G, NONE, OK, {}, Decision(Step.IDLE)),
+    (B, NONE, OK, {}, Decision(Step.IDLE)),
+    # Spooled rows go first, whoever writes.
+    (G, HOLD, OK, {"queued": True}, Decision(Step.DRAIN)),
+    (B, HOLD, OK, {"queued": True}, Decision(Step.DRAIN)),
+    (B, HOLD, OK, {}, Decision(Step.DRAIN)),
+    # ... once the session's evictions have committed: a gateway thread waits for
+    # them (once, bounded), the background thread comes back when they commit.
+    (G, HOLD, OK, {"queued": True, "unconfirmed": True}, Decision(Step.CONFIRM)),
+    (
+        G,
+        HOLD,
+        OK,
+        {"queued": True, "unconfirmed": True, "confirm_waited": True},
+        Decision(Step.YIELD, retry_at=NOW),
+    ),
+    (B, HOLD, OK, {"unconfirmed": True}, Decision(Step.YIELD, retry_at=NOW)),
+    # A failing session: gateway threads only queue until its retry time.
+    (G, NONE, FAIL, {"queued": True, "retry_at": NOW + 1}, Decision(Step.YIELD)),
+    (G, NONE, FAIL, {"queued": True, "retry_at": NOW}, Decision(Step.WRITE)),
+    (B, NONE, FAIL, {"queued": True, "retry_at": NOW + 1}, Decision(Step.WRITE)),
+    (
+        G,
+        NONE,
+        FAIL,
+        {"queued": True, "retry_at": NOW + 1, "background_on": False},
+        Decision(Step.WRITE),
+    ),
+    # A failed drain holds the session's drains until ``hold_until``, for everyone.
+    (B, HOLD, Backoff.HELD, {"hold_until": NOW + 1}, Decision(Step.YIELD)),
+    (B, HOLD, FAIL, {"hold_until": NOW}, Decision(Step.DRAIN)),
+    # A gateway thread's budget of drained rows: the background thread goes on.
+    (G, HOLD, OK, {"budget_spent": True}, Decision(Step.YIELD, retry_at=NOW)),
+    # Another process holds the spool's write lock: only the background thread waits.
+    (G, HOLD, OK, {"spool_busy": True}, Decision(Step.YIELD, retry_at=NOW)),
+    (B, HOLD, OK, {"spool_busy": True}, Decision(Step.DRAIN)),
+    # A gateway thread waits to take over: the background thread hands over.
+    (B, HOLD, OK, {"waiters": True}, Decision(Step.YIELD)),
+    (B, NONE, OK, {"waiters": True, "queued": True}, Decision(Step.YIELD)),
+    (G, NONE, OK, {"waiters": True, "queued": True}, Decision(Step.WRITE)),
+    # The start's recovery may hold rows that go first: everyone waits for it.
+    (G, NONE, OK, {"recovering": True, "queued": True}, Decision(Step.YIELD)),
+    (B, HOLD, OK, {"recovering": True}, Decision(Step.YIELD)),
+]
+
+
+@pytest.mark.parametrize(("owner", "spooled", "backoff", "facts", "decision"), TABLE)
+def test_next_step_from_the_table(owner, spooled, backoff, facts, decision):
+    assert next_step(Facts(owner, spooled, backoff, **facts), NOW) == decision
+
+
+def test_only_the_claims_holder_decides():
+    with pytest.raises(ValueError, match="holder"):
+        next_step(Facts(Owner.NOBODY, NONE, OK, queued=True), NOW)
+
+
+@pytest.mark.parametrize(
+    ("owner", "is_failing", "closed", "busy", "expected"),
+    [
+        (Owner.NOBODY, False, False, False, Entry.CLAIM),
+        (Owner.NOBODY, True, False, False, Entry.QUEUE),
+        (G, False, False, False, Entry.QUEUE),
+        (B, False, False, False, Entry.TAKE_OVER),
+        (B, False, True, False, Entry.QUEUE),
+        (B, False, False, True, Entry.QUEUE),
+        (B, True, False, False, Entry.QUEUE),
+    ],
+)
+def test_entry_from_the_table(owner, is_failing, closed, busy, expected):
+    assert entry(owner, is_failing, closed, busy) is expected
+
+
+@pytest.mark.parametrize(
+    ("failures", "delays"),
+    [(1, 1 / 8), (2, 1 / 4), (3, 1 / 2), (4, 1.0), (9, 1.0), (0, 1 / 8)],
+)
+def test_retry_delay_doubles_up_to_the_interval(failures, delays):
+    assert retry_delay(failures, 1.0, 4, 0.01) == delays
+
+
+def test_retry_delay_has_a_floor_only_with_background_retries():
+    assert retry_delay(1, 0.04, 4, 0.01) == 0.01
+    assert retry_delay(1, 0.0, 4, 0.01) == 0.0
+
+
+@pytest.mark.parametrize(
+    ("failures", "hold_until", "expected"),
+    [(0, 0.0, OK), (0, NOW + 1, OK), (2, 0.0, FAIL), (2, NOW + 1, Backoff.HELD)],
+)
+def test_backoff_of(failures, hold_until, expected):
+    assert backoff_of(failures, hold_until, NOW) is expected
+
+
+def test_failing_only_before_the_retry_time_and_with_a_background_thread():
+    assert failing(FAIL, NOW + 1, True, NOW)
+    assert not failing(FAIL, NOW, True, NOW)
+    assert not failing(FAIL, NOW + 1, False, NOW)
+    assert not failing(OK, NOW + 1, True, NOW)
+
+
+def test_pick_due_takes_the_session_longest_due_and_says_when_to_look_next():
+    idle = dict(owner=Owner.NOBODY, waiters=False, unconfirmed=False, has_work=True)
+    candidates = {
+        "late": Candidate(**idle, retry_at=NOW - 1),
+        "later": Candidate(**idle, retry_at=NOW - 5),
+        "future": Candidate(**{**idle}, retry_at=NOW + 50),
+        "writing": Candidate(**{**idle, "owner": G}, retry_at=0.0),
+        "waited": Candidate(**{**idle, "waiters": True}, retry_at=0.0),
+        "evicting": Candidate(**{**idle, "unconfirmed": True}, retry_at=0.0),
+        "idle": Candidate(**{**idle, "has_work": False}, retry_at=0.0),
+    }
+    assert pick_due(candidates, NOW) == ("later", NOW)
+    del candidates["later"], candidates["late"]
+    assert pick_due(candidates, NOW) == (None, NOW + 50)
+    assert pick_due({}, NOW) == (None, None)
+
+
+class Session(RuleBasedStateMachine):
+    """One session played against ``next_step``: its queue, evictions in flight, the
+    spool and state.db. Messages are numbered in arrival order; state.db must always
+    hold a prefix of them, in order, and nothing is lost."""
+
+    CAP = 3
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.now = 0.0
+        self.arrived = 0
+        self.queue: list[int] = []
+        self.evicting: list[int] = []  # handed to the spool's writer, not committed
+        self.spool: list[int] = []
+        self.db: list[int] = []
+        self.spooled = NONE
+        self.owner = Owner.NOBODY
+        self.failures = 0
+        self.retry_at = 0.0
+        self.hold_until = 0.0
+        self.db_ok = True
+        self.confirm_waited = False
+        self.background_on = True
+
+    def facts(self) -> Facts:
+        return Facts(
+            owner=self.owner,
+            spooled=self.spooled,
+            backoff=backoff_of(self.failures, self.hold_until, self.now),
+            unconfirmed=bool(self.evicting),
+            queued=bool(self.queue),
+            retry_at=self.retry_at,
+            hold_until=self.hold_until,
+            background_on=self.background_on,
+            confirm_waited=self.confirm_waited,
+        )
+
+    def fail(self, *, drain: bool) -> None:
+        self.failures += 1
+        self.retry_at = self.now + retry_delay(self.failures, 1.0, 4, 0.01)
+        if drain:
+            self.hold_until = self.retry_at
+        self.release()
+
+    def release(self) -> None:
+        self.owner = Owner.NOBODY
+        self.confirm_waited = False
+
+    @rule(dt=st.sampled_from([0.0, 0.01, 0.2, 2.0]))
+    def tick(self, dt: float) -> None:
+        self.now += dt
+
+    @rule(ok=st.booleans())
+    def set_db(self, ok: bool) -> None:
+        self.db_ok = ok
+
+    @rule()
+    def arrive(self) -> None:
+        """A gateway thread queues a message, evicts past the cap, and enters."""
+        self.queue.append(self.arrived)
+        self.arrived += 1
+        while len(self.queue) > self.CAP:
+            self.spooled = HOLD  # before the message leaves the queue
+            self.evicting.append(self.queue.pop(0))
+        is_failing = failing(
+            backoff_of(self.failures, self.hold_until, self.now),
+            self.retry_at,
+            self.background_on,
+            self.now,
+        )
+        if entry(self.owner, is_failing, False, False) is Entry.CLAIM:
+            self.owner = Owner.GATEWAY
+
+    @precondition(lambda self: self.evicting)
+    @rule()
+    def commit_evictions(self) -> None:
+        self.spool += self.evicting
+        self.evicting.clear()
+
+    @precondition(lambda self: self.owner is Owner.NOBODY)
+    @rule()
+    def background_looks(self) -> None:
+        candidate = Candidate(
+            self.owner,
+            False,
+            bool(self.evicting),
+            self.spooled is HOLD or bool(self.queue),
+            self.retry_at,
+        )
+        chosen, _ = pick_due({"s": candidate}, self.now)
+        if chosen is not None:
+            self.owner = Owner.BACKGROUND
+
+    @precondition(lambda self: self.owner is not Owner.NOBODY)
+    @rule()
+    def writer_steps(self) -> None:
+        """The claim's holder performs the step the machine returns."""
+        decision = next_step(self.facts(), self.now)
+        step = decision.step
+        if decision.retry_at is not None:
+            self.retry_at = decision.retry_at
+        if step is Step.WRITE:
+            assert self.spooled is NONE and not self.evicting and not self.spool
+            if self.db_ok:
+                self.db.append(self.queue.pop(0))
+                self.failures = 0
+            else:
+                self.fail(drain=False)
+        elif step is Step.DRAIN:
+            if not self.db_ok:
+                self.fail(drain=True)
+                return
+            self.db += self.spool
+            self.spool.clear()
+            self.failures = 0
+            self.spooled = NONE  # everything committed before this drain is out
+        elif step is Step.CONFIRM:
+            self.confirm_waited = True
+        elif step is Step.IDLE:
+            self.failures, self.retry_at, self.hold_until = 0, 0.0, 0.0
+            self.release()
+        else:
+            self.release()
+
+    @invariant()
+    def state_db_holds_a_prefix_in_arrival_order(self) -> None:
+        assert self.db == list(range(len(self.db)))
+
+    @invariant()
+    def nothing_is_lost(self) -> None:
+        held = self.db + self.spool + self.evicting + self.queue
+        assert sorted(held) == list(range(self.arrived))
+
+    @invariant()
+    def rows_may_be_spooled_only_while_the_session_says_so(self) -> None:
+        if self.spool or self.evicting:
+            assert self.spooled is HOLD
+
+    def teardown(self) -> None:
+        """Healed, with time passing, the background thread writes everything."""
+        self.db_ok = True
+        for _ in range(1000):
+            self.now += 2.0
+            if self.evicting:
+                self.commit_evictions()
+            if self.owner is Owner.NOBODY:
+                self.background_looks()
+                if self.owner is Owner.NOBODY:
+                    break
+            self.writer_steps()
+        assert self.db == list(range(self.arrived))
+        assert self.spooled is NONE
+
+
+Session.TestCase.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)
+TestSession = Session.TestCase

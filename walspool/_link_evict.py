@@ -1,0 +1,226 @@
+"""The gateway link's evictions: the oldest queued messages past the cap go to the
+spool's writer without blocking, and a live message state.db refuses for its content is
+set aside there as a quarantined row (see ``walspool.hermes`` for the bounds).
+"""
+
+from __future__ import annotations
+
+import queue
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+from . import budget
+from ._link_state import Session, log
+from .errors import WalspoolError
+from .records import CAP_DROP
+from .writer import Request
+
+#: The reason of a live message state.db refused for its content, quarantined at once.
+REJECTED = "transcript_rejected"
+
+
+class Evictions:
+    """The eviction half of ``Link`` (a mixin: it shares the link's state)."""
+
+    def _evict(
+        self,
+        session_id: str,
+        state: Session,
+        pending: list[dict[str, Any]],
+        *,
+        drops: bool = False,
+    ) -> list[Callable[[], None]]:
+        """Spool the oldest queued messages past the cap; the lock is held.
+
+        Returns the WARNINGs to log once the lock is released. Never waits: a message
+        the spool's writer has no room for stays queued over the cap. With ``drops``
+        (a gateway thread that waited its bounded time), past twice the cap the oldest
+        (the second oldest while the oldest is being written) is dropped with a
+        WARNING, as the released store drops at the cap.
+        """
+        notes: list[Callable[[], None]] = []
+        while len(pending) > self.cap:
+            over = len(pending) > 2 * self.cap
+            if state.inflight is not None and pending[0] is state.inflight:
+                # The oldest is being written right now: evicting it could put it in
+                # state.db twice, and spooling a later one would put that one ahead
+                # of it if the write fails. The writer evicts when its write ends.
+                if not (over and drops):
+                    break
+                pending.pop(1)
+                notes.append(partial(self._report_drop, session_id, "oldest being written"))
+                continue
+            try:
+                row = self.spool.prepare(session_id, pending[0], CAP_DROP)
+                refused = budget.refusal(
+                    self.max_bytes,
+                    self.spool.footprint(),
+                    self._unconfirmed_bytes,
+                    state.spooled_bytes,
+                    row[5],
+                )
+                if refused is not None:
+                    pending.pop(0)
+                    notes.append(partial(self._report_drop, session_id, refused))
+                    continue
+                # The checks ``Spool.append`` makes (closed, the path still names the
+                # spool's file) raise here, before the message leaves the queue.
+                self.spool.put_nowait((row,), self._evicted)
+            except queue.Full:
+                if over and drops:
+                    pending.pop(0)
+                    notes.append(partial(self._report_drop, session_id, "spool writer busy"))
+                    continue
+                if not over:
+                    notes.append(partial(self._report_kept, session_id, len(pending)))
+                break
+            except WalspoolError as exc:  # closed, too big, a session id it cannot store
+                pending.pop(0)
+                notes.append(partial(self._report_drop, session_id, str(exc)))
+                continue
+            except Exception as exc:  # noqa: BLE001 - a bad value: it stays queued
+                if over and drops:
+                    pending.pop(0)
+                    notes.append(partial(self._report_drop, session_id, repr(exc)))
+                    continue
+                notes.append(partial(self._report_unspoolable, session_id, exc))
+                break
+            # Off the queue only now that the spool's writer has accepted it.
+            pending.pop(0)
+            state.spooled += 1
+            state.unconfirmed += 1
+            state.spooled_bytes += row[5]
+            self._unconfirmed_bytes += row[5]
+        return notes
+
+    def _wait_for_head(self, state: Session, deadline: float) -> None:
+        """Wait until the write of the queue's head ends (or ``deadline``); lock held."""
+        state.waiters += 1
+        try:
+            left = deadline - self.clock()
+            if left > 0:
+                self._settled.wait(left)
+        finally:
+            state.waiters -= 1
+
+    def _evictions_done(self, requests: list[Request]) -> None:
+        """On the spool's writer: a group of evictions committed (or failed); count
+        them under one take of the lock, then log each."""
+        settled = False
+        lines: list[list[Callable[[], None]]] = []  # the operator's lines, per request
+        now = self.clock()
+        with self._lock:
+            self._unconfirmed_bytes -= sum(r.payload_bytes for r in requests)
+            for request in requests:
+                session_id = request.session_id
+                state = self._sessions.get(session_id)
+                said: list[Callable[[], None]] = []
+                lines.append(said)
+                if state is None:  # never: ``unconfirmed`` keeps it there
+                    continue
+                if request.error is None and state.spooled:
+                    state.episode, said[:] = self._outage.evicted(session_id, state.episode, 1, now)
+                state.unconfirmed -= 1
+                if not state.unconfirmed:
+                    settled = True
+                    if state.writer is None:
+                        if self._has_work(session_id, state):
+                            self._schedule(state.retry_at)
+                        else:
+                            self._forget_if_idle(session_id, state)
+            if settled:
+                self._settled.notify_all()
+        for request, said in zip(requests, lines, strict=True):
+            self._run(said)
+            if request.error is not None:
+                self._report_drop(request.session_id, str(request.error))
+                continue
+            # One line per eviction only for debugging: operators get the session's
+            # start, progress and drained lines (``walspool.outage``).
+            log.debug(
+                "Session DB transcript pending queue full for %s (cap=%d); spooled oldest "
+                "message to %s (seq %d) for replay after DB recovery",
+                request.session_id,
+                self.cap,
+                self.spool.path,
+                request.result.seq,
+            )
+
+    def _report_drop(self, session_id: str, why: str) -> None:
+        log.warning(
+            "Session DB transcript pending queue full for %s (cap=%d); dropping oldest "
+            "message to make room (on-disk spool unavailable: %s)",
+            session_id,
+            self.cap,
+            why,
+        )
+
+    def _report_kept(self, session_id: str, queued: int) -> None:
+        log.warning(
+            "Session DB transcript pending queue full for %s (cap=%d); the spool %s is busy, "
+            "so the oldest message stays in memory (%d queued; the oldest is dropped past %d)",
+            session_id,
+            self.cap,
+            self.spool.path,
+            queued,
+            2 * self.cap,
+        )
+
+    def _report_unspoolable(self, session_id: str, exc: BaseException) -> None:
+        log.error(
+            "walspool could not spool the oldest queued message of session %s; it stays in "
+            "memory: %s",
+            session_id,
+            repr(exc),  # formatted here: the log filter makes every argument text first
+        )
+
+    def _set_aside(
+        self,
+        session_id: str,
+        pending: list[dict[str, Any]] | None,
+        message: dict[str, Any],
+        error: Exception,
+    ) -> list[Callable[[], None]] | None:
+        """Take the queue's head, which state.db refused for its content, off the queue
+        into the spool as a quarantined row (``walspool ls`` shows it; replayed only when
+        asked for), so the session goes on; the lock is held. Never waits: None when
+        the spool's writer has no room now (then it is a failed write, retried later).
+        A spool that cannot take it at all (closed, its path replaced) drops it with a
+        WARNING that says why, as the released store drops at the cap. Returns the
+        lines to log once the lock is released."""
+        if not pending or pending[0] is not message:
+            return []  # a rewrite dropped the queue meanwhile, as the released store does
+        why = f"state.db refused it for its content: {type(error).__name__}: {error}"
+        try:
+            row = self.spool.prepare(session_id, message, REJECTED)
+            self.spool.put_nowait((row,), partial(self._set_aside_done, why), quarantine=why)
+        except queue.Full:
+            return None
+        except Exception as exc:  # noqa: BLE001 - closed, replaced, too big: cannot keep it
+            pending.pop(0)
+            return [partial(self._report_lost_rejection, session_id, why, exc)]
+        pending.pop(0)
+        return []
+
+    def _set_aside_done(self, why: str, request: Request) -> None:
+        """On the spool's writer: a quarantined live message committed (or failed)."""
+        if request.error is not None:
+            self._report_lost_rejection(request.session_id, why, request.error)
+            return
+        log.warning(
+            "Session DB transcript append refused a message of %s; quarantined it in the "
+            "spool (seq %d, shown by walspool ls), the session goes on: %s",
+            request.session_id,
+            request.result.seq,
+            why,
+        )
+
+    def _report_lost_rejection(self, session_id: str | None, why: str, exc: BaseException) -> None:
+        log.warning(
+            "Session DB transcript append refused a message of %s and the spool could not "
+            "keep it (%s); dropped it, the session goes on: %s",
+            session_id,
+            exc,
+            why,
+        )

@@ -1,0 +1,313 @@
+"""The gateway link's shell: ``Link`` holds the store's lock, feeds the session's facts
+to the machine (``walspool._link_machine``), performs the step it returns and logs after
+unlocking. Its halves live beside it, one concern each: evictions (``_link_evict``), the
+session writer (``_link_writer``), the background thread (``_link_retry``) and shutdown
+(``_link_shutdown``). See ``walspool.hermes`` for what it guarantees and its bounds.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from . import _link_bounds as bounds
+from . import _link_machine as machine
+from . import budget, outage
+from ._link_evict import Evictions
+from ._link_machine import Entry, Owner
+from ._link_retry import Retries
+from ._link_shutdown import ShutdownFlushes
+from ._link_state import Session, Writer, log, owner_of
+from ._link_writer import SessionWriter
+from .errors import ReplayBusy
+from .replay import LOCK_SUFFIX, Replayer, _exclusive
+from .sinks import SessionDBSink
+from .spool import Spool
+from .writer import Batched
+
+#: Seconds: the cap of a failing session's retry delay (see ``walspool.hermes``).
+RETRY_INTERVAL = 1.0
+
+
+class Link(SessionWriter, Evictions, Retries, ShutdownFlushes):
+    """A SessionStore linked to a spool; made by ``install``."""
+
+    def __init__(
+        self,
+        store: Any,
+        spool: Spool,
+        retry_interval: float = RETRY_INTERVAL,
+        max_bytes: int | None = budget.DEFAULT_MAX_BYTES,
+    ) -> None:
+        self.store = store
+        self.spool = spool
+        #: The link's clock (monotonic seconds), the only one its modules read: the
+        #: machine is given ``now`` from it. Waits on conditions still take real time.
+        self.clock: Callable[[], float] = time.monotonic
+        self.retry_interval = retry_interval
+        #: The cap on what evictions may fill (``walspool.budget``); None: no cap.
+        self.max_bytes = max_bytes
+        #: Payload bytes of evictions the spool's writer accepted and has not committed.
+        self._unconfirmed_bytes = 0
+        self.replayer = Replayer(
+            spool,
+            SessionDBSink(store._db),
+            resolver=store.peek_session_id,
+            wait_for_bookkeeping=False,
+        )
+        self.cap = int(store._MAX_PENDING_PER_SESSION)
+        self._outage = outage.OutageLog(spool.path, self.cap)
+        self._lock = store._transcript_retry_lock
+        #: Notified when a writer gives its role up, evictions commit, a recovery ends:
+        #: what waiting gateway threads (and ``wait_idle``) wait for.
+        self._settled = threading.Condition(self._lock)
+        #: Notified when the background thread has work sooner than it planned.
+        self._due = threading.Condition(self._lock)
+        self._sessions: dict[str, Session] = {}
+        #: The spool writer's callback for evictions, once per committed group.
+        self._evicted = Batched(self._evictions_done)
+        #: Held by a drain step of this link (see ``_drain_step``).
+        self._draining = threading.Lock()
+        #: Until a full ``recover`` has succeeded, any session may have rows in the
+        #: spool from an earlier run, so each drains before its first live write.
+        self._recovered = False
+        #: The start's recovery runs: sessions hold their live writes until it ends (it
+        #: may write rows spooled by session key, which precede them).
+        self._recovering = False
+        self._closed = False
+        #: When the background thread will look next (None: only when notified).
+        self._wake_at: float | None = None
+        self._thread: threading.Thread | None = None
+
+    def append_to_transcript(
+        self, session_id: str, message: dict[str, Any], skip_db: bool = False
+    ) -> None:
+        """Queue a message for ``state.db``; spool, never drop, what overflows the cap.
+
+        Never raises: an unexpected error is logged with the session id, and the
+        message stays queued.
+        """
+        store = self.store
+        if not store._db or skip_db:
+            return
+        try:
+            self._append(session_id, message)
+        except Exception:  # noqa: BLE001 - the gateway must go on
+            log.exception(
+                "walspool could not handle a transcript message for session %s; "
+                "what is queued stays queued",
+                session_id,
+            )
+
+    def _append(self, session_id: str, message: dict[str, Any]) -> None:
+        copy = dict(message)
+        notes: list[Callable[[], None]] = []
+        claim: Writer | None = None
+        queued = False
+        # Past twice the cap (messages arriving faster than the spool or one state.db
+        # write takes them), wait at most this long, then drop the oldest with a WARNING.
+        deadline = self.clock() + bounds.HANDOFF_WAIT
+        while True:
+            with self._lock:
+                # Looked up again after every wait: a rewrite may have emptied the
+                # queue, and an idle session's state may have been dropped.
+                state = self._session(session_id)
+                pending = self.store._dirty_transcripts.setdefault(session_id, [])
+                if not queued:
+                    pending.append(copy)
+                    queued = True
+                late = self.clock() >= deadline
+                notes += self._evict(session_id, state, pending, drops=late)
+                if len(pending) <= 2 * self.cap or late:
+                    claim = self._enter(state)
+                    break
+                if pending[0] is state.inflight:
+                    self._wait_for_head(state, deadline)
+                    continue
+            # The spool writer's queue is full: wait for room, outside the store's lock,
+            # unless another process holds the spool's write lock (no room soon), or
+            # there is room and the oldest message itself cannot be spooled.
+            if self.spool.busy() or self.spool.has_room():
+                deadline = 0.0
+            else:
+                self.spool.wait_for_room(max(deadline - self.clock(), 0.0))
+        try:
+            self._run(notes)
+        finally:
+            if claim is not None:
+                budget = bounds.GATEWAY_DRAIN_ROWS if self.retry_interval > 0 else None
+                self._write_session(session_id, state, claim, budget=budget)
+
+    def _clear_dirty_transcript(self, session_id: str) -> None:
+        """The store's rewrite hook (/retry, /undo, /compress): forget the queue, as the
+        released store does, and mark the session's spooled rows superseded."""
+        with self._lock:
+            self.store._dirty_transcripts.pop(session_id, None)
+            self.store._transcript_append_failures.pop(session_id, None)
+            state = self._sessions.get(session_id)
+            if state is not None:
+                # A writer that wrote or drained meanwhile re-reads this and stops.
+                state.generation += 1
+                state.spooled = state.failures = state.spooled_bytes = 0
+                state.retry_at = state.hold_until = 0.0
+                ended = self._outage.ended(session_id, state.episode, self.clock(), superseded=True)
+                state.episode = None
+                self._forget_if_idle(session_id, state)
+            else:
+                ended = []
+            self._settled.notify_all()
+        self._run(ended)
+        try:
+            # The queue was just emptied, so no eviction of this session can be
+            # submitted before this runs: every row it spooled until now is
+            # superseded (the spool's writer commits in submission order).
+            superseded = self._supersede(session_id)
+        except Exception:  # noqa: BLE001 - the rewrite goes on; the rows stay, reported
+            log.exception(
+                "walspool could not supersede the spooled rows of session %s in %s after "
+                "its transcript was rewritten; a replay would put them after it",
+                session_id,
+                self.spool.path,
+            )
+            return
+        if superseded:
+            log.warning(
+                "Transcript of %s rewritten: %d spooled message(s) in %s superseded (kept for "
+                "operators, not replayed)",
+                session_id,
+                superseded,
+                self.spool.path,
+            )
+
+    def _supersede(self, session_id: str) -> int:
+        """Supersede the session's replayable rows, those a failed drain left in flight too.
+
+        ``Spool.supersede`` leaves rows in flight to the replay that has them out. A
+        row this link's failed drain left in flight has no replay: with the replay lock
+        taken (not waited for) and this link's drains held off, every in-flight row of
+        the session is such a leftover, and it is superseded with the rest.
+        """
+        if self._draining.acquire(timeout=bounds.HANDOFF_WAIT):
+            try:
+                with _exclusive(Path(f"{self.spool.path}{LOCK_SUFFIX}"), wait=False):
+                    return self.spool.supersede(session_id, inflight=True)
+            except ReplayBusy:
+                pass  # another replay has rows out: leave those to it
+            finally:
+                self._draining.release()
+        return self.spool.supersede(session_id)
+
+    def _enter(self, state: Session) -> Writer | None:
+        """After queueing a message: claim the session, take it over, or leave the
+        message queued, as the machine says (``Entry``); the lock is held."""
+        owner = owner_of(state)
+        step = machine.entry(
+            owner,
+            self._failing(state),
+            self._closed,
+            owner is Owner.BACKGROUND and self.spool.busy(),
+        )
+        if step is Entry.CLAIM:
+            return self._claim(state)
+        if step is Entry.TAKE_OVER:
+            return self._take_over(state)
+        return None
+
+    def _claim(self, state: Session, *, background: bool = False) -> Writer | None:
+        """Become the session's writer if it has none; the lock is held."""
+        if state.writer is not None:
+            return None
+        state.writer = Writer(background)
+        return state.writer
+
+    def _failing(self, state: Session) -> bool:
+        """The session's last write or drain failed, and the background thread retries
+        it when its delay ends: a gateway thread only queues its messages (and spools
+        at the cap), so an outage costs no failing write, and no wait, per message.
+        Once the link is closed (no background thread), each message retries again."""
+        now = self.clock()
+        return machine.failing(
+            machine.backoff_of(state.failures, state.hold_until, now),
+            state.retry_at,
+            self._background_on(),
+            now,
+        )
+
+    def _background_on(self) -> bool:
+        """Whether the background thread retries failing sessions."""
+        return self.retry_interval > 0 and not self._closed
+
+    def _take_over(self, state: Session) -> Writer | None:
+        """Wait (at most ``bounds.HANDOFF_WAIT``) for the background writer to hand the session
+        to this gateway thread, then claim it; the lock is held."""
+        if state.writer is None or not state.writer.background or self._closed:
+            return None
+        if self.spool.busy():
+            # The background writer may be waiting for the spool's write lock held by
+            # another process: do not wait behind it; the message stays queued.
+            return None
+        deadline = self.clock() + bounds.HANDOFF_WAIT
+        state.waiters += 1  # the background writer sees it at its next step
+        try:
+            while state.writer is not None and state.writer.background:
+                left = deadline - self.clock()
+                if left <= 0:
+                    return None
+                self._settled.wait(left)
+            # Decided on the state as it is now: another gateway thread may have
+            # claimed the session meanwhile; then this message is queued for it.
+            return self._claim(state)
+        finally:
+            state.waiters -= 1
+
+    def _release(self, session_id: str, state: Session, claim: Writer) -> None:
+        """Give the writer role up, if ``claim`` still holds it; the lock is held."""
+        if state.writer is not claim:
+            return
+        state.writer = None
+        state.inflight = None
+        if self._has_work(session_id, state):
+            self._schedule(state.retry_at)
+        else:
+            self._forget_if_idle(session_id, state)
+        self._settled.notify_all()
+
+    def _has_work(self, session_id: str, state: Session) -> bool:
+        return bool(state.spooled or self.store._dirty_transcripts.get(session_id))
+
+    def _forget_if_idle(self, session_id: str, state: Session) -> None:
+        """Drop a session's state once nothing refers to it; the lock is held."""
+        if (
+            state.writer is None
+            and not state.waiters
+            and not state.unconfirmed
+            and not self._has_work(session_id, state)
+            and self._sessions.get(session_id) is state
+        ):
+            del self._sessions[session_id]
+            self.store._dirty_transcripts.pop(session_id, None)
+
+    def _session(self, session_id: str) -> Session:
+        state = self._sessions.get(session_id)
+        if state is None:
+            state = self._sessions[session_id] = Session(0 if self._recovered else 1)
+        return state
+
+    def _failed(self, state: Session, *, drain: bool, count: bool = True) -> None:
+        """Schedule the next attempt after a failure; the lock is held."""
+        if count:
+            state.failures += 1
+        delay = machine.retry_delay(
+            state.failures, self.retry_interval, bounds.RETRY_STEPS, bounds.MIN_RETRY_SECONDS
+        )
+        state.retry_at = self.clock() + delay
+        if drain:
+            state.hold_until = state.retry_at
+
+    def _run(self, notes: list[Callable[[], None]]) -> None:
+        """Log the lines gathered under the lock, once it is released."""
+        for note in notes:
+            note()

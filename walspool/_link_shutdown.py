@@ -1,0 +1,286 @@
+"""The gateway link at shutdown: pending slots, /queue overflow, in-memory queues and
+unflushed agent histories are spooled before the gateway clears them
+(``install_runner``); the next start replays them.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable, Mapping
+from functools import partial
+from typing import Any
+
+from . import _link_bounds as bounds
+from ._link_state import log
+from .errors import UnsupportedGateway, WalspoolError
+from .records import AGENT_HISTORY, SHUTDOWN
+from .writer import Request
+
+#: What 0.19.0's GatewayRunner must have for ``install_runner``.
+RUNNER_ATTRIBUTES = (
+    "session_store",
+    "adapters",
+    "_pending_messages",
+    "_queued_events",
+    "_bounded_adapter_teardown",
+    "_finalize_shutdown_agents",
+)
+
+
+class ShutdownFlushes:
+    """The shutdown half of ``Link`` (a mixin: it shares the link's state)."""
+
+    def flush_pending(self, pending: Mapping[str, Any], *, reason: str = SHUTDOWN) -> int:
+        """Spool pending slots (session key -> text or MessageEvent); return how many."""
+        return self.flush_slots(list(pending.items()), reason=reason)
+
+    def flush_slots(self, slots: list[tuple[str, Any]], *, reason: str = SHUTDOWN) -> int:
+        """Spool ``(session_key, text or event)`` pairs in order, in one transaction.
+
+        The session id is resolved now, through the store, while the gateway still
+        knows it; the key is kept too. Values that are None are skipped.
+        """
+        items = [
+            (_resolve(self.store, key), slot_message(value), key)
+            for key, value in slots
+            if value is not None
+        ]
+        if not items:
+            return 0
+        self.spool.append_many(items, reason=reason)
+        log.info(
+            "Spooled %d pending message(s) to %s (reason=%s)", len(items), self.spool.path, reason
+        )
+        return len(items)
+
+    def flush_agent_history(self, session_id: str | None, history: list[Any]) -> bool:
+        """Spool an agent's unpersisted history as one ``AGENT_HISTORY`` row."""
+        if not history:
+            return False
+        self.spool.append(
+            session_id or "unknown",
+            agent_history_message(session_id, history),
+            reason=AGENT_HISTORY,
+        )
+        log.warning(
+            "Preserved %d in-memory message(s) for session %s in %s (state.db did not take "
+            "them); recover by hand after repairing state.db",
+            len(history),
+            session_id,
+            self.spool.path,
+        )
+        return True
+
+    def flush_queues(self) -> int:
+        """Spool every session's in-memory queue (``SHUTDOWN``), oldest first; empty it.
+
+        For a shutdown while state.db refuses writes: what the released gateway loses
+        with the process. A message being written right now stays queued (it may
+        land). Returns how many were spooled. Waits at most ``bounds.FLUSH_TIMEOUT`` for room
+        in the spool and for the commit; on a spool error the messages go back to the
+        front of their queues, and a message the spool cannot take at all stays queued
+        (both logged at ERROR).
+        """
+        deadline = self.clock() + bounds.FLUSH_TIMEOUT
+        committed = threading.Event()
+        #: The spool's request, once committed or failed (``_flushed`` adds it).
+        requests: list[Request] = []
+        while True:
+            with self._lock:
+                taken, rows, notes = self._queued_rows()
+                if not rows:
+                    self._run(notes)
+                    return 0
+                # Filled below; ``_flushed`` reads it under the lock held here.
+                generations: dict[str, int] = {}
+                try:
+                    # Under the lock, so no message of these sessions is queued, evicted
+                    # or written meanwhile: the spool gets them in arrival order.
+                    self.spool.put_nowait(
+                        rows,
+                        partial(self._flushed, taken, generations, committed, requests),
+                        single=False,
+                    )
+                except queue.Full:
+                    pass
+                except WalspoolError as exc:  # closed, or its path names another file
+                    refused: WalspoolError | None = exc
+                    break
+                else:
+                    refused = None
+                    for session_id, messages in taken.items():
+                        ids = {id(m) for m in messages}
+                        pending = self.store._dirty_transcripts[session_id]
+                        pending[:] = [m for m in pending if id(m) not in ids]
+                        state = self._session(session_id)
+                        state.spooled += 1
+                        state.unconfirmed += 1
+                        generations[session_id] = state.generation
+                    break
+            if self.clock() >= deadline:
+                log.error(
+                    "could not spool %d queued transcript message(s) at shutdown: the spool "
+                    "%s had no room for them within %g s",
+                    len(rows),
+                    self.spool.path,
+                    bounds.FLUSH_TIMEOUT,
+                )
+                return 0
+            self.spool.wait_for_room(max(deadline - self.clock(), 0.0))
+        self._run(notes)
+        if refused is not None:
+            log.error(
+                "could not spool %d queued transcript message(s) at shutdown; they stay queued: %s",
+                len(rows),
+                refused,
+            )
+            return 0
+        if not committed.wait(max(deadline - self.clock(), 0.0) + bounds.CONFIRM_WAIT):
+            log.error(
+                "%d queued transcript message(s) were handed to %s at shutdown but not "
+                "committed within %g s; they are spooled if the spool commits them later",
+                len(rows),
+                self.spool.path,
+                bounds.FLUSH_TIMEOUT,
+            )
+            return 0
+        (request,) = requests
+        if request.error is not None:
+            log.error(
+                "could not spool %d queued transcript message(s) at shutdown to %s; they "
+                "stay queued: %s",
+                len(rows),
+                self.spool.path,
+                request.error,
+            )
+            return 0
+        log.warning(
+            "Spooled %d queued transcript message(s) to %s at shutdown", len(rows), self.spool.path
+        )
+        return len(rows)
+
+    def _flushed(
+        self,
+        taken: dict[str, list[dict[str, Any]]],
+        generations: dict[str, int],
+        committed: threading.Event,
+        requests: list[Request],
+        request: Request,
+    ) -> None:
+        """On the spool's writer: a shutdown flush committed (or failed)."""
+        with self._lock:
+            for session_id, messages in taken.items():
+                state = self._sessions[session_id]  # ``unconfirmed`` keeps it there
+                state.unconfirmed -= 1
+                if request.error is not None and state.generation == generations[session_id]:
+                    # Not in the spool: back to the front of their queue, so they stay
+                    # with the process as in the released store; unless the transcript
+                    # was rewritten meanwhile, which dropped the queue they were in.
+                    self.store._dirty_transcripts.setdefault(session_id, [])[0:0] = messages
+                if state.writer is None and self._has_work(session_id, state):
+                    self._schedule(state.retry_at)
+            self._settled.notify_all()
+        requests.append(request)
+        committed.set()
+
+    def _queued_rows(
+        self,
+    ) -> tuple[dict[str, list[dict[str, Any]]], list[Any], list[Callable[[], None]]]:
+        """Every queue's messages but one being written, as spool rows; lock held."""
+        taken: dict[str, list[dict[str, Any]]] = {}
+        rows: list[Any] = []
+        notes: list[Callable[[], None]] = []
+        for session_id, pending in self.store._dirty_transcripts.items():
+            state = self._sessions.get(session_id)
+            busy = state is not None and pending and pending[0] is state.inflight
+            for message in pending[1 if busy else 0 :]:
+                try:
+                    rows.append(self.spool.prepare(session_id, message, SHUTDOWN))
+                except Exception as exc:  # noqa: BLE001 - the others are spooled all the same
+                    notes.append(partial(self._report_unspoolable, session_id, exc))
+                    continue
+                taken.setdefault(session_id, []).append(message)
+        return taken, rows, notes
+
+
+def install_runner(runner: Any, link: Any) -> None:
+    """Spool a 0.19.0 ``GatewayRunner``'s pending slots and unflushed histories at shutdown."""
+    missing = [name for name in RUNNER_ATTRIBUTES if not hasattr(runner, name)]
+    if missing:
+        raise UnsupportedGateway(
+            f"{type(runner).__name__} lacks {', '.join(missing)}; walspool.hermes supports "
+            "hermes-agent 0.19.0's gateway.run.GatewayRunner",
+            path=link.spool.path,
+        )
+
+    def runner_cleared(slots: dict[str, Any]) -> None:
+        # GatewayRunner.stop() clears its own slots after tearing the adapters down,
+        # so the /queue overflow (each key's tail, after the adapter slot that holds
+        # its head) and the store's queues are spooled here, in that order.
+        _never_raise(link.flush_pending, slots, reason=SHUTDOWN)
+        queued = runner._queued_events or {}  # checked above: 0.19.0 has it
+        overflow = [(key, event) for key, events in list(queued.items()) for event in events]
+        _never_raise(link.flush_slots, overflow, reason="overflow_shutdown")
+        _never_raise(link.flush_queues)
+
+    runner._pending_messages = SpoolOnClear(runner._pending_messages, runner_cleared)
+    teardown = runner._bounded_adapter_teardown
+    finalize = runner._finalize_shutdown_agents
+
+    async def bounded_adapter_teardown(adapter: Any, platform: Any, **kw: Any) -> None:
+        slots = getattr(adapter, "_pending_messages", None)
+        if isinstance(slots, dict) and not isinstance(slots, SpoolOnClear):
+            adapter._pending_messages = SpoolOnClear(
+                slots, partial(link.flush_pending, reason="adapter_shutdown")
+            )
+        await teardown(adapter, platform, **kw)
+
+    async def finalize_shutdown_agents(active_agents: dict[str, Any]) -> None:
+        await finalize(active_agents)
+        for agent in list(active_agents.values()):
+            history = getattr(agent, "_session_messages", None)
+            if isinstance(history, list):
+                unsaved = [m for m in history if isinstance(m, dict) and not m.get("_db_persisted")]
+                _never_raise(link.flush_agent_history, getattr(agent, "session_id", None), unsaved)
+
+    runner._bounded_adapter_teardown = bounded_adapter_teardown
+    runner._finalize_shutdown_agents = finalize_shutdown_agents
+
+
+class SpoolOnClear(dict):  # type: ignore[type-arg]
+    """A pending-slot dict whose ``clear()`` hands its contents to ``on_clear`` first."""
+
+    def __init__(self, items: Mapping[str, Any], on_clear: Callable[[dict[str, Any]], Any]) -> None:
+        super().__init__(items)
+        self._on_clear = on_clear
+
+    def clear(self) -> None:
+        _never_raise(self._on_clear, dict(self))
+        super().clear()
+
+
+def _never_raise(fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+    """Shutdown must go on: log a spool failure at ERROR instead of raising it."""
+    try:
+        return fn(*args, **kw)
+    except Exception:  # noqa: BLE001
+        log.exception("walspool could not spool at shutdown; these messages are lost")
+        return None
+
+
+def _resolve(store: Any, session_key: str) -> str | None:
+    try:
+        return store.peek_session_id(session_key)
+    except Exception:  # noqa: BLE001 - an unknown key is resolved again at replay
+        return None
+
+
+def slot_message(value: Any) -> Any:
+    """A pending slot's value as spooled: text as ``{"text": ...}``, events as they are."""
+    return {"text": value} if isinstance(value, str) else value
+
+
+def agent_history_message(session_id: str | None, history: list[Any]) -> dict[str, Any]:
+    """The one row an agent's unpersisted history is spooled as (``AGENT_HISTORY``)."""
+    return {"session_id": session_id, "count": len(history), "messages": history}

@@ -1,0 +1,298 @@
+"""The gateway link's session writer: the holder of a session's claim asks the machine
+(``walspool._link_machine``) for its next step and performs it: drain a chunk of spooled
+rows, write the queue's head, wait for its evictions, or give the claim up.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from . import _link_bounds as bounds
+from . import _link_machine as machine
+from . import outage
+from ._link_machine import Facts, Spooled, Step
+from ._link_state import Session, Writer, log
+from .errors import ReplayBusy
+from .sinks import rejects_live_row
+
+
+class SessionWriter:
+    """The writing half of ``Link`` (a mixin: it shares the link's state)."""
+
+    def _write_session(
+        self, session_id: str, state: Session, claim: Writer, *, budget: int | None
+    ) -> None:
+        """Write the session's spooled rows, then its queue, as its writer.
+
+        The caller holds ``claim``. Runs until the session has nothing left, a write
+        fails, it must wait, or ``budget`` spooled rows moved on a gateway thread; then
+        gives the role up (the background thread goes on). Every decision is made on
+        the state read under the lock after the last write or wait. Never raises: an
+        unexpected error is logged with the session id, and the messages stay queued
+        or spooled.
+        """
+        moved = 0
+        try:
+            while True:
+                with self._lock:
+                    step, notes = self._next_step(session_id, state, claim, moved, budget)
+                self._run(notes)
+                if step is None:
+                    return
+                if step is Step.DRAIN:
+                    done = self._drain_step(session_id, state, claim)
+                    if done is None:
+                        return
+                    moved += done
+                elif not self._write_head(session_id, state, claim):
+                    return
+        except Exception:  # noqa: BLE001 - the gateway must go on
+            log.exception(
+                "walspool could not write session %s; its messages stay queued", session_id
+            )
+            with self._lock:
+                if state.writer is claim:
+                    self._failed(state, drain=False)
+                self._release(session_id, state, claim)
+
+    def _next_step(
+        self, session_id: str, state: Session, claim: Writer, moved: int, budget: int | None
+    ) -> tuple[Step | None, list[Callable[[], None]]]:
+        """What the writer does next (``Step.DRAIN``, ``Step.WRITE``), or None after
+        giving the role up; and the WARNINGs to log. The machine decides
+        (``_link_machine.next_step``); this performs its waits and its release. The
+        lock is held."""
+        notes: list[Callable[[], None]] = []
+        pending = self.store._dirty_transcripts.get(session_id)
+        if pending:
+            notes = self._evict(session_id, state, pending)
+        confirm_waited = False
+        while True:
+            now = self.clock()
+            facts = self._facts(session_id, state, claim, moved, budget, confirm_waited)
+            decision = machine.next_step(facts, now)
+            if decision.retry_at is not None:
+                state.retry_at = decision.retry_at
+            step = decision.step
+            if step is Step.CONFIRM:
+                # Decided again on the state after the wait.
+                self._wait_for_evictions(state)
+                confirm_waited = True
+                continue
+            if step is Step.IDLE:
+                self.store._transcript_append_failures.pop(session_id, None)
+                state.failures = 0
+                state.retry_at = state.hold_until = 0.0
+            if step is Step.IDLE or step is Step.YIELD:
+                self._release(session_id, state, claim)
+                return None, notes
+            return step, notes
+
+    def _facts(
+        self,
+        session_id: str,
+        state: Session,
+        claim: Writer,
+        moved: int,
+        budget: int | None,
+        confirm_waited: bool,
+    ) -> Facts:
+        """What the machine needs to know of the session, read now; the lock is held."""
+        now = self.clock()
+        return Facts(
+            owner=claim.owner,
+            spooled=Spooled.MAY_HOLD if state.spooled else Spooled.NONE,
+            backoff=machine.backoff_of(state.failures, state.hold_until, now),
+            unconfirmed=bool(state.unconfirmed),
+            queued=bool(self.store._dirty_transcripts.get(session_id)),
+            retry_at=state.retry_at,
+            hold_until=state.hold_until,
+            waiters=bool(state.waiters),
+            recovering=self._recovering,
+            background_on=self._background_on(),
+            spool_busy=(
+                bool(state.spooled)
+                and not claim.background
+                and self.retry_interval > 0
+                and self.spool.busy()
+            ),
+            budget_spent=budget is not None and moved >= budget,
+            confirm_waited=confirm_waited,
+        )
+
+    def _wait_for_evictions(self, state: Session) -> None:
+        """Wait at most ``bounds.CONFIRM_WAIT`` for the session's evictions to commit, and not
+        at all once the spool's writer finds its write lock held elsewhere; lock held."""
+        deadline = self.clock() + bounds.CONFIRM_WAIT
+        state.waiters += 1
+        try:
+            while state.unconfirmed and not self.spool.busy():
+                left = deadline - self.clock()
+                if left <= 0:
+                    return
+                # A commit notifies; a busy write lock does not, so look again soon.
+                self._settled.wait(min(left, bounds.BUSY_LOOK_SECONDS))
+        finally:
+            state.waiters -= 1
+
+    def _drain_step(self, session_id: str, state: Session, claim: Writer) -> int | None:
+        """Replay one chunk of the session's spooled rows; rows moved, or None when the
+        writer gave its role up."""
+        with self._lock:
+            seen, generation = state.spooled, state.generation
+            if self.spool.closed:
+                # Nothing to drain from (the spool's owner closed it); the rows wait
+                # for the next start's recovery, and the queue behind them.
+                self._failed(state, drain=True)
+                self._release(session_id, state, claim)
+                return None
+        # Drains of this link take turns here, each for one chunk, so that only
+        # another process's replay (or ``recover``) can make one skip.
+        if not self._draining.acquire(timeout=bounds.HANDOFF_WAIT):
+            return self._busy(session_id, state, claim)
+        try:
+            report = self.replayer.replay(
+                session_id=session_id, limit=bounds.DRAIN_CHUNK_ROWS, wait=False
+            )
+        except ReplayBusy:
+            # Another replay (the CLI, a recovery) has the spool's replay lock: never
+            # wait for it here; try again soon.
+            return self._busy(session_id, state, claim)
+        except Exception as exc:  # noqa: BLE001 - the gateway goes on; rows stay spooled
+            log.warning(
+                "Replay of spooled transcript messages for %s failed in %s; holding back its "
+                "queued messages: %s",
+                session_id,
+                self.spool.path,
+                exc,
+            )
+            with self._lock:
+                self._failed(state, drain=True)
+                self._release(session_id, state, claim)
+            return None
+        finally:
+            self._draining.release()
+        ended: list[Callable[[], None]] = []
+        with self._lock:
+            if state.generation != generation:
+                return 0  # rewritten meanwhile: the next step decides afresh
+            now = self.clock()
+            if report.held or session_id in report.errors:
+                self._failed(state, drain=True)
+                failures = self.store._transcript_append_failures.get(session_id, 0) + 1
+                self.store._transcript_append_failures[session_id] = failures
+                queued = len(self.store._dirty_transcripts.get(session_id) or ())
+                say = self._say_again(state, now)
+                self._release(session_id, state, claim)
+            else:
+                state.failures = 0
+                self._outage.replayed_rows(state.episode, report.moved)
+                touched = report.moved + report.recovered + report.quarantined
+                if not touched and state.spooled == seen:
+                    # Nothing left: the rows counted in ``seen`` were all committed
+                    # before this replay looked (``unconfirmed`` was 0), so all moved.
+                    state.spooled = state.spooled_bytes = 0
+                    ended = self._outage.ended(session_id, state.episode, now)
+                    state.episode = None
+        self._run(ended)
+        if report.held or session_id in report.errors:
+            if not say:
+                return None
+            log.warning(
+                "Replay of %d spooled transcript message(s) for %s failed; keeping them in %s "
+                "and holding back %d queued message(s): %s",
+                report.held,
+                session_id,
+                self.spool.path,
+                queued,
+                report.errors.get(session_id, "unknown error"),
+            )
+            return None
+        if report.moved:
+            log.info(
+                "Replayed %d spooled transcript message(s) for %s after DB recovery",
+                report.moved,
+                session_id,
+            )
+        return report.moved
+
+    def _say_again(self, state: Session, now: float) -> bool:
+        """Whether to log the session's latest failed retry (rate-limited, see
+        ``walspool.outage.repeat_due``); the lock is held, ``_failed`` has counted it."""
+        if not outage.repeat_due(state.failures, state.said_at, now):
+            return False
+        if state.failures >= outage.QUIET_AFTER:
+            state.said_at = now  # the next is said no sooner than REPORT_SECONDS after
+        return True
+
+    def _busy(self, session_id: str, state: Session, claim: Writer) -> None:
+        """Give a drain up for now (another replay runs); the background thread tries
+        again after the first retry delay, and a new message may try at once."""
+        with self._lock:
+            self._failed(state, drain=False, count=False)
+            self._release(session_id, state, claim)
+        return None
+
+    def _write_head(self, session_id: str, state: Session, claim: Writer) -> bool:
+        """Write the head of the session's queue; True to go on, False when stopped."""
+        with self._lock:
+            pending = self.store._dirty_transcripts.get(session_id)
+            if not pending or state.spooled:
+                return True  # the next step decides again
+            message = state.inflight = pending[0]
+        error = self._write_one(session_id, message)
+        with self._lock:
+            state.inflight = None
+            if state.waiters:
+                self._settled.notify_all()  # appenders held back by this write
+            pending = self.store._dirty_transcripts.get(session_id)
+            if error is None:
+                if pending and pending[0] is message:
+                    pending.pop(0)
+                state.failures = 0
+                return True
+            aside = None
+            if rejects_live_row(error, self.store._db):
+                aside = self._set_aside(session_id, pending, message, error)
+            if aside is not None:
+                state.failures = 0  # state.db works: the session goes on at once
+            else:
+                failures = self.store._transcript_append_failures.get(session_id, 0) + 1
+                self.store._transcript_append_failures[session_id] = failures
+                queued = len(pending or ())
+                self._failed(state, drain=False)
+                say = self._say_again(state, self.clock())
+                # Messages that arrived during the write waited for it to be evicted.
+                notes = self._evict(session_id, state, pending) if pending else []
+                self._release(session_id, state, claim)
+        if aside is not None:
+            self._run(aside)
+            return True
+        self._run(notes)
+        if not say:
+            return False
+        log.warning(
+            "Session DB transcript append failed for %s (failure_count=%d, pending=%d); "
+            "will retry: %s",
+            session_id,
+            failures,
+            queued,
+            error,
+        )
+        return False
+
+    def _write_one(self, session_id: str, message: dict[str, Any]) -> Exception | None:
+        """Write one queued message as the released store does, FTS repair included."""
+        store = self.store
+        try:
+            store._append_transcript_message(session_id, message)
+            return None
+        except Exception as exc:  # noqa: BLE001 - the store's own policy: retry later
+            if not (store._is_fts_corruption_error(exc) and store._rebuild_fts_once()):
+                return exc
+        try:
+            store._append_transcript_message(session_id, message)
+            return None
+        except Exception as exc:  # noqa: BLE001
+            return exc
