@@ -9,7 +9,8 @@ order they happened (the shim runs them one at a time under one lock):
 * ``sync`` of a file (``xSync`` returned): every earlier write and truncate of that
   file is on the disk from then on;
 * ``create`` and ``delete`` of a directory entry: a file SQLite opens that did not
-  exist, a file or directory created with ``os.open(O_CREAT)`` or ``os.mkdir``
+  exist, a file or directory created with ``os.open(O_CREAT)`` or ``os.mkdir`` (by path,
+  or relative to a directory descriptor)
   while ``recording`` (walspool's own files), a file SQLite deletes (``xDelete``);
 * ``dirsync`` of a directory: the entries it holds at that moment are on the disk.
   Observed three ways: ``os.fsync`` of a directory descriptor while ``recording``;
@@ -245,13 +246,13 @@ class PowerVFS(apsw.VFS):
 
     def _os_open(self, real: Any) -> Any:
         def open_(path: Any, flags: int, mode: int = 0o777, *, dir_fd: int | None = None) -> int:
-            if dir_fd is not None or isinstance(path, int):
+            if isinstance(path, int):
                 return real(path, flags, mode, dir_fd=dir_fd)
-            full = self.normal(path)
+            full = self.normal(_at(path, dir_fd))
             watched = bool(flags & os.O_CREAT) and self.inside(full)
             with self._lock if watched else contextlib.nullcontext():
                 existed = watched and os.path.lexists(full)
-                fd = real(path, flags, mode)
+                fd = real(path, flags, mode, dir_fd=dir_fd)
                 if watched and not existed:
                     self._new_node(full, is_dir=False)
             return fd
@@ -260,12 +261,9 @@ class PowerVFS(apsw.VFS):
 
     def _os_mkdir(self, real: Any) -> Any:
         def mkdir(path: Any, mode: int = 0o777, *, dir_fd: int | None = None) -> None:
-            if dir_fd is not None:
-                real(path, mode, dir_fd=dir_fd)
-                return
-            full = self.normal(path)
+            full = self.normal(_at(path, dir_fd))
             with self._lock:
-                real(path, mode)
+                real(path, mode, dir_fd=dir_fd)
                 if self.inside(full):
                     self._new_node(full, is_dir=True)
 
@@ -463,6 +461,13 @@ class PowerFile(apsw.VFSFile):
             if self._dirsync:
                 self._dirsync = False
                 self._vfs.dirsync(self._dir)
+
+
+def _at(path: Any, dir_fd: int | None) -> Any:
+    """The path ``path`` names, relative to ``dir_fd`` (an ``*at()`` call) or as it is."""
+    if dir_fd is None or os.path.isabs(path):
+        return path
+    return os.path.join(os.readlink(f"/proc/self/fd/{dir_fd}"), os.fspath(path))
 
 
 @contextlib.contextmanager
