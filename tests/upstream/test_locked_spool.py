@@ -85,13 +85,18 @@ def test_a_hand_off_the_lock_outlasts_is_dropped_with_a_warning_and_no_more_are_
         assert found_locked(spool)
         times += [timed_append(store, "a", m) for m in sent[3:]]
         assert not wsf._unconfirmed  # nothing handed off once the lock is known held
-        assert len(store._dirty_transcripts["a"]) == 47  # kept in memory instead
+        kept = len(store._dirty_transcripts["a"])  # kept in memory instead
     assert max(times) < APPEND_BOUND, max(times)
     dropped = [r.getMessage() for r in caplog.records if "could not be committed" in r.getMessage()]
-    assert len(dropped) == 3 and all("evicted for a" in m and "dropped" in m for m in dropped)
+    # The stalled backlog the third failure spools is handed off up to the moment the
+    # writer finds the lock held (its first hand-off at least): those are dropped, each
+    # with a WARNING; every later message stays in memory.
+    assert 1 <= len(dropped) <= 3, dropped
+    assert all("evicted for a" in m and "dropped" in m for m in dropped)
+    assert kept == len(sent) - len(dropped)
     spool.flush()
     heal_db(store._db)
     store.append_to_transcript("a", {"role": "user", "content": "a-last"})
     got = [m["content"] for m in store._db.get_messages("a")]
-    assert got == [*sent[3:], "a-last"]
+    assert got == [*sent[len(dropped) :], "a-last"]
     assert spool.stats().rows == 0
