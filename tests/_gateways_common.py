@@ -48,6 +48,25 @@ def drop_in_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Pa
     wsf.close_shared_spools()
 
 
+#: A deterministic outage both newer gateways treat as transient (retry, spool, drain).
+TRANSIENT = "walspool test outage"
+
+
+def break_db(db: Any, message: str = TRANSIENT, session_id: str | None = None) -> None:
+    """Make inserts into ``messages`` (of one session, or all) fail until ``heal_db``."""
+    when = "" if session_id is None else f"WHEN new.session_id = '{session_id}' "
+    with db._lock:
+        db._conn.execute(
+            f"CREATE TRIGGER walspool_test_broken BEFORE INSERT ON messages {when}"
+            f"BEGIN SELECT RAISE(ABORT, '{message}'); END"
+        )
+
+
+def heal_db(db: Any) -> None:
+    with db._lock:
+        db._conn.execute("DROP TRIGGER IF EXISTS walspool_test_broken")
+
+
 def own_module() -> Any:
     """The gateway's own ``gateway/shutdown_flush.py``, loaded under another name."""
     import gateway

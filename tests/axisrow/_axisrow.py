@@ -5,23 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-#: A deterministic outage the gateway treats as transient (queue, evict at the cap).
-TRANSIENT = "walspool test outage"
-
-
-def break_db(db: Any, session_id: str | None = None) -> None:
-    """Make inserts into ``messages`` (of one session, or all) fail until ``heal_db``."""
-    when = "" if session_id is None else f"WHEN new.session_id = '{session_id}' "
-    with db._lock:
-        db._conn.execute(
-            f"CREATE TRIGGER walspool_test_broken BEFORE INSERT ON messages {when}"
-            f"BEGIN SELECT RAISE(ABORT, '{TRANSIENT}'); END"
-        )
-
-
-def heal_db(db: Any) -> None:
-    with db._lock:
-        db._conn.execute("DROP TRIGGER IF EXISTS walspool_test_broken")
+from _gateways_common import TRANSIENT, break_db, heal_db  # noqa: F401 - shared
 
 
 def new_store(home: Path) -> Any:

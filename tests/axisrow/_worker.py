@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # _gateways_common
 logging.disable(logging.CRITICAL)
 
 HOME = Path(sys.argv[1])

@@ -8,63 +8,16 @@ start must leave every spooled message in state.db exactly once, in order.
 from __future__ import annotations
 
 import json
-import os
-import select
-import signal
-import subprocess
-import sys
-import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+import _gateways_common as common
 import pytest
 
 WORKER = Path(__file__).resolve().parent / "_worker.py"
-#: Seconds any one worker step may take before the test fails (a bound, not a sleep).
-STEP_TIMEOUT = 120.0
-
-
-def run(home: Path, *args: object) -> str:
-    done = subprocess.run(
-        [sys.executable, str(WORKER), str(home), *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=STEP_TIMEOUT,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout
-
-
-def run_and_kill(home: Path, *args: object) -> None:
-    """Start the worker, wait for its LANDED line, SIGKILL it, reap it."""
-    proc = subprocess.Popen(
-        [sys.executable, str(WORKER), str(home), *map(str, args)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        deadline = time.monotonic() + STEP_TIMEOUT
-        assert proc.stdout is not None
-        while True:
-            left = deadline - time.monotonic()
-            assert left > 0, "the worker never reached the kill point"
-            ready, _, _ = select.select([proc.stdout], [], [], left)
-            if not ready:
-                continue
-            line = proc.stdout.readline()
-            assert line, f"the worker exited early: {proc.wait(5)} {proc.stderr.read()[-3000:]}"
-            if line.startswith("LANDED"):
-                break
-        os.kill(proc.pid, signal.SIGKILL)
-        assert proc.wait(STEP_TIMEOUT) == -signal.SIGKILL
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        for stream in (proc.stdout, proc.stderr):
-            if stream is not None:
-                stream.close()
+run = partial(common.run, WORKER)
+run_and_kill = partial(common.run_and_kill, WORKER)
 
 
 def start(home: Path, sessions: int) -> dict[str, Any]:
