@@ -56,7 +56,7 @@ def big(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Path]]
             )
             conn.execute("UPDATE records SET status = 'quarantined' WHERE id % 100000 = 1")
 
-        spool._execute(mark)
+        spool.transact(mark)
     state = top / "state.db"
     hermes_state = pytest.importorskip("hermes_state")
     db = hermes_state.SessionDB(db_path=state)

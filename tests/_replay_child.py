@@ -72,7 +72,7 @@ def crashing(execute: Any) -> Any:
 def main(spool_path: str, state_db: str, batch_rows: str) -> None:
     db = SessionDB(db_path=Path(state_db))
     with walspool.Spool(spool_path) as spool:
-        spool._execute = crashing(spool._execute)  # type: ignore[method-assign]
+        spool.transact = crashing(spool.transact)  # type: ignore[method-assign]
         report = Replayer(spool, CrashingSink(db), batch_rows=int(batch_rows)).replay()
     db.close()
     sys.stdout.write(msgspec.json.encode(report).decode())

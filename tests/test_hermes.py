@@ -1026,7 +1026,7 @@ def test_a_start_whose_quick_look_at_the_spool_fails_still_recovers(store, spool
     probe); when that look fails, it cannot know, so the background recovery runs."""
     store._db.create_session("s", "telegram")
     spool.append("s", _m("old"))  # spooled by an earlier run
-    read = spool._read
+    read = spool.query
     looks = []
 
     def failing_once(*args: Any, **kw: Any) -> Any:
@@ -1035,7 +1035,7 @@ def test_a_start_whose_quick_look_at_the_spool_fails_still_recovers(store, spool
             raise walspool.SpoolIOError("disk I/O error", path=spool.path)
         return read(*args, **kw)
 
-    monkeypatch.setattr(spool, "_read", failing_once)
+    monkeypatch.setattr(spool, "query", failing_once)
     link = install(store, spool, retry_interval=0.05)
     assert link.wait_idle(STEP)
     assert contents(store, "s") == ["old"]

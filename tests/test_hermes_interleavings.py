@@ -759,14 +759,14 @@ def test_a_quarantined_row_in_a_drain_chunk_does_not_end_the_drain(
     store._db.create_session("s", "telegram")
     receipts = spool.append_many([("s", msg(c)) for c in ("a", "bad", "c", "d")])
     bad = receipts[1].id
-    spool._execute(
+    spool.transact(
         lambda conn: conn.execute("UPDATE records SET payload = '{not json' WHERE id = ?", (bad,))
     )
     install(store, spool, recover=False, retry_interval=0)
     store.append_to_transcript("s", msg("new"))
     assert contents(store, "s") == ["a", "c", "d", "new"]
     # kept for an operator (``records`` refuses to decode it)
-    assert spool._read("SELECT id, status FROM records", ()) == [(bad, "quarantined")]
+    assert spool.query("SELECT id, status FROM records", ()) == [(bad, "quarantined")]
 
 
 class _Crash(BaseException):
@@ -1889,11 +1889,11 @@ def test_a_failed_drain_on_a_gateway_thread_does_not_wait_to_record_its_failure(
     try:
         gate.open()
         assert joined(appender)  # while the spool's writer is still held
-        assert spool._read("SELECT attempts FROM records", ()) == [(0,)]  # not recorded yet
+        assert spool.query("SELECT attempts FROM records", ()) == [(0,)]  # not recorded yet
     finally:
         go_on.set()
     spool.flush()
-    assert spool._read("SELECT attempts, last_error FROM records", ()) == [
+    assert spool.query("SELECT attempts, last_error FROM records", ()) == [
         (1, "IntegrityError: database disk image is malformed")
     ]
     sql(store, HEAL)

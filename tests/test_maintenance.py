@@ -93,7 +93,7 @@ def test_requeue_is_all_or_nothing_and_names_each_bad_id(quarantined):
 def test_a_row_a_replay_has_out_is_neither_requeued_nor_dropped(quarantined):
     path, _, ids = quarantined
     with walspool.Spool(path) as spool:
-        spool._execute(lambda c: c.execute("UPDATE records SET inflight = 7 WHERE id = ?", ids[:1]))
+        spool.transact(lambda c: c.execute("UPDATE records SET inflight = 7 WHERE id = ?", ids[:1]))
         out = f"{ids[0]} \\(a replay has it out\\)"
         for change in (maintenance.requeue, maintenance.drop):
             with pytest.raises(maintenance.NotSetAside, match=out):
@@ -115,7 +115,7 @@ def test_drop_needs_yes_then_keeps_the_row_whole_in_the_audit_table(quarantined)
     assert action == "drop" and json.loads(kept["payload"]) == msg("s-1")
     assert kept["reason"] == walspool.CAP_DROP and kept["status"] == "quarantined"
     with walspool.Spool(path) as spool:
-        spool._execute(lambda c: c.execute("DELETE FROM records"))  # s-3 too, by hand
+        spool.transact(lambda c: c.execute("DELETE FROM records"))  # s-3 too, by hand
         assert spool.append("s", msg("later")).seq == 6  # 2 and 4 stay used
 
 
@@ -153,7 +153,7 @@ def big_spool(path: Path, rows: int) -> None:
 def test_vacuum_gives_a_drained_spools_space_back_and_loses_nothing(spool_path):
     big_spool(spool_path, 20_000)
     with walspool.Spool(spool_path) as spool:
-        spool._execute(lambda c: c.execute("DELETE FROM records WHERE id > 70"))
+        spool.transact(lambda c: c.execute("DELETE FROM records WHERE id > 70"))
         kept = [(r.id, r.session_id, r.seq, r.message) for r in spool.records()]
     before = spool_path.stat().st_size
     rc, out, err = cli("vacuum", spool_path, "--json")
@@ -181,7 +181,7 @@ def test_vacuum_refuses_a_full_spool_unless_forced(spool_path, monkeypatch):
 def test_vacuum_while_a_reader_holds_a_snapshot_finishes_later(spool_path):
     big_spool(spool_path, 5000)
     with walspool.Spool(spool_path) as spool:
-        spool._execute(lambda c: c.execute("DELETE FROM records WHERE id > 10"))
+        spool.transact(lambda c: c.execute("DELETE FROM records WHERE id > 10"))
     with read_snapshot_held(spool_path):
         rc, out, err = cli("vacuum", spool_path)
         assert (rc, err) == (0, "")
@@ -202,9 +202,9 @@ def test_root_maintenance_leaves_the_gateway_users_files_its_own():
             "import sys, walspool\n"
             "with walspool.Spool(sys.argv[1]) as s:\n"
             "    s.append_many([('s', {'n': i}) for i in range(3000)])\n"
-            "    s._execute(lambda c: c.execute(\"UPDATE records SET status = 'quarantined'"
+            "    s.transact(lambda c: c.execute(\"UPDATE records SET status = 'quarantined'"
             ' WHERE id < 3"))\n'
-            "    s._execute(lambda c: c.execute('DELETE FROM records WHERE id > 10'))\n"
+            "    s.transact(lambda c: c.execute('DELETE FROM records WHERE id > 10'))\n"
         )
         made = python_as(NOBODY, code, str(path))
         assert made.returncode == 0, made.stderr

@@ -86,8 +86,8 @@ def test_order_into_a_real_session_db(spool, state_db):
 def test_one_spool_transaction_per_batch_not_per_row(spool, sink):
     spool.append_many([("s", msg("s", i)) for i in range(1000)])
     calls = []
-    execute = spool._execute
-    spool._execute = lambda fn: calls.append(fn) or execute(fn)
+    execute = spool.transact
+    spool.transact = lambda fn: calls.append(fn) or execute(fn)
     assert Replayer(spool, sink, batch_rows=250).replay().moved == 1000
     # take + settle per batch, then one empty take to end the session_id streams and
     # one for the session_key streams (the in-flight check is a read, no transaction)
@@ -295,7 +295,7 @@ def test_recovery_removes_what_landed_and_writes_the_rest_among_identical_rows(s
 
 def test_a_failing_probe_keeps_the_stream_in_flight(spool, sink):
     spool.append_many([("s", msg("s", 0)), ("t", msg("t", 0))])
-    spool._execute(
+    spool.transact(
         lambda conn: conn.execute("UPDATE records SET inflight = 0 WHERE session_id = 's'")
     )
     spool.append("s", msg("s", 1))
@@ -574,14 +574,14 @@ def test_a_failed_row_stays_in_flight_and_retries_cost_no_transaction(spool, sin
     assert Replayer(spool, sink).replay().held == 5
     assert query(spool, "SELECT seq FROM records WHERE inflight IS NOT NULL") == [(1,)]
     calls = []
-    execute = spool._execute
-    spool._execute = lambda fn: calls.append(fn) or execute(fn)
+    execute = spool.transact
+    spool.transact = lambda fn: calls.append(fn) or execute(fn)
     replayer = Replayer(spool, sink, wait_for_bookkeeping=False)
     reports = [replayer.replay(session_id="s") for _ in range(3)]
     assert all(r.held == 5 and r.errors == {"s": "OSError: down"} for r in reports)
     assert calls == []  # no transaction waited for on a failed retry
-    spool._execute = execute
-    spool._execute_later(lambda conn: None).result(10)  # the background group has committed
+    spool.transact = execute
+    spool.transact_later(lambda conn: None).result(10)  # the background group has committed
     assert next(spool.records()).attempts == 4
     sink.refuse = lambda sid, rec: None
     assert Replayer(spool, sink).replay(session_id="s").moved == 5
@@ -826,10 +826,10 @@ def test_by_default_a_failed_attempt_is_committed_before_replay_returns(spool, s
     replayer = Replayer(spool, sink)
     assert replayer.wait_for_bookkeeping is True
     later = []
-    execute_later = spool._execute_later
-    spool._execute_later = lambda fn: later.append(fn) or execute_later(fn)
+    execute_later = spool.transact_later
+    spool.transact_later = lambda fn: later.append(fn) or execute_later(fn)
     assert replayer.replay().held == 1
-    spool._execute_later = execute_later
+    spool.transact_later = execute_later
     assert later == []  # nothing left for the writer's next group
     assert query(spool, "SELECT attempts, last_error FROM records") == [(1, "OSError: down")]
 
@@ -947,7 +947,7 @@ def test_rows_freed_by_two_key_streams_in_one_batch_are_all_freed(spool, sink):
 
 def test_a_row_whose_payload_is_not_json_is_quarantined_and_its_stream_goes_on(spool, sink):
     spool.append_many([("s", msg("s", i)) for i in range(3)])
-    spool._execute(
+    spool.transact(
         lambda conn: conn.execute("UPDATE records SET payload = '{not json' WHERE seq = 2")
     )
     report = Replayer(spool, sink).replay()

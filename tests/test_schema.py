@@ -287,16 +287,16 @@ def test_an_append_writes_no_sequences_row_and_three_pages(spool, spool_path):
     spool._writer._conn.set_wal_hook(None)
     per_commit = sorted(b - a for a, b in zip(frames, frames[1:], strict=False) if b > a)
     assert per_commit[len(per_commit) // 2] == 3, per_commit
-    assert spool._execute(lambda conn: conn.execute("SELECT count(*) FROM sequences").get) == 0
-    spool._execute(lambda conn: conn.execute("DELETE FROM records WHERE session_id = 's0'"))
-    kept = spool._execute(lambda conn: conn.execute("SELECT * FROM sequences").fetchall())
+    assert spool.transact(lambda conn: conn.execute("SELECT count(*) FROM sequences").get) == 0
+    spool.transact(lambda conn: conn.execute("DELETE FROM records WHERE session_id = 's0'"))
+    kept = spool.transact(lambda conn: conn.execute("SELECT * FROM sequences").fetchall())
     assert kept == [("session_id", "s0", 59)]  # 50 + 8 appends to s0: its last seq was 58
 
 
 def test_a_key_only_stream_drained_never_reuses_a_seq(spool):
     for _ in range(3):
         spool.append(None, "slot", session_key="k", reason=walspool.SHUTDOWN)
-    spool._execute(lambda conn: conn.execute("DELETE FROM records"))
+    spool.transact(lambda conn: conn.execute("DELETE FROM records"))
     assert spool.append(None, "slot", session_key="k", reason=walspool.SHUTDOWN).seq == 4
     assert spool.append("k", "by id").seq == 1  # a session id equal to the key: its own
 

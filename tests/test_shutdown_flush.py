@@ -493,7 +493,7 @@ def test_a_drain_that_fails_counts_what_remains_at_least_one(home, monkeypatch, 
     assert sf.drain_transcript_spool("s", lambda m: None) == (0, 3)
     assert sf.drain_transcript_spool("t", lambda m: None) == (0, 1)
     monkeypatch.setattr(
-        walspool.Spool, "_read", lambda *a: (_ for _ in ()).throw(RuntimeError("no read"))
+        walspool.Spool, "query", lambda *a: (_ for _ in ()).throw(RuntimeError("no read"))
     )
     assert sf.drain_transcript_spool("s", lambda m: None) == (0, 1)
     assert logged(caplog, logging.WARNING) == [

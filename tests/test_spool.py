@@ -67,7 +67,7 @@ def test_seq_continues_after_reopen(spool_path):
 def test_seq_never_reused_after_rows_are_removed(spool):
     for _ in range(3):
         spool.append("a", MSG)
-    spool._execute(lambda conn: conn.execute("DELETE FROM records"))
+    spool.transact(lambda conn: conn.execute("DELETE FROM records"))
     assert spool.append("a", MSG).seq == 4
 
 

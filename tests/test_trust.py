@@ -342,7 +342,7 @@ def test_pages_and_replay_batches_are_bounded_by_bytes(tmp_path, monkeypatch, ca
         exported = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
         assert [r["message"]["content"] for r in exported] == text
         batches: list[int] = []
-        execute = spool._execute
+        execute = spool.transact
 
         def counting(fn: Any) -> Any:
             result = execute(fn)
@@ -350,7 +350,7 @@ def test_pages_and_replay_batches_are_bounded_by_bytes(tmp_path, monkeypatch, ca
                 batches.append(len(result[0]))
             return result
 
-        spool._execute = counting  # type: ignore[method-assign]
+        spool.transact = counting  # type: ignore[method-assign]
         sink = MemorySink()
         assert Replayer(spool, sink).replay().moved == 9
     assert sink.contents("s") == text

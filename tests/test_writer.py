@@ -865,7 +865,7 @@ def test_after_an_operation_the_writer_reads_its_numbers_again(spool):
             walspool_writer.INSERT_RECORD_SQL, (2, "s", 2, row[2], None, row[3], row[4], row[5])
         )
 
-    spool._execute(insert_next)
+    spool.transact(insert_next)
     receipt = spool.append("s", {"i": 2})
     assert (receipt.id, receipt.seq) == (3, 3)
     assert [r.message["i"] for r in spool.records()] == [0, 1, 2]
@@ -901,7 +901,7 @@ def test_a_rollback_that_fails_never_hides_the_failure_that_caused_it(spool, mon
         raise ValueError("refused by the operation")
 
     with pytest.raises(ValueError, match="refused by the operation"):
-        spool._execute(refuse)
+        spool.transact(refuse)
     assert spool.append("s", {"i": 0}).seq == 1
 
 

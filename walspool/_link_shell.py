@@ -10,7 +10,6 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from . import _link_bounds as bounds
@@ -23,7 +22,7 @@ from ._link_shutdown import ShutdownFlushes
 from ._link_state import Session, Writer, log, owner_of
 from ._link_writer import SessionWriter
 from .errors import ReplayBusy
-from .replay import LOCK_SUFFIX, Replayer, _exclusive
+from .replay import Replayer, replay_lock
 from .sinks import SessionDBSink
 from .spool import Spool
 from .writer import Batched
@@ -192,7 +191,7 @@ class Link(SessionWriter, Evictions, Retries, ShutdownFlushes):
         """
         if self._draining.acquire(timeout=bounds.HANDOFF_WAIT):
             try:
-                with _exclusive(Path(f"{self.spool.path}{LOCK_SUFFIX}"), wait=False):
+                with replay_lock(self.spool, wait=False):
                     return self.spool.supersede(session_id, inflight=True)
             except ReplayBusy:
                 pass  # another replay has rows out: leave those to it

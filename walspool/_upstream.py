@@ -174,13 +174,13 @@ class DrainSink:
                 self._store = None
 
     def _set_aside(self, record: Record) -> None:
-        self.spool._execute(
+        self.spool.transact(
             lambda conn: conn.execute(SET_ASIDE_SQL, (UNKNOWN_LANDING, time.time(), record.id))
         )
 
     def _put_back(self, record: Record) -> None:
         try:
-            self.spool._execute(lambda conn: conn.execute(PUT_BACK_SQL, (record.id,)))
+            self.spool.transact(lambda conn: conn.execute(PUT_BACK_SQL, (record.id,)))
         except Exception as exc:  # noqa: BLE001 - it stays set aside, for an operator
             log.warning(
                 "Row %d of %s stays quarantined in %s (its write failed, and putting it "

@@ -323,7 +323,7 @@ class _Import:
             "SELECT json_extract(payload, :path) FROM records "
             "WHERE json_valid(payload) AND json_extract(payload, :path) IS NOT NULL"
         )
-        rows = self.spool._read(sql, {"path": f'$."{self.source_key}"'})
+        rows = self.spool.query(sql, {"path": f'$."{self.source_key}"'})
         return {row[0] for row in rows if isinstance(row[0], str)}
 
     def _finish_committed(self, item: _Item) -> None:

@@ -29,7 +29,7 @@ import msgspec
 
 from . import codec, schema
 from .errors import InvalidArgument, WalspoolError
-from .replay import LOCK_SUFFIX, _exclusive
+from .replay import replay_lock
 from .spool import Spool
 from .writer import LIVE_BYTES_SQL
 
@@ -150,8 +150,8 @@ def _change(
             conn.execute(DROP_SQL if action == "drop" else REQUEUE_SQL, (record_id,))
         return list(rows)
 
-    with _exclusive(Path(f"{spool.path}{LOCK_SUFFIX}"), wait, owner=spool._owner):
-        return spool._execute(change)
+    with replay_lock(spool, wait):
+        return spool.transact(change)
 
 
 def _ids(ids: Sequence[int], path: Path) -> list[int]:

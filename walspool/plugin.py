@@ -49,7 +49,6 @@ import sys
 import threading
 from collections.abc import Callable
 from functools import wraps
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -375,10 +374,10 @@ def _supersede(spool: Any, session_id: str) -> int:
     their write did not land, or their ticket says so at the next recovery. While a
     replay runs, the rows it has out are left to it."""
     from .errors import ReplayBusy
-    from .replay import LOCK_SUFFIX, _exclusive
+    from .replay import replay_lock
 
     try:
-        with _exclusive(Path(f"{spool.path}{LOCK_SUFFIX}"), wait=False):
+        with replay_lock(spool, wait=False):
             return int(spool.supersede(session_id, inflight=True))
     except ReplayBusy:
         return int(spool.supersede(session_id))

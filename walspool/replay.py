@@ -254,8 +254,7 @@ class Replayer:
         if session_id is not None:
             check_lookup(session_id, "session_id", self.spool.path)
         run = _Run(self, session_id, reasons_json, statuses_filter(quarantined, superseded))
-        lock = Path(f"{self.spool.path}{LOCK_SUFFIX}")
-        with _exclusive(lock, wait, owner=self.spool._owner):
+        with replay_lock(self.spool, wait):
             run.resume(limit)
             run.move(limit)
         run.count_held()
@@ -336,7 +335,7 @@ class _Run:
         """
         # Every reason and status: a stream's rows in flight are finished before
         # anything later of it moves, whatever this replay selects.
-        rows = self.spool._read(INFLIGHT_SQL, {"session_id": self.session_id})
+        rows = self.spool.query(INFLIGHT_SQL, {"session_id": self.session_id})
         if not rows:
             return
         taken = sorted(
@@ -412,7 +411,7 @@ class _Run:
                 "after_seq": after[1],
                 "limit": want,
             }
-            rows, older, full = self.spool._execute(partial(_take_batch, sql=sql, params=params))
+            rows, older, full = self.spool.transact(partial(_take_batch, sql=sql, params=params))
             if not rows:
                 return
             taken = [(self._record(row), ticket) for row, ticket in rows]
@@ -603,16 +602,16 @@ class _Run:
             or done.quarantine
             or (done.failures and self.wait_for_bookkeeping)
         ):
-            self.spool._execute(partial(_settle, done=done))
+            self.spool.transact(partial(_settle, done=done))
         elif done.failures:
-            self.spool._execute_later(partial(_record_failures, failures=done.failures))
+            self.spool.transact_later(partial(_record_failures, failures=done.failures))
 
     def count_held(self) -> None:
         """Count the rows each held stream leaves behind (a read, after the writes)."""
         for (kind, name), tally in self.tallies.items():
             if tally.error is not None:
                 sql = COUNT_HELD_BY_ID_SQL if kind == "session_id" else COUNT_HELD_BY_KEY_SQL
-                tally.held = self.spool._read(sql, {**self.filter, "name": name})[0][0]
+                tally.held = self.spool.query(sql, {**self.filter, "name": name})[0][0]
 
     def _hold(self, stream: Stream, error: str) -> None:
         self._tally(stream).error = error
@@ -736,6 +735,16 @@ def _describe(exc: BaseException) -> str:
     if isinstance(exc, WalspoolError):
         return str(exc)
     return f"{type(exc).__name__}: {exc}"
+
+
+def replay_lock(spool: Spool, wait: bool | float = True) -> contextlib.AbstractContextManager[None]:
+    """Hold ``spool``'s replay lock for the block: no replay, drain or change of rows
+    out in flight runs meanwhile, in this process or another.
+
+    ``wait``: True waits at most ``LOCK_WAIT`` seconds, a number that many, False not
+    at all; then ``ReplayBusy``.
+    """
+    return _exclusive(Path(f"{spool.path}{LOCK_SUFFIX}"), wait, owner=spool.owner)
 
 
 @contextlib.contextmanager

@@ -578,7 +578,7 @@ def _replay_all(
     """One replay of every replayable row, key rows routed as the resolver says."""
     targets: dict[str, tuple[str, Any]] = {}
     if session_resolver is not None:
-        for key, ts in spool._read(KEYS_TO_RESOLVE_SQL, (AGENT_HISTORY,)):
+        for key, ts in spool.query(KEYS_TO_RESOLVE_SQL, (AGENT_HISTORY,)):
             found = _upstream.resolve_key(session_resolver, key, ts)
             if found is not None:
                 targets[key] = found
@@ -748,14 +748,14 @@ def _release(session_db: Any) -> None:
 
 def _sessions_with_rows(spool: Spool) -> set[str]:
     try:
-        return {row[0] for row in spool._read(SESSIONS_WITH_ROWS_SQL, (AGENT_HISTORY,))}
+        return {row[0] for row in spool.query(SESSIONS_WITH_ROWS_SQL, (AGENT_HISTORY,))}
     except Exception:  # noqa: BLE001 - best effort: nothing to mark
         return set()
 
 
 def _count(spool: Spool, sql: str, params: tuple[Any, ...]) -> int:
     try:
-        return int(spool._read(sql, params)[0][0])
+        return int(spool.query(sql, params)[0][0])
     except Exception:  # noqa: BLE001 - unknown: report one row left
         return 1
 

@@ -289,21 +289,29 @@ class Spool:
         return self._writer.footprint or 0
 
     @property
+    def owner(self) -> int:
+        """The uid that owns the spool's files (its directory's owner, checked at open)."""
+        return self._owner
+
+    @property
     def closed(self) -> bool:
         """Whether ``close`` has run: nothing can be appended or read any more."""
         return self._closed
 
     def has_replayable(self) -> bool:
         """Whether the spool holds any row but agent histories (one index probe)."""
-        return bool(self._read(ANY_REPLAYABLE_SQL, (AGENT_HISTORY,)))
+        return bool(self.query(ANY_REPLAYABLE_SQL, (AGENT_HISTORY,)))
 
     # -- writing on the replayer's behalf ----------------------------------------
 
-    def _execute(self, fn: Any) -> Any:
-        """Run ``fn(conn)`` in the writer's next transaction; return its result."""
+    def transact(self, fn: Any) -> Any:
+        """Run ``fn(conn)`` in the writer's next transaction; return its result.
+
+        Internal: for walspool's own modules, which keep the spool's invariants.
+        """
         return self._writer.call(Operation(fn))
 
-    def _execute_later(self, fn: Any) -> concurrent.futures.Future[Any]:
+    def transact_later(self, fn: Any) -> concurrent.futures.Future[Any]:
         """Queue ``fn(conn)`` for the writer's next group; do not wait for the commit."""
         return self._writer.submit(Operation(fn))
 
@@ -323,13 +331,13 @@ class Spool:
             conn.execute(sql, (session_id, AGENT_HISTORY))
             return conn.changes()
 
-        return self._execute(supersede)
+        return self.transact(supersede)
 
     @property
     def uid(self) -> str:
         """The spool's identity, random and fixed when the file was created."""
         if self._uid is None:
-            self._uid = str(self._read(UID_SQL, ())[0][0])
+            self._uid = str(self.query(UID_SQL, ())[0][0])
         return self._uid
 
     # -- reading ---------------------------------------------------------------
@@ -377,7 +385,11 @@ class Spool:
         by_reason, sessions, failing = self._with_reader(query)
         return stats_from(by_reason, sessions, failing, self.path)
 
-    def _read(self, sql: str, params: Any) -> list[tuple[Any, ...]]:
+    def query(self, sql: str, params: Any) -> list[tuple[Any, ...]]:
+        """Run a read-only ``sql`` on the spool's reader connection; all its rows.
+
+        Internal: for walspool's own modules (replay, maintenance, the drop-in).
+        """
         return self._with_reader(lambda conn: conn.execute(sql, params).fetchall())
 
     def _with_reader(self, fn: Any) -> Any:

@@ -192,7 +192,7 @@ def test_a_batch_into_a_locked_state_db_holds_the_session_and_lands_once_later(t
         # The batch is known not to have landed: only the row whose write failed stays
         # in flight; the rest are freed.
         in_flight = "SELECT count(*) FROM records WHERE inflight IS NOT NULL"
-        assert spool._read(in_flight, ()) == [(1,)]
+        assert spool.query(in_flight, ()) == [(1,)]
         heal_db(db)
         report = replay(spool, db, batch=True)
         assert (report.moved, report.held, report.recovered) == (30, 0, 0)
