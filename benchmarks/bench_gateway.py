@@ -13,11 +13,14 @@ rate counts messages handed to ``append_to_transcript`` per second, until the la
 evicted message is committed to its spool. Peak RSS growth is measured over the
 walspool run (``/proc/self/clear_refs`` resets the peak first).
 
-The latency cases time every ``append_to_transcript`` call (p50, p99, max) in the
-same 8-thread, 64-session outage, for the released store, the linked store, and the
+The latency cases time every ``append_to_transcript`` call (p50, p99, p99.9, max) in
+the same 8-thread, 64-session outage, for the released store, the linked store, and the
 linked store while another process holds the spool's write lock the whole time (an
 operator's ``sqlite3 spool.db`` in a transaction): what the link adds to a gateway
-thread, and that a locked spool does not make it wait.
+thread, and that a locked spool does not make it wait. The ``slowest`` cases run the
+released and the linked store again with each wait a call can meet timed (the store's
+lock, the session's own ``state.db`` write, room in the spool writer's queue) and
+print how the slowest 0.1% of calls spent their time.
 """
 
 from __future__ import annotations
@@ -240,13 +243,15 @@ def _latency(benchmark: Any, name: str, store: Any) -> dict[str, float]:
     figures = {
         "p50_us": timings[len(timings) // 2] / 1000,
         "p99_us": timings[int(len(timings) * 0.99)] / 1000,
+        "p999_us": timings[int(len(timings) * 0.999)] / 1000,
         "max_us": timings[-1] / 1000,
     }
     rate = record(f"test_latency_{name}", "gateway latency", LATENCY_MESSAGES, seconds, **figures)
     benchmark.extra_info.update(msgs_per_round=LATENCY_MESSAGES, msgs_per_s=rate, **figures)
     print(
         f"\nappend_to_transcript latency, {name}: p50 {figures['p50_us']:.0f} us, "
-        f"p99 {figures['p99_us']:.0f} us, max {figures['max_us'] / 1000:.1f} ms"
+        f"p99 {figures['p99_us']:.0f} us, p99.9 {figures['p999_us'] / 1000:.1f} ms, "
+        f"max {figures['max_us'] / 1000:.1f} ms"
     )
     return figures
 
@@ -286,3 +291,98 @@ def test_latency_walspool_spool_locked(benchmark: Any, store: Any, tmp_path: Pat
         holder.stdin.close()
         holder.wait(60)
         spool.close()
+
+
+class _TimedLock:
+    """The store's lock, timing how long each acquire waited (in the calling thread's
+    tally). Only acquire and release: ``threading.Condition`` falls back to them."""
+
+    def __init__(self, inner: Any, tally: Callable[[str, int], None]) -> None:
+        self._inner = inner
+        self._tally = tally
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        started = time.perf_counter_ns()
+        got = self._inner.acquire(blocking, timeout)
+        self._tally("the store's lock", time.perf_counter_ns() - started)
+        return bool(got)
+
+    def release(self) -> None:
+        self._inner.release()
+
+    __enter__ = acquire
+
+    def __exit__(self, *exc: object) -> None:
+        self._inner.release()
+
+
+def _slowest(
+    store: Any, spool: walspool.Spool | None, name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Time each wait of every call; print what the slowest 0.1% spent their time on.
+
+    Waits: for the store's lock; on a condition (the link's bounded waits, on the
+    store's lock: for its evictions to commit, ``CONFIRM_WAIT``; to take a session over
+    from the background thread, ``HANDOFF_WAIT``; for room in the spool writer's
+    queue); the session's own state.db write. The rest is the interpreter (the GIL
+    among 9 threads and the spool's writer) and the code's own work.
+    """
+    local = threading.local()
+
+    def tally(what: str, ns: int) -> None:
+        spent = getattr(local, "spent", None)
+        if spent is not None:
+            spent[what] = spent.get(what, 0) + ns
+
+    def timed(what: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter_ns()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                tally(what, time.perf_counter_ns() - started)
+
+        return call
+
+    store._transcript_retry_lock = _TimedLock(store._transcript_retry_lock, tally)
+    store._append_transcript_message = timed("its state.db write", store._append_transcript_message)
+    monkeypatch.setattr(threading.Condition, "wait", timed("a condition", threading.Condition.wait))
+    if spool is not None:
+        install(store, spool)
+    append = store.append_to_transcript
+    calls: list[tuple[int, dict[str, int]]] = []
+
+    def append_to_transcript(session_id: str, message: dict[str, Any], skip_db: bool = False):
+        local.spent = {}
+        started = time.perf_counter_ns()
+        append(session_id, message, skip_db)
+        calls.append((time.perf_counter_ns() - started, local.spent))
+
+    store.append_to_transcript = append_to_transcript
+    _feed(store, LATENCY_MESSAGES)
+    calls.sort(key=lambda call: call[0])
+    slowest = calls[int(len(calls) * 0.999) :]
+    total = sum(ns for ns, _ in slowest)
+    shares: dict[str, int] = {}
+    for _, spent in slowest:
+        for what, ns in spent.items():
+            shares[what] = shares.get(what, 0) + ns
+    shares["the rest"] = total - sum(shares.values())
+    print(
+        f"\nthe slowest 0.1% of {len(calls):,} calls, {name}: "
+        f"{slowest[0][0] / 1e6:.1f}-{slowest[-1][0] / 1e6:.1f} ms, spent waiting for "
+        + ", ".join(f"{what} {ns / total:.0%}" for what, ns in shares.items())
+    )
+
+
+@pytest.mark.benchmark(group="gateway latency")
+def test_latency_released_slowest(store: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    _slowest(store, None, "released", monkeypatch)
+
+
+@pytest.mark.benchmark(group="gateway latency")
+def test_latency_walspool_slowest(
+    store: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with walspool.Spool(tmp_path / "spool.db") as spool:
+        _slowest(store, spool, "walspool", monkeypatch)
