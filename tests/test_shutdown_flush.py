@@ -563,6 +563,27 @@ def test_a_recovery_that_fails_holds_every_session_with_rows(home, db, monkeypat
     assert logged(caplog, logging.WARNING) == ["Failed to recover pending messages: boom"]
 
 
+def test_a_state_db_that_cannot_be_opened_holds_every_session_and_never_raises(
+    home, monkeypatch, caplog
+):
+    """hermes' ``SessionDB()`` set-up writes: a state.db locked elsewhere past its patience
+    raises from it, and the gateway (0.22 calls ``recover_gateway_pending`` unguarded)
+    must start all the same."""
+    import sqlite3
+
+    sf.spool_dropped_transcript_message("sess-1", {"role": "user", "content": "x"})
+
+    def locked():
+        raise sqlite3.OperationalError("database is locked")
+
+    monkeypatch.setattr(sf, "_open_default_db", locked)
+    caplog.set_level(logging.DEBUG, logger="walspool.shutdown_flush")
+    assert sf.recover_pending_spool() == (0, {"sess-1"})
+    assert logged(caplog, logging.WARNING) == [
+        "Failed to recover pending messages: cannot open state.db: database is locked"
+    ]
+
+
 def test_recovery_counts_a_write_that_landed_before_a_crash_once(home, db, caplog):
     sf.spool_dropped_transcript_message("sess-1", {"role": "user", "content": "x"})
     real = db.append_message

@@ -24,7 +24,8 @@ What differs from upstream, on purpose:
 * No gateway thread waits on the spool: evictions are handed to its writer (none
   while its write lock is found held elsewhere: the caller keeps or drops the
   message, as upstream's contract says), drains skip a locked spool or a running
-  replay and are retried at the session's next write.
+  replay and are retried at the session's next write; a start finds a running replay
+  before it opens state.db and leaves the rows to it.
 * Without a resolver (0.20's ``recover_pending_to_db()``), session keys are resolved
   from the gateway's routing on disk; unrouted keys stay and are reported.
 * A row is written by the gateway's own ``transcript_append_kwargs`` where the
@@ -60,7 +61,7 @@ from .errors import InvalidArgument, ReplayBusy, WalspoolError
 from .hermes import agent_history_message, slot_message
 from .jsonspool import FILE_PATTERN, QUARANTINE_PATTERN, import_json_spool
 from .records import AGENT_HISTORY, CAP_DROP
-from .replay import Replayer, ReplayReport
+from .replay import Replayer, ReplayReport, replay_lock
 from .sinks import is_row_rejection
 from .spool import Spool, check_lookup
 
@@ -510,24 +511,23 @@ def recover_pending_spool(
     _import_leftover_files(spool)
     if not _count(spool, ANY_TO_REPLAY_SQL, (AGENT_HISTORY,)):
         return 0, set()
+    if _replay_running(spool):  # learnt before state.db is opened, which may be locked
+        return _left_to_the_running_replay(spool)
     owned = session_db is None
     if owned:
-        session_db, release = _open_default_db()
+        try:
+            session_db, release = _open_default_db()
+        except Exception as exc:  # noqa: BLE001 - never raises, as upstream
+            log.warning("Failed to recover pending messages: cannot open state.db: %s", exc)
+            return 0, _sessions_with_rows(spool)
     from_disk = session_resolver is None
     if from_disk:
         # 0.20 calls this with no arguments: the gateway's own routing, from disk.
         session_resolver = partial(routed_session_id, session_db)
     try:
         report = _replay_all(spool, session_db, session_resolver)
-    except ReplayBusy:
-        held = _sessions_with_rows(spool)
-        log.warning(
-            "Another replay of %s is running; %d session(s) will drain their spooled rows "
-            "before their next message",
-            spool.path,
-            len(held),
-        )
-        return 0, held
+    except ReplayBusy:  # a replay that began after the look above
+        return _left_to_the_running_replay(spool)
     except Exception as exc:  # noqa: BLE001 - never raises, as upstream
         log.warning("Failed to recover pending messages: %s", exc)
         return 0, _sessions_with_rows(spool)
@@ -570,6 +570,32 @@ def recover_pending_spool(
             spool.path,
         )
     return report.moved, held_back
+
+
+def _replay_running(spool: Spool) -> bool:
+    """Whether another replay of ``spool`` holds its replay lock now (tried, never waited
+    for). A start learns it before it opens state.db: a replay running elsewhere may be
+    waiting on state.db's write lock, which hermes' ``SessionDB()`` set-up would wait on
+    too. A lock that cannot be tried is left to the replay itself, which reports it."""
+    try:
+        with replay_lock(spool, wait=False):
+            return False
+    except ReplayBusy:
+        return True
+    except Exception:  # noqa: BLE001 - the replay meets it again and says so
+        return False
+
+
+def _left_to_the_running_replay(spool: Spool) -> tuple[int, set[str]]:
+    """A start's answer while another replay runs: nothing replayed, its sessions held."""
+    held = _sessions_with_rows(spool)
+    log.warning(
+        "Another replay of %s is running; %d session(s) will drain their spooled rows "
+        "before their next message",
+        spool.path,
+        len(held),
+    )
+    return 0, held
 
 
 def _replay_all(

@@ -1,12 +1,22 @@
 """A gateway start (axisrow 0.20: ``recover_pending_to_db()``) while another process holds
 the spool's replay lock, as a running ``walspool replay`` does: the start never waits
-for it, nothing is written twice or lost, and the next start lands everything."""
+for it, nothing is written twice or lost, and the next start (or that replay) lands
+everything."""
 
 from __future__ import annotations
 
+import threading
 import time
 
-from _axisrow import break_db, close_store, contents, heal_db, new_store
+from _axisrow import (
+    CHILD_TIMEOUT,
+    break_db,
+    close_store,
+    contents,
+    heal_db,
+    new_store,
+    replay_running,
+)
 from _lock_holder import replay_lock_held
 
 import walspool
@@ -37,3 +47,47 @@ def test_a_start_during_a_running_replay_skips_it_and_the_next_start_lands_all(h
         assert contents(store._db, "s") == [f"m{i}" for i in range(30)]
     finally:
         close_store(store)
+
+
+SESSIONS, ROWS = 200, 3
+
+
+def test_a_start_while_a_real_walspool_replay_runs_skips_it_and_nothing_lands_twice(home):
+    """A real ``walspool replay`` process, stopped in the middle of its replay by a state.db
+    lock another process holds, while the gateway starts (``recover_pending_to_db()``): the
+    start returns at once without touching state.db, the replay lands every row once and
+    in order when the lock goes, and the next start finds nothing to write."""
+    store = new_store(home)
+    ids = [f"s{i}" for i in range(SESSIONS)]
+    for sid in ids:
+        store._db.create_session(sid, "telegram")
+    for i in range(ROWS):
+        for sid in ids:  # as the gateway hands over its cap evictions
+            assert wsf.spool_dropped_transcript_message(
+                sid, {"role": "user", "content": f"{sid}-{i}"}
+            )
+    close_store(store)
+    wsf.close_shared_spools()
+    with replay_running(home) as replay:
+        with walspool.Spool(home / "spool.db") as spool:
+            assert spool.stats().rows > 0  # the replay waits in the middle of its rows
+        start = threading.Thread(target=lambda: started.append(wsf.recover_pending_to_db()))
+        started: list[int] = []
+        began = time.monotonic()
+        start.start()
+        start.join(START_BOUND)
+        took = time.monotonic() - began
+        status, report = replay.finish()  # let go of state.db in any case
+        start.join(CHILD_TIMEOUT)
+        assert took < START_BOUND, f"the start waited {took:.1f} s for the running replay"
+        assert started == [0]
+    assert (status, report["moved"], report["held"]) == (0, SESSIONS * ROWS, 0)
+    assert wsf.recover_pending_to_db() == 0  # nothing left: nothing written twice
+    store = new_store(home)
+    try:
+        for sid in ids:
+            assert contents(store._db, sid) == [f"{sid}-{i}" for i in range(ROWS)]
+    finally:
+        close_store(store)
+    with walspool.Spool(home / "spool.db") as spool:
+        assert spool.stats().rows == 0
