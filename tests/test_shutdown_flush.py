@@ -628,16 +628,25 @@ def test_recovery_says_word_for_word_what_it_held_back_and_quarantined(home, db,
     ]
 
 
-def test_a_routing_key_the_resolver_does_not_know_is_held_word_for_word(home, db, caplog):
+def test_a_routing_key_the_resolver_does_not_know_is_held_and_reported_word_for_word(
+    home, db, caplog
+):
+    """0.22 passes its own resolver: a key it does not know stays, and the operator is
+    told at WARNING (how many, which keys, what to do), as on 0.20."""
     sf.flush_pending_to_file({"agent:main:telegram:dm:1": "hi", "unknown-key": "kept"})
     caplog.set_level(logging.INFO, logger="walspool")
     resolver = lambda key: ("sess-1", db) if key.endswith(":1") else None  # noqa: E731
     assert sf.recover_pending_spool(db, session_resolver=resolver) == (1, set())
-    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
     assert logged(caplog, logging.INFO)[-1] == (
         "Held back 1 spooled message(s) for the next start after a failed replay: "
         "key:unknown-key (resolver found no session for session_key 'unknown-key')"
     )
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == [
+        "1 spooled message(s) of 1 session key(s) found no session in the gateway's routing "
+        f"table and stay in {home / 'spool.db'}; each start tries again (a new message from "
+        "that chat routes its key), `walspool ls` shows them as key:<KEY>, `walspool export "
+        "--session key:<KEY>` gives their text: unknown-key"
+    ]
 
 
 def test_imported_files_say_word_for_word_what_was_imported(home, db, caplog):

@@ -27,7 +27,8 @@ What differs from upstream, on purpose:
   replay and are retried at the session's next write; a start finds a running replay
   before it opens state.db and leaves the rows to it.
 * Without a resolver (0.20's ``recover_pending_to_db()``), session keys are resolved
-  from the gateway's routing on disk; unrouted keys stay and are reported.
+  from the gateway's routing on disk. A key nobody resolves stays, reported at
+  WARNING at each start (0.22's resolver included).
 * A row is written by the gateway's own ``transcript_append_kwargs`` where the
   gateway has one, else by walspool's 0.19.0 mapping (``walspool.sinks``).
 * A row refused for its content is quarantined inside the spool (status
@@ -520,8 +521,7 @@ def recover_pending_spool(
         except Exception as exc:  # noqa: BLE001 - never raises, as upstream
             log.warning("Failed to recover pending messages: cannot open state.db: %s", exc)
             return 0, _sessions_with_rows(spool)
-    from_disk = session_resolver is None
-    if from_disk:
+    if session_resolver is None:
         # 0.20 calls this with no arguments: the gateway's own routing, from disk.
         session_resolver = partial(routed_session_id, session_db)
     try:
@@ -548,16 +548,16 @@ def recover_pending_spool(
                 + [f"key:{k} ({v})" for k, v in report.key_errors.items()]
             ),
         )
-    # (With the gateway's own resolver, 0.22, an unknown key is its call: held, at INFO.)
+    # Keys neither the gateway's resolver (0.22) nor its routing on disk (0.20) knows.
     unresolved = {
         key: stream.held for key, stream in report.keys.items() if stream.session_id is None
     }
-    if unresolved and from_disk:
+    if unresolved:
         log.warning(
             "%d spooled message(s) of %d session key(s) found no session in the gateway's "
             "routing table and stay in %s; each start tries again (a new message from that "
-            "chat routes its key), `walspool ls` shows them as key:<KEY>, `walspool export` "
-            "gives their text: %s",
+            "chat routes its key), `walspool ls` shows them as key:<KEY>, `walspool export "
+            "--session key:<KEY>` gives their text: %s",
             sum(unresolved.values()),
             len(unresolved),
             spool.path,

@@ -385,17 +385,22 @@ def test_a_gateway_config_without_multiplexing_recovers_the_launch_home_only(
     assert contents(store._db, "s1") == ["launch"]
 
 
-def test_a_restart_routes_slots_spooled_by_key_through_the_stores_own_resolver(home, store):
+def test_a_restart_routes_slots_spooled_by_key_through_the_stores_own_resolver(home, store, caplog):
     """A shutdown slot is spooled under its routing key; the restart's recovery asks the
-    gateway's store (``resolve_session_id_for_key``) which session it belongs to."""
+    gateway's store (``resolve_session_id_for_key``) which session it belongs to. A key it
+    does not know stays, reported at WARNING with the count and what to do."""
     from gateway.config import Platform
     from gateway.session import SessionSource
 
     entry = store.get_or_create_session(SessionSource(platform=Platform.TELEGRAM, chat_id="9"))
     assert wsf.flush_pending_to_file({entry.session_key: "slot text", "agent:gone": "kept"}) == 2
-    assert wsf.recover_gateway_pending(runner_for(store)) == 1
+    with caplog.at_level(logging.WARNING, "walspool"):
+        assert wsf.recover_gateway_pending(runner_for(store)) == 1
     assert contents(store._db, entry.session_id) == ["slot text"]
     assert [r.session_key for r in spooled(home)] == ["agent:gone"]
+    (warning,) = [r.getMessage() for r in caplog.records if "routing table" in r.getMessage()]
+    assert warning.startswith("1 spooled message(s) of 1 session key(s) found no session")
+    assert "`walspool export --session key:<KEY>`" in warning and warning.endswith("agent:gone")
 
 
 def test_recovery_registers_the_store_for_the_gateways_own_callbacks(home, store, monkeypatch):
