@@ -12,9 +12,12 @@ hundred (a chmod, chown, truncate or write through the swapped name, or a hang).
 from __future__ import annotations
 
 import contextlib
+import grp
 import json
 import os
+import pwd
 import select
+import shutil
 import stat
 import subprocess
 import sys
@@ -389,3 +392,115 @@ def test_an_import_directory_others_can_write_is_refused(tmp_path):
             walspool.import_json_spool(spool, pending)
         assert list(spool.records()) == []
     assert planted.exists()
+
+
+# -- group-writable directories: trusted when the group is the owner's alone ----------------
+
+UNSHARE = shutil.which("unshare")
+#: A user-private group, as Debian gives daemon: uid 1, group daemon (gid 1), no member.
+UPG_USER = 1
+
+
+def upg_user_ready() -> bool:
+    try:
+        user, group = pwd.getpwuid(UPG_USER), grp.getgrgid(UPG_USER)
+    except KeyError:
+        return False
+    return (user.pw_gid, group.gr_name, group.gr_mem) == (UPG_USER, user.pw_name, []) and sum(
+        e.pw_gid == UPG_USER for e in pwd.getpwall()
+    ) == 1
+
+
+needs_upg = pytest.mark.skipif(not upg_user_ready(), reason="needs daemon's private group")
+
+
+@as_root
+@needs_upg
+def test_a_directory_on_the_way_writable_by_its_owners_private_group_is_trusted(shared_tmp):
+    """umask 002 made the owner's directories 0775; the group is the owner's alone, so
+    nobody else can swap what the path names. Given to a group others share, refused."""
+    above = owned_dir(shared_tmp / "home", UPG_USER, 0o775)
+    home = owned_dir(above / "hermes", UPG_USER, 0o700)
+    done = as_user(UPG_USER, OPEN_AND_APPEND, str(home / "spool.db"))
+    assert (done.returncode, done.stdout) == (0, "ok\n"), done.stdout + done.stderr
+    os.chown(above, UPG_USER, NOBODY)  # group nogroup: sync and _apt are in it too
+    done = as_user(UPG_USER, OPEN_AND_APPEND, str(home / "spool.db"))
+    assert done.returncode == 3, done.stderr
+    assert f"{above}, on the way to" in done.stdout
+    assert "its group nogroup is not its owner's alone" in done.stdout
+
+
+@as_root
+def test_a_directory_writable_by_group_root_is_refused(tmp_path):
+    """Group 0 is never taken for root's alone: containers run processes no user
+    database lists with gid 0 (an arbitrary uid with gid 0, as OpenShift does)."""
+    shared = tmp_path / "shared"
+    (shared / "hermes").mkdir(parents=True, mode=0o700)
+    os.chown(shared, 0, 0)
+    shared.chmod(0o775)
+    with pytest.raises(walspool.UntrustedSpool, match="its group root is not its owner's alone"):
+        walspool.Spool(shared / "hermes" / "spool.db")
+
+
+OPEN_AND_APPEND = """
+import sys, walspool
+try:
+    with walspool.Spool(sys.argv[1]) as spool:
+        spool.append("s", {"role": "user", "content": "x"})
+except walspool.WalspoolError as exc:
+    print(type(exc).__name__, exc)
+    sys.exit(3)
+print("ok")
+"""
+
+#: Each an administrator's edit of /etc/group or /etc/passwd after which daemon's
+#: group holds someone else (or may: a group not named after it, not its primary).
+EDITS = {
+    "a member added": ("group", "daemon:x:1:", "daemon:x:1:nobody"),
+    "another user's primary group": (
+        "passwd",
+        "daemon:x:1:1:",
+        "intruder:x:4242:1::/nonexistent:/usr/sbin/nologin\ndaemon:x:1:1:",
+    ),
+    "named otherwise": ("group", "daemon:x:1:", "staff2:x:1:"),
+    "no longer daemon's primary group": ("passwd", "daemon:x:1:1:", "daemon:x:1:65534:"),
+}
+
+
+@as_root
+@needs_upg
+@pytest.mark.skipif(UNSHARE is None, reason="needs unshare for a private /etc")
+@pytest.mark.parametrize("edit", [None, *EDITS])
+def test_a_private_group_that_gains_another_member_is_refused_at_the_next_open(
+    shared_tmp, tmp_path, edit
+):
+    """The group is read at each open: after an administrator's edit (made here in a
+    private mount namespace, /etc/group or /etc/passwd bind-mounted over) root's
+    ``walspool stats`` refuses the 0775 home it read before."""
+    home = owned_dir(shared_tmp / "hermes", UPG_USER, 0o775)
+    done = as_user(UPG_USER, OPEN_AND_APPEND, str(home / "spool.db"))
+    assert done.returncode == 0, done.stdout + done.stderr
+    mounts = []
+    for name in ("group", "passwd"):
+        text = Path(f"/etc/{name}").read_text()
+        if edit is not None and EDITS[edit][0] == name:
+            _, old, new = EDITS[edit]
+            assert old in text
+            text = text.replace(old, new, 1)
+        (tmp_path / name).write_text(text)
+        mounts.append(f"mount --bind {tmp_path / name} /etc/{name}")
+    script = " && ".join([*mounts, 'exec "$0" -m walspool stats "$1"'])
+    ran = subprocess.run(
+        [UNSHARE, "-m", "sh", "-c", script, sys.executable, str(home / "spool.db")],
+        capture_output=True,
+        text=True,
+        timeout=BOUND,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    if "mount" in ran.stderr and ran.returncode != 1:
+        pytest.skip(f"no private mount namespace here: {ran.stderr.strip()}")
+    if edit is None:
+        assert ran.returncode == 0, ran.stderr
+    else:
+        assert ran.returncode == 1, ran.stdout + ran.stderr
+        assert "its group" in ran.stderr and "is not its owner's alone" in ran.stderr

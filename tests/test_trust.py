@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import grp
 import json
 import logging
 import os
+import pwd
 import shutil
 import signal
 import sqlite3
@@ -83,6 +85,60 @@ def test_a_directory_of_another_user_is_refused(shared_tmp):
     done = as_user(GATEWAY_USER, OPEN_AND_APPEND, str(home / "spool.db"))
     assert done.returncode == 3, done.stderr
     assert done.stdout.startswith("UntrustedSpool") and "belongs to uid 1" in done.stdout
+
+
+def private_group_of(uid: int) -> bool:
+    """Whether ``uid``'s primary group is its own alone (read here without walspool):
+    named as the user, no member listed but the user, nobody else's primary group."""
+    try:
+        user = pwd.getpwuid(uid)
+        group = grp.getgrgid(user.pw_gid)
+    except KeyError:
+        return False
+    return (
+        group.gr_name == user.pw_name
+        and set(group.gr_mem) <= {user.pw_name}
+        and all(e.pw_gid != user.pw_gid or e.pw_uid == uid for e in pwd.getpwall())
+    )
+
+
+needs_private_group = pytest.mark.skipif(
+    not private_group_of(NEIGHBOUR), reason="needs daemon's user-private group (Debian's)"
+)
+
+
+@as_root
+@needs_private_group
+def test_a_home_writable_by_its_owners_private_group_is_trusted(shared_tmp, capsys):
+    """A home under umask 002 on a system of user-private groups (0775, the group the
+    owner's alone): the owner spools there, root's commands read it."""
+    owner = NEIGHBOUR  # daemon: uid 1, group daemon, which holds nobody else
+    home = owned_dir(shared_tmp / "hermes", owner, 0o775)
+    done = as_user(owner, OPEN_AND_APPEND, str(home / "spool.db"))
+    assert (done.returncode, done.stdout) == (0, "ok\n"), done.stdout + done.stderr
+    assert main(["stats", str(home / "spool.db"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["rows"] == 1
+    assert (home / "spool.db").stat().st_uid == owner
+    assert stat.S_IMODE(home.stat().st_mode) == 0o775  # left as the owner made it
+
+
+@as_root
+@pytest.mark.parametrize(
+    "owner, group",
+    [(NEIGHBOUR, GATEWAY_USER), (GATEWAY_USER, GATEWAY_USER)],
+    ids=["other", "shared"],
+)
+def test_a_home_writable_by_a_group_that_holds_others_is_refused(shared_tmp, owner, group):
+    """Group-writable by a group that is not the owner's alone: daemon's home in group
+    nogroup, or nobody's home in its own primary group nogroup, which other users
+    (sync, _apt) share and which is not named after it."""
+    home = owned_dir(shared_tmp / "hermes", owner, 0o775)
+    os.chown(home, owner, group)
+    done = as_user(owner, OPEN_AND_APPEND, str(home / "spool.db"))
+    assert done.returncode == 3, done.stderr
+    assert done.stdout.startswith("UntrustedSpool") and "chmod go-w" in done.stdout
+    assert f"its group {grp.getgrgid(group).gr_name} is not its owner's alone" in done.stdout
+    assert not (home / "spool.db").exists()
 
 
 @pytest.mark.parametrize("planted", ["spool.db", "spool.db-wal", "spool.db-shm"])

@@ -9,6 +9,12 @@ owner may rename it, and the next component's owner is checked in turn). The fin
 directory must not be writable by group or others at all. Everything below it is then
 reached relative to its descriptor (``dir_fd``), never by the path again.
 
+Writable by its group is the same as writable by its owner alone when that group holds
+nobody else: a user-private group, as systems that pair each user with a group of its
+own and a umask of 002 make (``_private_group``). Such a directory is trusted. What
+makes a group private is read from the user and group databases at each open: an
+administrator who adds a member later makes the next open refuse, not the ones before.
+
 Symlinks in the directory's own path are resolved once, before the walk (a symlinked
 ``HERMES_HOME`` is common); a component that turns into a link during the walk makes
 the open fail rather than be followed. Not guaranteed: that the directory still has
@@ -17,7 +23,9 @@ the path it was opened by afterwards (a rename of a directory the owner controls
 
 from __future__ import annotations
 
+import grp
 import os
+import pwd
 import stat
 from pathlib import Path
 from types import TracebackType
@@ -29,7 +37,6 @@ from .errors import UntrustedSpool
 _WALK = getattr(os, "O_PATH", os.O_RDONLY) | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 #: Flags for every file opened below a directory: no link followed, no FIFO waited on.
 FILE_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-_WRITABLE = stat.S_IWGRP | stat.S_IWOTH
 
 
 class Directory:
@@ -137,11 +144,11 @@ def _check_walk(walked: list[tuple[Path, os.stat_result]], about: Path, own: boo
             f"(uid {euid}); put the spool in a directory of your own",
             path=about,
         )
-    if st.st_mode & _WRITABLE:
+    if _writable_by_others(st):
         raise UntrustedSpool(
             f"the directory {directory} of {about.name} is writable by group or others "
-            f"(mode {stat.S_IMODE(st.st_mode):o}), so anyone could replace the files in it; "
-            f"run `chmod go-w {directory}`",
+            f"(mode {stat.S_IMODE(st.st_mode):o}{_group_note(st)}), so anyone could replace "
+            f"the files in it; run `chmod go-w {directory}`",
             path=about,
         )
     owner = st.st_uid
@@ -153,14 +160,60 @@ def _check_walk(walked: list[tuple[Path, os.stat_result]], about: Path, own: boo
                 "names; move the files to a path only root and their owner control",
                 path=about,
             )
-        if ast.st_mode & _WRITABLE and not ast.st_mode & stat.S_ISVTX:
+        if _writable_by_others(ast) and not ast.st_mode & stat.S_ISVTX:
             raise UntrustedSpool(
                 f"{above}, on the way to {about}, is writable by group or others (mode "
-                f"{stat.S_IMODE(ast.st_mode):o}) and not sticky, so anyone could swap what "
-                f"the path names; run `chmod go-w {above}` or `chmod +t {above}`",
+                f"{stat.S_IMODE(ast.st_mode):o}{_group_note(ast)}) and not sticky, so anyone "
+                f"could swap what the path names; run `chmod go-w {above}` or "
+                f"`chmod +t {above}`",
                 path=about,
             )
     return owner
+
+
+def _writable_by_others(st: os.stat_result) -> bool:
+    """Whether anyone but the directory's owner (and root) may write it: others, or a
+    group that is not the owner's private group."""
+    if st.st_mode & stat.S_IWOTH:
+        return True
+    return bool(st.st_mode & stat.S_IWGRP) and not _private_group(st.st_gid, st.st_uid)
+
+
+def _private_group(gid: int, owner: int) -> bool:
+    """Whether group ``gid`` can hold nobody but ``owner``: the owner's primary group,
+    named as the owner (the user-private group convention), listing no other member,
+    and no other user's primary group. Never group 0: containers hand it to processes
+    no user database lists (an arbitrary uid run with gid 0, as OpenShift does).
+
+    Read from the user and group databases now (NSS: files, LDAP, ...). Not seen, so
+    not guaranteed: a process that still holds the group from before an administrator
+    removed its user from it, a group password (``newgrp``), and users a database does
+    not list (``pwd.getpwall`` lists only what NSS enumerates; the name rule keeps
+    shared primary groups such as ``users`` out all the same).
+    """
+    if gid == 0:
+        return False
+    try:
+        user = pwd.getpwuid(owner)
+        group = grp.getgrgid(gid)
+    except KeyError:  # a uid or gid no database names: nobody can say who is in it
+        return False
+    if user.pw_gid != gid or group.gr_name != user.pw_name:
+        return False
+    if any(member != user.pw_name for member in group.gr_mem):
+        return False
+    return not any(entry.pw_gid == gid and entry.pw_uid != owner for entry in pwd.getpwall())
+
+
+def _group_note(st: os.stat_result) -> str:
+    """Why a group-writable directory's group is not trusted, for the message."""
+    if st.st_mode & stat.S_IWOTH or not st.st_mode & stat.S_IWGRP:
+        return ""
+    try:
+        name = grp.getgrgid(st.st_gid).gr_name
+    except KeyError:
+        name = str(st.st_gid)
+    return f"; its group {name} is not its owner's alone"
 
 
 def changed(name: Path, about: Path) -> UntrustedSpool:

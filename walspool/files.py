@@ -1,15 +1,15 @@
 """The spool's files: who may own them, and how they are created, checked and opened.
 
 Trust model. A spool belongs to the owner of its directory. walspool writes a spool
-only if that directory is not writable by group or others, and, unless the process
-runs as root, belongs to the effective user; every directory on the way to it must be
-root's or the owner's, and not writable by others unless sticky
-(``walspool.directories``). Every existing spool file (the database, its ``-wal`` and
-``-shm``, the lock files) must be a regular file owned by the spool's owner, with one
-link (root's leftover lock files are given back when root runs it); otherwise walspool
-refuses, naming the file and the fix. Run as root on another user's spool (an
-operator's replay), files walspool creates are given to the spool's owner, as SQLite
-does for ``-wal``/``-shm``.
+only if that directory is not writable by group or others (a group that is its owner's
+alone, a user-private group, does not count), and, unless the process runs as root,
+belongs to the effective user; every directory on the way to it must be root's or the
+owner's, and not writable by others unless sticky (``walspool.directories``). Every
+existing spool file (the database, its ``-wal`` and ``-shm``, the lock files) must be a
+regular file owned by the spool's owner, with one link (root's leftover lock files
+are given back when root runs it); otherwise walspool refuses, naming the file and the
+fix. Run as root on another user's spool (an operator's replay), files walspool creates
+are given to the spool's owner, as SQLite does for ``-wal``/``-shm``.
 
 The owner can change their own directory at any moment, so when root runs walspool
 nothing is used by path after a check: the directory is opened and checked once, and
