@@ -112,7 +112,7 @@ def hook_spool(spool: Any) -> None:
 
     conn.set_commit_hook(on_commit)
     conn.set_wal_hook(on_wal)
-    execute = spool._execute
+    execute = spool.transact
 
     def run(fn: Any) -> Any:
         name = getattr(getattr(fn, "func", fn), "__name__", "")
@@ -129,7 +129,7 @@ def hook_spool(spool: Any) -> None:
             hit("after_mark")
         return result
 
-    spool._execute = run
+    spool.transact = run
 
 
 def hook_sink(sink: Any) -> None:

@@ -45,7 +45,11 @@ TMUX = shutil.which("tmux")
 WAIT = 20.0
 #: Pause between two looks at the pane.
 POLL = 0.05
-ENV = {k: v for k, v in os.environ.items() if k != "TMUX"} | {"PYTHONPATH": str(ROOT)}
+#: Without the runner's TMUX, COLUMNS and LINES (pytest-xdist's workers have the last
+#: two): they describe the runner's terminal, not the pane's.
+ENV = {k: v for k, v in os.environ.items() if k not in ("TMUX", "COLUMNS", "LINES")} | {
+    "PYTHONPATH": str(ROOT)
+}
 TOTALS = re.compile(r"^rows +([\d,]+) in ([\d,]+) sessions?,", re.M)
 EVIL = "evil\x1b[2J\x1b[31mred\nline\u202e"
 #: As ls, show and watch print it: a shell word that gives the id back when pasted.
@@ -186,7 +190,8 @@ def test_a_missing_spool_is_a_frame_that_says_so(tmp_path, capsys):
     path = tmp_path / "nowhere" / "spool.db"
     reading = try_snapshot(path)
     assert reading.error == "no spool there: not created yet, or moved aside"
-    assert render(reading, None, "t", 100, 30)[1:] == [
+    width = max(100, len(f"spool        {path}"))  # a deep tmp_path is not clipped
+    assert render(reading, None, "t", width, 30)[1:] == [
         f"spool        {path}",
         "no spool there: not created yet, or moved aside",
         "(read again at each refresh)",
