@@ -189,3 +189,164 @@ def test_a_session_may_spool_exactly_its_small_share_into_the_reserve(store, spo
         spool.flush()
     assert refusals(caplog, "s") == []
     assert spool.stats().rows == 1
+
+
+def chatty_rows(spool: walspool.Spool) -> int:
+    return [r.session_id for r in spool.records()].count("chatty")
+
+
+def spooled_bytes(spool: walspool.Spool, session_id: str, status: str | None = None) -> int:
+    """The payload bytes of the session's rows in the spool: of ``status``, or all."""
+    query = (
+        "SELECT coalesce(sum(size), 0) FROM records WHERE session_id = ? "
+        "AND (? IS NULL OR status = ?)"
+    )
+    return spool.query(query, (session_id, status, status))[0][0]
+
+
+def flood(store: Any, session_id: str, count: int, prefix: str) -> None:
+    for i in range(count):
+        store.append_to_transcript(session_id, msg(f"{prefix}{i}"))
+
+
+def test_undo_after_a_flood_gives_a_chatty_session_no_room_kept_for_the_others(
+    store, spool, caplog
+):
+    """/undo (the store's ``rewind_session``) supersedes the session's spooled rows, which
+    stay in the spool: its share of the cap stays what they hold. A flood of 2,000
+    evictions, then cycles of 30 more and /undo with the spool in the cap's reserve: the
+    chatty session is refused each time, and a quiet session keeps every one of its
+    evictions. (Were the share reset by the /undo, each cycle would take another 1% of
+    the cap, and twenty all of the reserve.)
+
+    The cap is set from the spool as the first /undo left it (that /undo rewrites the
+    flooded rows into the ``-wal``, which the cap counts): 90.5% full."""
+    for s in ("chatty", "quiet"):
+        store._db.create_session(s, "telegram")
+    link = install(store, spool, retry_interval=0.2)
+    sql(store, BREAK)
+    flood(store, "chatty", 2200, "c")
+    store.rewind_session("chatty")
+    spool.flush()
+    flooded = chatty_rows(spool)
+    link.max_bytes = int(spool.footprint() / 0.905)
+    kept = []
+    with caplog.at_level(logging.WARNING, logger="walspool.hermes"):
+        for cycle in range(20):
+            flood(store, "chatty", 230, f"u{cycle}-")
+            spool.flush()
+            kept.append(chatty_rows(spool) - flooded)
+            store.rewind_session("chatty")
+        flood(store, "quiet", 215, "q")  # 15 evictions: 120 KB, under 1% of the cap
+        spool.flush()
+    assert refusals(caplog, "quiet") == []
+    assert [r.session_id for r in spool.records()].count("quiet") == 15
+    assert kept == [0] * 20  # refused: it holds most of the spool
+    assert len(refusals(caplog, "chatty")) == 20 * 30
+    with link._lock:
+        assert link._shares.of("chatty") == spooled_bytes(spool, "chatty")
+
+
+def test_a_chatty_sessions_rows_from_an_earlier_run_count_after_a_restart(hermes_home, caplog):
+    """A new link on the same spool counts each session's rows left by earlier runs (here
+    a chatty session's flood of 2,000 evictions, superseded by /undo) before it reports
+    ready: with the spool in the cap's reserve, twelve restarts give the chatty session no
+    room there, and a quiet session then keeps every one of its evictions. (Counted from 0
+    at each start, each restart would give it another 1% of the cap, and twelve all of
+    the reserve.)"""
+    from gateway.config import GatewayConfig
+    from gateway.session import SessionStore
+
+    config = GatewayConfig(sessions_dir=hermes_home / "sessions")
+
+    def run(*sessions: str) -> tuple[Any, walspool.Spool, Any]:
+        store = SessionStore(hermes_home / "sessions", config)
+        for s in sessions:
+            store._db.create_session(s, "telegram")
+        spool = walspool.Spool(hermes_home / "spool.db")
+        link = install(store, spool, retry_interval=0.2)
+        assert link.wait_idle(WAIT)  # the start's count is done
+        if not sessions:
+            # The spool as the first run left it (its -wal checkpointed away): 90.5% full.
+            link.max_bytes = int(spool.footprint() / 0.905)
+        return store, spool, link
+
+    def stop(store: Any, spool: walspool.Spool, link: Any) -> None:
+        link.close()
+        spool.close()
+        store._db.close()
+
+    store, spool, link = run("chatty", "quiet")
+    sql(store, BREAK)  # in state.db: every later run finds it broken too
+    flood(store, "chatty", 2200, "c")
+    store.rewind_session("chatty")
+    spool.flush()
+    flooded = chatty_rows(spool)
+    assert flooded == 2000
+    stop(store, spool, link)
+    with caplog.at_level(logging.WARNING, logger="walspool.hermes"):
+        for restart in range(12):
+            store, spool, link = run()
+            flood(store, "chatty", 230, f"r{restart}-")  # 30 evictions
+            spool.flush()
+            kept = chatty_rows(spool) - flooded
+            stop(store, spool, link)
+            # Refused: it holds most of the spool. (Had it spooled any, they would stay
+            # replayable, and the next start's recovery would be held by state.db.)
+            assert kept == 0, f"restart {restart}: {kept} rows of the chatty session kept"
+        store, spool, link = run()
+        try:
+            flood(store, "quiet", 215, "q")  # 15 evictions: 120 KB, under 1% of the cap
+            spool.flush()
+            assert refusals(caplog, "quiet") == []
+            assert [r.session_id for r in spool.records()].count("quiet") == 15
+            with link._lock:
+                assert link._shares.of("chatty") == spooled_bytes(spool, "chatty")
+        finally:
+            stop(store, spool, link)
+    assert len(refusals(caplog, "chatty")) == 12 * 30
+
+
+def test_a_drain_lowers_the_share_by_the_rows_it_moved(store, spool, caplog):
+    """Rows the link drains into state.db leave its share of the cap; its superseded rows,
+    which stay in the spool, do not. A session holding k superseded and k replayable
+    rows is past 1% of the cap and refused in the reserve; once the k replayable ones
+    are drained it holds the k superseded ones, under 1%, and may spool again."""
+    for s in ("big", "chatty"):
+        store._db.create_session(s, "telegram")
+    link = install(store, spool, retry_interval=0.2)
+    sql(store, BREAK)
+    flood(store, "big", 1500, "b")  # 1,300 evictions, about 11 MB: most of the spool
+    store.rewind_session("big")
+    spool.flush()
+    # 1% of a cap with the spool 93% full is about 1.5 k of the chatty session's rows.
+    k = round(spool.footprint() / 0.93 * budget.SMALL / (1.5 * len(PAD)))
+    flood(store, "chatty", 200 + k, "s")  # k evictions, superseded next
+    store.rewind_session("chatty")
+    flood(store, "chatty", 200 + k, "c")  # k evictions, replayable
+    spool.flush()
+    held = spooled_bytes(spool, "chatty")
+    link.max_bytes = int(spool.footprint() / 0.93)  # in the reserve
+    superseded = spooled_bytes(spool, "chatty", "superseded")
+    # With its k superseded rows and one more it is under 1% of the cap, with all 2 k over.
+    assert superseded + len(PAD) + 100 < link.max_bytes * budget.SMALL < held
+    with caplog.at_level(logging.WARNING, logger="walspool.hermes"):
+        store.append_to_transcript("chatty", msg("refused"))
+        spool.flush()
+    (refused,) = refusals(caplog, "chatty")
+    assert "kept for sessions that spooled less than 1%" in refused
+    with link._lock:
+        assert link._shares.of("chatty") == held
+    caplog.clear()
+    sql(store, HEAL)
+    assert link.wait_idle(WAIT)
+    assert contents(store, "chatty")[-1] == "refused"  # its k rows drained, then its queue
+    with link._lock:
+        assert link._shares.of("chatty") == spooled_bytes(spool, "chatty") == superseded
+        assert spool.footprint() > link.max_bytes * (1 - budget.RESERVE)  # still the reserve
+    sql(store, BREAK)
+    with caplog.at_level(logging.WARNING, logger="walspool.hermes"):
+        flood(store, "chatty", 201, "again")
+        spool.flush()
+    assert refusals(caplog, "chatty") == []
+    assert chatty_rows(spool) == k + 1

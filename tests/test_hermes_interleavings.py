@@ -1351,19 +1351,23 @@ def test_a_shutdown_flush_the_spool_refuses_after_a_rewrite_does_not_bring_back_
 def test_a_rewrite_while_a_writer_holds_the_session_starts_its_bookkeeping_afresh(store, spool):
     """The session's state outlives a rewrite while its writer holds it (here the
     background thread, held writing "old"): the rewrite still resets what the state
-    counted (spooled rows, their bytes, failures, retry times) and bumps its generation
-    past every value a writer may have read, once per rewrite."""
+    counted (spooled rows, failures, retry times) and bumps its generation past every
+    value a writer may have read, once per rewrite. Its share of the cap stays: the
+    superseded rows stay in the spool."""
     link, gate, counted, writers = _held_by_the_background_thread(store, spool)
     with link._lock:
         state = link._sessions["s"]
-        state.spooled, state.spooled_bytes, state.failures = 3, 1234, 2
+        state.spooled, state.failures = 3, 2
+        link._shares.accepted("s", 1234)
+        link._shares.settled("s", 1234, row_id=1)
         state.retry_at = state.hold_until = time.monotonic() + 3600
         generations = [state.generation]
     for text in ("rewritten", "rewritten again"):
         assert store.rewrite_transcript("s", [msg(text)])
         with link._lock:
             assert link._sessions["s"] is state  # kept: its writer still holds it
-            assert (state.spooled, state.spooled_bytes, state.failures) == (0, 0, 0)
+            assert (state.spooled, state.failures) == (0, 0)
+            assert link._shares.of("s") == 1234
             assert state.retry_at == state.hold_until == 0.0
             generations.append(state.generation)
     assert generations == sorted(set(generations))  # rose with each rewrite

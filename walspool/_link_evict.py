@@ -57,7 +57,7 @@ class Evictions:
                     self.max_bytes,
                     self.spool.footprint(),
                     self._unconfirmed_bytes,
-                    state.spooled_bytes,
+                    self._shares.of(session_id),
                     row[5],
                 )
                 if refused is not None:
@@ -90,7 +90,7 @@ class Evictions:
             pending.pop(0)
             state.spooled += 1
             state.unconfirmed += 1
-            state.spooled_bytes += row[5]
+            self._shares.accepted(session_id, row[5])
             self._unconfirmed_bytes += row[5]
         return notes
 
@@ -111,9 +111,12 @@ class Evictions:
         lines: list[list[Callable[[], None]]] = []  # the operator's lines, per request
         now = self.clock()
         with self._lock:
-            self._unconfirmed_bytes -= sum(r.payload_bytes for r in requests)
             for request in requests:
                 session_id = request.session_id
+                nbytes = _payload_bytes(request)
+                self._unconfirmed_bytes -= nbytes
+                committed = None if request.error is not None else request.result.id
+                self._shares.settled(session_id, nbytes, committed)
                 state = self._sessions.get(session_id)
                 said: list[Callable[[], None]] = []
                 lines.append(said)
@@ -201,10 +204,14 @@ class Evictions:
             pending.pop(0)
             return [partial(self._report_lost_rejection, session_id, why, exc)]
         pending.pop(0)
+        self._shares.accepted(session_id, row[5])
         return []
 
     def _set_aside_done(self, why: str, request: Request) -> None:
         """On the spool's writer: a quarantined live message committed (or failed)."""
+        committed = None if request.error is not None else request.result.id
+        with self._lock:
+            self._shares.settled(request.session_id, _payload_bytes(request), committed)
         if request.error is not None:
             self._report_lost_rejection(request.session_id, why, request.error)
             return
@@ -224,3 +231,9 @@ class Evictions:
             exc,
             why,
         )
+
+
+def _payload_bytes(request: Any) -> int:
+    """The payload bytes of a request's rows (the spool's ``size``, which the link
+    counts), not ``payload_bytes``, which counts their names too."""
+    return sum(row[5] for row in request.rows)

@@ -11,6 +11,7 @@ from typing import Any
 
 from . import _link_bounds as bounds
 from . import _link_machine as machine
+from . import _link_shares as shares
 from ._link_state import Session, Writer, log, owner_of
 from .replay import ReplayReport
 
@@ -26,19 +27,26 @@ class Retries:
             self._wake_at = at
             self._due.notify()
 
-    def start(self, *, recover: bool, recovery: bool) -> None:
+    def start(self, *, recover: bool, recovery: bool, count: bool = False) -> None:
         """Start the link (``install``): with ``recover``, the replay of what earlier
         runs spooled runs first on the background thread when ``recovery`` (the spool
-        may hold such rows); without it, sessions drain their own before writing."""
+        may hold such rows); without it, sessions drain their own before writing. With
+        ``count`` (the spool holds rows), the background thread first counts each
+        session's bytes in it (``count_shares``)."""
         if recover:
             if recovery:
                 self._recovering = True
             else:
                 self._recovered = True
+        if count:
+            # Not under the store's lock: ``install`` may be called with it held. A
+            # commit settled before this is not kept apart, and needs not be: it came
+            # before the count, which sees it.
+            self._shares.start_count()
         self._start()
 
     def _start(self) -> None:
-        if self.retry_interval <= 0 and not self._recovering:
+        if self.retry_interval <= 0 and not self._recovering and not self._shares.counting:
             return
         self._thread = threading.Thread(
             target=background,
@@ -84,19 +92,53 @@ class Retries:
             thread.join(bounds.HANDOFF_WAIT)
 
     def wait_idle(self, timeout: float) -> bool:
-        """Wait at most ``timeout`` seconds until no recovery runs and no session has
-        a writer, queued or spooled work; True if so (for tests and shutdowns)."""
+        """Wait at most ``timeout`` seconds until the start's count and recovery are
+        done and no session has a writer, queued or spooled work; True if so (for
+        tests and shutdowns)."""
         deadline = self.clock() + timeout
         with self._lock:
-            while self._recovering or any(
-                s.writer is not None or s.unconfirmed or self._has_work(sid, s)
-                for sid, s in self._sessions.items()
+            while (
+                self._recovering
+                or self._shares.counting
+                or any(
+                    s.writer is not None or s.unconfirmed or self._has_work(sid, s)
+                    for sid, s in self._sessions.items()
+                )
             ):
                 left = deadline - self.clock()
                 if left <= 0:
                     return False
                 self._settled.wait(left)
             return True
+
+    def count_shares(self) -> None:
+        """Count each session's bytes in the spool, its share of the cap (once, at the
+        start, on the background thread: one walk of an index, 0.6 to 0.8 s for a
+        million rows; see ``walspool.budget.Shares`` for how it is kept exact).
+
+        Nothing waits for it: sessions go on writing and draining meanwhile. Once
+        counted, it waits for the spool's writer to report every commit the count may
+        have seen, then applies the count. A failure leaves the shares at what this run
+        spooled, logged.
+        """
+        try:
+            self._count()
+        except Exception:  # noqa: BLE001 - the link goes on with this run's shares
+            log.exception(
+                "could not count what each session holds in %s; until the next start a "
+                "session's share of the cap is what it spooled since this one",
+                self.spool.path,
+            )
+            with self._lock:
+                self._shares.give_up()
+                self._settled.notify_all()
+
+    def _count(self) -> None:
+        counted, max_id = shares.count(self.spool)
+        self.spool.flush()  # every commit the count saw has been reported (settled)
+        with self._lock:
+            self._shares.load(counted, max_id)
+            self._settled.notify_all()
 
     def recover(self) -> ReplayReport:
         """Replay everything spooled (but agent histories) into ``state.db`` now.
@@ -112,7 +154,7 @@ class Retries:
             }
         try:
             self.spool.flush()  # every eviction counted in ``waiting`` is committed
-            report = self.replayer.replay()
+            report = self._replay()
         except BaseException:
             with self._lock:
                 self._end_recovery()
@@ -134,7 +176,7 @@ class Retries:
                     continue
                 if state.spooled != spooled or state.generation != generation:
                     continue
-                state.spooled, state.failures, state.spooled_bytes = 0, 0, 0
+                state.spooled, state.failures = 0, 0
                 state.retry_at = state.hold_until = 0.0
                 self._outage.replayed_rows(state.episode, moved.get(session_id, 0))
                 ended += self._outage.ended(session_id, state.episode, now)
@@ -177,6 +219,8 @@ def background(link_ref: weakref.ref[Any], due: threading.Condition) -> None:
     link = link_ref()
     if link is None:
         return
+    if link._shares.counting:
+        link.count_shares()
     if link._recovering:
         try:
             link.recover()

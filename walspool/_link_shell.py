@@ -1,8 +1,9 @@
 """The gateway link's shell: ``Link`` holds the store's lock, feeds the session's facts
 to the machine (``walspool._link_machine``), performs the step it returns and logs after
 unlocking. Its halves live beside it, one concern each: evictions (``_link_evict``), the
-session writer (``_link_writer``), the background thread (``_link_retry``) and shutdown
-(``_link_shutdown``). See ``walspool.hermes`` for what it guarantees and its bounds.
+session writer (``_link_writer``), the background thread (``_link_retry``), shutdown
+(``_link_shutdown``) and each session's share of the cap (``_link_shares``). See
+``walspool.hermes`` for what it guarantees and its bounds.
 """
 
 from __future__ import annotations
@@ -18,11 +19,12 @@ from . import budget, outage
 from ._link_evict import Evictions
 from ._link_machine import Entry, Owner
 from ._link_retry import Retries
+from ._link_shares import Moving
 from ._link_shutdown import ShutdownFlushes
 from ._link_state import Session, Writer, log, owner_of
 from ._link_writer import SessionWriter
 from .errors import ReplayBusy
-from .replay import Replayer, replay_lock
+from .replay import Replayer, ReplayReport, replay_lock
 from .sinks import SessionDBSink
 from .spool import Spool
 from .writer import Batched
@@ -51,9 +53,13 @@ class Link(SessionWriter, Evictions, Retries, ShutdownFlushes):
         self.max_bytes = max_bytes
         #: Payload bytes of evictions the spool's writer accepted and has not committed.
         self._unconfirmed_bytes = 0
+        #: Each session's share of the cap: its bytes in the spool (``walspool.budget``).
+        self._shares = budget.Shares()
+        #: The link's sink: state.db's, noting the rows a replay of the link moves.
+        self._moving = Moving(SessionDBSink(store._db), spool, self._shares)
         self.replayer = Replayer(
             spool,
-            SessionDBSink(store._db),
+            self._moving,
             resolver=store.peek_session_id,
             wait_for_bookkeeping=False,
         )
@@ -150,7 +156,8 @@ class Link(SessionWriter, Evictions, Retries, ShutdownFlushes):
             if state is not None:
                 # A writer that wrote or drained meanwhile re-reads this and stops.
                 state.generation += 1
-                state.spooled = state.failures = state.spooled_bytes = 0
+                # Its share of the cap stays: the superseded rows stay in the spool.
+                state.spooled = state.failures = 0
                 state.retry_at = state.hold_until = 0.0
                 ended = self._outage.ended(session_id, state.episode, self.clock(), superseded=True)
                 state.episode = None
@@ -198,6 +205,18 @@ class Link(SessionWriter, Evictions, Retries, ShutdownFlushes):
             finally:
                 self._draining.release()
         return self.spool.supersede(session_id)
+
+    def _replay(self, **kw: Any) -> ReplayReport:
+        """``self.replayer.replay(**kw)``, then the rows it moved out of the spool come
+        off their sessions' shares of the cap (also when it raised)."""
+        with self._moving.counting() as noted:
+            try:
+                return self.replayer.replay(**kw)
+            finally:
+                gone = noted.gone()
+                if gone and noted.epoch is not None:
+                    with self._lock:
+                        self._shares.removed(gone, noted.epoch)
 
     def _enter(self, state: Session) -> Writer | None:
         """After queueing a message: claim the session, take it over, or leave the

@@ -109,6 +109,8 @@ class ShutdownFlushes:
                     break
                 else:
                     refused = None
+                    for row in rows:
+                        self._shares.accepted(row[0], row[5])
                     for session_id, messages in taken.items():
                         ids = {id(m) for m in messages}
                         pending = self.store._dirty_transcripts[session_id]
@@ -169,7 +171,10 @@ class ShutdownFlushes:
         request: Request,
     ) -> None:
         """On the spool's writer: a shutdown flush committed (or failed)."""
+        receipts = request.result if request.error is None else None
         with self._lock:
+            for i, row in enumerate(request.rows):
+                self._shares.settled(row[0], row[5], None if receipts is None else receipts[i].id)
             for session_id, messages in taken.items():
                 state = self._sessions[session_id]  # ``unconfirmed`` keeps it there
                 state.unconfirmed -= 1

@@ -44,7 +44,6 @@ class Session:
         "failures",
         "generation",
         "waiters",
-        "spooled_bytes",
         "episode",
         "said_at",
     )
@@ -70,9 +69,6 @@ class Session:
         #: Threads waiting on this object (a gateway thread taking over, a writer
         #: waiting for its evictions): it stays in ``Link._sessions`` meanwhile.
         self.waiters = 0
-        #: Payload bytes of the evictions since ``spooled`` was last 0 (its share of
-        #: the link's cap, see ``walspool.budget``).
-        self.spooled_bytes = 0
         #: Its spooling since its first eviction committed, for the operator's lines.
         self.episode: outage.Episode | None = None
         #: When a failed retry past ``outage.QUIET_AFTER`` was last logged.

@@ -152,9 +152,7 @@ class SessionWriter:
         if not self._draining.acquire(timeout=bounds.HANDOFF_WAIT):
             return self._busy(session_id, state, claim)
         try:
-            report = self.replayer.replay(
-                session_id=session_id, limit=bounds.DRAIN_CHUNK_ROWS, wait=False
-            )
+            report = self._replay(session_id=session_id, limit=bounds.DRAIN_CHUNK_ROWS, wait=False)
         except ReplayBusy:
             # Another replay (the CLI, a recovery) has the spool's replay lock: never
             # wait for it here; try again soon.
@@ -192,7 +190,7 @@ class SessionWriter:
                 if not touched and state.spooled == seen:
                     # Nothing left: the rows counted in ``seen`` were all committed
                     # before this replay looked (``unconfirmed`` was 0), so all moved.
-                    state.spooled = state.spooled_bytes = 0
+                    state.spooled = 0
                     ended = self._outage.ended(session_id, state.episode, now)
                     state.episode = None
         self._run(ended)

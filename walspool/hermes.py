@@ -69,6 +69,12 @@ outage costs no failing write, and no wait, per message. ``retry_interval=0`` tu
 the background thread off (as does ``Link.close``): each message retries at once, as
 in the released store.
 
+The cap on the spool (``max_bytes``, ``walspool.budget``) keeps room for quiet sessions
+by each session's share: the bytes its rows hold in the spool, superseded ones and those
+of earlier runs included. When the spool holds rows at ``install``, the background thread
+first counts them (one walk of an index, 0.6 to 0.8 s for a million rows);
+``wait_idle`` waits for it, no gateway thread does.
+
 Logs (``walspool.outage``): one WARNING when a session starts spooling (naming the
 spool), one when its spooled rows are all written back and one when the outage is over,
 with counts and durations; a progress line at most once a minute; the released store's
@@ -94,7 +100,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import budget
+from . import _link_shares, budget
 from ._link_bounds import (
     BUSY_LOOK_SECONDS,
     CONFIRM_WAIT,
@@ -198,9 +204,12 @@ def install(
     if max_bytes is not None:
         spool.track_footprint()
     recovery = recover and not _nothing_to_replay(spool)
+    # Each session's share of the cap counts its rows from earlier runs: the background
+    # thread counts them (``Link.count_shares``), unless there are none.
+    count = max_bytes is not None and not _link_shares.empty(spool)
     store.append_to_transcript = link.append_to_transcript
     store._clear_dirty_transcript = link._clear_dirty_transcript
-    link.start(recover=recover, recovery=recovery)
+    link.start(recover=recover, recovery=recovery, count=count)
     return link
 
 

@@ -1,0 +1,152 @@
+"""The gateway link's count of each session's bytes in the spool, its share of the cap
+(``walspool.budget.Shares``): counted once when the link starts, then lowered by the rows
+the link's own replays move out of the spool.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+from .budget import Shares
+from .spool import Spool
+
+#: Each session's payload bytes and the largest row id, in one walk of the statistics
+#: index (it holds the size and session of every row, and its id): no row page is read.
+#: Measured on a 1M-row spool (1,000 sessions, 462 MB) on a shared 2-core machine: 0.55 to
+#: 0.8 s with the index in the page cache, 2.6 s from a colder cache under load.
+COUNT_SQL = """
+SELECT session_id, sum(size), max(id)
+FROM records INDEXED BY records_reason_created_at_size_session_id_session_key_idx
+GROUP BY session_id
+"""
+#: Whether the spool holds any row at all (one probe): if not, there is nothing to count.
+ANY_ROW_SQL = "SELECT EXISTS (SELECT 1 FROM records)"
+SIZES_SQL = "SELECT id, session_id, size FROM records WHERE id IN (SELECT value FROM json_each(?))"
+PRESENT_SQL = "SELECT id FROM records WHERE id IN (SELECT value FROM json_each(?))"
+#: Rows a replay's sink noted that are looked up again at most; past it the noted rows
+#: are checked and those still in the spool but the latest forgotten (see ``Moving``).
+NOTED_ROWS = 4096
+
+
+def empty(spool: Spool) -> bool:
+    """True when the spool surely holds no row (one probe); False if it cannot tell."""
+    try:
+        return not spool.query(ANY_ROW_SQL, ())[0][0]
+    except Exception:  # noqa: BLE001 - then the background count finds out
+        return False
+
+
+def count(spool: Spool) -> tuple[dict[str, int], int]:
+    """Each session's payload bytes in the spool, and the largest row id seen."""
+    by_session: dict[str, int] = {}
+    max_id = 0
+    for session_id, nbytes, top in spool.query(COUNT_SQL, ()):
+        max_id = max(max_id, top or 0)
+        if session_id is not None:
+            by_session[session_id] = nbytes or 0
+    return by_session, max_id
+
+
+class Moving:
+    """The link's sink: its own (``sink``, looked up at each call) which, during a replay
+    the link counts (``counting``), also notes the id, session and size of every row the
+    replay hands it or finds landed, read from the spool while the row is still there.
+    Afterwards, the rows noted that are no longer in the spool are those that left."""
+
+    def __init__(self, sink: Any, spool: Spool, shares: Shares) -> None:
+        self.sink = sink
+        self.spool = spool
+        self.shares = shares
+        #: The noting of the replay running on each thread (the link's drains take
+        #: turns, ``recover`` may run beside one).
+        self._local = threading.local()
+
+    @contextlib.contextmanager
+    def counting(self) -> Iterator[Noted]:
+        """Note the rows of the replays this thread runs in the block."""
+        noted = self._local.noted = Noted(self.spool)
+        try:
+            yield noted
+        finally:
+            self._local.noted = None
+
+    def write(self, session_id: str, record: Any, ticket: Any) -> None:
+        self._note([record.id])
+        self.sink.write(session_id, record, ticket)
+
+    def write_many(self, session_id: str, items: Any) -> None:
+        self._note([record.id for record, _ in items])
+        self.sink.write_many(session_id, items)
+
+    def landed(self, tickets: Any) -> Any:
+        found = self.sink.landed(tickets)
+        if found:
+            self._note([ticket[2] for ticket in found])  # (spool uid, ticket, row id)
+        return found
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.sink, name)
+
+    def __str__(self) -> str:
+        return str(self.sink)
+
+    def __repr__(self) -> str:
+        return repr(self.sink)
+
+    def _note(self, ids: list[int]) -> None:
+        noted = getattr(self._local, "noted", None)
+        if noted is None:
+            return
+        if noted.epoch is None:
+            noted.epoch = self.shares.epoch
+        noted.add(ids)
+
+
+class Noted:
+    """The rows one replay handed the sink: their sessions and sizes, until they left."""
+
+    def __init__(self, spool: Spool) -> None:
+        self.spool = spool
+        #: The shares' epoch when the replay first handed the sink a row.
+        self.epoch: int | None = None
+        self.rows: dict[int, tuple[str | None, int]] = {}
+        self.left: dict[str, int] = {}
+
+    def add(self, ids: list[int]) -> None:
+        new = [i for i in ids if i not in self.rows]
+        if not new:
+            return
+        if len(self.rows) + len(new) > NOTED_ROWS:
+            self._check()
+            # Rows still there from earlier batches (held, quarantined) stay there in
+            # this replay: only the latest, of the batch being written, are kept.
+            for row_id in list(self.rows)[: max(len(self.rows) - NOTED_ROWS // 2, 0)]:
+                del self.rows[row_id]
+        try:
+            found = self.spool.query(SIZES_SQL, (json.dumps(new),))
+        except Exception:  # noqa: BLE001 - never fail a write for this: they stay counted
+            return
+        for row_id, session_id, size in found:
+            self.rows[row_id] = (session_id, size)
+
+    def _check(self) -> None:
+        """Move the noted rows no longer in the spool to ``left``."""
+        if not self.rows:
+            return
+        try:
+            present = {r[0] for r in self.spool.query(PRESENT_SQL, (json.dumps(list(self.rows)),))}
+        except Exception:  # noqa: BLE001 - then they stay counted
+            return
+        for row_id in [i for i in self.rows if i not in present]:
+            session_id, size = self.rows.pop(row_id)
+            if session_id is not None:
+                self.left[session_id] = self.left.get(session_id, 0) + size
+
+    def gone(self) -> dict[str, int]:
+        """Payload bytes per session of the noted rows that left the spool."""
+        self._check()
+        return self.left
