@@ -149,6 +149,38 @@ def test_replay_takes_rows_a_page_at_a_time_whatever_the_size_column_says(tmp_pa
         assert [r.attempts for r in spool.records()] == [1] * 12  # each one was tried
 
 
+def test_replay_recovers_rows_left_in_flight_a_page_at_a_time(tmp_path):
+    """12 rows of 32 MiB of one session, left in flight as a crashed replay leaves them
+    (each with its ticket), size set to 0: the replay that recovers them peaks far below
+    the 12 rows' 384 MiB plus their decoded form (before: every row in flight read at
+    once), and writes each once, in order. The 32 MiB are in a field the sink does not
+    pass on, as above."""
+    path = spool_with(tmp_path / "spool.db", ["s"], per_session=12)
+    edit(
+        path,
+        (
+            "UPDATE records SET payload = json_object('role', 'user', 'content', "
+            "CAST(seq AS TEXT), 'junk', printf('%.*c', ?, 'x')), size = 0",
+            (32 * MiB,),
+        ),
+        ("UPDATE records SET inflight = id", ()),
+        ("UPDATE spool_meta SET value = 100 WHERE name = 'next_ticket'", ()),
+    )
+    state = state_db(tmp_path / "state.db", "s")
+    rc, peak = peak_rss(["replay", path, "--into", state], tmp_path / "out")
+    assert rc == 0
+    assert peak < PEAK_BOUND, f"replay peaked at {peak / MiB:.0f} MiB"
+    with walspool.Spool(path) as spool:
+        assert list(spool.records()) == []
+    import hermes_state
+
+    db = hermes_state.SessionDB(db_path=state)
+    try:
+        assert [m["content"] for m in db.get_messages("s")] == [str(n) for n in range(1, 13)]
+    finally:
+        db.close()
+
+
 def test_export_reads_a_page_at_a_time_whatever_the_size_column_says(tmp_path):
     path = spool_with(tmp_path / "spool.db", [f"s{n:02d}" for n in range(12)])
     edit(path, (big_content_sql(32 * MiB), ()))

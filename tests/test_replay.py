@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import tempfile
@@ -291,6 +292,49 @@ def test_recovery_removes_what_landed_and_writes_the_rest_among_identical_rows(s
     assert (report.recovered, report.moved) == (2, 3)
     assert len(sink.tickets) == 5  # each spooled row written exactly once
     assert sink.messages("s") == [same] * 7  # 5 spooled + 2 from the other writer
+
+
+def test_recovery_reads_rows_in_flight_a_page_at_a_time_in_seq_order(spool, sink):
+    """Eight rows of one session left in flight by a crash (two of them landed), read
+    back a page of ``batch_rows`` at a time: each lookup covers one page; a failure in
+    the second page holds the session with every later row still in flight (so none
+    can move before them); once healed each row lands once, in seq order, before the
+    rows spooled after the crash."""
+    spool.append_many([("s", msg("s", i)) for i in range(8)])
+    write = sink.write
+
+    def write_then_die(session_id: str, record: Record, ticket: Any) -> None:
+        write(session_id, record, ticket)
+        if record.seq == 2:
+            raise Crash
+
+    sink.write = write_then_die  # type: ignore[method-assign]
+    with pytest.raises(Crash):
+        Replayer(spool, sink).replay()
+    sink.write = write  # type: ignore[method-assign]
+    spool.append_many([("s", msg("s", i)) for i in range(8, 10)])
+    lookups: list[int] = []
+    landed = sink.landed
+
+    def counted(tickets: list[Any]) -> set[Any]:
+        lookups.append(len(tickets))
+        return landed(tickets)
+
+    sink.landed = counted  # type: ignore[method-assign]
+    locked = sqlite3.OperationalError("database is locked")
+    sink.refuse = lambda sid, rec: locked if rec.seq == 5 else None
+    report = Replayer(spool, sink, batch_rows=3).replay()
+    assert (report.recovered, report.moved, report.held) == (2, 2, 6)
+    assert lookups == [3, 3, 1]  # a page, a page, then the failed write's own row
+    inflight = "SELECT seq FROM records WHERE inflight IS NOT NULL ORDER BY seq"
+    assert query(spool, inflight) == [(5,), (6,), (7,), (8,)]
+    sink.refuse = lambda sid, rec: None
+    lookups.clear()
+    report = Replayer(spool, sink, batch_rows=3).replay()
+    assert (report.recovered, report.moved, report.held) == (0, 6, 0)
+    assert lookups == [3, 1]
+    assert sink.contents("s") == [f"s-{i}" for i in range(10)]
+    assert len(sink.tickets) == 10 and list(spool.records()) == []
 
 
 def test_a_failing_probe_keeps_the_stream_in_flight(spool, sink):

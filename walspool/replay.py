@@ -92,9 +92,34 @@ WHERE session_id IS NULL AND (session_key, seq) > (:after_name, :after_seq)
   AND inflight IS NULL AND {REASON_FILTER}
 ORDER BY session_key, seq LIMIT :limit
 """
-INFLIGHT_SQL = f"""
-SELECT {RECORD_COLUMNS}, inflight FROM records
-WHERE inflight IS NOT NULL AND (:session_id IS NULL OR session_id = :session_id)
+#: Rows left in flight, found through their partial index in id order: the next one
+#: after ``:after``, for the names of its stream (one row's names, never a page of them).
+NEXT_INFLIGHT_SQL = """
+SELECT id, session_id, session_key FROM records INDEXED BY records_inflight_idx
+WHERE inflight IS NOT NULL AND id > :after AND (:session_id IS NULL OR session_id = :session_id)
+ORDER BY id LIMIT 1
+"""
+# One stream's rows in flight, a page (``paging.read_page``) at a time in seq order. The
+# subquery sorts only seqs (its rows come through the partial index, so the scan is of
+# the rows in flight, not the stream); the outer query reads each row by its unique
+# (stream, seq) index in that order, so no sorter ever holds a payload or a name.
+INFLIGHT_IN_SESSION_SQL = f"""
+SELECT {RECORD_COLUMNS}, inflight, {ROW_BYTES_SQL} FROM records
+WHERE session_id = :name AND seq IN (
+    SELECT seq FROM records INDEXED BY records_inflight_idx
+    WHERE inflight IS NOT NULL AND session_id = :name AND seq > :after_seq
+    ORDER BY seq LIMIT :limit)
+ORDER BY seq
+"""
+INFLIGHT_BY_KEY_SQL = f"""
+SELECT {RECORD_COLUMNS}, inflight, {ROW_BYTES_SQL}
+FROM records INDEXED BY records_session_key_seq_idx
+WHERE session_id IS NULL AND session_key = :name AND seq IN (
+    SELECT seq FROM records INDEXED BY records_inflight_idx
+    WHERE inflight IS NOT NULL AND session_id IS NULL AND session_key = :name
+      AND seq > :after_seq
+    ORDER BY seq LIMIT :limit)
+ORDER BY seq
 """
 SET_INFLIGHT_SQL = "UPDATE records SET inflight = ? WHERE id = ?"
 NEXT_TICKET_SQL = "SELECT value FROM spool_meta WHERE name = 'next_ticket'"
@@ -332,24 +357,51 @@ class _Run:
         have landed: a crashed replay's rows, and a row whose write failed. So a
         failed write costs no spool transaction, and the next replay looks its
         ticket up before it writes it again.
+
+        Stream by stream, each a page at a time (``paging``: at most ``batch_rows``
+        rows and ``PAGE_BYTES`` of what they cost), every page settled before the
+        next is read, so memory holds one page, however many rows are in flight.
         """
         # Every reason and status: a stream's rows in flight are finished before
         # anything later of it moves, whatever this replay selects.
-        rows = self.spool.query(INFLIGHT_SQL, {"session_id": self.session_id})
-        if not rows:
-            return
-        taken = sorted(
-            ((self._record(r[:-1]), r[-1]) for r in rows),
-            key=lambda t: (_stream(t[0]), t[0].seq),
-        )
-        done = _Settlement()
-        for stream, group in itertools.groupby(taken, key=lambda t: _stream(t[0])):
-            self._resume_stream(stream, list(group), done, limit)
-        self._finish(done)
+        after = 0
+        while limit is None or self.taken < limit:
+            found = self.spool.query(
+                NEXT_INFLIGHT_SQL, {"after": after, "session_id": self.session_id}
+            )
+            if not found:
+                return
+            after, session_id, session_key = found[0]
+            stream = _stream_of(session_id, session_key)
+            # A stream met again still has rows in flight only when it is held (the
+            # rest of it waits for the next replay, which looks them up first).
+            if not self._held(stream):
+                self._resume_stream(stream, limit)
 
-    def _resume_stream(
-        self, stream: Stream, taken: list[Taken], done: _Settlement, limit: int | None
+    def _resume_stream(self, stream: Stream, limit: int | None) -> None:
+        """Finish one stream's rows in flight, a page at a time, in seq order."""
+        sql = INFLIGHT_IN_SESSION_SQL if stream[0] == "session_id" else INFLIGHT_BY_KEY_SQL
+        after_seq = 0
+        while limit is None or self.taken < limit:
+            params = {"name": stream[1], "after_seq": after_seq, "limit": self.batch_rows}
+            rows, full = self.spool.read_page(sql, params, limit=self.batch_rows)
+            if not rows:
+                return
+            taken = [(self._record(row[:-2]), row[-2]) for row in rows]
+            after_seq = taken[-1][0].seq
+            done = _Settlement()
+            self._resume_page(stream, taken, done, limit, more=full)
+            self._finish(done)
+            if not full or self._held(stream):
+                return
+
+    def _resume_page(
+        self, stream: Stream, taken: list[Taken], done: _Settlement, limit: int | None, more: bool
     ) -> None:
+        """One page of a stream's rows in flight: remove what landed, write the rest.
+
+        ``more``: later rows of the stream may be in flight still (a later page).
+        """
         try:
             found = self.sink.landed([(self.uid, ticket, rec.id) for rec, ticket in taken])
         except Exception as exc:  # noqa: BLE001 - the rows stay in flight, reported
@@ -384,9 +436,16 @@ class _Run:
         if limit is not None:
             # Rows past the limit stay in flight; nothing later of any stream moves
             # in this call, since the limit is then used up.
-            unlanded = unlanded[: max(limit - self.taken, 0)]
+            room = max(limit - self.taken, 0)
+            more = more or len(unlanded) > room
+            unlanded = unlanded[:room]
         self.taken += len(unlanded)
         self._write_stream(stream, unlanded, done)
+        if more and self._held(stream):
+            # Later rows of the stream stay in flight (not read yet, or past the
+            # limit), and the next replay writes rows in flight first: freeing
+            # these would put them after those. They stay in flight too.
+            done.release.clear()
 
     # -- moving ----------------------------------------------------------------
 
@@ -726,9 +785,13 @@ def _take_batch(
 
 
 def _stream(record: Record) -> Stream:
-    if record.session_id is not None:
-        return ("session_id", record.session_id)
-    return ("session_key", record.session_key or "")
+    return _stream_of(record.session_id, record.session_key)
+
+
+def _stream_of(session_id: str | None, session_key: str | None) -> Stream:
+    if session_id is not None:
+        return ("session_id", session_id)
+    return ("session_key", session_key or "")
 
 
 def _describe(exc: BaseException) -> str:

@@ -392,6 +392,16 @@ class Spool:
         """
         return self._with_reader(lambda conn: conn.execute(sql, params).fetchall())
 
+    def read_page(
+        self, sql: str, params: Any, limit: int = PAGE_ROWS
+    ) -> tuple[list[tuple[Any, ...]], bool]:
+        """``paging.read_page`` of ``sql`` on the spool's reader connection: the next
+        page (bounded by what its rows cost) and whether more may follow.
+
+        Internal: for walspool's own modules (replay's recovery of rows in flight).
+        """
+        return self._with_reader(partial(read_page, sql=sql, params=params, limit=limit))
+
     def _with_reader(self, fn: Any) -> Any:
         with self._reader_lock:
             if self._closed:
