@@ -28,8 +28,9 @@ Not guaranteed: rows removed by anything but this link (``walspool replay`` or
 start counts the spool again, as do rows this link drained while its start's count ran;
 rows the shutdown hooks spool (pending slots, agent histories) count from the next
 start. Until the start's count is done (on the link's background thread; 0.6 to 0.8 s
-for a million rows), a session's share is what it spooled in this run. The size of a row on disk is estimated by its payload (times
-``ON_DISK``) until the spool's writer measures the files after its next commit.
+for a million rows), a session's share is what it spooled in this run. The size of a
+row on disk is estimated by its payload (times ``ON_DISK``) until the spool's writer
+measures the files after its next commit.
 """
 
 from __future__ import annotations
