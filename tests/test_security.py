@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 from _faultvfs import FaultVFS, installed
 from _helpers import MemorySink
+from _users import as_root, python_as, shared_directory
 
 import walspool
 from walspool import CAP_DROP, SHUTDOWN
@@ -617,3 +618,54 @@ def test_no_sql_is_built_from_variables():
     """Fails naming each call site whose SQL text is built from a variable."""
     problems = scan_package()
     assert problems == [], "\n".join(problems)
+
+
+# -- state.db: hermes' own set-up runs only on the file checked -------------------------
+
+
+@as_root
+def test_sessiondb_setup_never_runs_on_a_file_swapped_in_after_the_check(capsys):
+    """The owner of the gateway's directory exchanges its state.db with a link to a
+    neighbour's SQLite file while root replays into it (a real second process,
+    ``renameat2``): hermes' ``SessionDB()`` set-up (journal mode, ``CREATE TABLE``)
+    never runs on the neighbour's file. Before, it ran and the check after it refused
+    too late: the neighbour's file was turned to WAL and given hermes' tables."""
+    from test_directories import (
+        NEIGHBOUR,
+        OWNER,
+        TRIES,
+        gateway_spool,
+        hermes_state_db,
+        owned_dir,
+        swapping,
+    )
+
+    with shared_directory("walspool-sessiondb-", 0o711) as top:
+        home = owned_dir(top / "hermes", OWNER)
+        spool_path = gateway_spool(home)
+        hermes_state_db(home / "state.db", OWNER)
+        other = owned_dir(top / "other", NEIGHBOUR, 0o755)
+        victim = other / "data.db"
+        made = python_as(
+            NEIGHBOUR,
+            "import sqlite3, sys\n"
+            "c = sqlite3.connect(sys.argv[1]); c.execute('CREATE TABLE mine (x)'); c.commit()",
+            str(victim),
+        )
+        assert made.returncode == 0, made.stderr
+        before = victim.read_bytes()
+        setup = f"""
+            def setup():
+                if not os.path.lexists("link"):
+                    os.symlink({str(victim)!r}, "link")
+            """
+        codes = []
+        with swapping(home, "state.db", "link", setup):
+            for i in range(TRIES):
+                with walspool.Spool(spool_path) as spool:
+                    spool.append("s", {"role": "user", "content": f"try {i}"})
+                codes.append(main(["replay", str(spool_path), "--into", str(home / "state.db")]))
+                capsys.readouterr()
+                assert victim.read_bytes() == before, f"changed on try {i}"
+                assert sorted(p.name for p in other.iterdir()) == ["data.db"]
+        assert set(codes) <= {0, 1}, codes

@@ -4,10 +4,12 @@ Not public API."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sqlite3
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
+from urllib.parse import quote
 
 from ..errors import ReplayBusy, WalspoolError
 from ..records import Record
@@ -18,6 +20,7 @@ from ._dryrun import landed
 from ._output import Progress, warn
 from ._reading import reading
 from ._statedb import (
+    CheckedStateDB,
     StateDBError,
     check_state_db,
     open_descriptors,
@@ -48,7 +51,8 @@ def replay_into(
     checked = check_state_db(args.into)
     before = open_descriptors()
     try:
-        db = hermes_state.SessionDB(db_path=args.into)
+        with connecting_checked(hermes_state, checked, before):
+            db = hermes_state.SessionDB(db_path=args.into)
     except sqlite3.Error as exc:
         raise StateDBError(state_db_message(exc, args.into), path=args.into) from exc
     try:
@@ -80,6 +84,56 @@ def replay_into(
             return replayer.replay(**options, wait=args.wait)
     finally:
         db.close()
+
+
+class _CheckedSqlite3:
+    """The stdlib ``sqlite3`` module as ``hermes_state`` sees it while ``SessionDB()``
+    runs: ``connect`` of the checked state.db opens it ``mode=rw`` (never creating a
+    file where a link or a rename sent the path) and proves, before handing the
+    connection over, that SQLite holds the checked file (``CheckedStateDB.verify``);
+    everything else is ``sqlite3`` itself."""
+
+    def __init__(self, checked: CheckedStateDB, before: dict[int, tuple[int, int]] | None):
+        self._checked = checked
+        self._before = before
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(sqlite3, name)
+
+    def connect(self, database: Any, *args: Any, **kwargs: Any) -> sqlite3.Connection:
+        path = self._checked.path
+        if str(database) not in (str(path), str(path.absolute())):
+            return sqlite3.connect(database, *args, **kwargs)  # e.g. hermes' ":memory:" probe
+        kwargs["uri"] = True
+        conn = sqlite3.connect(f"file:{quote(str(path.absolute()))}?mode=rw", *args, **kwargs)
+        try:
+            self._checked.verify(self._before)  # before any statement of hermes' runs
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+
+@contextlib.contextmanager
+def connecting_checked(
+    hermes_state: Any, checked: CheckedStateDB, before: dict[int, tuple[int, int]] | None
+) -> Iterator[None]:
+    """For the block, hermes' ``SessionDB()`` opens state.db only as the file checked.
+
+    ``SessionDB.__init__`` opens its path and runs its set-up (journal mode, schema
+    ``CREATE ... IF NOT EXISTS``, migrations) on that connection at once: a link or a
+    rename swapped in after ``check_state_db`` would have those statements run on
+    another file. The stdlib module ``hermes_state`` calls is replaced for the block
+    by ``_CheckedSqlite3``, which refuses (``StateDBError``) before any of them runs.
+    Not thread-safe: for the command line, which builds one SessionDB and nothing else
+    of hermes meanwhile.
+    """
+    original = hermes_state.sqlite3
+    hermes_state.sqlite3 = _CheckedSqlite3(checked, before)
+    try:
+        yield
+    finally:
+        hermes_state.sqlite3 = original
 
 
 class InFlight(NamedTuple):
