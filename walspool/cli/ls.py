@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
     wider than 120 characters (once escaped) is clipped, its last character "…": such
     a session's name is in --json whole.
     """
-    with reading(args.spool) as reader:
+    with reading(args.spool, walk=True) as reader:
         backlog = reader.read(lambda conn: read_backlog(conn, time.time()))
     if args.json:
         print(dump(backlog))

@@ -29,7 +29,7 @@ def run(args: argparse.Namespace) -> int:
     shows). --json has `oldest_age` and `newest_age` in seconds (null for an empty
     spool) and `open_by` ([{"pid", "command"}]; null where the system cannot tell).
     """
-    with reading(args.spool) as reader:
+    with reading(args.spool, walk=True) as reader:
         stats = reader.read(lambda conn: read_stats(conn, args.spool, time.time()))
     found = holders(args.spool)
     stats["open_by"] = None if found is None else [msgspec.to_builtins(h) for h in found]
