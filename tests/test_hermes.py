@@ -935,10 +935,10 @@ def test_the_background_thread_claims_only_the_session_longest_due_with_nothing_
         states["writing"].writer = Writer(background=False)
         states["waited"].waiters = 1
         states["unconfirmed"].unconfirmed = 1
-        states["later"].retry_at = now + 100
-        states["sooner"].retry_at = now + 50
-        states["due"].retry_at = now - 1
-        states["first"].retry_at = now - 2
+        for session_id, at in (("later", 100), ("sooner", 50), ("due", -1), ("first", -2)):
+            claim = states[session_id].claim(background=True)
+            states[session_id].due_at(claim, now + at)
+            states[session_id].release(claim)
         claimed, _ = link._due_sessions()
         assert [(sid, state) for sid, state, _ in claimed] == [("first", states["first"])]
         assert states["first"].writer is claimed[0][2] and claimed[0][2].background
@@ -1150,7 +1150,7 @@ def test_a_failing_write_is_counted_in_the_stores_counter_and_logged_word_for_wo
         ]
         assert store._transcript_append_failures == {"s": attempt}
         with link._lock:
-            link._sessions["s"].retry_at = 0.0  # its retry time has come
+            link._sessions["s"].wake()  # its retry time has come
     assert [m["content"] for m in store._dirty_transcripts["s"]] == ["first", "second"]
     sql(store, HEAL)
     store.append_to_transcript("s", _m("third"))

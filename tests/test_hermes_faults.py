@@ -535,8 +535,11 @@ def test_after_an_outage_sessions_with_backlogs_take_turns(store, spool, monkeyp
     assert settle(link, lambda: not any(s.unconfirmed for s in link._sessions.values()))
     sql(store, HEAL)
     with link._lock:  # both due now, "big" longest
-        link._sessions["big"].retry_at = 1.0
-        link._sessions["small"].retry_at = 2.0
+        for session_id, at in (("big", 1.0), ("small", 2.0)):
+            state = link._sessions[session_id]
+            claim = state.claim(background=True)
+            state.due_at(claim, at)
+            state.release(claim)
         link._schedule(0.0)
     assert link.wait_idle(WAIT)
     assert contents(store, "big") == [f"big-{i}" for i in range(700)]

@@ -701,7 +701,7 @@ def test_a_drain_whose_replay_fails_says_so_and_holds_the_session(store, spool, 
         assert state.failures == 1 and state.retry_at > time.monotonic()
         assert state.hold_until == state.retry_at
         assert [m["content"] for m in store._dirty_transcripts["s"]] == ["new"]
-        state.retry_at = state.hold_until = 0.0  # its retry time has come
+        state.wake()  # its retry time has come
     link.replayer.replay = replay
     store.append_to_transcript("s", msg("next"))
     assert contents(store, "s") == ["old", "new", "next"]
@@ -734,7 +734,7 @@ def test_a_drain_whose_rows_state_db_refuses_holds_them_and_counts_the_failure(
             assert store._transcript_append_failures["s"] == attempt
             assert state.failures == attempt and state.retry_at > time.monotonic()
             assert state.hold_until == state.retry_at
-            state.retry_at = state.hold_until = 0.0  # its retry time has come
+            state.wake()  # its retry time has come
     assert [r.message["content"] for r in spool.records()] == ["old"]
     sql(store, HEAL)
     caplog.clear()
@@ -987,7 +987,7 @@ def test_a_gateway_thread_waits_for_room_in_the_spool_at_most_its_bound_then_dro
     assert filler.result(STEP).seq == 1
     sql(store, HEAL)
     with link._lock:
-        link._sessions["s"].retry_at = link._sessions["s"].hold_until = 0.0
+        link._sessions["s"].wake()
     store.append_to_transcript("s", msg("fin"))
     assert link.wait_idle(STEP)
     assert contents(store, "s") == ["m1", "m2", "m3", "m4", "fin"]
@@ -1079,7 +1079,7 @@ def test_an_unexpected_error_while_writing_a_session_is_logged_and_retried(store
         assert state.retry_at > time.monotonic() and state.hold_until == 0.0
         assert link._wake_at == state.retry_at  # the background thread looks then
         assert [m["content"] for m in store._dirty_transcripts["s"]] == ["m0"]
-        state.retry_at = 0.0  # its retry time has come
+        state.wake()  # its retry time has come
         link._schedule(0.0)
     assert link.wait_idle(STEP)
     assert contents(store, "s") == ["m0"]
@@ -1141,7 +1141,7 @@ def test_a_failing_sessions_retry_delay_doubles_up_to_the_retry_interval(
     for i in range(len(delays)):
         with link._lock:
             if "s" in link._sessions:
-                link._sessions["s"].retry_at = 0.0  # due: this message tries again
+                link._sessions["s"].wake()  # due: this message tries again
         store.append_to_transcript("s", msg(f"m{i}"))  # fails
         with link._lock:
             got.append(link._sessions["s"].retry_at - now)
@@ -1357,10 +1357,11 @@ def test_a_rewrite_while_a_writer_holds_the_session_starts_its_bookkeeping_afres
     link, gate, counted, writers = _held_by_the_background_thread(store, spool)
     with link._lock:
         state = link._sessions["s"]
-        state.spooled, state.failures = 3, 2
+        state.spooled = 3
         link._shares.accepted("s", 1234)
         link._shares.settled("s", 1234, row_id=1)
-        state.retry_at = state.hold_until = time.monotonic() + 3600
+        later = time.monotonic() + 3600
+        state.backed_off(state.writer, 2, later, later)  # as its holder
         generations = [state.generation]
     for text in ("rewritten", "rewritten again"):
         assert store.rewrite_transcript("s", [msg(text)])
@@ -1471,7 +1472,7 @@ def test_a_session_a_waiter_keeps_after_it_is_written_out_starts_its_bookkeeping
         sql(store, HEAL)
         with link._lock:
             assert state.spooled == 1
-            state.retry_at = 0.0  # due now rather than in an hour
+            state.wake()  # due now rather than in an hour
             link._schedule(0.0)
         assert link.wait_idle(STEP)
     assert contents(store, "s") == [f"m{i}" for i in range(11)]

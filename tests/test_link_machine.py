@@ -1,6 +1,8 @@
 """The link's per-session state machine (``walspool._link_machine``), without threads:
 from a table (state x facts -> step) and by a Hypothesis state machine that plays a
-session's writer, its spool and state.db against the pure transition function."""
+session's writer, its spool and state.db against the pure transition function; and the
+session record (``walspool._link_state.Session``): only its claim's holder changes its
+fields, events recorded by others only change what the holder reads."""
 
 from __future__ import annotations
 
@@ -25,6 +27,8 @@ from walspool._link_machine import (
     pick_due,
     retry_delay,
 )
+from walspool._link_state import NotTheHolder, Writer
+from walspool._link_state import Session as LinkSession
 
 G, B = Owner.GATEWAY, Owner.BACKGROUND
 NONE, HOLD = Spooled.NONE, Spooled.MAY_HOLD
@@ -309,3 +313,172 @@ class Session(RuleBasedStateMachine):
 
 Session.TestCase.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)
 TestSession = Session.TestCase
+
+
+# -- who changes a session: the holder's fields and events (walspool._link_state) --
+
+HOLDER_CHANGES = {
+    "release": (),
+    "writing": ({"role": "user"},),
+    "written": (),
+    "backed_off": (3, 150.0, 160.0),
+    "due_at": (120.0,),
+    "healthy": (),
+    "idle": (),
+    "said": (130.0,),
+    "drained": (),
+}
+
+
+def holder_record(state: LinkSession) -> tuple[object, ...]:
+    return (
+        state.writer,
+        state.inflight,
+        state.failures,
+        state.retry_at,
+        state.hold_until,
+        state.said_at,
+        state.spooled,
+    )
+
+
+@pytest.mark.parametrize("change", sorted(HOLDER_CHANGES))
+@pytest.mark.parametrize("holder", ["nobody", "another"])
+def test_only_the_claims_holder_changes_its_fields(change, holder):
+    """Each of the holder's changes, asked with a claim that is not the session's (none
+    held, or another's), raises ``NotTheHolder`` and changes nothing."""
+    state = LinkSession(spooled=1)
+    if holder == "another":
+        mine = state.claim(background=False)
+        state.backed_off(mine, 2, 140.0, 145.0)
+        state.writing(mine, {"role": "user", "content": "x"})
+    before = holder_record(state)
+    with pytest.raises(NotTheHolder):
+        getattr(state, change)(Writer(background=True), *HOLDER_CHANGES[change])
+    assert holder_record(state) == before
+
+
+# (event, its effect on (failures, retry_at, hold_until) set by the holder at
+# (3, 150.0, 160.0), and on spooled from 2)
+EVENTS = [
+    ("evicted", (3, 150.0, 160.0), 3),
+    ("settled", (3, 150.0, 160.0), 2),
+    ("may_hold", (3, 150.0, 160.0), 2),
+    ("wake", (3, 0.0, 0.0), 2),
+    ("recovered", (0, 0.0, 0.0), 0),
+    ("rewritten", (0, 0.0, 0.0), 0),
+]
+
+
+@pytest.mark.parametrize("event, backoff, spooled", EVENTS)
+def test_an_event_changes_what_the_holder_reads_never_what_it_wrote(event, backoff, spooled):
+    """Events are recorded by anyone (no claim): a reset or a wake makes the holder's
+    backoff read as cleared, without writing it; its message in flight and its last
+    report stay, and its next change of the backoff starts from what it reads."""
+    state = LinkSession(spooled=2)
+    claim = state.claim(background=True)
+    state.backed_off(claim, 3, 150.0, 160.0)
+    state.writing(claim, message := {"role": "user"})
+    state.said(claim, 99.0)
+    state.unconfirmed = 1
+    getattr(state, event)()
+    assert (state.failures, state.retry_at, state.hold_until) == backoff
+    assert state.spooled == spooled and state.writer is claim
+    assert state.inflight is message and state.said_at == 99.0
+    state.due_at(claim, 170.0)  # only the time: the failures are as read
+    assert (state.failures, state.retry_at) == (backoff[0], 170.0)
+
+
+class SessionRecord(RuleBasedStateMachine):
+    """The link's session record under any interleaving of claims, the holder's changes,
+    changes asked by non-holders and events: the holder's fields read as a model says
+    (events clear them, only the holder sets them), and a non-holder changes nothing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.state = LinkSession(spooled=0)
+        self.claim: Writer | None = None
+        self.model = (0, 0.0, 0.0)  # failures, retry_at, hold_until as read
+        self.spooled = 0
+
+    @precondition(lambda self: self.claim is None)
+    @rule(background=st.booleans())
+    def take(self, background):
+        self.claim = self.state.claim(background)
+        assert self.claim is not None and self.state.writer is self.claim
+
+    @precondition(lambda self: self.claim is not None)
+    @rule()
+    def release(self):
+        self.state.release(self.claim)
+        self.claim = None
+        assert self.state.claim(False) is not None  # free again
+        self.state.release(self.state.writer)
+
+    @precondition(lambda self: self.claim is not None)
+    @rule(
+        failures=st.integers(0, 9),
+        retry_at=st.floats(0, 1e6),
+        hold=st.none() | st.floats(0, 1e6),
+    )
+    def back_off(self, failures, retry_at, hold):
+        self.state.backed_off(self.claim, failures, retry_at, hold)
+        self.model = (failures, retry_at, self.model[2] if hold is None else hold)
+
+    @precondition(lambda self: self.claim is not None)
+    @rule(retry_at=st.floats(0, 1e6))
+    def due(self, retry_at):
+        self.state.due_at(self.claim, retry_at)
+        self.model = (self.model[0], retry_at, self.model[2])
+
+    @precondition(lambda self: self.claim is not None)
+    @rule()
+    def healthy(self):
+        self.state.healthy(self.claim)
+        self.model = (0, *self.model[1:])
+
+    @precondition(lambda self: self.claim is not None)
+    @rule()
+    def idle(self):
+        self.state.idle(self.claim)
+        self.model = (0, 0.0, 0.0)
+
+    @precondition(lambda self: self.claim is not None)
+    @rule()
+    def drained(self):
+        self.state.drained(self.claim)
+        self.spooled = 0
+
+    @rule(change=st.sampled_from(sorted(HOLDER_CHANGES)))
+    def a_non_holder_asks(self, change):
+        before = holder_record(self.state)
+        with pytest.raises(NotTheHolder):
+            getattr(self.state, change)(Writer(background=False), *HOLDER_CHANGES[change])
+        assert holder_record(self.state) == before
+
+    @rule()
+    def evicted(self):
+        self.state.evicted()
+        self.spooled += 1
+
+    @rule()
+    def wake(self):
+        self.state.wake()
+        self.model = (self.model[0], 0.0, 0.0)
+
+    @rule(event=st.sampled_from(["rewritten", "recovered"]))
+    def reset(self, event):
+        generation = self.state.generation
+        getattr(self.state, event)()
+        self.model, self.spooled = (0, 0.0, 0.0), 0
+        assert self.state.generation == generation + (event == "rewritten")
+
+    @invariant()
+    def reads_as_the_model(self):
+        state = self.state
+        assert (state.failures, state.retry_at, state.hold_until) == self.model
+        assert state.spooled == self.spooled and state.writer is self.claim
+
+
+SessionRecord.TestCase.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)
+TestSessionRecord = SessionRecord.TestCase

@@ -88,21 +88,17 @@ class Evictions:
                 break
             # Off the queue only now that the spool's writer has accepted it.
             pending.pop(0)
-            state.spooled += 1
-            state.unconfirmed += 1
+            state.evicted()
             self._shares.accepted(session_id, row[5])
             self._unconfirmed_bytes += row[5]
         return notes
 
     def _wait_for_head(self, state: Session, deadline: float) -> None:
         """Wait until the write of the queue's head ends (or ``deadline``); lock held."""
-        state.waiters += 1
-        try:
+        with state.waiting():
             left = deadline - self.clock()
             if left > 0:
                 self._settled.wait(left)
-        finally:
-            state.waiters -= 1
 
     def _evictions_done(self, requests: list[Request]) -> None:
         """On the spool's writer: a group of evictions committed (or failed); count
@@ -124,7 +120,7 @@ class Evictions:
                     continue
                 if request.error is None and state.spooled:
                     state.episode, said[:] = self._outage.evicted(session_id, state.episode, 1, now)
-                state.unconfirmed -= 1
+                state.settled()
                 if not state.unconfirmed:
                     settled = True
                     if state.writer is None:

@@ -169,15 +169,14 @@ class Retries:
             self._recovered = True
             for session_id in held:
                 state = self._session(session_id)
-                state.spooled = state.spooled or 1
+                state.may_hold()
             for session_id, (spooled, generation) in waiting.items():
                 state = self._sessions.get(session_id)
                 if state is None or session_id in held:
                     continue
                 if state.spooled != spooled or state.generation != generation:
                     continue
-                state.spooled, state.failures = 0, 0
-                state.retry_at = state.hold_until = 0.0
+                state.recovered()
                 self._outage.replayed_rows(state.episode, moved.get(session_id, 0))
                 ended += self._outage.ended(session_id, state.episode, now)
                 state.episode = None
@@ -207,7 +206,7 @@ class Retries:
         self._recovering = False
         for session_id, state in self._sessions.items():
             if self._has_work(session_id, state):
-                state.retry_at = state.hold_until = 0.0
+                state.wake()
                 self._schedule(0.0)
         self._settled.notify_all()
 

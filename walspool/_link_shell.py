@@ -154,11 +154,9 @@ class Link(SessionWriter, Evictions, Retries, ShutdownFlushes):
             self.store._transcript_append_failures.pop(session_id, None)
             state = self._sessions.get(session_id)
             if state is not None:
-                # A writer that wrote or drained meanwhile re-reads this and stops.
-                state.generation += 1
-                # Its share of the cap stays: the superseded rows stay in the spool.
-                state.spooled = state.failures = 0
-                state.retry_at = state.hold_until = 0.0
+                # An event: a writer that wrote or drained meanwhile re-reads it and
+                # stops. Its share of the cap stays: the superseded rows stay in the spool.
+                state.rewritten()
                 ended = self._outage.ended(session_id, state.episode, self.clock(), superseded=True)
                 state.episode = None
                 self._forget_if_idle(session_id, state)
@@ -236,10 +234,7 @@ class Link(SessionWriter, Evictions, Retries, ShutdownFlushes):
 
     def _claim(self, state: Session, *, background: bool = False) -> Writer | None:
         """Become the session's writer if it has none; the lock is held."""
-        if state.writer is not None:
-            return None
-        state.writer = Writer(background)
-        return state.writer
+        return state.claim(background)
 
     def _failing(self, state: Session) -> bool:
         """The session's last write or drain failed, and the background thread retries
@@ -268,8 +263,7 @@ class Link(SessionWriter, Evictions, Retries, ShutdownFlushes):
             # another process: do not wait behind it; the message stays queued.
             return None
         deadline = self.clock() + bounds.HANDOFF_WAIT
-        state.waiters += 1  # the background writer sees it at its next step
-        try:
+        with state.waiting():  # the background writer sees it at its next step
             while state.writer is not None and state.writer.background:
                 left = deadline - self.clock()
                 if left <= 0:
@@ -278,15 +272,12 @@ class Link(SessionWriter, Evictions, Retries, ShutdownFlushes):
             # Decided on the state as it is now: another gateway thread may have
             # claimed the session meanwhile; then this message is queued for it.
             return self._claim(state)
-        finally:
-            state.waiters -= 1
 
     def _release(self, session_id: str, state: Session, claim: Writer) -> None:
         """Give the writer role up, if ``claim`` still holds it; the lock is held."""
         if state.writer is not claim:
             return
-        state.writer = None
-        state.inflight = None
+        state.release(claim)
         if self._has_work(session_id, state):
             self._schedule(state.retry_at)
         else:
@@ -314,16 +305,15 @@ class Link(SessionWriter, Evictions, Retries, ShutdownFlushes):
             state = self._sessions[session_id] = Session(0 if self._recovered else 1)
         return state
 
-    def _failed(self, state: Session, *, drain: bool, count: bool = True) -> None:
-        """Schedule the next attempt after a failure; the lock is held."""
-        if count:
-            state.failures += 1
+    def _failed(self, state: Session, claim: Writer, *, drain: bool, count: bool = True) -> None:
+        """Schedule the next attempt after a failure, as the holder of ``claim``; the
+        lock is held."""
+        failures = state.failures + (1 if count else 0)
         delay = machine.retry_delay(
-            state.failures, self.retry_interval, bounds.RETRY_STEPS, bounds.MIN_RETRY_SECONDS
+            failures, self.retry_interval, bounds.RETRY_STEPS, bounds.MIN_RETRY_SECONDS
         )
-        state.retry_at = self.clock() + delay
-        if drain:
-            state.hold_until = state.retry_at
+        retry_at = self.clock() + delay
+        state.backed_off(claim, failures, retry_at, retry_at if drain else None)
 
     def _run(self, notes: list[Callable[[], None]]) -> None:
         """Log the lines gathered under the lock, once it is released."""

@@ -116,8 +116,7 @@ class ShutdownFlushes:
                         pending = self.store._dirty_transcripts[session_id]
                         pending[:] = [m for m in pending if id(m) not in ids]
                         state = self._session(session_id)
-                        state.spooled += 1
-                        state.unconfirmed += 1
+                        state.evicted()
                         generations[session_id] = state.generation
                     break
             if self.clock() >= deadline:
@@ -177,7 +176,7 @@ class ShutdownFlushes:
                 self._shares.settled(row[0], row[5], None if receipts is None else receipts[i].id)
             for session_id, messages in taken.items():
                 state = self._sessions[session_id]  # ``unconfirmed`` keeps it there
-                state.unconfirmed -= 1
+                state.settled()
                 if request.error is not None and state.generation == generations[session_id]:
                     # Not in the spool: back to the front of their queue, so they stay
                     # with the process as in the released store; unless the transcript

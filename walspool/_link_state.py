@@ -6,6 +6,8 @@ them is decided by ``walspool._link_machine``.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 from . import outage, text
@@ -13,6 +15,10 @@ from ._link_machine import Owner
 
 #: The link's one logger, for every module of it (operators filter on this name).
 log = text.logger("walspool.hermes")
+
+
+class NotTheHolder(RuntimeError):
+    """A change only the holder of the session's claim may make, asked by another."""
 
 
 class Writer:
@@ -32,38 +38,53 @@ class Writer:
 
 
 class Session:
-    """The link's state for one session; every field is guarded by the store's lock."""
+    """The link's state for one session; every field is guarded by the store's lock.
+
+    Only the holder of the session's claim (``writer``) changes the session's decisions,
+    by construction: its fields are of two kinds, each changed only by its own methods.
+
+    * The holder's: the message it is writing (``inflight``) and its backoff
+      (``failures``, ``retry_at``, ``hold_until``, ``said_at``). Read by anyone; changed
+      only by the methods that take the claim and check that it is the session's
+      (``NotTheHolder`` otherwise): ``writing``, ``written``, ``backed_off``, ``due_at``,
+      ``healthy``, ``idle``, ``said``, ``drained``, ``release``.
+    * Events, recorded by anyone for the holder to read at its next step (it re-reads
+      the session after every write or wait): evictions and shutdown flushes handed to
+      the spool (``spooled``) and those not yet committed (``unconfirmed``), rewrites
+      (``generation``), resets and wakes of the backoff, and threads waiting on the
+      session (``waiters``). An event never writes the holder's fields: a reset (a
+      rewrite, a recovery that moved the session's rows) or a wake (the start's recovery
+      ended) is a counter, and the backoff the holder set before it reads as cleared.
+
+    ``episode`` is the operator's log record of the session's spooling
+    (``walspool.outage``), not an input of any decision.
+    """
 
     __slots__ = (
         "writer",
-        "inflight",
         "spooled",
         "unconfirmed",
-        "retry_at",
-        "hold_until",
-        "failures",
         "generation",
         "waiters",
         "episode",
-        "said_at",
+        "_inflight",
+        "_failures",
+        "_retry_at",
+        "_hold_until",
+        "_said_at",
+        "_resets",
+        "_wakes",
+        "_seen",
     )
 
     def __init__(self, spooled: int) -> None:
         #: The current writer's claim, or None: the session has no writer.
         self.writer: Writer | None = None
-        #: The queued message being written to state.db right now, if any.
-        self.inflight: dict[str, Any] | None = None
         #: Evictions (and shutdown flushes) since the session's spooled rows were last
         #: all written: while not 0 they go to state.db before its in-memory rows.
         self.spooled = spooled
         #: Evictions handed to the spool's writer and not yet committed (or failed).
         self.unconfirmed = 0
-        #: ``time.monotonic()`` when the background thread retries after a failure.
-        self.retry_at = 0.0
-        #: Until then, after a failed drain, new messages only queue (and spool).
-        self.hold_until = 0.0
-        #: Failed attempts in a row, for the retry delay.
-        self.failures = 0
         #: Bumped by a transcript rewrite: what a writer learned before it is stale.
         self.generation = 0
         #: Threads waiting on this object (a gateway thread taking over, a writer
@@ -71,8 +92,157 @@ class Session:
         self.waiters = 0
         #: Its spooling since its first eviction committed, for the operator's lines.
         self.episode: outage.Episode | None = None
-        #: When a failed retry past ``outage.QUIET_AFTER`` was last logged.
-        self.said_at = 0.0
+        self._inflight: dict[str, Any] | None = None
+        self._failures = 0
+        self._retry_at = 0.0
+        self._hold_until = 0.0
+        self._said_at = 0.0
+        self._resets = 0
+        self._wakes = 0
+        #: The resets and wakes the holder's backoff was set after.
+        self._seen = (0, 0)
+
+    # -- read by anyone --------------------------------------------------------
+
+    @property
+    def inflight(self) -> dict[str, Any] | None:
+        """The queued message being written to state.db right now, if any."""
+        return self._inflight
+
+    @property
+    def failures(self) -> int:
+        """Failed attempts in a row, for the retry delay (0 after a reset)."""
+        return self._failures if self._seen[0] == self._resets else 0
+
+    @property
+    def retry_at(self) -> float:
+        """``time.monotonic()`` when the background thread retries after a failure (0
+        after a reset or a wake: due now)."""
+        return self._retry_at if self._seen == (self._resets, self._wakes) else 0.0
+
+    @property
+    def hold_until(self) -> float:
+        """Until then, after a failed drain, new messages only queue (and spool)."""
+        return self._hold_until if self._seen == (self._resets, self._wakes) else 0.0
+
+    @property
+    def said_at(self) -> float:
+        """When a failed retry past ``outage.QUIET_AFTER`` was last logged."""
+        return self._said_at
+
+    # -- the holder's changes --------------------------------------------------
+
+    def claim(self, background: bool) -> Writer | None:
+        """Become the session's writer if it has none (None if it has one)."""
+        if self.writer is not None:
+            return None
+        self.writer = Writer(background)
+        return self.writer
+
+    def release(self, claim: Writer) -> None:
+        """Give the writer role up."""
+        self._check(claim)
+        self.writer = None
+        self._inflight = None
+
+    def writing(self, claim: Writer, message: dict[str, Any]) -> None:
+        """The holder writes ``message`` (the queue's head) to state.db now."""
+        self._check(claim)
+        self._inflight = message
+
+    def written(self, claim: Writer) -> None:
+        """The holder's write of ``inflight`` ended."""
+        self._check(claim)
+        self._inflight = None
+
+    def backed_off(
+        self, claim: Writer, failures: int, retry_at: float, hold_until: float | None
+    ) -> None:
+        """After a failure: the failures in a row, the retry time and, after a failed
+        drain, the time until which no writer drains (None: as it was)."""
+        self._backoff(claim)
+        self._failures, self._retry_at = failures, retry_at
+        if hold_until is not None:
+            self._hold_until = hold_until
+
+    def due_at(self, claim: Writer, retry_at: float) -> None:
+        """The background thread goes on with the session at ``retry_at``."""
+        self._backoff(claim)
+        self._retry_at = retry_at
+
+    def healthy(self, claim: Writer) -> None:
+        """A write or drain succeeded: no failures in a row."""
+        self._backoff(claim)
+        self._failures = 0
+
+    def idle(self, claim: Writer) -> None:
+        """Nothing is left: the backoff is cleared."""
+        self._backoff(claim)
+        self._failures, self._retry_at, self._hold_until = 0, 0.0, 0.0
+
+    def said(self, claim: Writer, now: float) -> None:
+        """A failed retry was logged at ``now``."""
+        self._check(claim)
+        self._said_at = now
+
+    def drained(self, claim: Writer) -> None:
+        """Every row the session had spooled is written."""
+        self._check(claim)
+        self.spooled = 0
+
+    def _check(self, claim: Writer) -> None:
+        if claim is None or self.writer is not claim:
+            raise NotTheHolder("only the holder of the session's claim changes it")
+
+    def _backoff(self, claim: Writer) -> None:
+        """Before the holder changes its backoff: the events since it was set apply."""
+        self._check(claim)
+        self._failures, self._retry_at, self._hold_until = (
+            self.failures,
+            self.retry_at,
+            self.hold_until,
+        )
+        self._seen = (self._resets, self._wakes)
+
+    # -- events ----------------------------------------------------------------
+
+    def evicted(self) -> None:
+        """A row of the session was handed to the spool's writer (not yet committed)."""
+        self.spooled += 1
+        self.unconfirmed += 1
+
+    def settled(self) -> None:
+        """A row handed to the spool's writer committed or failed."""
+        self.unconfirmed -= 1
+
+    def may_hold(self) -> None:
+        """The spool may hold rows of the session (a recovery held them)."""
+        self.spooled = self.spooled or 1
+
+    def rewritten(self) -> None:
+        """The transcript was rewritten: the spooled rows are superseded, what a writer
+        learned before is stale, and the backoff is reset."""
+        self.generation += 1
+        self.spooled = 0
+        self._resets += 1
+
+    def recovered(self) -> None:
+        """A recovery moved every row the session had spooled: the backoff is reset."""
+        self.spooled = 0
+        self._resets += 1
+
+    def wake(self) -> None:
+        """The session is due now (its failures in a row are kept)."""
+        self._wakes += 1
+
+    @contextlib.contextmanager
+    def waiting(self) -> Iterator[None]:
+        """A thread waits on the session for the block (it stays known meanwhile)."""
+        self.waiters += 1
+        try:
+            yield
+        finally:
+            self.waiters -= 1
 
 
 def owner_of(state: Session) -> Owner:

@@ -53,7 +53,7 @@ class SessionWriter:
             )
             with self._lock:
                 if state.writer is claim:
-                    self._failed(state, drain=False)
+                    self._failed(state, claim, drain=False)
                 self._release(session_id, state, claim)
 
     def _next_step(
@@ -73,7 +73,7 @@ class SessionWriter:
             facts = self._facts(session_id, state, claim, moved, budget, confirm_waited)
             decision = machine.next_step(facts, now)
             if decision.retry_at is not None:
-                state.retry_at = decision.retry_at
+                state.due_at(claim, decision.retry_at)
             step = decision.step
             if step is Step.CONFIRM:
                 # Decided again on the state after the wait.
@@ -82,8 +82,7 @@ class SessionWriter:
                 continue
             if step is Step.IDLE:
                 self.store._transcript_append_failures.pop(session_id, None)
-                state.failures = 0
-                state.retry_at = state.hold_until = 0.0
+                state.idle(claim)
             if step is Step.IDLE or step is Step.YIELD:
                 self._release(session_id, state, claim)
                 return None, notes
@@ -125,16 +124,13 @@ class SessionWriter:
         """Wait at most ``bounds.CONFIRM_WAIT`` for the session's evictions to commit, and not
         at all once the spool's writer finds its write lock held elsewhere; lock held."""
         deadline = self.clock() + bounds.CONFIRM_WAIT
-        state.waiters += 1
-        try:
+        with state.waiting():
             while state.unconfirmed and not self.spool.busy():
                 left = deadline - self.clock()
                 if left <= 0:
                     return
                 # A commit notifies; a busy write lock does not, so look again soon.
                 self._settled.wait(min(left, bounds.BUSY_LOOK_SECONDS))
-        finally:
-            state.waiters -= 1
 
     def _drain_step(self, session_id: str, state: Session, claim: Writer) -> int | None:
         """Replay one chunk of the session's spooled rows; rows moved, or None when the
@@ -144,7 +140,7 @@ class SessionWriter:
             if self.spool.closed:
                 # Nothing to drain from (the spool's owner closed it); the rows wait
                 # for the next start's recovery, and the queue behind them.
-                self._failed(state, drain=True)
+                self._failed(state, claim, drain=True)
                 self._release(session_id, state, claim)
                 return None
         # Drains of this link take turns here, each for one chunk, so that only
@@ -166,7 +162,7 @@ class SessionWriter:
                 exc,
             )
             with self._lock:
-                self._failed(state, drain=True)
+                self._failed(state, claim, drain=True)
                 self._release(session_id, state, claim)
             return None
         finally:
@@ -177,20 +173,20 @@ class SessionWriter:
                 return 0  # rewritten meanwhile: the next step decides afresh
             now = self.clock()
             if report.held or session_id in report.errors:
-                self._failed(state, drain=True)
+                self._failed(state, claim, drain=True)
                 failures = self.store._transcript_append_failures.get(session_id, 0) + 1
                 self.store._transcript_append_failures[session_id] = failures
                 queued = len(self.store._dirty_transcripts.get(session_id) or ())
-                say = self._say_again(state, now)
+                say = self._say_again(state, claim, now)
                 self._release(session_id, state, claim)
             else:
-                state.failures = 0
+                state.healthy(claim)
                 self._outage.replayed_rows(state.episode, report.moved)
                 touched = report.moved + report.recovered + report.quarantined
                 if not touched and state.spooled == seen:
                     # Nothing left: the rows counted in ``seen`` were all committed
                     # before this replay looked (``unconfirmed`` was 0), so all moved.
-                    state.spooled = 0
+                    state.drained(claim)
                     ended = self._outage.ended(session_id, state.episode, now)
                     state.episode = None
         self._run(ended)
@@ -215,20 +211,20 @@ class SessionWriter:
             )
         return report.moved
 
-    def _say_again(self, state: Session, now: float) -> bool:
+    def _say_again(self, state: Session, claim: Writer, now: float) -> bool:
         """Whether to log the session's latest failed retry (rate-limited, see
         ``walspool.outage.repeat_due``); the lock is held, ``_failed`` has counted it."""
         if not outage.repeat_due(state.failures, state.said_at, now):
             return False
         if state.failures >= outage.QUIET_AFTER:
-            state.said_at = now  # the next is said no sooner than REPORT_SECONDS after
+            state.said(claim, now)  # the next is said no sooner than REPORT_SECONDS after
         return True
 
     def _busy(self, session_id: str, state: Session, claim: Writer) -> None:
         """Give a drain up for now (another replay runs); the background thread tries
         again after the first retry delay, and a new message may try at once."""
         with self._lock:
-            self._failed(state, drain=False, count=False)
+            self._failed(state, claim, drain=False, count=False)
             self._release(session_id, state, claim)
         return None
 
@@ -238,29 +234,30 @@ class SessionWriter:
             pending = self.store._dirty_transcripts.get(session_id)
             if not pending or state.spooled:
                 return True  # the next step decides again
-            message = state.inflight = pending[0]
+            message = pending[0]
+            state.writing(claim, message)
         error = self._write_one(session_id, message)
         with self._lock:
-            state.inflight = None
+            state.written(claim)
             if state.waiters:
                 self._settled.notify_all()  # appenders held back by this write
             pending = self.store._dirty_transcripts.get(session_id)
             if error is None:
                 if pending and pending[0] is message:
                     pending.pop(0)
-                state.failures = 0
+                state.healthy(claim)
                 return True
             aside = None
             if rejects_live_row(error, self.store._db):
                 aside = self._set_aside(session_id, pending, message, error)
             if aside is not None:
-                state.failures = 0  # state.db works: the session goes on at once
+                state.healthy(claim)  # state.db works: the session goes on at once
             else:
                 failures = self.store._transcript_append_failures.get(session_id, 0) + 1
                 self.store._transcript_append_failures[session_id] = failures
                 queued = len(pending or ())
-                self._failed(state, drain=False)
-                say = self._say_again(state, self.clock())
+                self._failed(state, claim, drain=False)
+                say = self._say_again(state, claim, self.clock())
                 # Messages that arrived during the write waited for it to be evicted.
                 notes = self._evict(session_id, state, pending) if pending else []
                 self._release(session_id, state, claim)

@@ -24,7 +24,10 @@ One writer per session. A session's writer is whoever claimed ``Session.writer``
 under the store's ``_transcript_retry_lock``: the gateway thread whose message found
 the session idle, or the link's one background thread. Only the holder of the claim
 writes the session or gives the claim up, and it makes every decision on the state it
-reads under the lock after each write or wait. A session's state object is never
+reads under the lock after each write or wait. By construction, only the holder changes
+the session's decision state (its message in flight and its backoff); evictions,
+commits, rewrites and recoveries are recorded as events it reads, which never write
+what the holder set (``walspool._link_state.Session``). A session's state object is never
 replaced, and is dropped only when nobody refers to it (no writer, no waiter, no
 uncommitted eviction, no work); a thread that waited without a claim looks its
 session up again, so every thread wakes to the current state.
