@@ -9,6 +9,7 @@ the gateway's plugin discovery loads walspool, or does not.
 
 from __future__ import annotations
 
+import grp
 import json
 import logging
 import os
@@ -219,12 +220,15 @@ def test_a_rewrite_during_an_outage_supersedes_the_sessions_spooled_rows(
 def test_a_home_walspool_cannot_trust_is_told_at_start_with_the_fix(
     gateway: Gateway, home: Path
 ) -> None:
-    """HERMES_HOME in a group-writable directory (a home under umask 002): walspool
-    refuses to put its spool there, says so at start with the fix, and leaves the
-    gateway as released (0.20 and 0.22 keep their own JSON-file spool meanwhile). The
-    home itself being group-writable is not such a case: the gateways make it 0700 at
-    start."""
+    """HERMES_HOME in a directory writable by a group other users share (``nogroup``):
+    walspool refuses to put its spool there, says so at start with the fix, and leaves
+    the gateway as released (0.20 and 0.22 keep their own JSON-file spool meanwhile).
+    The home itself being group-writable is not such a case: the gateways make it 0700
+    at start; nor is a group that is its owner's alone (a user-private group, trusted)."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to give the directory a group other users share")
     configure(gateway, home, gateway.enable)
+    os.chown(home.parent, -1, grp.getgrnam("nogroup").gr_gid)
     home.parent.chmod(0o775)
     result = run_worker(gateway, home, "probe")
     errors = [line for line in result["log"] if line.startswith("ERROR")]
