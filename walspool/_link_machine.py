@@ -17,7 +17,10 @@ Two invariants hold by construction:
   ``Owner.BACKGROUND``): a thread that holds no claim only queues (``Entry``).
 
 Not modelled here: the spool, the queue's contents and the threads themselves; the
-shell (``Link``) performs the steps and reports their outcome as new facts.
+shell (``Link``) performs the steps and reports their outcome as new facts. The facts
+come from the session's record (``walspool._link_state.Session``), where only the
+claim's holder changes the backoff and the message in flight, and everyone else
+records events (evictions, commits, rewrites, recoveries, waiters) it reads.
 """
 
 from __future__ import annotations
