@@ -8,15 +8,8 @@ from __future__ import annotations
 import threading
 import time
 
-from _axisrow import (
-    CHILD_TIMEOUT,
-    break_db,
-    close_store,
-    contents,
-    heal_db,
-    new_store,
-    replay_running,
-)
+from _axisrow import break_db, close_store, contents, heal_db, new_store
+from _gateways_common import CHILD_TIMEOUT, replay_running
 from _lock_holder import replay_lock_held
 
 import walspool

@@ -8,7 +8,7 @@ import threading
 import time
 import types
 
-from _fork import CHILD_TIMEOUT, replay_running
+from _gateways_common import CHILD_TIMEOUT, replay_running
 
 import walspool
 import walspool.shutdown_flush as wsf
