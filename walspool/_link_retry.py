@@ -13,6 +13,7 @@ from . import _link_bounds as bounds
 from . import _link_machine as machine
 from . import _link_shares as shares
 from ._link_state import Session, Writer, log, owner_of
+from .errors import SpoolClosed
 from .replay import ReplayReport
 
 
@@ -119,10 +120,15 @@ class Retries:
         Nothing waits for it: sessions go on writing and draining meanwhile. Once
         counted, it waits for the spool's writer to report every commit the count may
         have seen, then applies the count. A failure leaves the shares at what this run
-        spooled, logged.
+        spooled, logged (quietly once the spool is closed: nothing is spooled any more).
         """
         try:
             self._count()
+        except SpoolClosed:
+            log.debug("%s was closed before its rows were counted", self.spool.path)
+            with self._lock:
+                self._shares.give_up()
+                self._settled.notify_all()
         except Exception:  # noqa: BLE001 - the link goes on with this run's shares
             log.exception(
                 "could not count what each session holds in %s; until the next start a "
