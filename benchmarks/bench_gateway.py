@@ -331,15 +331,21 @@ def _slowest(
 
     def tally(what: str, ns: int) -> None:
         spent = getattr(local, "spent", None)
-        if spent is not None:
+        if spent is not None and not getattr(local, "inside", False):
             spent[what] = spent.get(what, 0) + ns
 
     def timed(what: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn``, its time tallied as ``what``; waits inside it (a condition takes
+        the store's lock again before it returns) count as ``what`` alone."""
+
         def call(*args: Any, **kwargs: Any) -> Any:
+            outer = not getattr(local, "inside", False)
             started = time.perf_counter_ns()
+            local.inside = True
             try:
                 return fn(*args, **kwargs)
             finally:
+                local.inside = not outer
                 tally(what, time.perf_counter_ns() - started)
 
         return call
