@@ -10,7 +10,7 @@ without a write (``recovered``); payloads that are not JSON would be quarantined
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -44,12 +44,15 @@ SELECT session_id, CASE WHEN session_id IS NULL THEN session_key END, count(*)
 {_STREAM_ROWS} AND NOT json_valid(payload)
 GROUP BY 1, 2
 """
-INFLIGHT_ROWS_SQL = f"""
-SELECT {RECORD_COLUMNS}, inflight, json_valid(payload) FROM records
+# Rows in flight without their payloads (the sort holds ids, names and seqs only); each
+# payload is then read and decoded on its own (``ROW_SQL``) and let go.
+INFLIGHT_ROWS_SQL = """
+SELECT id, session_id, inflight FROM records
 WHERE inflight IS NOT NULL AND session_id IS NOT NULL
   AND (:session IS NULL OR session_id = :session)
 ORDER BY session_id, seq
 """
+ROW_SQL = f"SELECT {RECORD_COLUMNS} FROM records WHERE id = ? AND json_valid(payload)"
 FIRST_ROW_SQL = f"""
 SELECT {RECORD_COLUMNS} FROM records
 WHERE session_id = :session_id AND inflight IS NULL AND {REASON_FILTER} AND json_valid(payload)
@@ -69,7 +72,8 @@ class StreamCount(NamedTuple):
 
 class InFlight(NamedTuple):
     ticket: int
-    record: Record | None  # None: its payload is not JSON
+    id: int
+    decodable: bool  # False: its payload is not JSON, or too costly to decode
 
 
 class Plan(NamedTuple):
@@ -125,10 +129,9 @@ def plan(
     params = _params(session, reasons, statuses)
     streams = replay_streams(conn, session, reasons, statuses, bad=True)
     inflight: dict[str, list[InFlight]] = {}
-    for row in conn.execute(INFLIGHT_ROWS_SQL, params):
-        *columns, ticket, valid = row
-        record = _decoded(tuple(columns)) if valid else None
-        inflight.setdefault(columns[1], []).append(InFlight(ticket, record))
+    for row_id, session_id, ticket in conn.execute(INFLIGHT_ROWS_SQL, params):
+        decodable = fetch_record(conn, row_id) is not None  # one row in memory at a time
+        inflight.setdefault(session_id, []).append(InFlight(ticket, row_id, decodable))
     first = {}
     for stream in streams:
         if stream.session_id is not None:
@@ -140,6 +143,14 @@ def plan(
     return Plan(str(conn.execute(UID_SQL).get), streams, inflight, first)
 
 
+def fetch_record(conn: apsw.Connection, row_id: int) -> Record | None:
+    """Row ``row_id``'s record, or None when it is gone or its payload is not JSON or
+    too costly to decode."""
+    for row in conn.execute(ROW_SQL, (row_id,)):
+        return _decoded(row)
+    return None
+
+
 def landed(state: sqlite3.Connection, uid: str, tickets: list[int]) -> set[tuple[int, int]]:
     """``(ticket, record id)`` of the given tickets that state.db holds (landed)."""
     if not tickets or not state.execute(LANDED_TABLE_EXISTS_SQL, (LANDED_TABLE,)).fetchone():
@@ -148,10 +159,17 @@ def landed(state: sqlite3.Connection, uid: str, tickets: list[int]) -> set[tuple
 
 
 def dry_run_report(
-    plan: Plan, state: sqlite3.Connection, path: Path, create_missing: bool
+    plan: Plan,
+    state: sqlite3.Connection,
+    path: Path,
+    create_missing: bool,
+    fetch: Callable[[int], Record | None],
 ) -> ReplayReport:
-    """What a replay would do: each session stream's first row tried and rolled back."""
-    ticket_of = {f.record.id: f.ticket for fs in plan.inflight.values() for f in fs if f.record}
+    """What a replay would do: each session stream's first row tried and rolled back.
+
+    ``fetch(id)``: a row's record from the spool (``fetch_record``), for the one row in
+    flight of a stream that is tried."""
+    ticket_of = {f.id: f.ticket for fs in plan.inflight.values() for f in fs if f.decodable}
     done = landed(state, plan.uid, list(ticket_of.values()))
     db = trial_session_db(state, path)
     trial = Trial(state, db, create_missing) if db is not None else None
@@ -166,11 +184,12 @@ def dry_run_report(
                 "resolver to find their session; the gateway's link replays them"
             )
         else:
-            out = [f.record for f in plan.inflight.get(s.session_id, []) if f.record]
-            written = [r for r in out if (ticket_of[r.id], r.id) not in done]
+            out = [f.id for f in plan.inflight.get(s.session_id, []) if f.decodable]
+            written = [i for i in out if (ticket_of[i], i) not in done]
             recovered = len(out) - len(written)
             # A replay writes the rows it left in flight before anything later.
-            first = written[0] if written else plan.first.get(s.session_id)
+            first = fetch(written[0]) if written else None
+            first = first or plan.first.get(s.session_id)
             if first is not None:
                 error, rejected = _try(trial, state, s.session_id, first, create_missing)
         recovered_in_all += recovered

@@ -9,11 +9,11 @@ import sys
 import msgspec
 
 from ..errors import ReplayBusy
-from ..records import AGENT_HISTORY
+from ..records import AGENT_HISTORY, Record
 from ..replay import ReplayReport, StreamReport, statuses_filter
 from ..sinks import Ticket
 from ..text import printable
-from ._dryrun import dry_run_report, plan, replay_streams
+from ._dryrun import dry_run_report, fetch_record, plan, replay_streams
 from ._filters import check_reasons, check_session
 from ._interrupt import Interrupted, interruptible
 from ._output import (
@@ -67,12 +67,16 @@ def run(args: argparse.Namespace) -> int:
             check_session(reader, args.session, keys=False)
             what = plan if args.dry_run else replay_streams
             found = reader.read(lambda conn: what(conn, args.session, args.reason, statuses))
-        if args.dry_run:
-            try:
-                report = dry_run_report(found, state, args.into, args.create_missing)
-            except sqlite3.Error as exc:
-                raise StateDBError(state_db_message(exc, args.into), path=args.into) from exc
-            inflight = InFlight(sum(s.inflight for s in found.streams), report.recovered)
+            if args.dry_run:
+
+                def fetch(row_id: int) -> Record | None:
+                    return reader.read(lambda conn: fetch_record(conn, row_id))
+
+                try:
+                    report = dry_run_report(found, state, args.into, args.create_missing, fetch)
+                except sqlite3.Error as exc:
+                    raise StateDBError(state_db_message(exc, args.into), path=args.into) from exc
+                inflight = InFlight(sum(s.inflight for s in found.streams), report.recovered)
     finally:
         state.close()
     if not args.dry_run:
