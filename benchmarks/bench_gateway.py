@@ -324,8 +324,9 @@ def _slowest(
     Waits: for the store's lock; on a condition (the link's bounded waits, on the
     store's lock: for its evictions to commit, ``CONFIRM_WAIT``; to take a session over
     from the background thread, ``HANDOFF_WAIT``; for room in the spool writer's
-    queue); the session's own state.db write. The rest is the interpreter (the GIL
-    among 9 threads and the spool's writer) and the code's own work.
+    queue); the session's own state.db write; a drain's spool transactions (behind
+    the spool writer's queue of evictions) and reads. The rest is the interpreter (the
+    GIL among 9 threads and the spool's writer) and the code's own work.
     """
     local = threading.local()
 
@@ -355,6 +356,9 @@ def _slowest(
     monkeypatch.setattr(threading.Condition, "wait", timed("a condition", threading.Condition.wait))
     if spool is not None:
         install(store, spool)
+        # A drain's spool work: its take and settle transactions, its reads.
+        spool.transact = timed("a spool transaction", spool.transact)
+        spool.query = timed("a spool read", spool.query)
     append = store.append_to_transcript
     calls: list[tuple[int, dict[str, int]]] = []
 

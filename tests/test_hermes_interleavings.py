@@ -1174,6 +1174,28 @@ def test_a_drain_behind_another_of_this_link_gives_up_at_its_bound_quietly(
     assert contents(store, "s") == ["old", "new", "next"]
 
 
+def test_a_gateway_thread_never_waits_for_another_drain_when_the_background_thread_can(
+    store, spool, monkeypatch
+):
+    """With a background thread, a gateway thread whose session must drain first does
+    not wait for this link's drain of another session (in an outage each failing drain
+    costs two spool commits; threads queued behind them were the slowest calls): it
+    leaves its message queued and returns at once, and the background thread drains
+    the session, in order, once the other drain is done."""
+    monkeypatch.setattr(bounds, "HANDOFF_WAIT", 4 * STEP)  # a wait would outlast the join
+    store._db.create_session("s", "telegram")
+    spool.append("s", msg("old"))  # an earlier run's row: the next message drains it
+    link = install(store, spool, recover=False, retry_interval=0.05)
+    with link._draining:  # another drain of this link has its turn
+        g = threading.Thread(target=lambda: store.append_to_transcript("s", msg("new")))
+        g.start()
+        assert joined(g), "the gateway thread waited for another session's drain"
+        with link._lock:
+            assert [m["content"] for m in store._dirty_transcripts["s"]] == ["new"]
+    assert link.wait_idle(STEP)
+    assert contents(store, "s") == ["old", "new"]
+
+
 def test_a_flush_while_a_drain_finds_nothing_is_not_taken_for_what_that_drain_saw(
     store, spool, monkeypatch
 ):

@@ -143,9 +143,14 @@ class SessionWriter:
                 self._failed(state, claim, drain=True)
                 self._release(session_id, state, claim)
                 return None
-        # Drains of this link take turns here, each for one chunk, so that only
-        # another process's replay (or ``recover``) can make one skip.
-        if not self._draining.acquire(timeout=bounds.HANDOFF_WAIT):
+        # Drains of this link take turns here, each for one chunk. A gateway thread
+        # does not wait for another session's turn when the background thread can
+        # drain this session later: in an outage each failing drain costs two spool
+        # commits, and gateway threads queued here were the slowest calls.
+        wait = bounds.HANDOFF_WAIT
+        if not claim.background and self._background_on():
+            wait = 0.0
+        if not self._draining.acquire(timeout=wait):
             return self._busy(session_id, state, claim)
         try:
             report = self._replay(session_id=session_id, limit=bounds.DRAIN_CHUNK_ROWS, wait=False)
