@@ -194,8 +194,8 @@ def test_rows_in_flight_cost_a_dry_run_no_more_than_rows_waiting(tmp_path):
     peaks no higher with them in flight, give or take two rows (it decodes each on its
     own and keeps only its id; before: every row in flight sorted and decoded at once,
     738 MiB against 354). Not ``PEAK_BOUND``: either way the dry run's json_valid scans
-    of every row peak at about 355 MiB (SQLite keeps its parses of the last few
-    payloads)."""
+    of every row peaked at about 355 MiB (SQLite kept its parses of the last few
+    payloads), now under ``PEAK_BOUND`` too."""
     path = big_rows_in_flight(tmp_path / "spool.db")
     state = state_db(tmp_path / "state.db", "s")
     out = tmp_path / "out"
@@ -207,6 +207,35 @@ def test_rows_in_flight_cost_a_dry_run_no_more_than_rows_waiting(tmp_path):
     rc, waiting = peak_rss(argv, out)
     assert rc == 0 and json.loads(out.read_text())["inflight"] == 0
     assert in_flight < waiting + 2 * 32 * MiB, (in_flight // MiB, waiting // MiB)
+    assert waiting < PEAK_BOUND and in_flight < PEAK_BOUND, (in_flight // MiB, waiting // MiB)
+
+
+def test_check_and_a_dry_run_find_bad_payloads_without_holding_large_parses(tmp_path):
+    """12 payloads of 32 MiB, one of them not JSON, and a small one not JSON: `check`
+    names both and `replay --dry-run` counts both, each peaking under ``PEAK_BOUND``
+    (a json_valid scan kept SQLite's parses of the last few payloads: 370 MiB)."""
+    path = spool_with(tmp_path / "spool.db", ["s"], per_session=13)
+    edit(
+        path,
+        (
+            "UPDATE records SET payload = json_object('role', 'user', 'content', "
+            "CAST(seq AS TEXT), 'junk', printf('%.*c', ?, 'x')) WHERE seq <= 12",
+            (32 * MiB,),
+        ),
+        ("UPDATE records SET payload = substr(payload, 2) WHERE seq IN (5, 13)", ()),
+    )
+    out = tmp_path / "out"
+    rc, peak = peak_rss(["check", path, "--json"], out)
+    problems = json.loads(out.read_text())["problems"]
+    assert rc == 1 and peak < PEAK_BOUND, peak // MiB
+    assert (
+        "2 rows whose payload is not valid JSON: id 5 (session s, seq 5), id 13 (session s, seq 13)"
+    ) in problems
+    state = state_db(tmp_path / "state.db", "s")
+    rc, peak = peak_rss(["replay", path, "--into", state, "--dry-run", "--json"], out)
+    report = json.loads(out.read_text())
+    assert peak < PEAK_BOUND, peak // MiB
+    assert report["quarantined"] == 2, report
 
 
 def test_export_reads_a_page_at_a_time_whatever_the_size_column_says(tmp_path):

@@ -14,6 +14,8 @@ within ``codec.MAX_VALUES``).
 
 from __future__ import annotations
 
+import heapq
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +31,41 @@ from .records import Record
 PAGE_ROWS = 512
 #: A page also ends once its rows cost this many bytes (see the module docstring).
 PAGE_BYTES = 8 * 1024 * 1024
+
+#: Payloads up to this many bytes are checked by ``json_valid`` inside a scan. SQLite
+#: keeps its parses of the last few payloads a statement has seen (its JSON cache,
+#: let go when the statement ends), so a scan over large payloads would hold several
+#: of them at once; a larger payload is checked by a statement of its own.
+SCAN_JSON_BYTES = 1024 * 1024
+#: A row whose payload a scan may check with ``json_valid``, and one it may not.
+SMALL_PAYLOAD = f"octet_length(payload) <= {SCAN_JSON_BYTES}"
+LARGE_PAYLOAD = f"octet_length(payload) > {SCAN_JSON_BYTES}"
+_PAYLOAD_IS_JSON_SQL = "SELECT json_valid(payload) FROM records WHERE id = ?"
+
+
+def payload_is_json(conn: apsw.Connection, record_id: int) -> bool:
+    """Whether row ``record_id``'s payload is JSON, its parse let go at once."""
+    return bool(conn.execute(_PAYLOAD_IS_JSON_SQL, (record_id,)).get)
+
+
+def rows_not_json(conn: apsw.Connection, columns: str, where: str, params: Any) -> Iterator[Any]:
+    """``SELECT columns`` of the rows matching ``where`` whose payload is not JSON, in id
+    order (``columns`` starts with ``id``), holding at most one large payload's parse."""
+    small = conn.execute(
+        f"SELECT {columns} FROM records WHERE ({where}) AND {SMALL_PAYLOAD} "
+        "AND NOT json_valid(payload) ORDER BY id",
+        params,
+    )
+    large = (
+        row
+        for row in conn.execute(
+            f"SELECT {columns} FROM records WHERE ({where}) AND {LARGE_PAYLOAD} ORDER BY id",
+            params,
+        )
+        if not payload_is_json(conn, row[0])
+    )
+    return heapq.merge(small, large, key=lambda row: row[0])
+
 
 #: The bytes of a row's variable-length values, measured by SQLite from what is stored
 #: (``octet_length`` reads a value's length from its record header). The last column

@@ -10,6 +10,7 @@ without a write (``recovered``); payloads that are not JSON would be quarantined
 from __future__ import annotations
 
 import sqlite3
+from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -18,7 +19,7 @@ import apsw
 
 from .. import codec
 from ..errors import SessionMissing, SpoolCorrupt, WalspoolError
-from ..paging import record_from_row
+from ..paging import payload_is_json, record_from_row, rows_not_json
 from ..records import AGENT_HISTORY, Record
 from ..replay import REASON_FILTER, ReplayReport, StreamReport, report_of
 from ..sinks import LANDED_SQL, LANDED_TABLE, LANDED_TABLE_EXISTS_SQL, rejects_content
@@ -29,9 +30,12 @@ from ._trial import Trial, trial_session_db
 #: A replay takes the rows it chose and every row an interrupted replay left in flight.
 # No payload in a GROUP BY: its sorter would hold every row's payload (2 GiB for 24
 # rows of 60 MiB). Bad payloads are counted by their own query, for the dry run only.
+_STREAM_WHERE = (
+    f"(inflight IS NOT NULL OR ({REASON_FILTER})) AND (:session IS NULL OR session_id = :session)"
+)
 _STREAM_ROWS = f"""
 FROM records
-WHERE (inflight IS NOT NULL OR ({REASON_FILTER})) AND (:session IS NULL OR session_id = :session)
+WHERE {_STREAM_WHERE}
 """
 STREAMS_SQL = f"""
 SELECT session_id, CASE WHEN session_id IS NULL THEN session_key END, count(*),
@@ -39,11 +43,8 @@ SELECT session_id, CASE WHEN session_id IS NULL THEN session_key END, count(*),
 {_STREAM_ROWS}
 GROUP BY 1, 2 ORDER BY 1, 2
 """
-BAD_PAYLOADS_SQL = f"""
-SELECT session_id, CASE WHEN session_id IS NULL THEN session_key END, count(*)
-{_STREAM_ROWS} AND NOT json_valid(payload)
-GROUP BY 1, 2
-"""
+#: A bad payload's id and stream (``paging.rows_not_json``: no scan holds large parses).
+_BAD_PAYLOAD_COLUMNS = "id, session_id, CASE WHEN session_id IS NULL THEN session_key END"
 # Rows in flight without their payloads (the sort holds ids, names and seqs only); each
 # payload is then read and decoded on its own (``ROW_SQL``) and let go.
 INFLIGHT_ROWS_SQL = """
@@ -53,10 +54,12 @@ WHERE inflight IS NOT NULL AND session_id IS NOT NULL
 ORDER BY session_id, seq
 """
 ROW_SQL = f"SELECT {RECORD_COLUMNS} FROM records WHERE id = ? AND json_valid(payload)"
-FIRST_ROW_SQL = f"""
-SELECT {RECORD_COLUMNS} FROM records
-WHERE session_id = :session_id AND inflight IS NULL AND {REASON_FILTER} AND json_valid(payload)
-ORDER BY seq LIMIT 1
+# A stream's rows in seq order, ids only: the first whose payload is JSON is its first
+# row (each payload checked on its own, ``paging.payload_is_json``).
+STREAM_IDS_SQL = f"""
+SELECT id FROM records
+WHERE session_id = :session_id AND inflight IS NULL AND {REASON_FILTER}
+ORDER BY seq
 """
 
 
@@ -106,9 +109,10 @@ def replay_streams(
     """Each stream a replay would take, with its rows (chosen or in flight), and with
     ``bad`` how many of them are not JSON (0 without)."""
     params = _params(session, reasons, statuses)
-    invalid = {}
+    invalid: Counter[tuple[str | None, str | None]] = Counter()
     if bad:
-        invalid = {(s, k): n for s, k, n in conn.execute(BAD_PAYLOADS_SQL, params)}
+        for _, session_id, key in rows_not_json(conn, _BAD_PAYLOAD_COLUMNS, _STREAM_WHERE, params):
+            invalid[session_id, key] += 1
     rows = conn.execute(STREAMS_SQL, params).fetchall()
     return [StreamCount(*row, invalid.get((row[0], row[1]), 0)) for row in rows]
 
@@ -135,11 +139,13 @@ def plan(
     first = {}
     for stream in streams:
         if stream.session_id is not None:
-            found = conn.execute(FIRST_ROW_SQL, {**params, "session_id": stream.session_id})
-            for row in found:
-                record = _decoded(row)
-                if record is not None:
-                    first[stream.session_id] = record
+            ids = conn.execute(STREAM_IDS_SQL, {**params, "session_id": stream.session_id})
+            for (row_id,) in ids:
+                if payload_is_json(conn, row_id):
+                    record = fetch_record(conn, row_id)
+                    if record is not None:
+                        first[stream.session_id] = record
+                    break
     return Plan(str(conn.execute(UID_SQL).get), streams, inflight, first)
 
 

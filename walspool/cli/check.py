@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +12,7 @@ import apsw
 
 from .. import schema
 from ..errors import SpoolCorrupt, WalspoolError
+from ..paging import rows_not_json
 from ..schema import APPLICATION_ID, SCHEMA_VERSION
 from ..text import printable
 from ._output import EXIT_ERROR, EXIT_OK, clip, dump, plural, warn
@@ -57,7 +59,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 #: (what a non-zero count means, SQL counting the offending rows)
-BOOKKEEPING_CHECKS = (
+NOT_JSON = "rows whose payload is not valid JSON"
+BOOKKEEPING_CHECKS: tuple[tuple[str, str | None], ...] = (
     (
         "rows that share their stream's seq with another row",
         """SELECT coalesce(sum(n - 1), 0) FROM (SELECT count(*) AS n FROM records NOT INDEXED
@@ -71,10 +74,7 @@ BOOKKEEPING_CHECKS = (
                 ORDER BY id) AS before FROM records NOT INDEXED)
             WHERE before >= seq""",
     ),
-    (
-        "rows whose payload is not valid JSON",
-        "SELECT count(*) FROM records WHERE NOT json_valid(payload)",
-    ),
+    (NOT_JSON, None),  # paging.rows_not_json: no scan holds large payloads' parses
     (
         "rows whose size is not their payload's length in bytes",
         "SELECT count(*) FROM records WHERE size != length(CAST(payload AS BLOB))",
@@ -82,8 +82,6 @@ BOOKKEEPING_CHECKS = (
 )
 #: For the checks about single rows: SQL naming the first of them (id, stream, seq).
 NAMED_ROWS_SQL = {
-    "rows whose payload is not valid JSON": """SELECT id, coalesce(session_id, session_key),
-        seq FROM records WHERE NOT json_valid(payload) ORDER BY id LIMIT :limit""",
     "rows whose size is not their payload's length in bytes": """SELECT id,
         coalesce(session_id, session_key), seq FROM records
         WHERE size != length(CAST(payload AS BLOB)) ORDER BY id LIMIT :limit""",
@@ -129,15 +127,28 @@ def run_check(conn: apsw.Connection, path: Path) -> dict[str, Any]:
         nonlocal rows
         rows = conn.execute("SELECT count(*) FROM records NOT INDEXED").get
 
-    def bookkeeping(what: str, sql: str) -> None:
-        n = conn.execute(sql).get
-        if n and what in NAMED_ROWS_SQL:
-            named = conn.execute(NAMED_ROWS_SQL[what], {"limit": NAMED_ROWS}).fetchall()
+    def report(what: str, n: int, named: list[Any]) -> None:
+        if named:
             listed = ", ".join(f"id {i} (session {name}, seq {seq})" for i, name, seq in named)
             more = f" and {n - len(named)} more" if n > len(named) else ""
             problems.append(f"{n} {what}: {listed}{more}")
         elif n:
             problems.append(f"{n} {what}")
+
+    def bookkeeping(what: str, sql: str) -> None:
+        n = conn.execute(sql).get
+        named = []
+        if n and what in NAMED_ROWS_SQL:
+            named = conn.execute(NAMED_ROWS_SQL[what], {"limit": NAMED_ROWS}).fetchall()
+        report(what, n, named)
+
+    def not_json() -> None:
+        n, named = 0, []
+        for row in rows_not_json(conn, "id, coalesce(session_id, session_key), seq", "1", ()):
+            n += 1
+            if len(named) < NAMED_ROWS:
+                named.append(row)
+        report(NOT_JSON, n, named)
 
     attempt("PRAGMA integrity_check", integrity)
     if problems and "failed" in problems[-1]:
@@ -146,7 +157,8 @@ def run_check(conn: apsw.Connection, path: Path) -> dict[str, Any]:
     attempt("reading the schema", definitions)
     attempt("counting rows", count)
     for what, sql in BOOKKEEPING_CHECKS:
-        attempt(f"checking for {what}", lambda w=what, s=sql: bookkeeping(w, s))
+        check = not_json if sql is None else partial(bookkeeping, what, sql)
+        attempt(f"checking for {what}", check)
 
     def inflight() -> None:
         n = conn.execute(INFLIGHT_SQL).get
