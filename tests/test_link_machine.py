@@ -41,6 +41,8 @@ TABLE = [
     (G, NONE, OK, {"queued": True}, Decision(Step.WRITE)),
     (B, NONE, OK, {"queued": True}, Decision(Step.WRITE)),
     (G, NONE, OK, {}, Decision(Step.IDLE)),
+    # A retry time matters only to a failing session.
+    (G, NONE, OK, {"queued": True, "retry_at": NOW + 1}, Decision(Step.WRITE)),
     (B, NONE, OK, {}, Decision(Step.IDLE)),
     # Spooled rows go first, whoever writes.
     (G, HOLD, OK, {"queued": True}, Decision(Step.DRAIN)),
@@ -92,7 +94,9 @@ def test_next_step_from_the_table(owner, spooled, backoff, facts, decision):
 
 
 def test_only_the_claims_holder_decides():
-    with pytest.raises(ValueError, match="holder"):
+    with pytest.raises(
+        ValueError, match="^only the holder of the session's claim decides its next step$"
+    ):
         next_step(Facts(Owner.NOBODY, NONE, OK, queued=True), NOW)
 
 
@@ -127,7 +131,7 @@ def test_retry_delay_has_a_floor_only_with_background_retries():
 
 @pytest.mark.parametrize(
     ("failures", "hold_until", "expected"),
-    [(0, 0.0, OK), (0, NOW + 1, OK), (2, 0.0, FAIL), (2, NOW + 1, Backoff.HELD)],
+    [(0, 0.0, OK), (0, NOW + 1, OK), (2, 0.0, FAIL), (2, NOW + 1, Backoff.HELD), (2, NOW, FAIL)],
 )
 def test_backoff_of(failures, hold_until, expected):
     assert backoff_of(failures, hold_until, NOW) is expected
@@ -155,6 +159,21 @@ def test_pick_due_takes_the_session_longest_due_and_says_when_to_look_next():
     del candidates["later"], candidates["late"]
     assert pick_due(candidates, NOW) == (None, NOW + 50)
     assert pick_due({}, NOW) == (None, None)
+
+
+def test_pick_due_at_the_edges():
+    """Due at its retry time exactly; the soonest of several later retries, whatever
+    their order; a skipped session does not end the search; of two equally due, the
+    one the link has known longest (first in its dict)."""
+    idle = dict(owner=Owner.NOBODY, waiters=False, unconfirmed=False, has_work=True)
+    assert pick_due({"s": Candidate(**idle, retry_at=NOW)}, NOW) == ("s", NOW)
+    soon, late = Candidate(**idle, retry_at=NOW + 2), Candidate(**idle, retry_at=NOW + 5)
+    assert pick_due({"soon": soon, "late": late}, NOW) == (None, NOW + 2)
+    assert pick_due({"late": late, "soon": soon}, NOW) == (None, NOW + 2)
+    busy = Candidate(**{**idle, "owner": B}, retry_at=0.0)
+    assert pick_due({"busy": busy, "s": Candidate(**idle, retry_at=NOW)}, NOW) == ("s", NOW)
+    tie = {"old": Candidate(**idle, retry_at=NOW - 1), "new": Candidate(**idle, retry_at=NOW - 1)}
+    assert pick_due(tie, NOW) == ("old", NOW)
 
 
 class Session(RuleBasedStateMachine):
