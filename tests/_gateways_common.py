@@ -13,8 +13,9 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -288,3 +289,20 @@ def _wait_for_first_row(replay: Any) -> None:
             chunk = os.read(fd, 4096)
             assert chunk, f"the replay exited early: {replay.wait(5)} {seen[-3000:]!r}"
             seen += chunk
+
+
+def start_beside(
+    replay: RunningReplay, start: Callable[[], Any], bound: float
+) -> tuple[float, list[Any], int, dict[str, Any]]:
+    """Run a gateway's ``start`` on a thread while ``replay`` is held in the middle of
+    its rows: how long the start took (up to ``bound``, then it is left running), what
+    it returned, then (the replay let go) the replay's exit status and report."""
+    returned: list[Any] = []
+    thread = threading.Thread(target=lambda: returned.append(start()))
+    began = time.monotonic()
+    thread.start()
+    thread.join(bound)
+    took = time.monotonic() - began
+    status, report = replay.finish()  # let go of state.db in any case
+    thread.join(CHILD_TIMEOUT)
+    return took, returned, status, report

@@ -64,6 +64,24 @@ def contents(db: Any, session_id: str) -> list[str]:
 # -- order and bookkeeping ------------------------------------------------------
 
 
+def replay_dying_after(spool: walspool.Spool, sink: MemorySink, at: tuple[str, int], **kw: Any):
+    """A replay whose process dies (``Crash``) right after the sink wrote ``at``
+    (session id, seq): that row landed, its spool row is still in flight."""
+    write = sink.write
+
+    def write_then_die(session_id: str, record: Record, ticket: Any) -> None:
+        write(session_id, record, ticket)
+        if (record.session_id, record.seq) == at:
+            raise Crash
+
+    sink.write = write_then_die  # type: ignore[method-assign]
+    try:
+        with pytest.raises(Crash):
+            Replayer(spool, sink, **kw).replay()
+    finally:
+        sink.write = write  # type: ignore[method-assign]
+
+
 def test_rows_move_in_drop_order_per_session(spool, sink):
     spool.append_many([(s, msg(s, i)) for i in range(300) for s in ("b", "a", "c")])
     report = Replayer(spool, sink, batch_rows=64).replay()
@@ -301,17 +319,7 @@ def test_recovery_reads_rows_in_flight_a_page_at_a_time_in_seq_order(spool, sink
     can move before them); once healed each row lands once, in seq order, before the
     rows spooled after the crash."""
     spool.append_many([("s", msg("s", i)) for i in range(8)])
-    write = sink.write
-
-    def write_then_die(session_id: str, record: Record, ticket: Any) -> None:
-        write(session_id, record, ticket)
-        if record.seq == 2:
-            raise Crash
-
-    sink.write = write_then_die  # type: ignore[method-assign]
-    with pytest.raises(Crash):
-        Replayer(spool, sink).replay()
-    sink.write = write  # type: ignore[method-assign]
+    replay_dying_after(spool, sink, ("s", 2))
     spool.append_many([("s", msg("s", i)) for i in range(8, 10)])
     lookups: list[int] = []
     landed = sink.landed
@@ -360,17 +368,7 @@ def test_a_failing_probe_keeps_the_stream_in_flight(spool, sink):
 
 def test_an_interrupted_replay_in_process_is_recovered(spool, sink):
     spool.append_many([("s", msg("s", i)) for i in range(6)])
-    write = sink.write
-
-    def write_then_die(session_id: str, record: Record, ticket: Any) -> None:
-        write(session_id, record, ticket)
-        if record.seq == 3:
-            raise Crash
-
-    sink.write = write_then_die  # type: ignore[method-assign]
-    with pytest.raises(Crash):
-        Replayer(spool, sink, batch_rows=4).replay()
-    sink.write = write  # type: ignore[method-assign]
+    replay_dying_after(spool, sink, ("s", 3), batch_rows=4)
     report = Replayer(spool, sink).replay()
     assert (report.recovered, report.moved) == (3, 3)
     assert sink.messages("s") == [msg("s", i) for i in range(6)]
@@ -706,17 +704,7 @@ def test_landed_rows_of_several_streams_are_all_removed_and_counted(spool, sink,
     spool.append_many(
         [("a", msg("a", i)) for i in range(2)] + [("b", msg("b", i)) for i in range(3)]
     )
-    write = sink.write
-
-    def write_then_die(session_id: str, record: Record, ticket: Any) -> None:
-        write(session_id, record, ticket)
-        if (record.session_id, record.seq) == ("b", 2):
-            raise Crash
-
-    sink.write = write_then_die  # type: ignore[method-assign]
-    with pytest.raises(Crash):
-        Replayer(spool, sink).replay()
-    sink.write = write  # type: ignore[method-assign]
+    replay_dying_after(spool, sink, ("b", 2))
     caplog.set_level("INFO", logger="walspool.replay")
     report = Replayer(spool, sink).replay()
     assert (report.recovered, report.moved, report.held) == (4, 1, 0)

@@ -5,11 +5,10 @@ everything."""
 
 from __future__ import annotations
 
-import threading
 import time
 
 from _axisrow import break_db, close_store, contents, heal_db, new_store
-from _gateways_common import CHILD_TIMEOUT, replay_running
+from _gateways_common import replay_running, start_beside
 from _lock_holder import replay_lock_held
 
 import walspool
@@ -64,14 +63,7 @@ def test_a_start_while_a_real_walspool_replay_runs_skips_it_and_nothing_lands_tw
     with replay_running(home) as replay:
         with walspool.Spool(home / "spool.db") as spool:
             assert spool.stats().rows > 0  # the replay waits in the middle of its rows
-        start = threading.Thread(target=lambda: started.append(wsf.recover_pending_to_db()))
-        started: list[int] = []
-        began = time.monotonic()
-        start.start()
-        start.join(START_BOUND)
-        took = time.monotonic() - began
-        status, report = replay.finish()  # let go of state.db in any case
-        start.join(CHILD_TIMEOUT)
+        took, started, status, report = start_beside(replay, wsf.recover_pending_to_db, START_BOUND)
         assert took < START_BOUND, f"the start waited {took:.1f} s for the running replay"
         assert started == [0]
     assert (status, report["moved"], report["held"]) == (0, SESSIONS * ROWS, 0)

@@ -4,11 +4,9 @@ it (so their live rows wait behind the spooled ones), and every row lands once, 
 
 from __future__ import annotations
 
-import threading
-import time
 import types
 
-from _gateways_common import CHILD_TIMEOUT, replay_running
+from _gateways_common import replay_running, start_beside
 
 import walspool
 import walspool.shutdown_flush as wsf
@@ -37,14 +35,9 @@ def test_a_start_while_a_real_walspool_replay_runs_skips_it_and_nothing_lands_tw
     with replay_running(home) as replay:
         with walspool.Spool(home / "spool.db") as spool:
             assert spool.stats().rows > 0  # the replay waits in the middle of its rows
-        started: list[int] = []
-        start = threading.Thread(target=lambda: started.append(wsf.recover_gateway_pending(runner)))
-        began = time.monotonic()
-        start.start()
-        start.join(START_BOUND)
-        took = time.monotonic() - began
-        status, report = replay.finish()  # let go of state.db in any case
-        start.join(CHILD_TIMEOUT)
+        took, started, status, report = start_beside(
+            replay, lambda: wsf.recover_gateway_pending(runner), START_BOUND
+        )
         assert took < START_BOUND, f"the start waited {took:.1f} s for the running replay"
         assert started == [0]
     assert (status, report["moved"], report["held"]) == (0, SESSIONS * ROWS, 0)
