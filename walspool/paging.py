@@ -48,22 +48,15 @@ def payload_is_json(conn: apsw.Connection, record_id: int) -> bool:
     return bool(conn.execute(_PAYLOAD_IS_JSON_SQL, (record_id,)).get)
 
 
-def rows_not_json(conn: apsw.Connection, columns: str, where: str, params: Any) -> Iterator[Any]:
-    """``SELECT columns`` of the rows matching ``where`` whose payload is not JSON, in id
-    order (``columns`` starts with ``id``), holding at most one large payload's parse."""
-    small = conn.execute(
-        f"SELECT {columns} FROM records WHERE ({where}) AND {SMALL_PAYLOAD} "
-        "AND NOT json_valid(payload) ORDER BY id",
-        params,
-    )
-    large = (
-        row
-        for row in conn.execute(
-            f"SELECT {columns} FROM records WHERE ({where}) AND {LARGE_PAYLOAD} ORDER BY id",
-            params,
-        )
-        if not payload_is_json(conn, row[0])
-    )
+def rows_not_json(
+    conn: apsw.Connection, small_sql: str, large_sql: str, params: Any
+) -> Iterator[Any]:
+    """The rows whose payload is not JSON, in id order, holding at most one large
+    payload's parse: ``small_sql`` selects them among ``SMALL_PAYLOAD`` rows with
+    ``NOT json_valid(payload)``, ``large_sql`` selects every ``LARGE_PAYLOAD`` row; both
+    ``ORDER BY id`` with ``id`` first."""
+    small = conn.execute(small_sql, params)
+    large = (row for row in conn.execute(large_sql, params) if not payload_is_json(conn, row[0]))
     return heapq.merge(small, large, key=lambda row: row[0])
 
 

@@ -19,7 +19,13 @@ import apsw
 
 from .. import codec
 from ..errors import SessionMissing, SpoolCorrupt, WalspoolError
-from ..paging import payload_is_json, record_from_row, rows_not_json
+from ..paging import (
+    LARGE_PAYLOAD,
+    SMALL_PAYLOAD,
+    payload_is_json,
+    record_from_row,
+    rows_not_json,
+)
 from ..records import AGENT_HISTORY, Record
 from ..replay import REASON_FILTER, ReplayReport, StreamReport, report_of
 from ..sinks import LANDED_SQL, LANDED_TABLE, LANDED_TABLE_EXISTS_SQL, rejects_content
@@ -44,7 +50,11 @@ SELECT session_id, CASE WHEN session_id IS NULL THEN session_key END, count(*),
 GROUP BY 1, 2 ORDER BY 1, 2
 """
 #: A bad payload's id and stream (``paging.rows_not_json``: no scan holds large parses).
-_BAD_PAYLOAD_COLUMNS = "id, session_id, CASE WHEN session_id IS NULL THEN session_key END"
+_BAD_PAYLOAD_ROWS = f"""
+SELECT id, session_id, CASE WHEN session_id IS NULL THEN session_key END
+FROM records WHERE ({_STREAM_WHERE})"""
+BAD_SMALL_SQL = f"{_BAD_PAYLOAD_ROWS} AND {SMALL_PAYLOAD} AND NOT json_valid(payload) ORDER BY id"
+BAD_LARGE_SQL = f"{_BAD_PAYLOAD_ROWS} AND {LARGE_PAYLOAD} ORDER BY id"
 # Rows in flight without their payloads (the sort holds ids, names and seqs only); each
 # payload is then read and decoded on its own (``ROW_SQL``) and let go.
 INFLIGHT_ROWS_SQL = """
@@ -111,7 +121,7 @@ def replay_streams(
     params = _params(session, reasons, statuses)
     invalid: Counter[tuple[str | None, str | None]] = Counter()
     if bad:
-        for _, session_id, key in rows_not_json(conn, _BAD_PAYLOAD_COLUMNS, _STREAM_WHERE, params):
+        for _, session_id, key in rows_not_json(conn, BAD_SMALL_SQL, BAD_LARGE_SQL, params):
             invalid[session_id, key] += 1
     rows = conn.execute(STREAMS_SQL, params).fetchall()
     return [StreamCount(*row, invalid.get((row[0], row[1]), 0)) for row in rows]

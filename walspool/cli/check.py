@@ -12,7 +12,7 @@ import apsw
 
 from .. import schema
 from ..errors import SpoolCorrupt, WalspoolError
-from ..paging import rows_not_json
+from ..paging import LARGE_PAYLOAD, SMALL_PAYLOAD, rows_not_json
 from ..schema import APPLICATION_ID, SCHEMA_VERSION
 from ..text import printable
 from ._output import EXIT_ERROR, EXIT_OK, clip, dump, plural, warn
@@ -60,6 +60,9 @@ def run(args: argparse.Namespace) -> int:
 
 #: (what a non-zero count means, SQL counting the offending rows)
 NOT_JSON = "rows whose payload is not valid JSON"
+_NAMED = "SELECT id, coalesce(session_id, session_key), seq FROM records"
+NOT_JSON_SMALL_SQL = f"{_NAMED} WHERE {SMALL_PAYLOAD} AND NOT json_valid(payload) ORDER BY id"
+NOT_JSON_LARGE_SQL = f"{_NAMED} WHERE {LARGE_PAYLOAD} ORDER BY id"
 BOOKKEEPING_CHECKS: tuple[tuple[str, str | None], ...] = (
     (
         "rows that share their stream's seq with another row",
@@ -144,7 +147,7 @@ def run_check(conn: apsw.Connection, path: Path) -> dict[str, Any]:
 
     def not_json() -> None:
         n, named = 0, []
-        for row in rows_not_json(conn, "id, coalesce(session_id, session_key), seq", "1", ()):
+        for row in rows_not_json(conn, NOT_JSON_SMALL_SQL, NOT_JSON_LARGE_SQL, ()):
             n += 1
             if len(named) < NAMED_ROWS:
                 named.append(row)
