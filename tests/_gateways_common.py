@@ -20,6 +20,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _lock_holder import write_lock_held
+
+from walspool.files import REPLAY_LOCK_SUFFIX
 
 
 def installed(distribution: str) -> bool:
@@ -215,9 +218,9 @@ CHILD_TIMEOUT = 120.0
 
 
 class RunningReplay:
-    """A real ``walspool replay SPOOL --into STATE_DB`` process, held in the middle of
-    its replay: another process holds state.db's write lock, so its next write waits
-    (hermes' own patience for a transcript write, 60 s)."""
+    """A real ``walspool replay SPOOL --into STATE_DB`` process, held at its first write:
+    it holds the spool's replay lock and another process holds state.db's write lock,
+    so its write waits (hermes' own patience for a transcript write, 20 s or more)."""
 
     def __init__(self, replay: Any, holder: Any) -> None:
         self.replay = replay
@@ -237,58 +240,63 @@ class RunningReplay:
 @contextlib.contextmanager
 def replay_running(home: Path) -> Iterator[RunningReplay]:
     """``walspool replay <home>/spool.db --into <home>/state.db`` running in another
-    process, stopped by a state.db lock right after its first row landed."""
-    state_db = home / "state.db"
+    process, held at its first write by a state.db lock.
+
+    No race decides where it stops: the spool's write lock is held (by another process)
+    from before the replay starts, so the replay, once it holds its replay lock, waits
+    at its first spool write (the stamp of its first batch, before any state.db write);
+    state.db's write lock is taken only then, and the spool's let go."""
+    spool_db, state_db = home / "spool.db", home / "state.db"
     holder = subprocess.Popen(
         [sys.executable, "-c", STATE_DB_HOLDER, str(state_db)],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
     )
-    replay = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "walspool",
-            "replay",
-            str(home / "spool.db"),
-            "--into",
-            str(state_db),
-            "--json",
-            "--progress",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "HERMES_HOME": str(home)},
-    )
+    replay = None
     try:
-        _wait_for_first_row(replay)
-        assert holder.stdin is not None and holder.stdout is not None
-        holder.stdin.write("lock\n")
-        holder.stdin.flush()
-        assert holder.stdout.readline() == "locked\n"
+        with write_lock_held(spool_db) as spool_lock:
+            replay = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "walspool",
+                    "replay",
+                    str(spool_db),
+                    "--into",
+                    str(state_db),
+                    "--json",
+                ],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env={**os.environ, "HERMES_HOME": str(home)},
+            )
+            _wait_for_replay_lock(replay, Path(f"{spool_db}{REPLAY_LOCK_SUFFIX}"))
+            assert holder.stdin is not None and holder.stdout is not None
+            holder.stdin.write("lock\n")
+            holder.stdin.flush()
+            assert holder.stdout.readline() == "locked\n"
+            spool_lock.release()
         yield RunningReplay(replay, holder)
     finally:
         for proc in (holder, replay):
-            if proc.poll() is None:
-                proc.kill()
-            proc.communicate(timeout=CHILD_TIMEOUT)
+            if proc is not None:
+                if proc.poll() is None:
+                    proc.kill()
+                proc.communicate(timeout=CHILD_TIMEOUT)
 
 
-def _wait_for_first_row(replay: Any) -> None:
-    """Wait for the replay's first progress line (drawn once its first row landed)."""
+def _wait_for_replay_lock(replay: Any, lock: Path) -> None:
+    """Wait until ``replay`` holds the spool's replay lock (walspool writes the holder's
+    pid into the lock file once it holds it)."""
     deadline = time.monotonic() + CHILD_TIMEOUT
-    seen = b""
-    fd = replay.stderr.fileno()
-    while b"replay: 1/" not in seen:
-        left = deadline - time.monotonic()
-        assert left > 0, f"the replay wrote no row: {seen[-3000:]!r}"
-        ready, _, _ = select.select([fd], [], [], left)
-        if ready:
-            chunk = os.read(fd, 4096)
-            assert chunk, f"the replay exited early: {replay.wait(5)} {seen[-3000:]!r}"
-            seen += chunk
+    while not (lock.exists() and lock.read_text().strip() == str(replay.pid)):
+        if replay.poll() is not None:
+            out, err = replay.communicate(timeout=CHILD_TIMEOUT)
+            raise AssertionError(f"the replay exited early ({replay.returncode}): {err[-3000:]}")
+        assert time.monotonic() < deadline, "the replay never took its replay lock"
+        time.sleep(0.01)
 
 
 def start_beside(
