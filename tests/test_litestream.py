@@ -10,9 +10,10 @@ child process to a ``file`` replica, and restored with ``litestream restore``.
 * walspool's own checkpoints, its ``journal_size_limit``, ``walspool vacuum`` and a
   schema upgrade leave a replica that restores with every row; after a damaged spool is
   moved aside, so does the README's remedy (Litestream restarted).
-* Two strict expected failures, for changes walspool needs: it moves a damaged spool
-  aside while Litestream has it open, and vacuum's TRUNCATE checkpoint keeps the
-  gateway's appends out while it waits for Litestream's read lock.
+* A damaged spool that Litestream has open is not moved aside (the open fails with
+  SpoolCorrupt naming the holder and changes nothing), and ``walspool vacuum``'s
+  TRUNCATE checkpoint never keeps the gateway's appends out while it waits for
+  Litestream's read lock.
 * Every restored spool opens as a spool (application id, schema) and ``walspool
   check`` passes on it.
 
