@@ -18,15 +18,18 @@ import os
 import pwd
 import select
 import shutil
+import signal
 import stat
 import subprocess
 import sys
 import textwrap
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from _helpers import ROOT, MemorySink
+from _lock_holder import replay_lock_held
 from _users import NOBODY, SETPRIV, as_root, shared_directory
 from _users import python_as as as_user
 
@@ -350,6 +353,97 @@ def test_roots_replay_never_writes_through_a_state_db_link_swapped_in_after_the_
     with walspool.Spool(spool_path) as spool:
         left = sum(1 for _ in spool.records())
     assert messages(real) + left == TRIES // 4 + 1
+
+
+@as_root
+@pytest.mark.parametrize("name", ["state.db-wal", "state.db-shm", "state.db-journal"])
+@pytest.mark.parametrize("link", ["symlink", "hard link"])
+def test_roots_replay_never_gives_away_a_file_linked_at_a_state_db_side_file(
+    shared_tmp, capfd, name, link
+):
+    """The owner of the gateway's directory puts a link to a file of root's at a name
+    SQLite opens beside state.db (``-wal``, ``-shm``, ``-journal``) and asks root to
+    replay: SQLite follows such names and, run as root, chowns what it opens to
+    state.db's owner (before: the owner got root's file). Root's replay runs as the
+    owner instead: root's file keeps its owner, mode and content, and the replay
+    fails loudly or writes into state.db only."""
+    home = owned_dir(shared_tmp / "hermes", OWNER)
+    spool_path = gateway_spool(home)
+    state_db = hermes_state_db(home / "state.db", OWNER)
+    roots = owned_dir(shared_tmp / "roots", 0, 0o755)
+    secret = roots / "secret"
+    secret.write_bytes(b"root's own")
+    secret.chmod(0o600)
+    planted = home / name
+    if link == "symlink":
+        planted.symlink_to(secret)
+        os.lchown(planted, OWNER, OWNER)
+    else:  # fs.protected_hardlinks stops the owner making it; one made before, or by root
+        os.link(secret, planted)
+    code = main(["replay", str(spool_path), "--into", str(state_db)])
+    err = capfd.readouterr().err
+    st = os.stat(secret)
+    assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (0, 0, 0o600), (code, err)
+    assert secret.read_bytes() == b"root's own"
+    planted.unlink()  # or this check's own SQLite would open it
+    with walspool.Spool(spool_path) as spool:
+        left = sum(1 for _ in spool.records())
+    assert messages(state_db) + left == 1  # the row landed or stayed spooled, once
+
+
+@as_root
+def test_roots_replay_into_another_users_state_db_runs_as_that_user(shared_tmp, capfd, monkeypatch):
+    """Root's replay moves the row and leaves every file in the gateway's directory
+    (state.db's -wal and -shm, the spool's lock files) to its user: the replay ran as
+    that user, not as root."""
+    home = owned_dir(shared_tmp / "hermes", OWNER)
+    gateway_spool(home)
+    state_db = hermes_state_db(home / "state.db", OWNER)
+    # relative paths, from a working directory of root's that the owner cannot search
+    monkeypatch.chdir(owned_dir(shared_tmp / "roots", 0, 0o700))
+    code = main(["replay", "../hermes/spool.db", "--into", "../hermes/state.db", "--json"])
+    out = capfd.readouterr().out
+    assert code == 0, out
+    assert json.loads(out)["moved"] == 1
+    assert messages(state_db) == 1
+    owners = {p.name: p.lstat().st_uid for p in home.iterdir()}
+    assert set(owners.values()) == {OWNER}, owners
+
+
+@as_root
+def test_a_signal_to_roots_replay_stops_the_replay_running_as_the_owner(shared_tmp):
+    """SIGTERM sent to root's process (the one an operator or a service manager knows)
+    reaches the child replaying as the owner: it stops as a replay stops (143, the row
+    still spooled), rather than root's process going on waiting or leaving it behind."""
+    home = owned_dir(shared_tmp / "hermes", OWNER)
+    spool_path = gateway_spool(home)
+    state_db = hermes_state_db(home / "state.db", OWNER)
+    lock = home / "spool.db.replay-lock"  # the owner's, as the gateway's own replays leave it
+    lock.touch(0o600)
+    os.chown(lock, OWNER, OWNER)
+    argv = ["replay", spool_path, "--into", state_db, "--wait", str(BOUND)]
+    with replay_lock_held(spool_path):
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "walspool", *map(str, argv)],
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
+        killer = threading.Timer(BOUND * 2, proc.kill)  # a hang fails the test
+        killer.start()
+        try:
+            assert proc.stderr is not None
+            waiting = proc.stderr.readline()  # the child, as the owner, waits for the lock
+            assert "waiting for another replay" in waiting, waiting
+            proc.send_signal(signal.SIGTERM)
+            rest = proc.stderr.read()
+            assert proc.wait(BOUND) == 143, rest
+        finally:
+            killer.cancel()
+    assert "interrupted by SIGTERM" in rest
+    assert messages(state_db) == 0
+    with walspool.Spool(spool_path) as spool:
+        assert sum(1 for _ in spool.records()) == 1
 
 
 # -- every directory on the way --------------------------------------------------------

@@ -37,6 +37,7 @@ from . import (
 from ._filters import UsageError
 from ._interrupt import Interrupted
 from ._output import EXIT_ERROR, EXIT_USAGE, as_path, dump, log_lines, warn
+from ._owner import run_as, state_db_owner
 from ._reading import spool_error
 
 __all__ = ["COMMANDS", "build_parser", "main"]
@@ -177,6 +178,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             name = next((a for a in argv if a in _COMMAND_NAMES), None)
             print(dump({"command": name, "error": str(exc), "exit": EXIT_USAGE}))
         raise SystemExit(EXIT_USAGE) from None
+    owner = state_db_owner(args)
+    if owner is not None:  # root, on another user's state.db: see _owner
+        return run_as(owner, args, lambda: _report(args))
+    return _report(args)
+
+
+def _report(args: argparse.Namespace) -> int:
+    """Run the command; report its error, if any; its exit status."""
     status, error = _run(args)
     if error is not None:
         warn(args.command, error)
