@@ -4,6 +4,7 @@ other format characters, in the text views, the log lines and every --json outpu
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
@@ -139,3 +140,31 @@ def test_a_session_id_with_each_class_pastes_back_through_a_shell(tmp_path, caps
     )
     assert done.returncode == 0, done.stderr
     assert [r["message"]["content"] for r in json.loads(done.stdout)] == ["evil"]
+
+
+def test_an_exception_logged_with_its_traceback_cannot_forge_a_log_line():
+    """``log.exception`` with a message (and a chained cause) holding a newline and an
+    escape sequence: the formatted record is the message line plus the traceback's
+    own lines; no line starts with the forged text, and the escapes show."""
+    log = text.logger("walspool.test_text.traceback")
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
+    log.addHandler(handler)
+    forged = "\nERROR walspool forged line\x1b[2K"
+    try:
+        try:
+            raise KeyError(f"cause{forged}")
+        except KeyError as cause:
+            raise ValueError(f"session s{forged}") from cause
+    except ValueError:
+        log.exception("could not spool")
+    finally:
+        log.removeHandler(handler)
+    lines = stream.getvalue().splitlines()
+    assert lines[0] == "ERROR could not spool"
+    assert not any(line.startswith("ERROR walspool forged") for line in lines), lines
+    assert "\x1b" not in stream.getvalue()
+    assert lines[-1] == "ValueError: session s\\nERROR walspool forged line\\x1b[2K"
+    assert any(line.startswith("KeyError: ") and "\\n" in line for line in lines)
+    assert "The above exception was the direct cause" in stream.getvalue()

@@ -12,6 +12,7 @@ spells each such character as a Python escape (``\\x1b``, ``\\n``, ``\\u202e``);
 from __future__ import annotations
 
 import logging
+import traceback
 from typing import Any
 
 #: Every character that is not text to look at: the controls (C0, DEL, C1: category
@@ -84,15 +85,58 @@ def _escaped(arg: Any) -> Any:
     return printable(arg)
 
 
+def escaped_traceback(exc: BaseException) -> str:
+    """``exc``'s traceback as ``logging`` prints it, chained exceptions included, with
+    each exception's message (and notes) escaped: a message may quote a session id or
+    a file's content, and a newline in it would forge a log line. The frames' lines
+    are the program's own source and stay as they are."""
+    chain: list[tuple[BaseException, str]] = []
+    seen: set[int] = set()
+    link = ""
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        chain.append((current, link))
+        if current.__cause__ is not None:
+            current, link = current.__cause__, _CAUSE
+        elif current.__context__ is not None and not current.__suppress_context__:
+            current, link = current.__context__, _CONTEXT
+        else:
+            current = None
+    parts: list[str] = []
+    for error, then in reversed(chain):
+        if error.__traceback__ is not None:
+            parts.append("Traceback (most recent call last):\n")
+            parts.extend(traceback.format_tb(error.__traceback__))
+        kind = type(error)
+        name = kind.__qualname__
+        if kind.__module__ not in ("builtins", "__main__"):
+            name = f"{kind.__module__}.{name}"
+        message = printable(error)
+        parts.append(f"{name}: {message}\n" if message else f"{name}\n")
+        for note in getattr(error, "__notes__", None) or ():
+            parts.append(f"{printable(note)}\n")
+        if then:
+            parts.append(then)
+    return "".join(parts).rstrip("\n")
+
+
+_CAUSE = "\nThe above exception was the direct cause of the following exception:\n\n"
+_CONTEXT = "\nDuring handling of the above exception, another exception occurred:\n\n"
+
+
 class _EscapeArguments(logging.Filter):
     """Escapes the arguments of a record (text, paths, exceptions: anything but a
-    number) before any handler formats it."""
+    number) and the messages in its traceback before any handler formats it."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if isinstance(record.args, tuple):
             record.args = tuple(_escaped(a) for a in record.args)
         elif isinstance(record.args, dict):
             record.args = {k: _escaped(v) for k, v in record.args.items()}
+        if record.exc_info and record.exc_info[1] is not None and not record.exc_text:
+            # Formatters print exc_text, when set, instead of formatting exc_info.
+            record.exc_text = escaped_traceback(record.exc_info[1])
         return True
 
 
