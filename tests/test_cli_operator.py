@@ -401,3 +401,23 @@ def test_a_session_ls_prints_pastes_back_into_show_through_a_shell(capsys, tmp_p
         )
         assert done.returncode == 0, done.stderr
         assert [r["message"]["content"] for r in json.loads(done.stdout)] == [content]
+
+
+def test_show_names_its_session_as_the_shell_word_ls_prints(capsys, tmp_path):
+    """show's header (table and --full) names the stream with the word ls prints for it,
+    so the id in the header pastes back as ls's does; a key stream as `key:<KEY>`,
+    however it was asked for."""
+    path = tmp_path / "spool.db"
+    with walspool.Spool(path) as spool:
+        spool.append(EVIL, {"role": "user", "content": "from evil"})
+        spool.append(None, {"role": "user", "content": "from a key"}, session_key="agent main:k")
+        spool.append("plain-1", {"role": "user", "content": "plain"})
+    words = [r"$'evil\x1b[2J\nline\u202e \'quoted\''", "'key:agent main:k'", "plain-1"]
+    asked = ([EVIL], ["key:agent main:k"], ["plain-1"])
+    for word, argv in zip(words, asked, strict=True):
+        rc, out, _ = run(capsys, "show", path, *argv)
+        assert rc == 0 and out.splitlines()[0] == f"session {word}: 1 row in {path}"
+        rc, out, _ = run(capsys, "show", path, *argv, "--full")
+        assert rc == 0 and out.splitlines()[0] == f"session {word} in {path}"
+    rc, out, _ = run(capsys, "show", path, "--key", "agent main:k")
+    assert rc == 0 and out.splitlines()[0] == f"session 'key:agent main:k': 1 row in {path}"

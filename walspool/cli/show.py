@@ -16,7 +16,17 @@ from ..records import QUARANTINED, SUPERSEDED, Record
 from ..text import printable
 from . import _narrow
 from ._filters import has_stream, stream_rows, which_stream
-from ._output import cli_terms, clip, dump, iso, plural, printable_lines, table
+from ._output import (
+    cli_terms,
+    clip,
+    dump,
+    iso,
+    plural,
+    printable_lines,
+    shell_word,
+    stream_name,
+    table,
+)
 from ._reading import BadPayload, iter_records, reading, record_line, report_bad
 
 #: The mark after ``attempts`` in ``show`` for a row of each status.
@@ -28,9 +38,10 @@ def run(args: argparse.Namespace) -> int:
 
     SESSION is a session id; with --key, or when no row has that session id, the
     session key of rows spooled without one (`key:<KEY>` as ls prints it names that
-    key too). The two are different streams and never shown together. ID is what
-    requeue and drop take (--id). The message column previews each payload; --full prints
-    the payloads whole.
+    key too). The two are different streams and never shown together. The header names
+    the stream as ls does, a shell word that pasted back into show names the same rows.
+    ID is what requeue and drop take (--id). The message column previews each payload;
+    --full prints the payloads whole.
     """
     bad: list[str] = []
     with reading(args.spool) as reader:
@@ -48,15 +59,17 @@ def run(args: argparse.Namespace) -> int:
             what = "session key" if args.key else "session"
             raise WalspoolError(f"no rows for {what} {args.session!r} in {args.spool}")
         rows = itertools.chain([first], rows)
+        # The stream as ls names it, a shell word: pasted into show, it names these rows.
+        shown = stream_name(name, None) if kind == "id" else stream_name(None, name)
         if args.json:
             _show_json(rows, args.full)
         elif args.full:
-            _show_full(args, rows)
+            _show_full(args, shown, rows)
         else:
-            _show_table(args, rows, stream_rows(reader, name, kind))
+            _show_table(args, shown, rows, stream_rows(reader, name, kind))
         if kind == "id" and not args.json and has_stream(reader, args.session, "key"):
             print(
-                f"rows spooled with session key {printable(args.session)} and no session id "
+                f"rows spooled with session key {shell_word(args.session)} and no session id "
                 "are another stream: show it with --key"
             )
     return report_bad("show", bad)
@@ -81,8 +94,10 @@ def _show_json(rows: Iterator[tuple[Record, int | None]], full: bool) -> None:
     out.write("]\n")
 
 
-def _show_full(args: argparse.Namespace, rows: Iterator[tuple[Record, int | None]]) -> None:
-    print(f"session {printable(args.session)} in {printable(args.spool)}")
+def _show_full(
+    args: argparse.Namespace, shown: str, rows: Iterator[tuple[Record, int | None]]
+) -> None:
+    print(f"session {shown} in {printable(args.spool)}")
     for r, inflight in rows:
         print(
             f"\nseq {r.seq}  id {r.id}  {printable(r.reason)}  {iso(r.created_at)}  "
@@ -95,18 +110,17 @@ def _show_full(args: argparse.Namespace, rows: Iterator[tuple[Record, int | None
 
 
 def _show_table(
-    args: argparse.Namespace, rows: Iterator[tuple[Record, int | None]], total: int
+    args: argparse.Namespace, shown: str, rows: Iterator[tuple[Record, int | None]], total: int
 ) -> None:
     lines, marks = [], set()
     for r, inflight in rows:  # only the short preview of each row is kept
         lines.append(_show_line(r, inflight))
         marks.add("*" if inflight is not None else r.status)
-    session, spool = printable(args.session), printable(args.spool)
     # Rows appended meanwhile can make the stream longer than when it was counted.
-    shown = plural(len(lines), "row")
+    count = plural(len(lines), "row")
     if len(lines) < total:
-        shown = f"{len(lines):,} of {plural(total, 'row')}"
-    print(f"session {session}: {shown} in {spool}")
+        count = f"{len(lines):,} of {plural(total, 'row')}"
+    print(f"session {shown}: {count} in {printable(args.spool)}")
     headers = ("SEQ", "ID", "REASON", "CREATED", "ATTEMPTS", "LAST ERROR", "MESSAGE")
     print(table(headers, lines))
     if "*" in marks:
