@@ -167,8 +167,9 @@ def run_check(conn: apsw.Connection, path: Path) -> dict[str, Any]:
         n = conn.execute(INFLIGHT_SQL).get
         if n:
             notes.append(
-                f"{plural(n, 'row')} in flight: out with a running replay, or left by an "
-                "interrupted or failed one; the next replay checks them against state.db first"
+                f"{plural(n, 'row')} in flight: out with a replay or a gateway's drain now, "
+                "or left by one that failed or was stopped; each is checked against state.db "
+                "before it is written again"
             )
 
     attempt("counting rows in flight", inflight)
