@@ -242,6 +242,43 @@ def test_json_is_one_reading_with_rates(tmp_path, capsys):
     assert (stream["session_id"], stream["rows"], stream["last_error"]) == ("s1", 1, None)
 
 
+def test_json_streams_are_what_ls_gives_with_failing_and_the_latest_error(tmp_path, capsys):
+    """Each of --json's streams is ls --json's object for it (every key, the same values
+    but for ages, read later), plus watch's failing and latest_error."""
+    path = tmp_path / "spool.db"
+    with walspool.Spool(path) as spool:
+        spool.append_many([("s1", MSG)] * 3 + [("s2", MSG)])
+        spool.append(None, MSG, session_key="agent:main:k")
+    conn = apsw.Connection(str(path))
+    conn.execute(
+        "UPDATE records SET last_error = 'old: locked', last_attempt_at = 10, attempts = 1 "
+        "WHERE session_id = 's1' AND seq = 1;"
+        "UPDATE records SET last_error = 'new: refused', last_attempt_at = 20, attempts = 2, "
+        "status = 'quarantined' WHERE session_id = 's1' AND seq = 2"
+    )
+    conn.close()
+    assert main(["ls", str(path), "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert main(["watch", str(path), "--interval", "0.1", "--json"]) == 0
+    watched = json.loads(capsys.readouterr().out)["streams"]
+    ages = ("oldest_age", "newest_age")
+    assert len(watched) == len(listed) == 3
+    for w, ls in zip(watched, listed, strict=True):
+        assert set(w) == set(ls) | {"failing", "latest_error"}
+        assert {k: w[k] for k in ls if k not in ages} == {
+            k: v for k, v in ls.items() if k not in ages
+        }
+        assert all(w[k] >= ls[k] for k in ages)
+    s1 = next(w for w in watched if w["session_id"] == "s1")
+    assert (s1["failing"], s1["quarantined"], s1["retrying"]) == (2, 1, 1)
+    # ls's last_error is the first failing row's; latest_error the most recent attempt's.
+    assert (s1["last_error"], s1["latest_error"]) == ("old: locked", "new: refused")
+    assert [(w["session_key"], w["failing"], w["latest_error"]) for w in watched[1:]] == [
+        (None, 0, None),
+        ("agent:main:k", 0, None),
+    ]
+
+
 def test_interval_must_be_a_number_of_seconds(capsys):
     for bad in ("0", "0.01", "-1", "nan", "soon"):
         with pytest.raises(SystemExit) as exit_:

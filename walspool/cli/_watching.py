@@ -11,6 +11,7 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import apsw
 import msgspec
@@ -20,6 +21,7 @@ from ..records import QUARANTINED, SUPERSEDED
 from ..spool import STATS_BY_REASON_SQL, STATS_FAILING_SQL, UID_SQL, stats_from
 from ._holders import Holder, holders
 from ._reading import INFLIGHT_SQL, reading
+from .ls import read_backlog
 from .stats import STATUS_COUNT_SQL
 
 #: Streams read per snapshot, oldest first: more than any terminal shows.
@@ -56,10 +58,11 @@ SELECT coalesce(sum(last), 0) FROM (
 
 
 #: Each stream's latest error: the one row of the most recent failed attempt (a bare
-#: column beside a lone max() comes from that row), from the index of rows with one.
+#: column beside a lone max() comes from that row), from the index of rows with one;
+#: and how many of its rows have one.
 LAST_ERRORS_SQL = """
 SELECT session_id, CASE WHEN session_id IS NULL THEN session_key END, last_error,
-       max(last_attempt_at)
+       max(last_attempt_at), count(*)
 FROM records INDEXED BY records_last_error_idx WHERE last_error IS NOT NULL GROUP BY 1, 2
 """
 
@@ -103,6 +106,9 @@ class Snapshot(msgspec.Struct, frozen=True):
     streams: tuple[Stream, ...] = ()
     #: The processes that have the spool open (see ``_holders``); None: unknown here.
     open_by: tuple[Holder, ...] | None = ()
+    #: When asked for (``watch --json``): the oldest ``MAX_STREAMS`` streams as ``ls
+    #: --json`` gives them, each with ``failing`` and ``latest_error`` added.
+    backlog: tuple[dict[str, Any], ...] | None = None
 
 
 class Rates(msgspec.Struct, frozen=True):
@@ -114,18 +120,23 @@ class Rates(msgspec.Struct, frozen=True):
 
 
 def read_snapshot(
-    path: Path, stop: Callable[[], bool] | None = None, *, quick_check: bool = False
+    path: Path,
+    stop: Callable[[], bool] | None = None,
+    *,
+    quick_check: bool = False,
+    backlog: bool = False,
 ) -> Snapshot:
     """A reading of the spool at ``path``; raises what ``reading`` raises.
 
     ``stop`` is called every ``STOP_STEPS`` steps of SQLite while it reads (and so
     is any signal handler): when it returns True the reading ends with an error.
     Without ``quick_check`` damage is found where the reading goes: every row and
-    the indexes it counts with, not every page.
+    the indexes it counts with, not every page. With ``backlog`` it reads the
+    streams as ``ls`` does too, in the same transaction (``Snapshot.backlog``).
     """
     taken, at = time.monotonic(), time.time()
     with reading(path, quick_check=quick_check) as reader:
-        snap = reader.read(lambda conn: _read(conn, path, taken, at, stop))
+        snap = reader.read(lambda conn: _read(conn, path, taken, at, stop, backlog))
     found = holders(path)
     open_by = None if found is None else tuple(found)
     return msgspec.structs.replace(snap, took=time.monotonic() - taken, open_by=open_by)
@@ -145,7 +156,12 @@ def try_snapshot(path: Path, stop: Callable[[], bool] | None = None) -> Snapshot
 
 
 def _read(
-    conn: apsw.Connection, path: Path, taken: float, at: float, stop: Callable[[], bool] | None
+    conn: apsw.Connection,
+    path: Path,
+    taken: float,
+    at: float,
+    stop: Callable[[], bool] | None,
+    backlog: bool,
 ) -> Snapshot:
     if stop is not None:
         conn.set_progress_handler(stop, STOP_STEPS)
@@ -158,7 +174,8 @@ def _read(
             appended = conn.execute(APPENDED_SQL).get
             uid = conn.execute(UID_SQL).get
             streams = conn.execute(STREAMS_SQL, {"limit": MAX_STREAMS}).fetchall()
-            errors = {(s, k): e for s, k, e, _ in conn.execute(LAST_ERRORS_SQL)}
+            errors = {(s, k): (e, n) for s, k, e, _, n in conn.execute(LAST_ERRORS_SQL)}
+            listed = read_backlog(conn, at)[:MAX_STREAMS] if backlog else None
     finally:
         conn.set_progress_handler(None)
     s = stats_from(by_reason, 0, failing, path)
@@ -178,8 +195,19 @@ def _read(
         appended=appended,
         db_bytes=s.db_bytes,
         wal_bytes=s.wal_bytes,
-        streams=tuple(Stream(*row[:-1], errors.get((row[0], row[1]))) for row in streams),
+        streams=tuple(
+            Stream(*row[:-1], errors.get((row[0], row[1]), (None, 0))[0]) for row in streams
+        ),
+        backlog=None if listed is None else tuple(_with_errors(b, errors) for b in listed),
     )
+
+
+def _with_errors(
+    stream: dict[str, Any], errors: dict[tuple[str | None, str | None], tuple[str, int]]
+) -> dict[str, Any]:
+    """An ``ls --json`` stream with watch's ``failing`` and ``latest_error`` added."""
+    latest, failing = errors.get((stream["session_id"], stream["session_key"]), (None, 0))
+    return {**stream, "failing": failing, "latest_error": latest}
 
 
 def rates(before: Snapshot | None, after: Snapshot) -> Rates | None:

@@ -69,8 +69,9 @@ def run(args: argparse.Namespace) -> int:
     height limit, the 500 oldest sessions) and exits; a spool it cannot read is then
     an error, as in stats. --json prints that one reading as a JSON object, with
     "open_by" ([{"pid", "command"}], null where the system cannot tell), "drain_eta"
-    (seconds, null when not draining) and "streams" (per session: rows, bytes,
-    oldest, oldest_age, inflight, failing, last_error).
+    (seconds, null when not draining) and "streams": the 500 oldest sessions, each as
+    ls --json gives it, plus "failing" (its rows with a last error) and "latest_error"
+    (its most recent failed attempt's, as the frame shows; "last_error" is ls's).
     """
     if not args.spool.parent.is_dir():
         raise WalspoolError(
@@ -110,7 +111,7 @@ def seconds(text: str) -> float:
 def _once(args: argparse.Namespace) -> int:
     first = read_snapshot(args.spool, quick_check=True)  # damage refused as stats does
     time.sleep(args.interval)
-    last = read_snapshot(args.spool)
+    last = read_snapshot(args.spool, backlog=args.json)
     rate = rates(first, last)
     if args.json:
         print(dump(_json(last, rate)))
@@ -141,20 +142,7 @@ def _json(snap: Snapshot, rate: Rates | None) -> dict[str, Any]:
         "replay_rate": None if rate is None else rate.replayed,
         "drain_eta": drain_eta(snap, rate),
         "open_by": None if snap.open_by is None else [msgspec.to_builtins(h) for h in snap.open_by],
-        "streams": [
-            {
-                "session_id": s.session_id,
-                "session_key": s.session_key,
-                "rows": s.rows,
-                "bytes": s.bytes,
-                "oldest": iso(s.oldest),
-                "oldest_age": max(snap.at - s.oldest, 0.0),
-                "inflight": s.inflight,
-                "failing": s.failing,
-                "last_error": s.last_error,
-            }
-            for s in snap.streams
-        ],
+        "streams": list(snap.backlog or ()),
     }
 
 
