@@ -198,10 +198,34 @@ def test_a_missing_spool_is_a_frame_that_says_so(tmp_path, capsys):
     ]
     # Not a terminal: one reading, so a missing spool is an error, as in stats.
     path = tmp_path / "spool.db"
-    assert main(["watch", str(path), "--interval", "0.1"]) == 1
+    assert main(["watch", str(path), "--interval", "0.1", "--wait-for-spool"]) == 1
     out, err = capsys.readouterr()
     assert out == "" and err.count("\n") == 1
     assert err.startswith(f"walspool watch: no spool at {path} (no such file)")
+
+
+def test_a_spool_missing_at_the_start_is_an_error_unless_waited_for(tmp_path, capsys):
+    """A mistyped file name in a directory that exists is not watched forever as "not
+    created yet": an error at once, naming the files of a close name beside it."""
+    with walspool.Spool(tmp_path / "spool.db") as spool:
+        spool.append("s1", MSG)
+    path = tmp_path / "spol.db"
+    for json_ in ([], ["--json"]):
+        assert main(["watch", str(path), "--interval", "0.1", *json_]) == 1
+        out, err = capsys.readouterr()
+        error = (
+            f"no spool at {path} (no such file; near that name: spool.db): mistyped? "
+            "--wait-for-spool watches for it to be created"
+        )
+        assert err == f"walspool watch: {error}\n"
+        assert json.loads(out or "{}") == (
+            {"command": "watch", "error": error, "exit": 1} if json_ else {}
+        )
+    assert main(["watch", str(tmp_path / "other.db"), "--interval", "0.1"]) == 1
+    assert capsys.readouterr().err == (
+        f"walspool watch: no spool at {tmp_path / 'other.db'} (no such file): mistyped? "
+        "--wait-for-spool watches for it to be created\n"
+    )
 
 
 def test_a_spool_in_a_directory_that_does_not_exist_is_an_error(tmp_path, capsys):
@@ -511,13 +535,26 @@ def test_no_file_is_created_beside_a_closed_spool_moved_aside_and_back(tmp_path,
 def test_a_spool_created_while_watching_is_shown(tmp_path, pane):
     path = tmp_path / "home" / "spool.db"
     path.parent.mkdir()  # the gateway's home: a directory that exists
-    pane.start(path, "--interval", "0.2")
+    pane.start(path, "--interval", "0.2", "--wait-for-spool")
     pane.wait_for("no spool yet", no_spool)
     with walspool.Spool(path) as spool:
         spool.append("session-1", MSG)
     one_frame(pane.wait_for("the new spool", totals(1, 1)), path)
     pane.keys("q")
     assert pane.exit_status() == 0
+
+
+@needs_tmux
+def test_a_missing_spool_on_a_terminal_is_an_error_at_once(tmp_path, pane):
+    """Not watched forever: on a terminal too, without --wait-for-spool, a spool that
+    does not exist ends watch at once (exit 1), the terminal untouched."""
+    path = tmp_path / "home" / "spol.db"
+    path.parent.mkdir()
+    pane.start(path, "--interval", "0.2", width=250)
+    assert pane.exit_status() == 1
+    screen = " ".join(pane.screen().split())
+    assert f"walspool watch: no spool at {path} (no such file): mistyped?" in screen
+    assert (pane.dir / "after").read_text() == (pane.dir / "before").read_text()
 
 
 @needs_tmux

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
+import itertools
 import math
 import os
 import select
@@ -13,6 +15,7 @@ import termios
 import time
 import tty
 from collections.abc import Iterator
+from pathlib import Path
 from types import TracebackType
 from typing import Any, TextIO
 
@@ -31,6 +34,8 @@ ENTER = "\x1b[?1049h\x1b[?25l"
 LEAVE = "\x1b[?25h\x1b[?1049l"
 QUIT_KEYS = (b"q", b"Q")
 QUIT, RESIZE, TIMEOUT = "quit", "resize", "timeout"
+#: Names looked at in the spool's directory for one close to a missing spool's.
+NEAR_NAMES = 10_000
 
 
 def run(args: argparse.Namespace) -> int:
@@ -62,12 +67,14 @@ def run(args: argparse.Namespace) -> int:
     q and Ctrl-C work during it.
 
     Read-only, as stats and ls: nothing is written or created beside the spool, and
-    nothing is held between readings. A spool that does not exist (yet) or was moved
-    aside is said so on the screen, and watched for; a directory that does not exist
-    is an error (exit 1), not watched. When stdout is not a terminal, watch reads the
-    spool twice, --interval apart, prints one frame (no terminal codes, no width or
-    height limit, the 500 oldest sessions) and exits; a spool it cannot read is then
-    an error, as in stats. --json prints that one reading as a JSON object, with
+    nothing is held between readings. A spool that does not exist when watch starts
+    is an error (exit 1, naming files of a close name beside it: mistyped?) unless
+    --wait-for-spool, when it is said so on the screen and watched for, as is a spool
+    moved aside while watching; a directory that does not exist is always an error.
+    When stdout is not a terminal, watch reads the spool twice, --interval apart,
+    prints one frame (no terminal codes, no width or height limit, the 500 oldest
+    sessions) and exits; a spool it cannot read is then an error, as in stats, with
+    --wait-for-spool or without. --json prints that one reading as a JSON object, with
     "open_by" ([{"pid", "command"}], null where the system cannot tell), "drain_eta"
     (seconds, null when not draining) and "streams": the 500 oldest sessions, each as
     ls --json gives it, plus "failing" (its rows with a last error) and "latest_error"
@@ -77,6 +84,11 @@ def run(args: argparse.Namespace) -> int:
         raise WalspoolError(
             f"no directory {args.spool.parent} for the spool {args.spool.name} (mistyped?): "
             "watch waits for a spool to appear only in a directory that exists"
+        )
+    if not args.wait_for_spool and not os.path.lexists(args.spool):
+        raise WalspoolError(
+            f"no spool at {args.spool} (no such file{_near(args.spool)}): mistyped? "
+            "--wait-for-spool watches for it to be created"
         )
     if args.json or not _isatty(sys.stdout):
         return _once(args)
@@ -98,6 +110,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help=f"seconds between readings (default: %(default)g, at least {MIN_INTERVAL:g})",
     )
+    p.add_argument(
+        "--wait-for-spool",
+        action="store_true",
+        help="on a terminal, watch for a spool that does not exist yet to be created "
+        "(without it, a missing spool is an error)",
+    )
+
+
+def _near(path: Path) -> str:
+    """``; near that name: NAME, ...``: files beside ``path`` whose name is close to
+    its name (a typo's likely target), or nothing."""
+    try:
+        with os.scandir(path.parent) as entries:
+            names = [e.name for e in itertools.islice(entries, NEAR_NAMES)]
+    except OSError:
+        return ""
+    near = difflib.get_close_matches(path.name, names, n=3)
+    return f"; near that name: {', '.join(near)}" if near else ""
 
 
 def seconds(text: str) -> float:
