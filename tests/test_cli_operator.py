@@ -97,6 +97,19 @@ def test_every_json_error_is_an_object_on_stdout(capsys, tmp_path, spool_file):
     assert (rc, out) == (1, "")
 
 
+def test_a_json_usage_error_names_the_command_as_given(capsys, spool_file):
+    """`command` is a string, as documented: an unknown command as typed (not a known
+    name found later on the line), "" when the line names none."""
+    rc, out, err = usage(capsys, "shwo", spool_file, "ls", "--json")
+    assert rc == 2 and "invalid choice: 'shwo'" in err
+    got = json.loads(out)
+    assert (got["command"], got["exit"]) == ("shwo", 2) and "invalid choice" in got["error"]
+    rc, out, _ = usage(capsys, "--json", "stats", spool_file, "--nope")
+    assert rc == 2 and json.loads(out)["command"] == "stats"
+    rc, out, _ = usage(capsys, "--json")
+    assert rc == 2 and json.loads(out)["command"] == ""
+
+
 # -- ids that paste back, drop that shows what it would do -------------------------------
 
 

@@ -175,7 +175,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
     except _BadUsage as exc:
         if "--json" in argv:
-            name = next((a for a in argv if a in _COMMAND_NAMES), None)
+            # The command as given, known or not: the first argument that is not an
+            # option (the top level takes none with a value); "" when there is none.
+            name = next((a for a in argv if not a.startswith("-")), "")
             print(dump({"command": name, "error": str(exc), "exit": EXIT_USAGE}))
         raise SystemExit(EXIT_USAGE) from None
     owner = state_db_owner(args)
@@ -192,9 +194,6 @@ def _report(args: argparse.Namespace) -> int:
         if getattr(args, "json", False):
             print(dump({"command": args.command, "error": error, "exit": status}))
     return status
-
-
-_COMMAND_NAMES = frozenset(name for name, *_ in COMMANDS)
 
 
 def _run(args: argparse.Namespace) -> tuple[int, str | None]:
