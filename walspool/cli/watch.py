@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import difflib
-import itertools
 import math
 import os
 import select
@@ -15,7 +13,6 @@ import termios
 import time
 import tty
 from collections.abc import Iterator
-from pathlib import Path
 from types import TracebackType
 from typing import Any, TextIO
 
@@ -25,7 +22,7 @@ from ..errors import WalspoolError
 from ._frame import drain_eta, render, render_reading
 from ._interrupt import Interrupted, interruptible
 from ._output import EXIT_OK, dump, iso
-from ._watching import Rates, Snapshot, rates, read_snapshot, try_snapshot
+from ._watching import Rates, Snapshot, near_names, rates, read_snapshot, try_snapshot
 
 #: Shortest --interval, in seconds: each reading opens the spool and counts its rows.
 MIN_INTERVAL = 0.1
@@ -34,8 +31,6 @@ ENTER = "\x1b[?1049h\x1b[?25l"
 LEAVE = "\x1b[?25h\x1b[?1049l"
 QUIT_KEYS = (b"q", b"Q")
 QUIT, RESIZE, TIMEOUT = "quit", "resize", "timeout"
-#: Names looked at in the spool's directory for one close to a missing spool's.
-NEAR_NAMES = 10_000
 
 
 def run(args: argparse.Namespace) -> int:
@@ -87,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
         )
     if not args.wait_for_spool and not os.path.lexists(args.spool):
         raise WalspoolError(
-            f"no spool at {args.spool} (no such file{_near(args.spool)}): mistyped? "
+            f"no spool at {args.spool} (no such file{near_names(args.spool)}): mistyped? "
             "--wait-for-spool watches for it to be created"
         )
     if args.json or not _isatty(sys.stdout):
@@ -116,18 +111,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="on a terminal, watch for a spool that does not exist yet to be created "
         "(without it, a missing spool is an error)",
     )
-
-
-def _near(path: Path) -> str:
-    """``; near that name: NAME, ...``: files beside ``path`` whose name is close to
-    its name (a typo's likely target), or nothing."""
-    try:
-        with os.scandir(path.parent) as entries:
-            names = [e.name for e in itertools.islice(entries, NEAR_NAMES)]
-    except OSError:
-        return ""
-    near = difflib.get_close_matches(path.name, names, n=3)
-    return f"; near that name: {', '.join(near)}" if near else ""
 
 
 def seconds(text: str) -> float:
