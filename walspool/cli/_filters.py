@@ -1,13 +1,16 @@
-"""The ``--reason`` and ``--session`` filters, checked against the spool before use.
+"""The ``--reason``, ``--session`` and ``--id`` filters, checked before use.
 
 A filter that can match nothing is a typo far more often than a question, and an
 operator in an incident reads "moved 0 rows" as "nothing was waiting". So a reason
 that is neither one of walspool's nor found in the spool is refused with the list of
-known ones, and a session with no row at all is reported, as ``show`` reports it.
+known ones, and a session with no row at all is reported, as ``show`` reports it. An
+``--id`` list that could be one number or several is refused rather than guessed.
 """
 
 from __future__ import annotations
 
+import argparse
+import re
 from collections.abc import Sequence
 
 from ..errors import WalspoolError
@@ -35,8 +38,38 @@ SESSION_EXISTS_SQL = """SELECT EXISTS (SELECT 1 FROM records WHERE session_id = 
                           WHERE session_id IS NULL AND session_key = :session))"""
 
 
+#: An --id list that also reads as one number written with thousands separators.
+THOUSANDS = re.compile(r"\d{1,3}(?:,\d{3})+")
+
+
 class UsageError(WalspoolError):
     """An argument that cannot be right (exit status 2)."""
+
+
+def row_ids(text: str) -> list[int]:
+    """An --id argument: one row id or several, comma-separated (``7``, ``7,9``).
+
+    A list that reads as one number written with thousands separators too (``1,041``:
+    row 1041, or rows 1 and 41?) is refused, naming both readings: walspool prints ids
+    without separators, but counts and sizes with them, and either reading is a guess.
+    """
+    try:
+        ids = [int(part) for part in text.split(",")]
+    except ValueError:
+        ids = []
+    if not ids or any(i < 1 for i in ids):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a row id (a positive integer, or several: 7,9)"
+        )
+    if THOUSANDS.fullmatch(text):
+        whole = int(text.replace(",", ""))
+        rows = ", ".join(map(str, ids[:-1])) + f" and {ids[-1]}"
+        each = " ".join(f"--id {i}" for i in ids)
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is ambiguous: row {whole} written with a thousands separator, or "
+            f"rows {rows}? ids print without separators: give --id {whole}, or {each}"
+        )
+    return ids
 
 
 def check_reasons(reader: SpoolReader, reasons: Sequence[str] | None) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from ..maintenance import drop
+from ._filters import row_ids
 from ._output import EXIT_USAGE, dump, warn
 from ._rowchange import add_arguments as add_row_arguments
 from ._rowchange import preview, run_change
@@ -13,8 +14,10 @@ from ._rowchange import preview, run_change
 def run(args: argparse.Namespace) -> int:
     """Delete quarantined or superseded rows the gateway should never get (needs --yes).
 
-    Rows by --id (repeatable, or comma-separated), or chosen: --session S with
-    --quarantined or --superseded (either alone: every such row of the spool). Without
+    Rows by --id (repeatable, or comma-separated; a list that reads as one number with
+    thousands separators, such as 1,041, is refused as ambiguous: ids print without
+    them), or chosen: --session S with --quarantined or --superseded (either alone:
+    every such row of the spool). Without
     --yes it changes nothing: it lists the rows it would drop (with --json, an object
     with "would_drop", "rows", "missing" and the error's "command", "error" and "exit")
     and exits 2. Each row dropped is copied whole (payload, reason, times, last error)
@@ -35,4 +38,7 @@ def run(args: argparse.Namespace) -> int:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_row_arguments(p)
+    # A drop's --id refuses what reads as a number with thousands separators (1,041).
+    # The shared --id comes from _rowchange; argparse has no public way back to it.
+    next(a for a in p._actions if a.dest == "ids").type = row_ids
     p.add_argument("--yes", action="store_true", help="really drop them")
