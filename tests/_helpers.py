@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,9 @@ ROOT = Path(__file__).resolve().parent.parent
 #: is the failure. scripts/mutate lowers it (WALSPOOL_TEST_STEP) so that a mutant that
 #: breaks a step fails in seconds instead of timing out minutes later.
 STEP = float(os.environ.get("WALSPOOL_TEST_STEP", "30"))
+#: Bound on a test's reads of a child process's output (``child_deadline``): generous,
+#: since a child starts an interpreter and may append thousands of rows first.
+CHILD_DEADLINE = 120.0
 
 
 def doc_section(title: str) -> str:
@@ -54,6 +58,36 @@ def naming_threads(fn: Callable[..., Any], names: list[str]) -> Callable[..., An
         return fn(*args, **kw)
 
     return named
+
+
+@contextlib.contextmanager
+def child_deadline(
+    proc: subprocess.Popen[Any], seconds: float = CHILD_DEADLINE, what: str = "the child"
+) -> Iterator[None]:
+    """Kill ``proc`` if the block still runs ``seconds`` from now, and then fail.
+
+    For a block that reads ``proc``'s output (``readline``, ``for line in proc.stdout``):
+    a child that hangs, or never prints what the test waits for, would block the read
+    and the whole run; killed, its output ends, the read returns, and the test fails
+    with this error (the block's own error, if any, chained to it).
+    """
+    expired = threading.Event()
+
+    def kill() -> None:
+        expired.set()
+        proc.kill()
+
+    timer = threading.Timer(seconds, kill)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+        if expired.is_set():
+            raise AssertionError(
+                f"{what} (pid {proc.pid}) was killed: still running after {seconds:g} s"
+            )
 
 
 def run_python(code: str, *args: str, timeout: float = 120, **kw) -> subprocess.CompletedProcess:

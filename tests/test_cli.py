@@ -23,7 +23,7 @@ from typing import Any
 
 import apsw
 import pytest
-from _helpers import ROOT, doc_section
+from _helpers import ROOT, child_deadline, doc_section
 
 import walspool
 from walspool import AGENT_HISTORY, CAP_DROP, SHUTDOWN
@@ -657,7 +657,8 @@ def test_replay_reports_a_locked_state_db(
         text=True,
     )
     try:
-        assert holder.stdout is not None and holder.stdout.readline() == "locked\n"
+        with child_deadline(holder, what="the state.db lock holder"):
+            assert holder.stdout is not None and holder.stdout.readline() == "locked\n"
         before = digest(spool_file)
         rc, out, err = run(capsys, "replay", spool_file, "--into", state_db)
         assert (rc, out) == (1, "")
@@ -858,7 +859,8 @@ def test_read_commands_while_another_process_appends(
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     try:
-        assert child.stdout is not None and child.stdout.readline() == "ready\n"
+        with child_deadline(child, what="the appender"):
+            assert child.stdout is not None and child.stdout.readline() == "ready\n"
         seen = 0
         for _ in range(12):
             rc, out, err = run(capsys, "stats", path, "--json")

@@ -304,7 +304,7 @@ def test_gateway_killed_during_outage_loses_nothing_it_spooled(hermes_home):
     import subprocess
     import sys
 
-    from _helpers import ROOT
+    from _helpers import ROOT, child_deadline
 
     proc = subprocess.Popen(
         [sys.executable, "-c", GATEWAY_CHILD, str(hermes_home), BREAK],
@@ -314,21 +314,20 @@ def test_gateway_killed_during_outage_loses_nothing_it_spooled(hermes_home):
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     committed = 0
-    deadline = threading.Timer(120, proc.kill)  # a hung child fails the test, not the run
-    deadline.start()
     try:
-        assert proc.stdout.readline() == "ready\n"
-        for line in proc.stdout:  # kill once 300 evictions are committed
-            if line.startswith("spooled"):
-                committed = int(line.split()[1])
-                if committed >= 300:
-                    break
-        proc.send_signal(signal.SIGKILL)
-        for line in proc.stdout:
-            if line.startswith("spooled"):
-                committed = int(line.split()[1])
+        # A hung child fails the test, not the run; and it cannot pass for the kill below.
+        with child_deadline(proc, what="the gateway"):
+            assert proc.stdout.readline() == "ready\n"
+            for line in proc.stdout:  # kill once 300 evictions are committed
+                if line.startswith("spooled"):
+                    committed = int(line.split()[1])
+                    if committed >= 300:
+                        break
+            proc.send_signal(signal.SIGKILL)
+            for line in proc.stdout:
+                if line.startswith("spooled"):
+                    committed = int(line.split()[1])
     finally:
-        deadline.cancel()
         proc.kill()
         proc.wait(30)
     assert proc.returncode == -signal.SIGKILL

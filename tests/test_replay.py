@@ -15,7 +15,7 @@ from typing import Any
 
 import apsw
 import pytest
-from _helpers import MemorySink
+from _helpers import MemorySink, child_deadline
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -562,7 +562,8 @@ def test_replay_while_another_process_appends(tmp_path, state_db):
             env={**os.environ, "PYTHONPATH": str(ROOT)},
         )
         try:
-            assert child.stdout.readline() == "half\n"
+            with child_deadline(child, what="the appender"):
+                assert child.stdout.readline() == "half\n"
             moved = replayer.replay().moved
             assert moved == n // 2  # the child waits for "go" after the first half
             child.stdin.write("go\n")

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import apsw
 import pytest
-from _helpers import ROOT, STEP, MemorySink, descriptors_on, run_python
+from _helpers import ROOT, STEP, MemorySink, child_deadline, descriptors_on, run_python
 from _old_schemas import DOWNGRADE_TO_V1_SQL, make_v2_spool, make_v3_spool
 
 import walspool
@@ -415,7 +415,8 @@ def test_a_damaged_spool_an_sqlite3_shell_has_open_is_not_moved_aside(spool_path
         # A read opens the file and its -shm: the shell now holds SQLite's locks.
         shell.stdin.write("SELECT count(*) FROM records;\n")
         shell.stdin.flush()
-        assert shell.stdout.readline() == "300\n"
+        with child_deadline(shell, what="the sqlite3 shell"):
+            assert shell.stdout.readline() == "300\n"
         before = spool_path.read_bytes()
         with pytest.raises(walspool.SpoolCorrupt) as info:
             walspool.Spool(spool_path)
@@ -445,27 +446,28 @@ def test_a_damaged_spool_open_in_another_process_is_not_moved_aside(spool_path):
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     try:
-        assert proc.stdin is not None and proc.stdout is not None
-        proc.stdin.write("append\n")
-        proc.stdin.flush()
-        assert proc.stdout.readline() == "acked a1\n"  # A has the spool open
-        damage_spool_meta(spool_path)
-        with pytest.raises(walspool.SpoolCorrupt) as info:
-            walspool.Spool(spool_path)
-        # A walspool process holds the open lock: no pid to name.
-        assert str(info.value) == cannot_move_aside(spool_path, "")
-        assert info.value.path == str(spool_path)
-        # The damaged file's connection is closed before the error reaches the caller.
-        assert descriptors_on(spool_path) == []
-        del info
-        assert not [p for p in spool_path.parent.iterdir() if ".damaged-" in p.name]
-        proc.stdin.write("append\n")
-        proc.stdin.flush()
-        assert proc.stdout.readline() == "acked a2\n"
-        proc.stdin.write("close\n")
-        proc.stdin.flush()
-        assert proc.stdout.readline() == "closed\n"
-        assert proc.wait(30) == 0
+        with child_deadline(proc, what="process A"):
+            assert proc.stdin is not None and proc.stdout is not None
+            proc.stdin.write("append\n")
+            proc.stdin.flush()
+            assert proc.stdout.readline() == "acked a1\n"  # A has the spool open
+            damage_spool_meta(spool_path)
+            with pytest.raises(walspool.SpoolCorrupt) as info:
+                walspool.Spool(spool_path)
+            # A walspool process holds the open lock: no pid to name.
+            assert str(info.value) == cannot_move_aside(spool_path, "")
+            assert info.value.path == str(spool_path)
+            # The damaged file's connection is closed before the error reaches the caller.
+            assert descriptors_on(spool_path) == []
+            del info
+            assert not [p for p in spool_path.parent.iterdir() if ".damaged-" in p.name]
+            proc.stdin.write("append\n")
+            proc.stdin.flush()
+            assert proc.stdout.readline() == "acked a2\n"
+            proc.stdin.write("close\n")
+            proc.stdin.flush()
+            assert proc.stdout.readline() == "closed\n"
+            assert proc.wait(30) == 0
     finally:
         proc.kill()
     # Every acknowledged append is in the file at the spool's path.
@@ -616,7 +618,8 @@ def test_a_damaged_spool_a_process_is_opening_is_not_moved_aside(spool_path):
         text=True,
     )
     try:
-        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+        with child_deadline(holder, what="the open lock holder"):
+            assert holder.stdout is not None and holder.stdout.readline() == "held\n"
         before = spool_path.read_bytes()
         with pytest.raises(walspool.SpoolCorrupt) as info:
             walspool.Spool(spool_path)

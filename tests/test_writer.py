@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import apsw
 import pytest
-from _helpers import ROOT, run_python
+from _helpers import ROOT, child_deadline, run_python
 from _lock_holder import write_lock_held
 
 import walspool
@@ -53,13 +53,14 @@ def test_sigkill_mid_stream_loses_no_acknowledged_append(spool_path, threads, du
     )
     acked = []
     try:
-        for line in proc.stdout:
-            acked.append(line.split())
-            if len(acked) >= 1500:
-                break
-        proc.send_signal(signal.SIGKILL)
-        # receipts printed before the kill landed are acknowledged too
-        acked += [line.split() for line in proc.stdout if line.endswith("\n")]
+        with child_deadline(proc, what="the writer"):  # a hung writer fails, not hangs
+            for line in proc.stdout:
+                acked.append(line.split())
+                if len(acked) >= 1500:
+                    break
+            proc.send_signal(signal.SIGKILL)
+            # receipts printed before the kill landed are acknowledged too
+            acked += [line.split() for line in proc.stdout if line.endswith("\n")]
     finally:
         proc.kill()
         proc.wait(30)
