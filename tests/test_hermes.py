@@ -1227,7 +1227,8 @@ class _Hostile:
 
 def test_an_evicted_message_holding_a_value_that_raises_lands_as_itself(store, spool, monkeypatch):
     """An assistant message whose tool_calls hold an object whose attribute access raises,
-    evicted during an outage: it lands in state.db as an assistant message with its
+    evicted during an outage before the gateway's write ever saw it (a write would set
+    it aside as quarantined): it lands in state.db as an assistant message with its
     content and readable fields; only the object became text."""
     monkeypatch.setattr(store, "_MAX_PENDING_PER_SESSION", 2, raising=False)
     store._db.create_session("s", "telegram")
@@ -1240,13 +1241,16 @@ def test_an_evicted_message_holding_a_value_that_raises_lands_as_itself(store, s
         "tool_calls": [call],
         "reasoning": "because",
     }
-    for message in (assistant, _m("m1"), _m("m2")):  # m2 evicts the assistant message
+    # m0 is the head whose write fails; m1 evicts m0, and from then on the session holds
+    # spooled rows, so its queue is not written; m2 evicts the assistant message.
+    for message in (_m("m0"), assistant, _m("m1"), _m("m2")):
         store.append_to_transcript("s", message)
     spool.flush()
-    assert spool.stats().rows == 1
+    assert spool.stats().rows == 2
     sql(store, HEAL)
     store.append_to_transcript("s", _m("fin"))
-    first, *rest = store._db.get_messages("s")
+    m0, first, *rest = store._db.get_messages("s")
+    assert m0["content"] == "m0"
     assert (first["role"], first["content"], first["reasoning"]) == (
         "assistant",
         "calling f",
@@ -1363,6 +1367,90 @@ def test_a_live_message_refused_for_its_content_is_quarantined_and_its_session_g
     assert main(["ls", str(spool.path), "--json"]) == 0
     (stream,) = json.loads(capsys.readouterr().out)
     assert (stream["session_id"], stream["rows"], stream["quarantined"]) == ("s", 1, 1)
+
+
+class _ClassRaises:
+    """An SDK object whose ``__class__`` raises (``json.dumps`` names its type)."""
+
+    @property  # type: ignore[misc]
+    def __class__(self) -> type:
+        raise RuntimeError("no __class__ for you")
+
+
+class _ListRaises(list):
+    """A list whose iteration and length raise."""
+
+    def __iter__(self) -> Any:
+        raise RuntimeError("no iteration for you")
+
+    def __len__(self) -> int:
+        raise RuntimeError("no length for you")
+
+
+class _EqRaises:
+    """A value whose comparison and hash raise."""
+
+    def __eq__(self, other: object) -> bool:
+        raise RuntimeError("no comparison for you")
+
+    def __hash__(self) -> int:
+        raise RuntimeError("no hash for you")
+
+
+@pytest.mark.parametrize("retry_interval", [1.0, 0], ids=["retrying", "no-retries"])
+@pytest.mark.parametrize(
+    ("bad", "error"),
+    [
+        (
+            {"role": "assistant", "content": "calling", "tool_calls": [_ClassRaises()]},
+            "RuntimeError: no __class__ for you",
+        ),
+        (
+            {"role": "assistant", "content": "calling", "tool_calls": [_Hostile()]},
+            "RuntimeError: no __class__",
+        ),
+        (
+            {"role": "assistant", "content": "calling", "tool_calls": _ListRaises([{"id": "c1"}])},
+            "RuntimeError: no length for you",
+        ),
+        ({"role": _EqRaises(), "content": "calling"}, "RuntimeError: no comparison for you"),
+        (
+            {"role": "user", "content": "calling", "timestamp": _Hostile()},
+            "RuntimeError: no timestamp",
+        ),
+    ],
+    ids=["class-raises", "getattribute-raises", "len-raises", "eq-raises", "timestamp-raises"],
+)
+def test_a_live_message_whose_value_raises_when_inspected_is_quarantined_and_its_session_goes_on(
+    store, spool, retry_interval, bad, error
+):
+    """A healthy state.db; the gateway's own write of one live message raises an error no
+    rule classifies (a RuntimeError from a value of the message: its ``__class__``,
+    attributes, iteration, length or comparison raise), then 20 messages follow. The bad
+    message is kept in the spool, quarantined with that error, and the 20 reach state.db
+    at once, in order: the session is not retried forever behind it."""
+    store._db.create_session("s", "telegram")
+    link = install(store, spool, retry_interval=retry_interval)
+    store.append_to_transcript("s", _m("before"))
+    store.append_to_transcript("s", bad)
+    for i in range(20):
+        store.append_to_transcript("s", _m(f"m{i}"))
+    assert link.wait_idle(STEP)
+    assert contents(store, "s") == ["before"] + [f"m{i}" for i in range(20)]
+    assert "s" not in store._dirty_transcripts
+    spool.flush()
+    (rec,) = spool.records()
+    assert (rec.session_id, rec.seq, rec.reason, rec.status, rec.attempts) == (
+        "s",
+        1,
+        hermes.REJECTED,
+        "quarantined",
+        1,
+    )
+    assert rec.last_error == f"state.db refused it for its content: {error}"
+    assert rec.message["content"] == "calling"
+    if isinstance(bad["role"], str):
+        assert rec.message["role"] == bad["role"]
 
 
 def test_a_closed_state_db_is_not_taken_for_content_it_refuses(store, spool):

@@ -24,7 +24,9 @@ from walspool.sinks import (
     as_rejection,
     bindable,
     is_row_rejection,
+    raised_by_value,
     rejects_content,
+    rejects_live_row,
 )
 
 hermes_state = pytest.importorskip("hermes_state")
@@ -534,6 +536,54 @@ def test_which_errors_blame_the_row(case):
     exc, content, gateway = ERRORS[case]
     assert rejects_content(exc) is content
     assert is_row_rejection(exc) is gateway
+
+
+class _Raises:
+    """A value whose ``__class__``, attributes, truth, length, iteration and comparison
+    all raise the same RuntimeError."""
+
+    def __getattribute__(self, name: str) -> Any:
+        raise RuntimeError("hostile")
+
+    def __bool__(self) -> bool:
+        raise RuntimeError("hostile")
+
+    def __eq__(self, other: object) -> bool:
+        raise RuntimeError("hostile")
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+# (error of the live write, the message) -> whether the message raised it
+RAISED_BY_VALUE = {
+    "the value raises it": (RuntimeError("hostile"), {"tool_calls": [_Raises()]}, True),
+    "at the top": (RuntimeError("hostile"), {"tool_calls": _Raises()}, True),
+    "in the role": (RuntimeError("hostile"), {"role": _Raises(), "content": "c"}, True),
+    "another text": (RuntimeError("other"), {"tool_calls": [_Raises()]}, False),
+    "another type": (KeyError("hostile"), {"tool_calls": [_Raises()]}, False),
+    "no value raises": (RuntimeError("hostile"), {"role": "user", "content": "c"}, False),
+    "a bug's error, plain values": (
+        RuntimeError("the store's own bug"),
+        {"role": "user", "content": "c", "timestamp": datetime.datetime(2026, 1, 1)},
+        False,
+    ),
+    "sqlite's error": (
+        sqlite3.OperationalError("database is locked"),
+        {"tool_calls": [_Raises()]},
+        False,
+    ),
+    "not a dict": (RuntimeError("hostile"), _Raises(), True),
+}
+
+
+@pytest.mark.parametrize("case", RAISED_BY_VALUE)
+def test_an_error_is_the_messages_when_one_of_its_values_raises_it_again(case):
+    """``raised_by_value``: an error no rule classifies is blamed on the message only when
+    one of its values, inspected alone, raises the same error (type and text) again."""
+    exc, message, raised = RAISED_BY_VALUE[case]
+    assert raised_by_value(exc, message) is raised
+    assert rejects_live_row(exc, None, message) is raised
+    assert rejects_live_row(exc, None) is False  # without the message, not the row's
 
 
 def test_a_row_only_the_newer_gateway_blames_becomes_a_row_rejected():

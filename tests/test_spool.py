@@ -611,3 +611,22 @@ def test_the_internal_surface_answers_as_the_spool_is(spool):
     assert not spool.closed
     spool.close()
     assert spool.closed
+
+
+class _TimeRaises:
+    """A timestamp whose every attribute access (``__class__`` included) raises."""
+
+    def __getattribute__(self, name: str) -> object:
+        raise RuntimeError(f"no {name}")
+
+    def __repr__(self) -> str:
+        return "<TimeRaises>"
+
+
+def test_a_message_whose_timestamp_raises_when_inspected_is_appended_as_it_is(spool):
+    """A timestamp that raises when looked at is no time: the message is appended with
+    the value converted by the codec's rule (its repr), its other fields as they were."""
+    message = {"role": "assistant", "content": "c", "timestamp": _TimeRaises()}
+    assert spool.append("s", message).seq == 1
+    (rec,) = spool.records()
+    assert rec.message == {"role": "assistant", "content": "c", "timestamp": "<TimeRaises>"}

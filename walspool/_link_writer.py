@@ -253,7 +253,7 @@ class SessionWriter:
                 state.healthy(claim)
                 return True
             aside = None
-            if rejects_live_row(error, self.store._db):
+            if rejects_live_row(error, self.store._db, message):
                 aside = self._set_aside(session_id, pending, message, error)
             if aside is not None:
                 state.healthy(claim)  # state.db works: the session goes on at once

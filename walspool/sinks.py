@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import inspect
+import json
 import math
 import sqlite3
 import threading
@@ -236,18 +237,75 @@ def is_row_rejection(exc: BaseException) -> bool:
     return isinstance(exc, (TypeError, ValueError, AttributeError, OverflowError))
 
 
-def rejects_live_row(exc: BaseException, session_db: Any) -> bool:
+def rejects_live_row(exc: BaseException, session_db: Any, message: Any = None) -> bool:
     """Whether a live write through the gateway's own store (its ``append_message``, which
     serialises structured fields itself) failed for the message, not the database.
 
     ``rejects_content``, widened by the gateway's own rule (``is_row_rejection``: a
     ``TypeError`` from serialising a field holding an SDK object, say), except while
     ``session_db`` is closed, when every write fails with such an error whatever the
-    message: that is the database's state.
+    message: that is the database's state. Any other error that is not SQLite's is the
+    message's when one of ``message``'s values raises it again inspected alone
+    (``raised_by_value``): no retry of the gateway's write can get past it.
     """
     if rejects_content(exc):
         return True
-    return is_row_rejection(exc) and not _is_closed_session_db(session_db)
+    if is_row_rejection(exc) and not _is_closed_session_db(session_db):
+        return True
+    return message is not None and raised_by_value(exc, message)
+
+
+#: What the gateway's write does to a message's values before SQLite sees them (0.19.0's
+#: ``_append_transcript_message`` and ``append_message``: truth tests, the role compared,
+#: JSON for structured fields, a timestamp's ``timestamp()`` or ``float``, a list's
+#: length), each on one value and without the database.
+_INSPECTIONS: tuple[Callable[[Any], Any], ...] = (
+    bool,
+    lambda value: value == "assistant",
+    json.dumps,
+    lambda value: hasattr(value, "timestamp"),
+    float,
+    lambda value: isinstance(value, (str, bytes, int, float, list)),
+    len,
+)
+
+
+def raised_by_value(exc: BaseException, message: Any) -> bool:
+    """Whether one of ``message``'s values, inspected alone as the gateway's write
+    inspects it (``_INSPECTIONS``), raises ``exc`` again: the same type, the same text.
+
+    For errors no rule classifies (an SDK object whose ``__class__``, attribute access,
+    iteration, length or comparison raises, say, a ``RuntimeError``): raised again with
+    no database involved, the message is their cause and the gateway can never write
+    it. A SQLite error is never the value's (the classifiers above say which are), and
+    an error a value does not raise again (a bug, a transient fault) is not either.
+    Not guaranteed: a value that raises differently each time is not recognised.
+    """
+    if isinstance(exc, sqlite3.Error):
+        return False
+    wanted = _error_text(exc)
+    if wanted is None:
+        return False
+    try:
+        values = list(message.values()) if isinstance(message, dict) else [message]
+    except Exception:  # noqa: BLE001 - not a dict the gateway could read: the value itself
+        values = [message]
+    for value in values:
+        for inspect_value in _INSPECTIONS:
+            try:
+                inspect_value(value)
+            except Exception as again:  # noqa: BLE001 - raising is what is looked for
+                if type(again) is type(exc) and _error_text(again) == wanted:
+                    return True
+    return False
+
+
+def _error_text(exc: BaseException) -> str | None:
+    """``str(exc)``, or None for an exception whose text itself raises."""
+    try:
+        return str(exc)
+    except Exception:  # noqa: BLE001
+        return None
 
 
 def as_rejection(exc: BaseException) -> RowRejected | None:

@@ -214,7 +214,11 @@ class Spool:
         if session_id is None and session_key is None:
             raise InvalidArgument("a message needs a session_id or a session_key", path=self.path)
         check_name(reason, "reason", self.path, self.max_payload_bytes)
-        payload = codec.encode(codec.with_epoch_timestamp(message))
+        try:
+            message = codec.with_epoch_timestamp(message)
+        except Exception:  # noqa: BLE001 - a timestamp that raises when inspected is no time
+            pass  # encoded as it is: ``codec.encode`` converts any value, never raises
+        payload = codec.encode(message)
         if len(payload) > self.max_payload_bytes:
             raise PayloadTooLarge(
                 len(payload), self.max_payload_bytes, path=str(self.path), session_id=session_id
