@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _helpers import run_python
 
 import walspool
 from walspool import AGENT_HISTORY, CAP_DROP
@@ -699,3 +700,113 @@ def test_an_import_that_fails_is_reported_word_for_word(home, db, monkeypatch, c
     assert logged(caplog, logging.WARNING) == [
         f"Cannot import the JSON spool files in {flush_dir}: cannot list"
     ]
+
+
+# -- memory bounded by what a row really costs (issue 29) ---------------------------------
+
+MiB = 1024 * 1024
+
+
+def keyed_rows(home: Path, keys: list[str]) -> Path:
+    """A spool holding one shutdown slot per entry of ``keys``, spooled by routing key."""
+    path = home / "spool.db"
+    with walspool.Spool(path) as spool:
+        spool.append_many(
+            [(None, {"text": f"slot {n}"}, k) for n, k in enumerate(keys)], reason="shutdown"
+        )
+    return path
+
+
+def edit(path: Path, sql: str, params: tuple = ()) -> None:
+    """Change the spool behind walspool's back (payloads no append would take)."""
+    import apsw
+
+    conn = apsw.Connection(str(path))
+    try:
+        with conn:
+            conn.execute(sql, params)
+    finally:
+        conn.close()
+
+
+def asked_keys(home: Path, db) -> list[tuple[str, object]]:
+    """The keys a recovery asks the resolver about, with their times; it resolves none."""
+    asked = []
+    resolver = lambda key, not_after=None: asked.append((key, not_after))  # noqa: E731
+    assert sf.recover_pending_spool(db, session_resolver=resolver) == (0, set())
+    return asked
+
+
+def test_a_key_is_resolved_at_its_oldest_rows_time_whatever_its_payloads_size(home, db):
+    """Payloads over ``paging.SCAN_JSON_BYTES`` are parsed one at a time, the rest in a
+    scan: a key's time is still its oldest row's own timestamp, else its spool time,
+    among rows of either size (as one scan of every row found it)."""
+    path = keyed_rows(home, ["a", "a", "b", "b", "c"])
+    junk = f"printf('%.*c', {3 * MiB // 2}, 'x')"  # over SCAN_JSON_BYTES
+    for row_id, payload in [
+        (1, f"json_object('text', 'a', 'timestamp', 50, 'junk', {junk})"),
+        (2, "json_object('text', 'a', 'timestamp', 70)"),
+        (4, f"json_object('text', 'b', 'timestamp', 10.5, 'junk', {junk})"),
+        (5, f"'not JSON ' || {junk}"),
+    ]:
+        edit(path, f"UPDATE records SET payload = {payload} WHERE id = {row_id}")
+    assert asked_keys(home, db) == [("a", 50), ("b", 10.5), ("c", spool_time(path, 5))]
+
+
+def spool_time(path: Path, row_id: int) -> float:
+    import apsw
+
+    conn = apsw.Connection(str(path), flags=apsw.SQLITE_OPEN_READONLY)
+    try:
+        return conn.execute("SELECT created_at FROM records WHERE id = ?", (row_id,)).get
+    finally:
+        conn.close()
+
+
+#: A gateway's start on HERMES_HOME=ARGV[1] (0.22's call: its state.db and a resolver,
+#: which knows none of the keys). Prints the keys and times the resolver was asked
+#: about, and the process's peak RSS (``VmHWM``) when it was first asked: every key's
+#: time is found by then, and the replay (``test_paging`` bounds it) has not begun.
+_KEY_RECOVERY = """
+import os, sys
+from pathlib import Path
+os.environ["HERMES_HOME"] = sys.argv[1]
+import hermes_state
+from walspool import shutdown_flush as sf
+
+def peak():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
+db = hermes_state.SessionDB(db_path=Path(sys.argv[1], "state.db"))
+asked, peaks = [], []
+def resolver(key, not_after):
+    peaks.append(peak())
+    asked.append((key, not_after))
+assert sf.recover_pending_spool(db, session_resolver=resolver) == (0, set())
+print(peaks[0], asked)
+"""
+
+
+def test_resolving_keys_holds_one_large_payload_at_a_time(tmp_path):
+    """12 slots of 32 MiB over three routing keys: a start has found each key's time
+    within three such payloads (12 pages) of its peak over small slots: 97 MiB against
+    33 (before: every payload held by the GROUP BY's sorter and SQLite's JSON cache,
+    801 MiB)."""
+    peaks = []
+    for filler in (0, 32 * MiB):
+        home = tmp_path / f"hermes-{filler}"
+        path = keyed_rows(home, [f"key{n % 3}" for n in range(12)])
+        edit(
+            path,
+            "UPDATE records SET payload = json_object('text', 'x', 'timestamp', 1000 + id, "
+            "'junk', printf('%.*c', ?, 'x'))",
+            (filler,),
+        )
+        done = run_python(_KEY_RECOVERY, str(home), timeout=600)
+        assert done.returncode == 0, done.stderr
+        peak, asked = done.stdout.split(" ", 1)
+        assert asked == "[('key0', 1001), ('key1', 1002), ('key2', 1003)]\n"
+        peaks.append(int(peak))
+    small, large = peaks
+    assert large < small + 3 * 32 * MiB, (small // MiB, large // MiB)

@@ -61,6 +61,7 @@ from . import _upstream, text
 from .errors import InvalidArgument, ReplayBusy, WalspoolError
 from .hermes import agent_history_message, slot_message
 from .jsonspool import FILE_PATTERN, QUARANTINE_PATTERN, import_json_spool
+from .paging import LARGE_PAYLOAD, SMALL_PAYLOAD
 from .records import AGENT_HISTORY, CAP_DROP
 from .replay import Replayer, ReplayReport, replay_lock
 from .sinks import is_row_rejection
@@ -113,16 +114,27 @@ COUNT_SESSION_ROWS_SQL = """
 SELECT count(*) FROM records
 WHERE session_id = ? AND reason = ? AND (status IS NULL OR inflight IS NOT NULL)
 """
-#: Each routing key of rows spooled without a session id, with the time to resolve it
-#: at: the oldest row's own ``timestamp`` (an imported file's ``ts``), else spool time.
-KEYS_TO_RESOLVE_SQL = """
-SELECT session_key, min(CASE
+#: A row's time to resolve its routing key at: the message's own ``timestamp`` (an
+#: imported file's ``ts``), else spool time.
+_ROW_TIME = """CASE
     WHEN json_valid(payload) AND json_type(payload, '$.timestamp') IN ('integer', 'real')
-    THEN json_extract(payload, '$.timestamp') ELSE created_at END)
-FROM records
-WHERE session_id IS NULL AND reason != ? AND (status IS NULL OR inflight IS NOT NULL)
+    THEN json_extract(payload, '$.timestamp') ELSE created_at END"""
+# Walked in the key index's order, so no GROUP BY sorter holds the rows it groups,
+# payloads and all.
+_KEY_ROWS = """
+FROM records INDEXED BY records_session_key_seq_idx
+WHERE session_id IS NULL AND reason != :agent_history AND (status IS NULL OR inflight IS NOT NULL)
+"""
+#: Each routing key of rows spooled without a session id, with the time to resolve it
+#: at (its oldest row's), among rows whose payload SQL may parse in a scan
+#: (``paging.SMALL_PAYLOAD``); a larger payload is parsed by a statement of its own
+#: (``KEY_ROW_TIME_SQL``), so no scan holds large parses (SQLite's JSON cache).
+KEYS_TO_RESOLVE_SQL = f"""
+SELECT session_key, min({_ROW_TIME}) {_KEY_ROWS} AND {SMALL_PAYLOAD}
 GROUP BY session_key
 """
+LARGE_KEY_ROWS_SQL = f"SELECT id {_KEY_ROWS} AND {LARGE_PAYLOAD}"
+KEY_ROW_TIME_SQL = f"SELECT session_key, {_ROW_TIME} FROM records WHERE id = ?"
 ANY_TO_REPLAY_SQL = "SELECT EXISTS (SELECT 1 FROM records WHERE reason != ?)"
 SESSIONS_WITH_ROWS_SQL = """
 SELECT DISTINCT session_id FROM records
@@ -604,7 +616,7 @@ def _replay_all(
     """One replay of every replayable row, key rows routed as the resolver says."""
     targets: dict[str, tuple[str, Any]] = {}
     if session_resolver is not None:
-        for key, ts in spool.query(KEYS_TO_RESOLVE_SQL, (AGENT_HISTORY,)):
+        for key, ts in _keys_to_resolve(spool):
             found = _upstream.resolve_key(session_resolver, key, ts)
             if found is not None:
                 targets[key] = found
@@ -614,6 +626,17 @@ def _replay_all(
     return Replayer(
         spool, sink, resolver=lambda key: targets[key][0] if key in targets else None
     ).replay(wait=False)
+
+
+def _keys_to_resolve(spool: Spool) -> list[tuple[str, Any]]:
+    """Each routing key to resolve, in key order, with its oldest row's time; holding
+    at most one large payload's parse."""
+    params = {"agent_history": AGENT_HISTORY}
+    oldest = dict(spool.query(KEYS_TO_RESOLVE_SQL, params))
+    for (row_id,) in spool.query(LARGE_KEY_ROWS_SQL, params):
+        for key, ts in spool.query(KEY_ROW_TIME_SQL, (row_id,)):  # none if the row is gone
+            oldest[key] = ts if key not in oldest else min(oldest[key], ts)
+    return sorted(oldest.items())
 
 
 #: The gateway's routing table in state.db (0.20+): session key -> its ``SessionEntry``.
