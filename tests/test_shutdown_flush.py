@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import stat
 import sys
+import threading
 from pathlib import Path
 
 import pytest
-from _helpers import run_python
+from _helpers import STEP, run_python
 
 import walspool
 from walspool import AGENT_HISTORY, CAP_DROP
@@ -810,3 +812,87 @@ def test_resolving_keys_holds_one_large_payload_at_a_time(tmp_path):
         peaks.append(int(peak))
     small, large = peaks
     assert large < small + 3 * 32 * MiB, (small // MiB, large // MiB)
+
+
+# -- the routing mirror, read checked and bounded ----------------------------------------
+
+
+def mirror(home: Path, entries: dict) -> Path:
+    """The gateway's legacy routing mirror, ``<home>/sessions/sessions.json``."""
+    sessions = home / "sessions"
+    sessions.mkdir(parents=True, exist_ok=True)
+    path = sessions / "sessions.json"
+    path.write_text(json.dumps(entries))
+    return path
+
+
+def test_the_routing_mirror_routes_a_key_the_routing_table_does_not_hold(home, db):
+    mirror(home, {"k": {"session_id": "sess-1"}, "bad": {"session_id": 7}})
+    assert [sf.routed_session_id(db, key) for key in ("k", "bad", "other")] == [
+        "sess-1",
+        None,
+        None,
+    ]
+
+
+def test_a_routing_mirror_over_its_bound_is_not_read(home, db, caplog):
+    """It is read whole and parsed (about five times its size in memory): at
+    ``SESSIONS_JSON_MAX_BYTES`` it is read, one byte over it is refused from its size."""
+    path = mirror(home, {"k": {"session_id": "sess-1"}})
+    text = path.read_bytes()
+    path.write_bytes(text + b" " * (sf.SESSIONS_JSON_MAX_BYTES - len(text)))  # still JSON
+    assert sf.routed_session_id(db, "k") == "sess-1"
+    with open(path, "ab") as f:
+        f.write(b" ")
+    caplog.set_level(logging.DEBUG, logger="walspool.shutdown_flush")
+    assert sf.routed_session_id(db, "k") is None
+    assert logged(caplog, logging.WARNING) == [
+        f"Not reading the gateway's routing mirror {path} ({sf.SESSIONS_JSON_MAX_BYTES + 1} "
+        f"bytes, more than {sf.SESSIONS_JSON_MAX_BYTES}); keys only it routes stay in the spool"
+    ]
+
+
+def test_a_routing_mirror_that_is_a_link_is_not_followed(home, db, tmp_path, caplog):
+    elsewhere = mirror(tmp_path / "elsewhere", {"k": {"session_id": "sess-1"}})
+    path = mirror(home, {})
+    path.unlink()
+    path.symlink_to(elsewhere)
+    caplog.set_level(logging.DEBUG, logger="walspool.shutdown_flush")
+    assert sf.routed_session_id(db, "k") is None
+    assert logged(caplog, logging.WARNING) == [
+        f"Not reading the gateway's routing mirror {path} (it is a symbolic link); keys only "
+        "it routes stay in the spool"
+    ]
+
+
+def test_a_routing_mirror_that_is_a_fifo_never_holds_a_start_up(home, db, caplog):
+    """Before, ``open()`` waited for a writer for ever (the gateway's start with it)."""
+    path = mirror(home, {})
+    path.unlink()
+    os.mkfifo(path)
+    found: list[object] = []
+    reader = threading.Thread(target=lambda: found.append(sf.routed_session_id(db, "k")))
+    caplog.set_level(logging.DEBUG, logger="walspool.shutdown_flush")
+    reader.start()
+    reader.join(STEP)
+    if reader.is_alive():
+        os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))  # lets the stuck open() return
+        reader.join(STEP)
+        pytest.fail("reading the routing mirror waited on a FIFO")
+    assert found == [None]
+    assert logged(caplog, logging.WARNING) == [
+        f"Not reading the gateway's routing mirror {path} (not a regular file); keys only "
+        "it routes stay in the spool"
+    ]
+
+
+def test_a_routing_mirror_others_can_replace_is_not_read(home, db, caplog):
+    path = mirror(home, {"k": {"session_id": "sess-1"}})
+    os.chmod(path.parent, 0o777)
+    caplog.set_level(logging.DEBUG, logger="walspool.shutdown_flush")
+    assert sf.routed_session_id(db, "k") is None
+    (warning,) = logged(caplog, logging.WARNING)
+    assert warning.startswith(
+        f"Not reading the gateway's routing mirror {path} (the directory {path.parent} of "
+        "sessions.json is writable by group or others (mode 777)"
+    )

@@ -48,8 +48,11 @@ gives the module no hook).
 from __future__ import annotations
 
 import atexit
+import errno
+import json
 import os
 import queue
+import stat
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -58,7 +61,8 @@ from pathlib import Path
 from typing import Any
 
 from . import _upstream, text
-from .errors import InvalidArgument, ReplayBusy, WalspoolError
+from .directories import open_directory
+from .errors import InvalidArgument, ReplayBusy, UntrustedSpool, WalspoolError
 from .hermes import agent_history_message, slot_message
 from .jsonspool import FILE_PATTERN, QUARANTINE_PATTERN, import_json_spool
 from .paging import LARGE_PAYLOAD, SMALL_PAYLOAD
@@ -645,6 +649,10 @@ ROUTING_TABLE_SQL = "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name =
 #: The gateway's default ``sessions_dir`` under the home: the routing table's scope, and
 #: where its legacy ``sessions.json`` mirror lives.
 SESSIONS_DIR_NAME = "sessions"
+SESSIONS_JSON_NAME = "sessions.json"
+#: A ``sessions.json`` larger than this is not read: it is read whole, and parsing it
+#: costs about five times its size (upstream notes a few MB for 1,100 routing keys).
+SESSIONS_JSON_MAX_BYTES = 16 * 1024 * 1024
 
 
 def routed_session_id(session_db: Any, session_key: str) -> str | None:
@@ -675,22 +683,53 @@ def routed_session_id(session_db: Any, session_key: str) -> str | None:
         ids = {sid for sid in found.values() if sid}
         if len(ids) == 1:
             return ids.pop()
-    try:
-        import json
-
-        with open(home() / SESSIONS_DIR_NAME / "sessions.json", encoding="utf-8") as f:
-            entries = json.load(f)
-    except (OSError, ValueError):
-        return None
+    entries = _read_sessions_json(home() / SESSIONS_DIR_NAME)
     entry = entries.get(session_key) if isinstance(entries, dict) else None
     return _entry_session_id(entry)
+
+
+class _Unusable(Exception):
+    """A routing mirror that is not read; the message says why."""
+
+
+def _read_sessions_json(directory: Path) -> Any:
+    """The decoded ``sessions.json`` in ``directory``; None when there is none, or when it
+    cannot be used (logged at WARNING).
+
+    Opened below the checked directory (``walspool.directories``) with ``O_NOFOLLOW |
+    O_NONBLOCK``, so never through a link nor held up by a FIFO; only a regular file of
+    at most ``SESSIONS_JSON_MAX_BYTES`` is read (checked on its descriptor first).
+    """
+    path = directory / SESSIONS_JSON_NAME
+    try:
+        with open_directory(directory, path) as checked:
+            fd = checked.open(SESSIONS_JSON_NAME, os.O_RDONLY)
+        with open(fd, "rb") as f:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise _Unusable("not a regular file")
+            if st.st_size > SESSIONS_JSON_MAX_BYTES:
+                raise _Unusable(f"{st.st_size} bytes, more than {SESSIONS_JSON_MAX_BYTES}")
+            raw = f.read(SESSIONS_JSON_MAX_BYTES + 1)
+        if len(raw) > SESSIONS_JSON_MAX_BYTES:
+            raise _Unusable(f"it grew past {SESSIONS_JSON_MAX_BYTES} bytes while it was read")
+        return json.loads(raw.decode("utf-8"))
+    except FileNotFoundError:
+        return None  # 0.22 may keep no mirror
+    except (_Unusable, UntrustedSpool, OSError, ValueError) as exc:
+        why = "it is a symbolic link" if getattr(exc, "errno", None) == errno.ELOOP else exc
+        log.warning(
+            "Not reading the gateway's routing mirror %s (%s); keys only it routes stay "
+            "in the spool",
+            path,
+            why,
+        )
+        return None
 
 
 def _entry_session_id(entry: Any) -> str | None:
     """A routing entry's ``session_id`` (its JSON text, or the decoded dict)."""
     if isinstance(entry, str):
-        import json
-
         try:
             entry = json.loads(entry)
         except ValueError:
