@@ -1,18 +1,27 @@
-"""The docs: the README's incident runbook run as written on a real outage, every link
-resolving, and each page within its budget."""
+"""The docs: the README's incident runbook run as written on a real outage, each
+command line example of docs/cli.md run on its small spool, every link resolving, and
+each page within its budget."""
 
 from __future__ import annotations
 
+import io
+import json
 import os
 import re
+import shlex
+import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from _gateway import BREAK, HEAL, msg, sql
+from _gateway import BREAK, HEAL, msg, sql, state_db
 from _helpers import ROOT, doc_section
 
 import walspool
+from walspool import AGENT_HISTORY, CAP_DROP
+from walspool.cli import COMMANDS, build_parser, main
+from walspool.demo import run_demo
 from walspool.hermes import install
 
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -96,3 +105,90 @@ def test_the_incident_runbook_runs_as_written_on_a_real_outage(
         db.close()
     # The evicted ones, spooled; the 200 in memory went with the process, as released.
     assert rows == [f"m{i}" for i in range(260 - 200)]
+
+
+# -- docs/cli.md's examples ----------------------------------------------------------------
+
+
+def build_example_home(home: Path) -> None:
+    """The HERMES_HOME of docs/cli.md's examples: a spool with sessions s1 (three
+    messages) and s2 (a message, and an agent history a replay quarantined), and the
+    free pages of 300 rows of s0 replayed; a state.db with the three sessions; and one
+    upstream file in pending_messages."""
+    home.mkdir()
+    state_db(home / "state.db", "s0", "s1", "s2")
+    with walspool.Spool(home / "spool.db") as spool:
+        spool.append_many([("s0", msg("x" * 200))] * 300)
+        spool.append("s1", {"role": "user", "content": "hello"})
+        spool.append("s1", {"role": "assistant", "content": "hi, how can I help?"})
+        spool.append("s2", {"role": "user", "content": "my order is late"})
+        spool.append("s1", {"role": "user", "content": "I want a refund"})
+        history = {"session_id": "s2", "messages": [{"role": "user", "content": "where is it?"}]}
+        spool.append("s2", history, reason=AGENT_HISTORY)
+    argv = ["replay", str(home / "spool.db"), "--into", str(home / "state.db"), "--no-progress"]
+    assert main([*argv, "--session", "s0"]) == 0
+    assert main([*argv, "--reason", AGENT_HISTORY]) == 5  # quarantined
+    message = {"role": "user", "content": "from upstream"}
+    upstream = {"session_key": "s3", "reason": CAP_DROP, "ts": 1.0, "seq": 0}
+    (home / "pending_messages").mkdir()
+    (home / "pending_messages" / "pending-1.json").write_text(
+        json.dumps({**upstream, "data": {"session_id": "s3", "message": message}}, indent=2)
+    )
+
+
+def cli_examples() -> list[tuple[str, list[str]]]:
+    """docs/cli.md's examples: each ``console`` block's command line (after ``$ ``)
+    and the lines it prints."""
+    blocks = re.findall(r"```console\n(.*?)```", doc_section("Examples"), re.S)
+    examples = []
+    for block in blocks:
+        first, *printed = block.rstrip("\n").split("\n")
+        assert first.startswith("$ walspool "), first
+        examples.append((first[2:], printed))
+    return examples
+
+
+def shape(lines: list[str]) -> list[str]:
+    """What an example's output must keep from one run to the next: its lines and
+    words, each word holding a digit (a count, a time, an age, a size, a pid) as ``#``,
+    and who made a change (user and host) as ``WHO``."""
+    shaped = []
+    for line in lines:
+        line = re.sub(r"(done by ).*", r"\1WHO", line)
+        shaped.append(" ".join("#" if re.search(r"\d", w) else w for w in line.split()))
+    return shaped
+
+
+def test_each_command_line_example_runs_and_prints_what_it_shows(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every command has an example; each runs (a fresh copy of the example home its
+    working directory) with exit status 0, nothing on stderr, and prints what the docs
+    show, numbers, times and who aside. The demo runs as test_demo runs it, smaller."""
+    pytest.importorskip("hermes_state")
+    built = tmp_path / "built"
+    build_example_home(built)
+    capsys.readouterr()
+    examples = cli_examples()
+    commands = [shlex.split(line)[1] for line, _ in examples]
+    assert commands == [name for name, *_ in COMMANDS]  # one each, in --help's order
+    for n, (line, printed) in enumerate(examples):
+        argv = shlex.split(line)[1:]
+        if argv == ["demo"]:
+            assert build_parser().parse_args(argv).command == "demo"
+            out = io.StringIO()
+            assert run_demo(out, sessions=2, messages=201, threads=1) == 0
+            assert shape(out.getvalue().splitlines()) == shape(printed), line
+            continue
+        home = shutil.copytree(built, tmp_path / f"example-{n}")
+        done = subprocess.run(
+            [sys.executable, "-m", "walspool", *argv],
+            cwd=home,
+            env={**os.environ, "PYTHONPATH": str(ROOT), "HERMES_HOME": str(home)},
+            capture_output=True,
+            text=True,
+            timeout=120,
+            stdin=subprocess.DEVNULL,
+        )
+        assert (done.returncode, done.stderr) == (0, ""), line
+        assert shape(done.stdout.splitlines()) == shape(printed), line
