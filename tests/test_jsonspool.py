@@ -14,6 +14,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import apsw
 import pytest
 from _helpers import ROOT, run_python
 
@@ -569,3 +570,82 @@ def test_a_kill_between_commit_and_unlink_duplicates_that_batchs_remaining_files
     assert sorted(occurrences.values()) == [1] * (count - duplicates) + [2] * duplicates
     for session, ids in stored.items():
         assert list(dict.fromkeys(ids)) == expected[session], session
+
+
+# -- exactly once (source_key): what an interrupted import committed ---------------------
+
+SOURCE_KEY = "_walspool_import"
+MiB = 1024 * 1024
+
+
+def interrupted_import(spool_path: Path, directory: Path, big: list[int], filler: int) -> None:
+    """What a killed ``source_key`` import leaves: 12 rows committed, each carrying its
+    file's name (rows ``big`` with ``filler`` bytes more), 3 of their files not removed
+    yet, the journal, and a file it had not reached."""
+    with walspool.Spool(spool_path) as spool:
+        spool.append_many(
+            [("s", {"role": "user", "content": str(n), SOURCE_KEY: f"pending-{n}.json"})
+             for n in range(12)]
+        )  # fmt: skip
+    conn = apsw.Connection(str(spool_path))
+    try:
+        with conn:
+            conn.execute(
+                "UPDATE records SET payload = json_set(payload, '$.junk', printf('%.*c', ?, 'x')) "
+                "WHERE seq - 1 IN (SELECT value FROM json_each(?))",
+                (filler, json.dumps(big)),
+            )
+    finally:
+        conn.close()
+    for n in (0, 5, 11):
+        write_payload(
+            directory, cap_drop("s", {"role": "user", "content": str(n)}), f"pending-{n}.json"
+        )
+    new = cap_drop("s", {"role": "user", "content": "new"}, ts=TS + 1)
+    write_payload(directory, new, "pending-new.json")
+    write_raw(directory, "", ".walspool-import")
+
+
+def test_files_an_interrupted_import_committed_are_removed_not_imported_again(spool_path, pending):
+    """Names carried by payloads of any size are found (those over
+    ``paging.SCAN_JSON_BYTES`` each by a statement of its own)."""
+    interrupted_import(spool_path, pending, [5, 6], 3 * MiB // 2)
+    with walspool.Spool(spool_path) as spool:
+        report = import_json_spool(spool, pending, source_key=SOURCE_KEY)
+        contents = [r.message["content"] for r in spool.records()]
+    assert (report.imported, report.skipped, left(pending)) == (4, [], [])
+    assert contents == [str(n) for n in range(12)] + ["new"]
+
+
+#: An import of ARGV[2] into the spool ARGV[1] with a source key; prints what it
+#: imported and the process's peak RSS (``VmHWM``) once it is done.
+IMPORT_CHILD = r"""
+import sys, walspool
+from walspool.jsonspool import import_json_spool
+with walspool.Spool(sys.argv[1]) as spool:
+    report = import_json_spool(spool, sys.argv[2], source_key=sys.argv[3])
+with open("/proc/self/status") as f:
+    peak = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+print(peak, report.imported, report.skipped)
+"""
+
+
+def test_finding_what_an_interrupted_import_committed_holds_one_large_payload_at_a_time(
+    tmp_path,
+):
+    """12 committed rows of 32 MiB: the import after the kill peaks within three such
+    payloads (12 pages) of the same import over small rows (before: SQLite's JSON cache
+    kept the last few payloads' parses through the scan, 350 MiB)."""
+    peaks = []
+    for filler in (0, 32 * MiB):
+        directory = tmp_path / f"pending-{filler}"
+        directory.mkdir(mode=0o700)
+        spool_path = tmp_path / f"spool-{filler}" / "spool.db"
+        interrupted_import(spool_path, directory, list(range(12)), filler)
+        done = run_python(IMPORT_CHILD, str(spool_path), str(directory), SOURCE_KEY, timeout=600)
+        assert done.returncode == 0, done.stderr
+        peak, imported = done.stdout.split(" ", 1)
+        assert imported == "4 []\n" and left(directory) == []
+        peaks.append(int(peak))
+    small, large = peaks
+    assert large < small + 3 * 32 * MiB, (small // MiB, large // MiB)
