@@ -1272,6 +1272,28 @@ def _replace(path: Path, how: str) -> None:
 
 
 @pytest.mark.parametrize("how", ["deleted", "moved"])
+def test_rows_spooled_before_the_spool_file_was_replaced_are_still_drained(store, spool, how):
+    """Rows spooled during an outage, then the spool file deleted or moved: when state.db
+    heals, the link still drains them from the file it opened (which only it can still
+    reach once deleted), in order, before the queue; nothing is lost. Its drains and
+    their bookkeeping (``Spool.transact``) do not refuse a replaced path as appends do:
+    they only take rows out of that file, and refusing them would strand its rows."""
+    store._db.create_session("s", "telegram")
+    link = install(store, spool, retry_interval=0.1)  # a background thread
+    sql(store, BREAK)
+    for i in range(205):
+        store.append_to_transcript("s", _m(f"m{i}"))
+    spool.flush()
+    assert spool.stats().rows == 5
+    _replace(spool.path, how)
+    sql(store, HEAL)
+    assert link.wait_idle(STEP)  # the background thread drains it, no message needed
+    assert contents(store, "s") == [f"m{i}" for i in range(205)]
+    assert spool.stats().rows == 0  # taken out of the file it opened
+    assert not spool.path.exists()  # and nothing written at the path
+
+
+@pytest.mark.parametrize("how", ["deleted", "moved"])
 def test_evictions_into_a_replaced_spool_are_dropped_and_say_why(store, spool, caplog, how):
     """The spool's path no longer names its file: an eviction is not handed to the old
     file (where the next start would never find it) nor reported as spooled; it takes

@@ -630,3 +630,36 @@ def test_a_message_whose_timestamp_raises_when_inspected_is_appended_as_it_is(sp
     assert spool.append("s", message).seq == 1
     (rec,) = spool.records()
     assert rec.message == {"role": "assistant", "content": "c", "timestamp": "<TimeRaises>"}
+
+
+@pytest.mark.parametrize("how", ["moved", "replaced"])
+def test_supersede_after_the_path_is_replaced_marks_the_file_this_spool_opened(
+    spool, spool_path, how
+):
+    """``supersede`` (a transcript rewrite) and ``transact`` take no path check: they only
+    change or take out rows of the file this Spool opened, so they act on that file (the
+    moved one, whose rows an operator may still replay) and never on whatever the path
+    names now; appends, which would leave new rows where no start looks, are refused."""
+    for i in range(3):
+        spool.append("s", {"content": f"m{i}"})
+    moved = spool_path.with_name("moved.db")
+    for suffix in ("", "-wal", "-shm"):
+        os.rename(f"{spool_path}{suffix}", f"{moved}{suffix}")
+    fresh = walspool.Spool(spool_path) if how == "replaced" else None
+    try:
+        with pytest.raises(walspool.SpoolReplaced):
+            spool.append("s", {"content": "late"})
+        assert spool.supersede("s") == 3
+        assert spool.transact(lambda conn: conn.execute("SELECT count(*) FROM records").get) == 3
+        if fresh is not None:
+            assert fresh.stats().rows == 0  # the file now at the path is untouched
+        else:
+            assert not spool_path.exists()  # nothing was created there
+    finally:
+        if fresh is not None:
+            fresh.close()
+    spool.close()
+    with walspool.Spool(moved) as old:
+        assert [(r.message["content"], r.status) for r in old.records()] == [
+            (f"m{i}", "superseded") for i in range(3)
+        ]

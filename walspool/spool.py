@@ -311,7 +311,13 @@ class Spool:
     def transact(self, fn: Any) -> Any:
         """Run ``fn(conn)`` in the writer's next transaction; return its result.
 
-        Internal: for walspool's own modules, which keep the spool's invariants.
+        Internal: for walspool's own modules, which keep the spool's invariants. Unlike
+        the appends, it makes no path check (``SpoolReplaced``): it acts on the file
+        this Spool opened after its path names another file or none, because what it
+        does there (a replay taking rows out into the sink, a quarantine, a supersede)
+        only changes or removes rows of that file. A deleted file's rows can still be
+        replayed only through it, and a moved one keeps its statuses for an operator.
+        A function that adds rows must check the path as ``append`` does.
         """
         return self._writer.call(Operation(fn))
 
@@ -326,7 +332,9 @@ class Spool:
         session's transcript, so rows spooled before it would land out of place.
         Rows a replay has out at this moment are left to it; with ``inflight`` (for a
         caller holding the replay lock, so that no replay has any out) rows left in
-        flight by failed replays are superseded too.
+        flight by failed replays are superseded too. Like ``transact``, it acts on the
+        file this Spool opened even once its path names another (a moved spool's rows
+        are marked, so an operator's replay of it does not put them after the rewrite).
         """
         check_lookup(session_id, "session_id", self.path)
         sql = SUPERSEDE_WITH_INFLIGHT_SQL if inflight else SUPERSEDE_SQL
