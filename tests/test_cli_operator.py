@@ -156,27 +156,32 @@ def test_drop_takes_comma_separated_ids_and_a_selector(capsys, set_aside):
         assert usage(capsys, "drop", set_aside, "--id", bad)[0] == 2
 
 
-def test_drop_refuses_ids_that_read_as_one_number_with_thousands_separators(capsys, set_aside):
-    """`--id 1,041` could be row 1041 (counts print as 1,200) or rows 1 and 41: refused
-    with both readings and the unambiguous forms; lists that are not such a number
-    still take several ids."""
+@pytest.mark.parametrize("command", ["drop", "requeue"])
+def test_ids_that_read_as_one_number_with_thousands_separators_are_refused(
+    capsys, set_aside, command
+):
+    """`--id 1,041` could be row 1041 (counts print as 1,200) or rows 1 and 41: drop
+    and requeue refuse it with both readings and the unambiguous forms; lists that are
+    not such a number still take several ids."""
     before = digest(set_aside)
     for ids, rows, each in (
         ("1,041", "rows 1 and 41", "--id 1 --id 41"),
         ("1,198,199", "rows 1, 198 and 199", "--id 1 --id 198 --id 199"),
     ):
-        rc, out, err = usage(capsys, "drop", set_aside, "--id", ids, "--yes")
+        yes = ["--yes"] if command == "drop" else []
+        rc, out, err = usage(capsys, command, set_aside, "--id", ids, *yes)
         whole = ids.replace(",", "")
         assert (rc, out) == (2, "")
         assert err.splitlines()[-1] == (
-            f"walspool drop: error: argument --id: '{ids}' is ambiguous: row {whole} written "
+            f"walspool {command}: error: argument --id: '{ids}' is ambiguous: row {whole} written "
             f"with a thousands separator, or {rows}? ids print without separators: give "
             f"--id {whole}, or {each}"
         )
     assert digest(set_aside) == before
-    rc, out, err = run(capsys, "drop", set_aside, "--id", "1198,1199,12", "--json")
-    assert rc == 2 and json.loads(out)["missing"] == []
-    assert json.loads(out)["would_drop"] == [1198, 1199]
+    if command == "drop":
+        rc, out, err = run(capsys, "drop", set_aside, "--id", "1198,1199,12", "--json")
+        assert rc == 2 and json.loads(out)["missing"] == []
+        assert json.loads(out)["would_drop"] == [1198, 1199]
 
 
 def test_drop_without_yes_shows_what_it_would_drop_and_exits_2(capsys, set_aside):

@@ -12,7 +12,7 @@ from ..maintenance import LOCK_WAIT, actor
 from ..records import QUARANTINED, SUPERSEDED
 from ..spool import Spool
 from ..text import printable
-from ._filters import UsageError, which_stream
+from ._filters import UsageError, row_ids, which_stream
 from ._output import EXIT_BUSY, EXIT_OK, clip, dump, plural, stream_name, table, warn
 from ._reading import reading
 from ._readonly import SpoolReader
@@ -58,19 +58,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="wait this long for a running replay to end (default %(default)g)",
     )
-
-
-def row_ids(text: str) -> list[int]:
-    """An --id argument: one row id or several, comma-separated (``7``, ``7,9``)."""
-    try:
-        ids = [int(part) for part in text.split(",")]
-    except ValueError:
-        ids = []
-    if not ids or any(i < 1 for i in ids):
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a row id (a positive integer, or several: 7,9)"
-        )
-    return ids
 
 
 def selected(reader: SpoolReader, args: argparse.Namespace) -> list[dict[str, Any]]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 
 from ..maintenance import drop
-from ._filters import row_ids
 from ._output import EXIT_USAGE, dump, warn
 from ._rowchange import add_arguments as add_row_arguments
 from ._rowchange import preview, run_change
@@ -38,7 +37,4 @@ def run(args: argparse.Namespace) -> int:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_row_arguments(p)
-    # A drop's --id refuses what reads as a number with thousands separators (1,041).
-    # The shared --id comes from _rowchange; argparse has no public way back to it.
-    next(a for a in p._actions if a.dest == "ids").type = row_ids
     p.add_argument("--yes", action="store_true", help="really drop them")
