@@ -215,3 +215,86 @@ def test_root_maintenance_leaves_the_gateway_users_files_its_own():
             assert name.stat().st_uid == NOBODY, name
         done = walspool_as(NOBODY, "requeue", path, "--id", 1)  # the gateway's user, after root
         assert done.returncode == 1 and "replayable, not set aside" in done.stderr
+
+
+def drained_spool(path: Path) -> bytes:
+    """A closed spool with free pages (a vacuum would shrink it); its bytes."""
+    big_spool(path, 3000)
+    with walspool.Spool(path) as spool:
+        spool.transact(lambda c: c.execute("DELETE FROM records WHERE id > 10"))
+    return path.read_bytes()
+
+
+def move(directory: Path, name: str, to: str) -> None:
+    """Rename a spool's database, -wal and -shm (those there) as one."""
+    for suffix in ("", "-wal", "-shm"):
+        if (directory / f"{name}{suffix}").exists():
+            os.rename(directory / f"{name}{suffix}", directory / f"{to}{suffix}")
+
+
+@pytest.mark.parametrize("swap", ["another spool", "a link", "a linked directory"])
+def test_vacuum_runs_on_the_file_the_spool_holds_or_not_at_all(tmp_path, swap):
+    """Between the spool's open and its vacuum, its name comes to mean another spool
+    (renamed over it, linked in its place, or its directory replaced by a link to
+    that spool's): the vacuum refuses and the other spool is left byte for byte as it
+    was. Before, the vacuum opened the path again and rewrote what it found there,
+    unless it was a link itself (SQLite's NOFOLLOW)."""
+    home, elsewhere = tmp_path / "home", tmp_path / "elsewhere"
+    other = elsewhere / "spool.db"
+    other_bytes = drained_spool(other)
+    with walspool.Spool(home / "spool.db") as spool:
+        spool.append("s", msg("mine"))
+        if swap == "another spool":
+            move(home, "spool.db", "moved.db")
+            other = other.rename(home / "spool.db")
+        elif swap == "a link":
+            move(home, "spool.db", "moved.db")
+            (home / "spool.db").symlink_to(other)
+        else:
+            home.rename(tmp_path / "moved")
+            home.symlink_to(elsewhere)
+        with pytest.raises((walspool.UntrustedSpool, walspool.SymlinkRefused)) as refused:
+            maintenance.vacuum(spool)
+        assert other.read_bytes() == other_bytes
+        assert not Path(f"{other}-wal").exists()
+    if swap == "a link":
+        assert "is a symbolic link" in str(refused.value)
+    else:
+        assert "changed while walspool was opening it" in str(refused.value)
+
+
+@as_root
+def test_root_vacuums_the_spool_it_holds_while_its_owner_swaps_its_name():
+    """The gateway's user exchanges ``spool.db`` with another spool of its own (one with
+    free pages), over and over (a real second process, ``renameat2``), while root
+    vacuums the spool it holds open: each vacuum runs on that spool or is refused, and
+    the other spool is never rewritten."""
+    from test_directories import OWNER, TRIES, gateway_spool, owned_dir, swapping
+
+    with shared_directory("walspool-vacuum-", 0o711) as top:
+        home = owned_dir(top / "hermes", OWNER)
+        spool_path = gateway_spool(home)
+        code = (
+            "import sys, walspool\n"
+            "with walspool.Spool(sys.argv[1]) as s:\n"
+            "    s.append_many([('o', {'n': i}) for i in range(3000)])\n"
+            "    s.transact(lambda c: c.execute('DELETE FROM records WHERE id > 10'))\n"
+        )
+        made = python_as(OWNER, code, str(home / "other.db"))
+        assert made.returncode == 0, made.stderr
+        other, before = os.stat(home / "other.db").st_ino, (home / "other.db").read_bytes()
+        refused = 0
+        with walspool.Spool(spool_path) as spool:
+            with swapping(home, "spool.db", "other.db", "def setup(): pass"):
+                for _ in range(TRIES):
+                    try:
+                        maintenance.vacuum(spool)
+                    except walspool.UntrustedSpool:
+                        refused += 1
+            (now,) = [p for p in home.glob("*.db") if p.stat().st_ino == other]
+            assert now.read_bytes() == before
+            # Through the spool's own connection: its reader, opened later by the path,
+            # may be the other spool's now.
+            rows = spool.transact(lambda c: c.execute("SELECT payload FROM records").fetchall())
+            assert rows == [('{"role":"user","content":"x"}',)]
+        assert refused < TRIES  # the race ran against vacuums that also succeed

@@ -27,8 +27,9 @@ from typing import Any
 import apsw
 import msgspec
 
-from . import codec, schema
-from .errors import InvalidArgument, WalspoolError
+from . import codec, files, schema
+from .directories import changed
+from .errors import InvalidArgument, UntrustedSpool, WalspoolError
 from .replay import replay_lock
 from .spool import Spool
 from .writer import LIVE_BYTES_SQL
@@ -184,14 +185,13 @@ def vacuum(spool: Spool, *, force: bool = False) -> VacuumReport:
     ``-wal``: the space drained rows held goes back to the file system.
 
     Refuses (``InvalidArgument``) a spool with more than ``VACUUM_MAX_LIVE_BYTES`` of
-    live pages unless ``force``: the gateway's appends would wait for the copy.
+    live pages unless ``force``: the gateway's appends would wait for the copy. Runs on
+    the very file ``spool`` holds open, or not at all (``UntrustedSpool``,
+    ``SymlinkRefused``: its path names another file now, see ``_connect``).
     """
     path = spool.path
+    conn = _connect(spool)
     before = (_size(path), _size(Path(f"{path}-wal")))
-    conn = apsw.Connection(
-        f"file:{schema._uri_path(path)}",
-        flags=apsw.SQLITE_OPEN_READWRITE | apsw.SQLITE_OPEN_NOFOLLOW | apsw.SQLITE_OPEN_URI,
-    )
     try:
         schema.set_busy_timeout(conn)
         schema.set_synchronous(conn, spool.durability)
@@ -223,6 +223,51 @@ def vacuum(spool: Spool, *, force: bool = False) -> VacuumReport:
         wal_bytes=_size(Path(f"{path}-wal")),
         checkpointed=not busy,
     )
+
+
+def _connect(spool: Spool) -> apsw.Connection:
+    """A second connection to the very file ``spool`` holds open, for a statement that
+    cannot run inside the spool writer's transactions (``VACUUM``).
+
+    The spool's own connection, checked when the spool was opened, says which file it
+    holds (``schema.opened_file``). The new connection is opened by the spool's path,
+    no link followed, and before any statement runs must hold that same file, its
+    directory and files passing the checks the spool's open made (``files.check_opened``):
+    a name swapped since (another file, a link, a directory replaced by a link) is
+    refused with ``UntrustedSpool`` or ``SymlinkRefused``, the file it names untouched.
+    Where SQLite's descriptor cannot be had (a VFS other than its ``unix``), refused too.
+    """
+    path = spool.path
+    files.refuse_symlink(path)
+    held = spool.transact(schema.opened_file)
+    flags = apsw.SQLITE_OPEN_READWRITE | apsw.SQLITE_OPEN_NOFOLLOW | apsw.SQLITE_OPEN_URI
+    conn = None
+    try:
+        conn = apsw.Connection(f"file:{schema._uri_path(path)}", flags=flags)
+        # Until it is known to be the spool's file, closing must not checkpoint.
+        conn.config(apsw.SQLITE_DBCONFIG_NO_CKPT_ON_CLOSE, 1)
+        opened = schema.opened_file(conn)
+        if held is None or opened is None:
+            raise UntrustedSpool(
+                f"cannot tell which file SQLite opened as {path} (VFS {conn.open_vfs!r}, not "
+                "'unix'), so it cannot be proved to be the spool's; nothing was changed",
+                path=path,
+            )
+        if _identity(opened) != _identity(held):
+            raise changed(path, path)
+        files.check_opened(path, opened)
+        conn.config(apsw.SQLITE_DBCONFIG_NO_CKPT_ON_CLOSE, 0)
+    except apsw.Error as exc:
+        schema.close_quietly(conn)
+        raise schema.fifo_refused(path) or schema.sqlite_error(exc, path) from exc
+    except BaseException:
+        schema.close_quietly(conn)
+        raise
+    return conn
+
+
+def _identity(st: os.stat_result) -> tuple[int, int]:
+    return st.st_dev, st.st_ino
 
 
 def _size(path: Path) -> int:
