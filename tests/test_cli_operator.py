@@ -289,6 +289,124 @@ def test_stats_shows_ages_and_its_json_has_the_oldest_age(capsys, spool_file):
     assert stats["oldest_age"] >= stats["newest_age"] >= 90000
 
 
+def failing_spool(path: Path, names: list[str]) -> Path:
+    """A spool with one row per name, each failed at a time of its own: the later in
+    ``names``, the more recent (an hour ago, then a second later each)."""
+    with walspool.Spool(path) as spool:
+        for name in names:
+            spool.append(name, {"role": "user", "content": "x"})
+    patch(
+        path,
+        "UPDATE records SET attempts = 1, last_attempt_at = unixepoch() - 3600 + id, "
+        "last_error = 'FOREIGN KEY constraint failed in ' || id || char(10) || 'forged'",
+    )
+    return path
+
+
+def test_stats_shows_the_latest_error_of_the_sessions_that_failed_last(capsys, tmp_path):
+    """Five sessions, latest failure first, each with its own latest error (the older
+    one of a session that failed twice is not shown), escaped; a session named by 2 MiB
+    is read clipped and says so."""
+    huge = "h" * (2 * 1024 * 1024)
+    names = ["a", "b", "c", "b", "d", "e", "f", huge]
+    path = failing_spool(tmp_path / "spool.db", names)
+    rc, out, _ = run(capsys, "stats", path, "--json")
+    errors = json.loads(out)["last_errors"]
+    assert rc == 0
+    assert [(e["session_id"][:8], e["clipped"]) for e in errors] == [
+        ("h" * 8, True), ("f", False), ("e", False), ("d", False), ("b", False)
+    ]  # fmt: skip
+    assert len(errors[0]["session_id"]) == 1024
+    assert errors[4]["error"] == "FOREIGN KEY constraint failed in 4\nforged"  # b's latest
+    assert all(3590 <= e["age"] < 3600 + 600 for e in errors)  # a bound, not a timing
+    rc, out, _ = run(capsys, "stats", path)
+    lines = out.splitlines()
+    at = lines.index("last errors latest first")
+    shown = [line.split() for line in lines[at + 1 : at + 6]]
+    assert [words[0] for words in shown[1:]] == ["f", "e", "d", "b"]
+    assert shown[0][0].endswith("…") and shown[0][1] == "(clipped)"
+    assert shown[4][1].startswith("59m")  # an hour ago, less b's row id (4) in seconds
+    # one line: clip folds whitespace, a newline included, into single spaces
+    assert shown[4][2:] == "ago: FOREIGN KEY constraint failed in 4 forged".split()
+    assert lines[at + 6].startswith("files")
+
+
+def test_stats_with_a_sample_gives_the_rates_and_the_drain_eta(capsys, tmp_path, monkeypatch):
+    """--sample reads twice: rows that left in between give the replay rate and the
+    ETA of the rest; a spool nothing leaves is "not draining"."""
+    import walspool.cli.stats as stats_command
+
+    path = tmp_path / "spool.db"
+    with walspool.Spool(path) as spool:
+        for i in range(40):
+            spool.append("s", {"role": "user", "content": f"m{i}"})
+    clock = {"now": 1000.0}
+
+    def replay_ten(seconds: float) -> None:  # the sample's wait: ten rows leave meanwhile
+        assert seconds == 5
+        patch(path, "DELETE FROM records WHERE id <= 10")
+        clock["now"] += seconds
+
+    class Time:  # the clocks the two readings see, and the wait between them
+        time = staticmethod(time_now)
+        monotonic = staticmethod(lambda: clock["now"])
+        sleep = staticmethod(replay_ten)
+
+    monkeypatch.setattr(stats_command, "time", Time)
+    monkeypatch.setattr("walspool.cli._watching.time", Time)
+    rc, out, _ = run(capsys, "stats", path, "--sample", "5", "--json")
+    stats = json.loads(out)
+    assert rc == 0 and stats["rows"] == 30
+    assert (stats["rates"]["appended"], stats["rates"]["replayed"]) == (0.0, 2.0)
+    assert stats["drain_eta"] == 15.0  # 30 rows at 2 a second
+    rc, out, _ = run(capsys, "stats", path, "--sample", "5")
+    eta = next(line for line in out.splitlines() if line.startswith("drain ETA"))
+    assert eta == "drain ETA   not draining (no more rows leave than arrive)"  # nothing left
+
+
+def time_now() -> float:
+    import time
+
+    return time.time()
+
+
+def test_stats_paints_what_needs_a_look_on_a_terminal_only(tmp_path):
+    """On a terminal (a pty) the rows with errors are yellow and a spool no process has
+    open is red; NO_COLOR, or a pipe, prints no escape at all."""
+    import pty
+
+    path = failing_spool(tmp_path / "spool.db", ["a"])
+
+    def stats_on(terminal: bool, **env: str) -> str:
+        argv = [sys.executable, "-m", "walspool", "stats", str(path)]
+        environ = {**os.environ, "PYTHONPATH": str(ROOT), **env}
+        environ.pop("NO_COLOR", None) if not env else None
+        if not terminal:
+            return subprocess.run(argv, capture_output=True, text=True, env=environ).stdout
+        main_fd, child_fd = pty.openpty()
+        proc = subprocess.Popen(argv, stdout=child_fd, env=environ)
+        os.close(child_fd)
+        chunks = []
+        while True:
+            try:
+                chunk = os.read(main_fd, 65536)
+            except OSError:  # EIO: the child closed the terminal
+                break
+            if not chunk:
+                break
+            chunks.append(chunk)
+        os.close(main_fd)
+        assert proc.wait(60) == 0
+        return b"".join(chunks).decode()
+
+    painted = stats_on(True)
+    assert "\x1b[33mwith errors 1 row\x1b[0m" in painted
+    assert "\x1b[31mopen by     no process" in painted
+    assert "\x1b[33mrows" not in painted and "\x1b[33min flight" not in painted
+    for plain in (stats_on(True, NO_COLOR="1"), stats_on(False)):
+        assert "\x1b" not in plain and "with errors 1 row" in plain
+
+
 def test_since_takes_an_age(capsys, spool_file):
     patch(spool_file, "UPDATE records SET created_at = created_at - 3600 WHERE seq <= 3")
     rc, out, _ = run(capsys, "export", spool_file, "--since", "10m", "--session", "sess-z")

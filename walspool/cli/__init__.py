@@ -71,7 +71,7 @@ stopped by SIGTERM (replay); 141 stdout closed early (`walspool export | head`).
 Command = Callable[[argparse.Namespace], int]
 #: name, function (its docstring is its help), and the function that adds its own arguments
 COMMANDS: tuple[tuple[str, Command, Callable[[argparse.ArgumentParser], None] | None], ...] = (
-    ("stats", stats.run, None),
+    ("stats", stats.run, stats.add_arguments),
     ("ls", ls.run, None),
     ("show", show.run, show.add_arguments),
     ("replay", replay.run, replay.add_arguments),

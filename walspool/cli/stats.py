@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TextIO
 
 import apsw
 import msgspec
@@ -14,10 +16,28 @@ from ..records import QUARANTINED, SUPERSEDED
 from ..spool import STATS_BY_REASON_SQL, STATS_FAILING_SQL, STATS_SESSIONS_SQL, stats_from
 from ..text import printable
 from ._holders import holders, holders_text
-from ._output import EXIT_OK, dump, duration, iso, plural, size
+from ._output import EXIT_OK, cli_terms, clip, dump, duration, iso, plural, size, stream_name
 from ._reading import INFLIGHT_SQL, reading
 
+if TYPE_CHECKING:
+    from ._watching import Rates
+
 STATUS_COUNT_SQL = "SELECT status, count(*) FROM records WHERE status IS NOT NULL GROUP BY status"
+#: Sessions whose latest error ``stats`` shows, the most recent first.
+LAST_ERRORS = 5
+#: Characters of a session's name and of its error read per row (a session id may be
+#: 64 MiB): enough to name and show it; ``ls``/``show`` have it whole.
+CHARS = 1024
+#: The latest failed attempts, from the index of rows with an error (a sort bounded by
+#: the LIMIT), each name and error clipped in SQL; ``stats`` keeps each session's first.
+RECENT_ERRORS_SQL = """
+SELECT substr(session_id, 1, :chars),
+       CASE WHEN session_id IS NULL THEN substr(session_key, 1, :chars) END,
+       length(coalesce(session_id, session_key)) > :chars,
+       substr(last_error, 1, :chars), coalesce(last_attempt_at, created_at)
+FROM records INDEXED BY records_last_error_idx WHERE last_error IS NOT NULL
+ORDER BY 5 DESC, id DESC LIMIT :limit
+"""
 
 
 def run(args: argparse.Namespace) -> int:
@@ -26,16 +46,28 @@ def run(args: argparse.Namespace) -> int:
     Rows, sessions, payload bytes, oldest and newest row (time and age), rows by reason,
     rows with errors, rows in flight, and the sizes of the db and WAL files; and who has
     the spool open (pid and command of each process holding its open lock, as watch
-    shows). --json has `oldest_age` and `newest_age` in seconds (null for an empty
-    spool) and `open_by` ([{"pid", "command"}]; null where the system cannot tell).
+    shows); the latest error of the sessions that failed most recently, with its age;
+    and, with --sample SECONDS, the rates rows arrive and leave at over that many
+    seconds (a second reading) and the drain's ETA, as watch measures them. On a
+    terminal what needs a look is in colour (not with NO_COLOR set). --json has
+    `oldest_age` and `newest_age` in seconds (null for an empty spool), `open_by`
+    ([{"pid", "command"}]; null where the system cannot tell), `last_errors` and, with
+    --sample, `rates` and `drain_eta` (see docs/cli.md).
     """
+    rate = eta = None
+    if args.sample:
+        rate, eta = sample(args.spool, args.sample)
     with reading(args.spool, walk=True) as reader:
         stats = reader.read(lambda conn: read_stats(conn, args.spool, time.time()))
     found = holders(args.spool)
     stats["open_by"] = None if found is None else [msgspec.to_builtins(h) for h in found]
+    if args.sample:
+        stats["rates"] = None if rate is None else msgspec.to_builtins(rate)
+        stats["drain_eta"] = eta
     if args.json:
         print(dump(stats))
         return EXIT_OK
+    colour = _colour(sys.stdout)
     reasons = [f"{n:,} {printable(reason)}" for reason, n in stats["by_reason"].items()] or ["-"]
     lines = [
         ("spool", printable(stats["spool"])),
@@ -46,14 +78,78 @@ def run(args: argparse.Namespace) -> int:
         ("newest", _when(stats["newest"], stats["newest_age"])),
         ("by reason", reasons[0]),
         *(("", r) for r in reasons[1:]),
-        ("with errors", plural(stats["failing"], "row")),
+        ("with errors", plural(stats["failing"], "row"), YELLOW),
         ("in flight", plural(stats["inflight"], "row")),
-        ("quarantined", plural(stats["quarantined"], "row")),
+        ("quarantined", plural(stats["quarantined"], "row"), YELLOW),
         ("superseded", plural(stats["superseded"], "row")),
+        ("last errors", "-" if not stats["last_errors"] else "latest first"),
+        *(("", _error_line(e), YELLOW) for e in stats["last_errors"]),
         ("files", f"db {size(stats['db_bytes'])}, WAL {size(stats['wal_bytes'])}"),
     ]
-    print("\n".join(f"{k:<12}{v}" for k, v in lines))
+    if args.sample:
+        lines += [
+            ("rates", _rates_text(rate, args.sample)),
+            ("drain ETA", _eta_text(eta, stats["rows"], rate)),
+        ]
+    idle = found is not None and not found and stats["rows"] > 0
+    for key, value, *paint in lines:
+        line = f"{key:<12}{value}"
+        counted = key in ("with errors", "quarantined") and stats[_KEYS[key]] > 0
+        if colour and ((paint and (counted or not key)) or (key == "open by" and idle)):
+            line = f"\x1b[{paint[0] if paint else RED}m{line}\x1b[0m"
+        print(line)
     return EXIT_OK
+
+
+_KEYS = {"with errors": "failing", "quarantined": "quarantined"}
+#: SGR colours, as watch draws them: red for rows no process drains, yellow for errors.
+RED, YELLOW = "31", "33"
+
+
+def _colour(stream: TextIO) -> bool:
+    """Colour only on a terminal, and not when the user said NO_COLOR (no-color.org)."""
+    try:
+        return stream.isatty() and not os.environ.get("NO_COLOR")
+    except ValueError:  # closed
+        return False
+
+
+def _error_line(error: dict[str, Any]) -> str:
+    name = stream_name(error["session_id"], error["session_key"])
+    name = clip(name, 40) + (" (clipped)" if error["clipped"] else "")
+    return f"{name}  {duration(error['age'])} ago: {clip(cli_terms(error['error']), 80)}"
+
+
+def sample(path: Path, seconds: float) -> tuple[Rates | None, float | None]:
+    """Two readings ``seconds`` apart (as watch takes them): the rates between them
+    and the drain's ETA at those rates (None: not draining, or no rates)."""
+    from ._frame import drain_eta
+    from ._watching import rates, read_snapshot
+
+    before = read_snapshot(path)
+    time.sleep(seconds)
+    after = read_snapshot(path)
+    rate = rates(before, after)
+    return rate, drain_eta(after, rate) if rate is not None else None
+
+
+def _rates_text(rate: Rates | None, seconds: float) -> str:
+    if rate is None:
+        return "- (the spool was replaced or edited between the two readings)"
+    return (
+        f"appended {rate.appended:,.1f} rows/s, replayed or dropped {rate.replayed:,.1f} "
+        f"rows/s (over {seconds:g}s)"
+    )
+
+
+def _eta_text(eta: float | None, rows: int, rate: Rates | None) -> str:
+    if rate is None:
+        return "-"
+    if rows == 0:
+        return "drained"
+    if eta is None:
+        return "not draining (no more rows leave than arrive)"
+    return f"{duration(eta)} at these rates"
 
 
 def _when(moment: str | None, age: float | None) -> str:
@@ -68,6 +164,9 @@ def read_stats(conn: apsw.Connection, path: Path, now: float) -> dict[str, Any]:
         failing = conn.execute(STATS_FAILING_SQL).get
         inflight = conn.execute(INFLIGHT_SQL).get
         by_status = dict(conn.execute(STATUS_COUNT_SQL).fetchall())
+        recent = conn.execute(
+            RECENT_ERRORS_SQL, {"chars": CHARS, "limit": LAST_ERRORS * 40}
+        ).fetchall()
     s = stats_from(by_reason, sessions, failing, path)
     return {
         "spool": str(path),
@@ -85,4 +184,35 @@ def read_stats(conn: apsw.Connection, path: Path, now: float) -> dict[str, Any]:
         "superseded": by_status.get(SUPERSEDED, 0),
         "oldest_age": None if s.oldest is None else max(now - s.oldest, 0.0),
         "newest_age": None if s.newest is None else max(now - s.newest, 0.0),
+        "last_errors": _latest_per_session(recent, now),
     }
+
+
+def _latest_per_session(recent: list[Any], now: float) -> list[dict[str, Any]]:
+    """The first ``LAST_ERRORS`` sessions among the latest failed attempts, each with
+    its latest error (the rows come latest first)."""
+    found: dict[tuple[Any, Any], dict[str, Any]] = {}
+    for session_id, session_key, clipped, error, at in recent:
+        if (session_id, session_key) not in found and len(found) < LAST_ERRORS:
+            found[session_id, session_key] = {
+                "session_id": session_id,
+                "session_key": session_key,
+                "clipped": bool(clipped),
+                "error": error,
+                "at": iso(at),
+                "age": max(now - at, 0.0),
+            }
+    return list(found.values())
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from ._replaying import seconds
+
+    p.add_argument(
+        "--sample",
+        type=seconds,
+        default=0.0,
+        metavar="SECONDS",
+        help="read the spool again after this many seconds, for the rates and the "
+        "drain's ETA (default: one reading, no rates)",
+    )
