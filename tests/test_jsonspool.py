@@ -6,20 +6,17 @@ import fcntl
 import json
 import logging
 import os
-import select
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import apsw
 import pytest
-from _helpers import ROOT, run_python
+from _helpers import ROOT, child_deadline, run_python
 
 import walspool
 from walspool import AGENT_HISTORY, CAP_DROP, SHUTDOWN
@@ -491,29 +488,6 @@ def _write_crash_fixture(
     return expected
 
 
-#: Seconds the crash child may take to get through the files before its kill (about
-#: one here; generous for a loaded machine).
-CHILD_BOUND = 120
-
-
-def _lines(proc: subprocess.Popen[bytes], deadline: float) -> Iterator[str]:
-    """``proc``'s output a line at a time until it ends; each line waited for until
-    ``deadline`` (``time.monotonic()``) at most, then the test fails. Read from the
-    descriptor: a buffered reader may hold lines ``select`` cannot see."""
-    assert proc.stdout is not None
-    fd, pending = proc.stdout.fileno(), b""
-    while True:
-        while b"\n" not in pending:
-            ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
-            assert ready, f"the import child printed no line within {CHILD_BOUND} s"
-            chunk = os.read(fd, 65536)
-            if not chunk:
-                return
-            pending += chunk
-        line, pending = pending.split(b"\n", 1)
-        yield line.decode()
-
-
 def _kill_after(spool_path: Path, directory: Path, files_done: int) -> None:
     proc = subprocess.Popen(
         [sys.executable, "-c", CRASH_CHILD, str(spool_path), str(directory)],
@@ -521,12 +495,13 @@ def _kill_after(spool_path: Path, directory: Path, files_done: int) -> None:
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     try:
-        for line in _lines(proc, time.monotonic() + CHILD_BOUND):
-            assert line.strip() != "finished", "the import ended before the kill"
-            if int(line) >= files_done:
-                break
-        else:
-            raise AssertionError(f"the import child exited ({proc.wait(CHILD_BOUND)}) early")
+        with child_deadline(proc, what="the import child"):
+            for line in proc.stdout:
+                assert line.strip() != b"finished", "the import ended before the kill"
+                if int(line) >= files_done:
+                    break
+            else:
+                raise AssertionError(f"the import child exited ({proc.wait(30)}) early")
         proc.send_signal(signal.SIGKILL)
     finally:
         proc.kill()
