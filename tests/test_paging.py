@@ -14,13 +14,14 @@ from pathlib import Path
 from typing import Any
 
 import apsw
+import msgspec
 import pytest
 from _gateway import state_db
 from _helpers import ROOT, MemorySink
 
 import walspool
 from walspool import codec, paging
-from walspool.cli import main
+from walspool.cli import ls, main
 from walspool.cli._output import CELL_WIDTH
 from walspool.replay import Replayer
 from walspool.spool import RECORD_COLUMNS
@@ -29,7 +30,8 @@ MiB = 1024 * 1024
 #: A generous bound on the peak RSS of a command here. Measured on these spools: the
 #: code before issue 29's fix peaked at 880 MiB (replay), 510 MiB (export), 690 MiB
 #: (export of 8 million objects), 1.6 GiB (ls, printing 808 MiB) and 690 MiB
-#: (import-json); the fixed code at 210, 175, 150, 85 and 115 MiB.
+#: (import-json); the fixed code at 210, 175, 150, 85 and 115 MiB. ls and ls --json
+#: over ten 24 MiB session ids: 640 and 984 MiB before, 130 and 178 MiB now.
 PEAK_BOUND = 320 * MiB
 
 
@@ -370,16 +372,105 @@ def test_decode_refuses_past_its_budget_and_takes_what_is_within(payload, why):
 
 def test_ls_clips_a_wide_session_id_and_json_keeps_it_whole(tmp_path, capsys):
     """One 4 MiB session id among 200 sessions: the text view clips it to CELL_WIDTH
-    (ending in …) and does not pad the other rows to it; --json has it whole."""
+    (ending in …), does not pad the other rows to it and says where it is whole;
+    --json has it whole."""
     huge = "h" * (4 * MiB)
     path = spool_with(tmp_path / "spool.db", [huge, *(f"s{n:03d}" for n in range(200))])
     rc, peak = peak_rss(["ls", path], tmp_path / "ls.txt")
     assert rc == 0 and peak < PEAK_BOUND
     lines = (tmp_path / "ls.txt").read_text().splitlines()
-    assert len(lines) == 202 and max(map(len, lines)) < CELL_WIDTH + 200
+    assert len(lines) == 203 and max(map(len, lines)) < CELL_WIDTH + 200
     [row] = [line for line in lines if line.startswith("h")]
     assert row.split("  ")[0] == "h" * (CELL_WIDTH - 1) + "…"
+    assert lines[-1] == f"1 session clipped (…): `walspool ls {path} --json` has it whole"
     capsys.readouterr()
     assert main(["ls", str(path), "--json"]) == 0
     streams = json.loads(capsys.readouterr().out)
     assert huge in [s["session_id"] for s in streams]
+
+
+def test_ls_holds_a_bounded_prefix_of_each_session_id_and_error(tmp_path):
+    """Ten session ids of 24 MiB (two of them with an error) and four sessions whose
+    error is 16 MiB: ls and ls --json peak under PEAK_BOUND (before: 640 and 984 MiB,
+    from SQLite sorting the whole ids to group rows and Python keeping every id and
+    first error whole). The text view clips every long id and says so; --json has
+    each id and error whole, read one stream at a time."""
+    wide = [f"w{n}" for n in range(10)]
+    path = spool_with(tmp_path / "spool.db", [*wide, *(f"e{n}" for n in range(4))])
+    edit(
+        path,
+        (
+            "UPDATE records SET session_id = session_id || printf('%.*c', ?, 'x') || '!' "
+            "WHERE session_id LIKE 'w%'",
+            (24 * MiB,),
+        ),
+        ("UPDATE records SET last_error = 'boom', attempts = 1 WHERE session_id GLOB 'w[01]*'", ()),
+        (
+            "UPDATE records SET last_error = printf('%.*c', ?, 'e'), attempts = 1 "
+            "WHERE session_id LIKE 'e%'",
+            (16 * MiB,),
+        ),
+    )
+    text, json_out = tmp_path / "ls.txt", tmp_path / "ls.json"
+    rc, peak = peak_rss(["ls", path], text)
+    assert rc == 0 and peak < PEAK_BOUND, f"ls peaked at {peak / MiB:.0f} MiB"
+    rc, peak = peak_rss(["ls", path, "--json"], json_out)
+    assert rc == 0 and peak < PEAK_BOUND, f"ls --json peaked at {peak / MiB:.0f} MiB"
+
+    lines = text.read_text().splitlines()
+    assert len(lines) == 16 and max(map(len, lines)) < CELL_WIDTH + 200
+    cells = {line.split()[0][:2]: line.split("  ")[0] for line in lines[1:-1]}
+    assert all(cells[w] == w + "x" * (CELL_WIDTH - 3) + "…" for w in wide)
+    assert lines[-1] == f"10 sessions clipped (…): `walspool ls {path} --json` has them whole"
+    streams = msgspec.json.decode(json_out.read_bytes())
+    names = {s["session_id"][:2]: s for s in streams}
+    assert len(streams) == 14 and set(names) == {*wide, "e0", "e1", "e2", "e3"}
+    for w in wide:
+        sid = names[w]["session_id"]
+        assert len(sid) == 24 * MiB + 3 and sid.endswith("x!")
+        assert names[w]["last_error"] == ("boom" if w in ("w0", "w1") else None)
+    assert all(names[f"e{n}"]["last_error"] == "e" * (16 * MiB) for n in range(4))
+
+
+def test_ls_reads_a_stream_named_past_what_it_holds_as_any_other(tmp_path, capsys):
+    """Streams whose id or key is longer than ls.CHARS are read another way (their
+    unique index's order): each --json object is the one an ordinary name gets, name
+    and first error whole; the first error is the lowest seq's (seq 9 before seq 10).
+    In the text view a name over 120 characters is clipped, whichever way it was
+    read, and the last line says --json has it whole."""
+    long_id, long_key, mid = "L" * (ls.CHARS + 10) + "end", "K" * (ls.CHARS + 5), "m" * 200
+    error = "nine " + "e" * ls.CHARS
+    with walspool.Spool(tmp_path / "spool.db") as spool:
+        for seq in range(1, 12):
+            for name in (long_id, "short"):
+                spool.append(name, {"role": "user", "content": f"{seq}"})
+        spool.append(None, {"role": "user", "content": "k"}, session_key=long_key)
+        spool.append(mid, {"role": "user", "content": "m"})
+    edit(
+        tmp_path / "spool.db",
+        ("UPDATE records SET last_error = ?, attempts = 3 WHERE seq = 9 AND id < 23", (error,)),
+        ("UPDATE records SET last_error = 'ten', attempts = 2 WHERE seq = 10 AND id < 23", ()),
+        ("UPDATE records SET status = 'quarantined' WHERE seq = 10 AND id < 23", ()),
+        ("UPDATE records SET status = 'superseded' WHERE seq = 11 AND id < 23", ()),
+        ("UPDATE records SET inflight = id WHERE seq IN (2, 3) AND id < 23", ()),
+    )
+    path = str(tmp_path / "spool.db")
+    assert main(["ls", path, "--json"]) == 0
+    streams = json.loads(capsys.readouterr().out)
+    by_name = {s["session_id"] or s["session_key"]: s for s in streams}
+    assert set(by_name) == {long_id, "short", long_key, mid}
+    assert by_name[long_id]["last_error"] == by_name["short"]["last_error"] == error
+    assert by_name[long_key]["session_id"] is None
+    times = {"oldest", "newest", "oldest_age", "newest_age"}
+    same = {k: v for k, v in by_name["short"].items() if k not in times | {"session_id"}}
+    assert {k: v for k, v in by_name[long_id].items() if k in same} == same
+    assert same["rows"] == 11 and same["max_attempts"] == 3 and same["inflight"] == 2
+    assert (same["quarantined"], same["superseded"], same["retrying"]) == (1, 1, 1)
+
+    assert main(["ls", path]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 6 and "short" in [line.split()[0] for line in lines]
+    clipped = {line.split()[0][:4] for line in lines if line.split()[0].endswith("…")}
+    assert clipped == {"LLLL", "key:", "mmmm"}
+    assert lines[-1] == f"3 sessions clipped (…): `walspool ls {path} --json` has them whole"
+    assert "nine eeee" in lines[1 + [s["session_id"] for s in streams].index(long_id)]

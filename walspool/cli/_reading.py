@@ -105,10 +105,6 @@ def spool_error(exc: apsw.Error, path: Path) -> WalspoolError:
 # -- records in drop order ------------------------------------------------------
 
 INFLIGHT_SQL = "SELECT count(*) FROM records WHERE inflight IS NOT NULL"
-INFLIGHT_BY_STREAM_SQL = """
-SELECT session_id, CASE WHEN session_id IS NULL THEN session_key END, count(*)
-FROM records INDEXED BY records_inflight_idx WHERE inflight IS NOT NULL GROUP BY 1, 2
-"""
 #: Each row's columns, whether its payload is JSON (as SQLite reads it, in C: no Python
 #: object per value) and what it costs to hold (``paging``): never the ``size`` column.
 _ROW = f"SELECT {RECORD_COLUMNS}, inflight, json_valid(payload), {ROW_BYTES_SQL} FROM records"
