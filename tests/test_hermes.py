@@ -88,16 +88,29 @@ def test_sixteen_sessions_four_threads(store, spool):
 
 
 def test_spool_failure_falls_back_to_drop_and_warn(store, spool, caplog):
+    """Five drops in a burst: the first said in full at once, the other four counted and
+    said in one summary (here when the link closes, before its minute is up)."""
     store._db.create_session("s", "telegram")
-    install(store, spool, retry_interval=0)
+    link = install(store, spool, retry_interval=0)
     spool.close()  # the spool can no longer take anything
     sql(store, BREAK)
-    with caplog.at_level(logging.WARNING, logger="walspool"):
-        for i in range(205):
-            store.append_to_transcript("s", {"role": "user", "content": f"m{i}"})
-    drops = [r for r in caplog.records if "on-disk spool unavailable" in r.getMessage()]
-    assert len(drops) == 5
+    caplog.set_level(logging.WARNING, logger="walspool")
+    for i in range(205):
+        store.append_to_transcript("s", {"role": "user", "content": f"m{i}"})
+    drops = [r.getMessage() for r in caplog.records if "oldest message" in r.getMessage()]
+    assert drops == [
+        "Session DB transcript pending queue full for s (cap=200); dropping oldest message to "
+        f"make room (on-disk spool unavailable: spool {spool.path} is closed)"
+    ]
     assert len(store._dirty_transcripts["s"]) == 200
+    link.close()
+    drops = [r.getMessage() for r in caplog.records if "oldest message" in r.getMessage()]
+    assert len(drops) == 2
+    assert re.fullmatch(
+        r"Session DB transcript pending queue full for s \(cap=200\); dropped 4 more oldest "
+        r"message\(s\) \(5 in \d+ s; on-disk spool unavailable: spool .* is closed\)",
+        drops[1],
+    )
     sql(store, HEAL)
     store.append_to_transcript("s", {"role": "user", "content": "fin"})
     assert contents(store, "s") == [f"m{i}" for i in range(6, 205)] + ["fin"]  # fin evicted m5
@@ -1299,7 +1312,7 @@ def test_evictions_into_a_replaced_spool_are_dropped_and_say_why(store, spool, c
     file (where the next start would never find it) nor reported as spooled; it takes
     the drop-and-warn path, and the WARNING says why."""
     store._db.create_session("s", "telegram")
-    install(store, spool, retry_interval=0)
+    link = install(store, spool, retry_interval=0)
     _replace(spool.path, how)
     sql(store, BREAK)
     caplog.set_level(logging.WARNING, logger="walspool")
@@ -1310,8 +1323,11 @@ def test_evictions_into_a_replaced_spool_are_dropped_and_say_why(store, spool, c
     lines = [r.getMessage() for r in caplog.records if r.name == "walspool.hermes"]
     assert not [line for line in lines if "spooled" in line]
     drops = [line for line in lines if "dropping oldest" in line]
-    assert len(drops) == 3
+    assert len(drops) == 1  # the first of 3; the others are counted for the next line
     assert f"spool {spool.path} no longer names the file this Spool opened" in drops[0]
+    link.close()
+    (summary,) = [r.getMessage() for r in caplog.records if "more oldest" in r.getMessage()]
+    assert "dropped 2 more oldest message(s) (3 in " in summary
     sql(store, HEAL)
     store.append_to_transcript("s", _m("fin"))
     assert contents(store, "s") == [f"m{i}" for i in range(4, 203)] + ["fin"]  # fin evicted m3

@@ -1,6 +1,7 @@
 """The gateway link's evictions: the oldest queued messages past the cap go to the
 spool's writer without blocking, and a live message state.db refuses for its content is
-set aside there as a quarantined row (see ``walspool.hermes`` for the bounds).
+set aside there as a quarantined row (see ``walspool.hermes`` for the bounds). Also the
+lines of a session's repeated conditions, counted by ``walspool._link_repeats``.
 """
 
 from __future__ import annotations
@@ -11,13 +12,23 @@ from functools import partial
 from typing import Any
 
 from . import budget
+from ._link_repeats import Kind, Said
 from ._link_state import Session, log
-from .errors import WalspoolError
+from .errors import InvalidArgument, PayloadTooLarge, WalspoolError
+from .outage import Line
 from .records import CAP_DROP
 from .writer import Request
 
 #: The reason of a live message state.db refused for its content, quarantined at once.
 REJECTED = "transcript_rejected"
+
+#: The link's repeated conditions of a session (``walspool._link_repeats``), each told in
+#: a few lines: its spool busy (the oldest message stays in memory), its evictions
+#: dropped, its oldest message not spoolable, its spooled rows replayed.
+KEPT, DROPPED, UNSPOOLABLE, REPLAYED = "kept", "dropped", "unspoolable", "replayed"
+#: Drops for the message itself (its session id, its size), not the spool's state:
+#: each is said in full, as the one message it lost.
+OWN_FAULT = (InvalidArgument, PayloadTooLarge)
 
 
 class Evictions:
@@ -33,13 +44,16 @@ class Evictions:
     ) -> list[Callable[[], None]]:
         """Spool the oldest queued messages past the cap; the lock is held.
 
-        Returns the WARNINGs to log once the lock is released. Never waits: a message
-        the spool's writer has no room for stays queued over the cap. With ``drops``
-        (a gateway thread that waited its bounded time), past twice the cap the oldest
-        (the second oldest while the oldest is being written) is dropped with a
-        WARNING, as the released store drops at the cap.
+        Returns the lines to log once the lock is released: a session's repeated
+        conditions (busy spool, drops, a message it cannot spool) are said in full the
+        first time, then counted into a line at most every ``REPEAT_SECONDS``
+        (``walspool._link_repeats``), and the lines held back that are due now. Never
+        waits: a message the spool's writer has no room for stays queued over the cap.
+        With ``drops`` (a gateway thread that waited its bounded time), past twice the
+        cap the oldest (the second oldest while the oldest is being written) is dropped
+        with a WARNING, as the released store drops at the cap.
         """
-        notes: list[Callable[[], None]] = []
+        notes = self._due_lines()
         while len(pending) > self.cap:
             over = len(pending) > 2 * self.cap
             if state.inflight is not None and pending[0] is state.inflight:
@@ -49,7 +63,7 @@ class Evictions:
                 if not (over and drops):
                     break
                 pending.pop(1)
-                notes.append(partial(self._report_drop, session_id, "oldest being written"))
+                notes += self._dropped(session_id, "oldest being written")
                 continue
             try:
                 row = self.spool.prepare(session_id, pending[0], CAP_DROP)
@@ -62,7 +76,7 @@ class Evictions:
                 )
                 if refused is not None:
                     pending.pop(0)
-                    notes.append(partial(self._report_drop, session_id, refused))
+                    notes += self._dropped(session_id, refused)
                     continue
                 # The checks ``Spool.append`` makes (closed, the path still names the
                 # spool's file) raise here, before the message leaves the queue.
@@ -70,28 +84,180 @@ class Evictions:
             except queue.Full:
                 if over and drops:
                     pending.pop(0)
-                    notes.append(partial(self._report_drop, session_id, "spool writer busy"))
+                    notes += self._dropped(session_id, "spool writer busy")
                     continue
                 if not over:
-                    notes.append(partial(self._report_kept, session_id, len(pending)))
+                    notes += self._kept(session_id, len(pending))
                 break
             except WalspoolError as exc:  # closed, too big, a session id it cannot store
                 pending.pop(0)
-                notes.append(partial(self._report_drop, session_id, str(exc)))
+                notes += self._dropped(session_id, str(exc), own=isinstance(exc, OWN_FAULT))
                 continue
             except Exception as exc:  # noqa: BLE001 - a bad value: it stays queued
                 if over and drops:
                     pending.pop(0)
-                    notes.append(partial(self._report_drop, session_id, repr(exc)))
+                    notes += self._dropped(session_id, repr(exc))
                     continue
-                notes.append(partial(self._report_unspoolable, session_id, exc))
+                notes += self._unspoolable(session_id, exc)
                 break
             # Off the queue only now that the spool's writer has accepted it.
             pending.pop(0)
             state.evicted()
             self._shares.accepted(session_id, row[5])
             self._unconfirmed_bytes += row[5]
+            notes += self._repeats_end(session_id, (KEPT, DROPPED, UNSPOOLABLE))
+        if len(pending) <= self.cap:
+            notes += self._repeats_end(session_id, (KEPT, UNSPOOLABLE))
         return notes
+
+    # -- the repeated conditions (``walspool._link_repeats``); the lock is held -----
+
+    def _dropped(self, session_id: str, why: str, *, own: bool = False) -> list[Line]:
+        """The oldest message of the session was dropped: its first drop said in full,
+        then a summary at most every ``REPEAT_SECONDS``; ``own`` (the message's own
+        fault, ``OWN_FAULT``) is said each time."""
+        if own:
+            return [partial(self._report_drop, session_id, why)]
+        said = self._repeats.seen((DROPPED, session_id), self.clock(), detail=why)
+        return [] if said is None else [self._repeat_line((DROPPED, session_id), said)]
+
+    def _kept(self, session_id: str, queued: int) -> list[Line]:
+        said = self._repeats.seen((KEPT, session_id), self.clock())
+        if said is None:
+            return []
+        if said.kind is Kind.FIRST:
+            return [partial(self._report_kept, session_id, queued)]
+        return [self._repeat_line((KEPT, session_id), said)]
+
+    def _unspoolable(self, session_id: str, exc: BaseException) -> list[Line]:
+        said = self._repeats.seen((UNSPOOLABLE, session_id), self.clock(), detail=repr(exc))
+        if said is None:
+            return []
+        if said.kind is Kind.FIRST:
+            return [partial(self._report_unspoolable, session_id, exc)]
+        return [self._repeat_line((UNSPOOLABLE, session_id), said)]
+
+    def _repeats_end(self, session_id: str, conditions: tuple[str, ...]) -> list[Line]:
+        """The session's ``conditions`` are over: their heals (held back while a line of
+        theirs is recent: see ``Repeats.ended``)."""
+        if not self._repeats.active:
+            return []
+        now = self.clock()
+        lines = []
+        for condition in conditions:
+            said = self._repeats.ended((condition, session_id), now)
+            if said is not None:
+                lines.append(self._repeat_line((condition, session_id), said))
+        return lines
+
+    def _due_lines(self) -> list[Line]:
+        """The held-back lines whose time has come (one comparison when none is)."""
+        if not self._repeats.holding:
+            return []
+        return [self._repeat_line(key, said) for key, said in self._repeats.due(self.clock())]
+
+    def _repeat_line(self, key: Any, said: Said) -> Line:
+        """The line that tells ``said`` of ``key`` (a condition and a session)."""
+        condition, session_id = key
+        if condition == REPLAYED:
+            return partial(self._report_replayed, session_id, said)
+        if said.kind is Kind.FIRST and condition == DROPPED:
+            return partial(self._report_drop, session_id, said.detail or "")
+        return partial(self._report_repeat, condition, session_id, said)
+
+    def _report_repeat(self, condition: str, session_id: str, said: Said) -> None:
+        if condition == DROPPED and said.kind is Kind.AGAIN:
+            log.warning(
+                "Session DB transcript pending queue full for %s (cap=%d); dropped %d more "
+                "oldest message(s) (%d in %.0f s; on-disk spool unavailable: %s)",
+                session_id,
+                self.cap,
+                said.count,
+                said.total,
+                said.seconds,
+                said.detail,
+            )
+        elif condition == DROPPED:
+            log.warning(
+                "Session DB transcript of %s: the spool %s takes its evictions again; %d "
+                "oldest message(s) were dropped in %.1f s (%d not said before)",
+                session_id,
+                self.spool.path,
+                said.total,
+                said.seconds,
+                said.count,
+            )
+        elif condition == KEPT and said.kind is Kind.AGAIN:
+            log.warning(
+                "Session DB transcript pending queue full for %s (cap=%d); the spool %s is "
+                "still busy: the oldest message was kept in memory %d more time(s) (%d in "
+                "%.0f s; the oldest is dropped past %d)",
+                session_id,
+                self.cap,
+                self.spool.path,
+                said.count,
+                said.total,
+                said.seconds,
+                2 * self.cap,
+            )
+        elif condition == KEPT:
+            log.warning(
+                "Session DB transcript pending queue of %s is back within its cap (%d): the "
+                "oldest message was kept in memory %d time(s) in %.1f s while the spool %s "
+                "was busy (%d not said before)",
+                session_id,
+                self.cap,
+                said.total,
+                said.seconds,
+                self.spool.path,
+                said.count,
+            )
+        elif said.kind is Kind.AGAIN:
+            log.error(
+                "walspool still could not spool the oldest queued message of session %s; it "
+                "stays in memory (%d more time(s), %d in %.0f s): %s",
+                session_id,
+                said.count,
+                said.total,
+                said.seconds,
+                said.detail,
+            )
+        else:
+            log.warning(
+                "The queue of session %s no longer holds a message walspool could not spool "
+                "over the cap: its oldest could not be spooled %d time(s) in %.1f s (%d not "
+                "said before)",
+                session_id,
+                said.total,
+                said.seconds,
+                said.count,
+            )
+
+    def _report_replayed(self, session_id: str, said: Said) -> None:
+        if said.kind is Kind.FIRST:
+            log.info(
+                "Replayed %d spooled transcript message(s) for %s after DB recovery",
+                said.count,
+                session_id,
+            )
+        elif said.kind is Kind.AGAIN:
+            log.info(
+                "Replayed %d more spooled transcript message(s) for %s after DB recovery "
+                "(%d in %.0f s)",
+                said.count,
+                session_id,
+                said.total,
+                said.seconds,
+            )
+        elif said.count:
+            log.info(
+                "Replayed %d more spooled transcript message(s) for %s after DB recovery "
+                "(%d in all, in %.1f s)",
+                said.count,
+                session_id,
+                said.total,
+                said.seconds,
+            )
 
     def _wait_for_head(self, state: Session, deadline: float) -> None:
         """Wait until the write of the queue's head ends (or ``deadline``); lock held."""
@@ -116,6 +282,8 @@ class Evictions:
                 state = self._sessions.get(session_id)
                 said: list[Callable[[], None]] = []
                 lines.append(said)
+                if request.error is not None:
+                    said += self._dropped(session_id, str(request.error))
                 if state is None:  # never: ``unconfirmed`` keeps it there
                     continue
                 if request.error is None and state.spooled:
@@ -133,7 +301,6 @@ class Evictions:
         for request, said in zip(requests, lines, strict=True):
             self._run(said)
             if request.error is not None:
-                self._report_drop(request.session_id, str(request.error))
                 continue
             # One line per eviction only for debugging: operators get the session's
             # start, progress and drained lines (``walspool.outage``).

@@ -84,10 +84,13 @@ class Retries:
 
     def close(self) -> None:
         """Stop the background thread (at its next look). Idempotent. The link goes on
-        spooling evictions; sessions retry on their next message."""
+        spooling evictions; sessions retry on their next message. The repeated
+        conditions' lines held back are said now, so every count is told."""
         with self._lock:
             self._closed = True
             self._due.notify_all()
+            held = [self._repeat_line(key, said) for key, said in self._repeats.flush(self.clock())]
+        self._run(held)
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(bounds.HANDOFF_WAIT)

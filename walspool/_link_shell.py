@@ -16,8 +16,9 @@ from typing import Any
 from . import _link_bounds as bounds
 from . import _link_machine as machine
 from . import budget, outage
-from ._link_evict import Evictions
+from ._link_evict import KEPT, REPLAYED, UNSPOOLABLE, Evictions
 from ._link_machine import Entry, Owner
+from ._link_repeats import Repeats
 from ._link_retry import Retries
 from ._link_shares import Moving
 from ._link_shutdown import ShutdownFlushes
@@ -65,6 +66,8 @@ class Link(SessionWriter, Evictions, Retries, ShutdownFlushes):
         )
         self.cap = int(store._MAX_PENDING_PER_SESSION)
         self._outage = outage.OutageLog(spool.path, self.cap)
+        #: Repeated conditions of sessions (busy spool, drops, replays), told in a few lines.
+        self._repeats = Repeats()
         self._lock = store._transcript_retry_lock
         #: Notified when a writer gives its role up, evictions commit, a recovery ends:
         #: what waiting gateway threads (and ``wait_idle``) wait for.
@@ -153,15 +156,20 @@ class Link(SessionWriter, Evictions, Retries, ShutdownFlushes):
             self.store._dirty_transcripts.pop(session_id, None)
             self.store._transcript_append_failures.pop(session_id, None)
             state = self._sessions.get(session_id)
+            # Its queue is gone, and its spooled rows are not replayed any more.
+            ended = self._repeats_end(session_id, (KEPT, UNSPOOLABLE))
+            replayed = self._repeats.ended((REPLAYED, session_id), self.clock(), at_once=True)
+            if replayed is not None:
+                ended.append(self._repeat_line((REPLAYED, session_id), replayed))
             if state is not None:
                 # An event: a writer that wrote or drained meanwhile re-reads it and
                 # stops. Its share of the cap stays: the superseded rows stay in the spool.
                 state.rewritten()
-                ended = self._outage.ended(session_id, state.episode, self.clock(), superseded=True)
+                ended += self._outage.ended(
+                    session_id, state.episode, self.clock(), superseded=True
+                )
                 state.episode = None
                 self._forget_if_idle(session_id, state)
-            else:
-                ended = []
             self._settled.notify_all()
         self._run(ended)
         try:

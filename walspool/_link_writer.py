@@ -11,6 +11,7 @@ from typing import Any
 from . import _link_bounds as bounds
 from . import _link_machine as machine
 from . import outage
+from ._link_evict import REPLAYED
 from ._link_machine import Facts, Spooled, Step
 from ._link_state import Session, Writer, log
 from .errors import ReplayBusy
@@ -172,11 +173,16 @@ class SessionWriter:
             return None
         finally:
             self._draining.release()
-        ended: list[Callable[[], None]] = []
+        lines: list[Callable[[], None]] = []
         with self._lock:
             if state.generation != generation:
                 return 0  # rewritten meanwhile: the next step decides afresh
             now = self.clock()
+            if report.moved:
+                # The first chunk said at once, then a line at most every REPEAT_SECONDS.
+                said = self._repeats.seen((REPLAYED, session_id), now, report.moved)
+                if said is not None:
+                    lines.append(self._repeat_line((REPLAYED, session_id), said))
             if report.held or session_id in report.errors:
                 self._failed(state, claim, drain=True)
                 failures = self.store._transcript_append_failures.get(session_id, 0) + 1
@@ -192,9 +198,12 @@ class SessionWriter:
                     # Nothing left: the rows counted in ``seen`` were all committed
                     # before this replay looked (``unconfirmed`` was 0), so all moved.
                     state.drained(claim)
-                    ended = self._outage.ended(session_id, state.episode, now)
+                    said = self._repeats.ended((REPLAYED, session_id), now, at_once=True)
+                    if said is not None:
+                        lines.append(self._repeat_line((REPLAYED, session_id), said))
+                    lines += self._outage.ended(session_id, state.episode, now)
                     state.episode = None
-        self._run(ended)
+        self._run(lines)
         if report.held or session_id in report.errors:
             if not say:
                 return None
@@ -208,12 +217,6 @@ class SessionWriter:
                 report.errors.get(session_id, "unknown error"),
             )
             return None
-        if report.moved:
-            log.info(
-                "Replayed %d spooled transcript message(s) for %s after DB recovery",
-                report.moved,
-                session_id,
-            )
         return report.moved
 
     def _say_again(self, state: Session, claim: Writer, now: float) -> bool:

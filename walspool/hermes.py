@@ -82,8 +82,13 @@ Logs (``walspool.outage``): one WARNING when a session starts spooling (naming t
 spool), one when its spooled rows are all written back and one when the outage is over,
 with counts and durations; a progress line at most once a minute; the released store's
 retry WARNING for the first ``outage.QUIET_AFTER`` failures in a row, then at most once a
-minute. Drops and errors are said each time, with their detail. The line per eviction
-is DEBUG.
+minute. A session's repeated condition (its spool busy, so the oldest message stays in
+memory; its oldest dropped or not spoolable; its spooled rows replayed, chunk by chunk)
+is said in full at its first occurrence, then at most once per ``REPEAT_SECONDS`` (60 s)
+with the count since its last line, and once when it ends; every occurrence is counted
+in one line, and ``close`` says what is held back (``walspool._link_repeats``). A drop
+for the message's own fault (a session id or a size the spool refuses) is said each
+time, with its detail. The line per eviction is DEBUG.
 
 Not guaranteed: messages still in memory when the process is killed are lost, as in
 the released gateway (only spooled rows are durable). A message the store or a drain
