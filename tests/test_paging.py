@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -474,3 +475,70 @@ def test_ls_reads_a_stream_named_past_what_it_holds_as_any_other(tmp_path, capsy
     assert clipped == {"LLLL", "key:", "mmmm"}
     assert lines[-1] == f"3 sessions clipped (…): `walspool ls {path} --json` has them whole"
     assert "nine eeee" in lines[1 + [s["session_id"] for s in streams].index(long_id)]
+
+
+def test_watch_holds_a_bounded_prefix_of_each_session_id_and_error(tmp_path):
+    """Ten session ids of 24 MiB (w0 with two failed rows, the later one's error 16 MiB)
+    and four sessions whose error is 16 MiB: watch (one frame, not on a terminal) and
+    watch --json peak under PEAK_BOUND (before: 1,042 and 1,890 MiB, from SQLite sorting
+    the whole ids to group rows and to count appends, every id and latest error read
+    whole, and --json holding every stream's object at once; now 178 and 179 MiB). The
+    frame clips each id and error; --json has each id, first and latest error whole."""
+    wide = [f"w{n}" for n in range(10)]
+    path = spool_with(tmp_path / "spool.db", ["w0", *wide, *(f"e{n}" for n in range(4))])
+    edit(
+        path,
+        (
+            "UPDATE records SET session_id = session_id || printf('%.*c', ?, 'x') || '!' "
+            "WHERE session_id LIKE 'w%'",
+            (24 * MiB,),
+        ),
+        (
+            "UPDATE records SET last_error = 'boom', attempts = 1, last_attempt_at = 5 "
+            "WHERE session_id GLOB 'w[01]*' AND seq = 1",
+            (),
+        ),
+        (
+            "UPDATE records SET last_error = printf('%.*c', ?, 'E'), attempts = 2, "
+            "last_attempt_at = 9 WHERE session_id GLOB 'w0*' AND seq = 2",
+            (16 * MiB,),
+        ),
+        (
+            "UPDATE records SET last_error = printf('%.*c', ?, 'e'), attempts = 1 "
+            "WHERE session_id LIKE 'e%'",
+            (16 * MiB,),
+        ),
+    )
+    text, json_out = tmp_path / "watch.txt", tmp_path / "watch.json"
+    rc, peak = peak_rss(["watch", path, "--interval", "0.1"], text)
+    assert rc == 0 and peak < PEAK_BOUND, f"watch peaked at {peak / MiB:.0f} MiB"
+    rc, peak = peak_rss(["watch", path, "--interval", "0.1", "--json"], json_out)
+    assert rc == 0 and peak < PEAK_BOUND, f"watch --json peaked at {peak / MiB:.0f} MiB"
+
+    lines = text.read_text().splitlines()
+    assert "rows         15 in 14 sessions, " in lines[3] and "failing 7 " in lines[4]
+    header = lines.index(next(line for line in lines if line.startswith("ROWS ")))
+    cells = {c[-1][:2]: c for c in (re.split(r" {2,}", line) for line in lines[header + 1 :])}
+    assert len(cells) == 14 and max(map(len, lines)) < CELL_WIDTH + 200
+    assert all(cells[w][-1] == w + "x" * (CELL_WIDTH - 3) + "…" for w in wide)
+    assert [cells[w][4:6] for w in ("w0", "w1", "w2")] == [
+        ["2", "E" * 39 + "…"],  # the latest error, clipped
+        ["1", "boom"],
+        ["0", "-"],
+    ]
+    assert all(cells[f"e{n}"][4:] == ["1", "e" * 39 + "…", f"e{n}"] for n in range(4))
+
+    got = msgspec.json.decode(json_out.read_bytes())
+    assert (got["sessions"], got["failing"], len(got["streams"])) == (14, 7, 14)
+    streams = {s["session_id"][:2]: s for s in got["streams"]}
+    for w in wide:
+        assert len(streams[w]["session_id"]) == 24 * MiB + 3
+        assert streams[w]["session_id"].endswith("x!")
+    w0 = streams["w0"]
+    assert (w0["rows"], w0["failing"], w0["max_attempts"]) == (2, 2, 2)
+    assert (w0["last_error"], w0["latest_error"]) == ("boom", "E" * (16 * MiB))
+    assert streams["w1"]["last_error"] == streams["w1"]["latest_error"] == "boom"
+    assert streams["w2"]["last_error"] is streams["w2"]["latest_error"] is None
+    for n in range(4):
+        e = streams[f"e{n}"]
+        assert e["last_error"] == e["latest_error"] == "e" * (16 * MiB) and e["failing"] == 1

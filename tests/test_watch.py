@@ -27,6 +27,8 @@ import walspool
 from walspool.cli import main
 from walspool.cli._frame import drain_eta, fit, render
 from walspool.cli._holders import Holder
+from walspool.cli._output import CELL_WIDTH
+from walspool.cli._streams import CHARS
 from walspool.cli._watching import (
     MAX_STREAMS,
     Rates,
@@ -668,6 +670,60 @@ def test_each_session_shows_its_latest_error(tmp_path, capsys):
     assert main(["watch", str(path), "--interval", "0.1", "--json"]) == 0
     by = {s["session_id"]: s for s in json.loads(capsys.readouterr().out)["streams"]}
     assert by["s2"]["last_error"] == "old: locked" and by["s1"]["failing"] == 2
+
+
+def test_streams_named_past_what_watch_holds_show_as_any_other(tmp_path, capsys):
+    """A session id and a key longer than CHARS (read by their unique index, as ls
+    reads them): the frame clips them and shows each one's latest error; --json has
+    the name, first and latest error whole, and the counts an ordinary name gets. The
+    latest error is the most recent attempt's; one never attempted is dated by its
+    row's arrival."""
+    long_id, long_key = "L" * (CHARS + 10) + "end", "K" * (CHARS + 5) + "end"
+    late = "late " + "e" * CHARS
+    path = tmp_path / "spool.db"
+    with walspool.Spool(path) as spool:
+        for _ in range(4):
+            for name in (long_id, "short"):
+                spool.append(name, MSG)
+            spool.append(None, MSG, session_key=long_key)
+        spool.append_many([("never", MSG)] * 2)
+    conn = apsw.Connection(str(path))
+    conn.execute(
+        "UPDATE records SET last_error = 'first', last_attempt_at = 10, attempts = 1 "
+        "WHERE seq = 1;"
+        "UPDATE records SET last_error = ?, last_attempt_at = 30, attempts = 3 WHERE seq = 2 "
+        "AND session_id IS NOT 'never';"
+        "UPDATE records SET last_error = 'middle', last_attempt_at = 20, attempts = 2, "
+        "status = 'quarantined' WHERE seq = 3;"
+        "UPDATE records SET last_error = 'never attempted', attempts = 0 WHERE seq = 2 "
+        "AND session_id = 'never'",
+        (late,),
+    )
+    conn.close()
+    reading = read_snapshot(path)
+    assert reading.sessions == 4 and reading.failing == 11
+    held = {s.session_id or s.session_key: s for s in reading.streams}
+    assert {len(name) for name in held} == {5, CHARS}  # what a frame needs, at most
+    lines = render(reading, None, "t")
+    cells = {c[-1][:4]: c for c in (re.split(r" {2,}", line) for line in lines[-4:])}
+    assert cells["LLLL"][-1] == "L" * (CELL_WIDTH - 1) + "…"
+    assert cells["key:"][-1] == "key:" + "K" * (CELL_WIDTH - 5) + "…"
+    clipped = "late " + "e" * 34 + "…"  # cut to 40 columns
+    assert [cells[n][4:6] for n in ("LLLL", "key:", "shor")] == [["3", clipped]] * 3
+    assert cells["neve"][4:6] == ["2", "never attempted"]
+
+    assert main(["watch", str(path), "--interval", "0.1", "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)["streams"]
+    streams = {s["session_id"] or s["session_key"]: s for s in listed}
+    assert set(streams) == {long_id, long_key, "short", "never"}
+    assert streams[long_key]["session_id"] is None
+    times = {"oldest", "newest", "oldest_age", "newest_age", "session_id", "session_key"}
+    short = {k: v for k, v in streams["short"].items() if k not in times}
+    assert short["failing"] == 3 and short["max_attempts"] == 3 and short["retrying"] == 2
+    assert (short["last_error"], short["latest_error"]) == ("first", late)
+    for name in (long_id, long_key):
+        assert {k: v for k, v in streams[name].items() if k not in times} == short
+    assert streams["never"]["latest_error"] == "never attempted"
 
 
 def test_the_drain_eta_is_rows_over_the_rate_they_shrink_by():

@@ -13,7 +13,7 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import apsw
 import msgspec
@@ -23,7 +23,7 @@ from ..records import QUARANTINED, SUPERSEDED
 from ..spool import STATS_BY_REASON_SQL, STATS_FAILING_SQL, UID_SQL, stats_from
 from ._holders import Holder, holders
 from ._reading import INFLIGHT_SQL, reading
-from .ls import read_backlog
+from ._streams import Line, backlog_object, latest_error, read_lines, write_array
 from .stats import STATUS_COUNT_SQL
 
 #: Streams read per snapshot, oldest first: more than any terminal shows.
@@ -33,46 +33,40 @@ NEAR_NAMES = 10_000
 #: SQLite steps between two calls of a reading's ``stop`` (a few ms of work): a long
 #: reading (a million rows take seconds) still notices q or Ctrl-C at once.
 STOP_STEPS = 10_000
-#: One line per stream (as ``ls``), with its rows in flight and failing, and the
-#: number of streams on every line (a window over the groups, so one pass counts them).
-STREAMS_SQL = """
-SELECT session_id, CASE WHEN session_id IS NULL THEN session_key END, count(*), sum(size),
-       min(created_at), count(*) FILTER (WHERE inflight IS NOT NULL),
-       count(*) FILTER (WHERE last_error IS NOT NULL), count(*) OVER ()
-FROM records GROUP BY 1, 2
-ORDER BY 5, session_id IS NOT NULL, session_id, 2 LIMIT :limit
-"""
 #: Rows ever appended: an append takes its stream's next seq (1, 2, 3, ...), so a
 #: stream has had as many rows as the highest seq it handed out: the larger of its
 #: highest seq still in ``records`` and the next seq ``sequences`` keeps for it, less
-#: one (kept at least once its rows leave, so the sum never goes back).
+#: one (kept at least once its rows leave, so the sum never goes back). Nothing is
+#: sorted (a sort of names would hold most of them whole, and a name may be 64 MiB): a
+#: stream's rows are walked in their unique index's order and its ``sequences`` entry
+#: found by its key; then the entries of streams with no rows left.
 APPENDED_SQL = """
 SELECT coalesce(sum(last), 0) FROM (
-    SELECT max(last) AS last FROM (
-        SELECT 'session_id' AS stream, session_id AS name, max(seq) AS last
-        FROM records WHERE session_id IS NOT NULL GROUP BY session_id
-        UNION ALL
-        SELECT 'session_key', session_key, max(seq) FROM records
-        INDEXED BY records_session_key_seq_idx WHERE session_id IS NULL GROUP BY session_key
-        UNION ALL
-        SELECT stream, name, next_seq - 1 FROM sequences
-    ) GROUP BY stream, name
+    SELECT max(max(seq), coalesce((SELECT next_seq FROM sequences
+                                   WHERE stream = 'session_id' AND name = r.session_id), 1) - 1)
+        AS last
+    FROM records AS r INDEXED BY sqlite_autoindex_records_1
+    WHERE session_id IS NOT NULL GROUP BY session_id
+    UNION ALL
+    SELECT max(max(seq), coalesce((SELECT next_seq FROM sequences
+                                   WHERE stream = 'session_key' AND name = r.session_key), 1) - 1)
+    FROM records AS r INDEXED BY records_session_key_seq_idx
+    WHERE session_id IS NULL GROUP BY session_key
+    UNION ALL
+    SELECT next_seq - 1 FROM sequences AS s WHERE stream = 'session_id' AND NOT EXISTS (
+        SELECT 1 FROM records INDEXED BY sqlite_autoindex_records_1 WHERE session_id = s.name)
+    UNION ALL
+    SELECT next_seq - 1 FROM sequences AS s WHERE stream = 'session_key' AND NOT EXISTS (
+        SELECT 1 FROM records INDEXED BY records_session_key_seq_idx
+        WHERE session_id IS NULL AND session_key = s.name)
 )
 """
 
 
-#: Each stream's latest error: the one row of the most recent failed attempt (a bare
-#: column beside a lone max() comes from that row), from the index of rows with one;
-#: and how many of its rows have one.
-LAST_ERRORS_SQL = """
-SELECT session_id, CASE WHEN session_id IS NULL THEN session_key END, last_error,
-       max(last_attempt_at), count(*)
-FROM records INDEXED BY records_last_error_idx WHERE last_error IS NOT NULL GROUP BY 1, 2
-"""
-
-
 class Stream(msgspec.Struct, frozen=True):
-    """One stream's backlog: spooled by session id, or (``session_id`` None) by key."""
+    """One stream's backlog: spooled by session id, or (``session_id`` None) by key;
+    its name and latest error at most ``_streams.CHARS`` characters (the frame shows
+    less)."""
 
     session_id: str | None
     session_key: str | None
@@ -110,9 +104,6 @@ class Snapshot(msgspec.Struct, frozen=True):
     streams: tuple[Stream, ...] = ()
     #: The processes that have the spool open (see ``_holders``); None: unknown here.
     open_by: tuple[Holder, ...] | None = ()
-    #: When asked for (``watch --json``): the oldest ``MAX_STREAMS`` streams as ``ls
-    #: --json`` gives them, each with ``failing`` and ``latest_error`` added.
-    backlog: tuple[dict[str, Any], ...] | None = None
 
 
 class Rates(msgspec.Struct, frozen=True):
@@ -128,19 +119,21 @@ def read_snapshot(
     stop: Callable[[], bool] | None = None,
     *,
     quick_check: bool = False,
-    backlog: bool = False,
+    streams: IO[str] | None = None,
 ) -> Snapshot:
     """A reading of the spool at ``path``; raises what ``reading`` raises.
 
     ``stop`` is called every ``STOP_STEPS`` steps of SQLite while it reads (and so
     is any signal handler): when it returns True the reading ends with an error.
     Without ``quick_check`` damage is found where the reading goes: every row and
-    the indexes it counts with, not every page. With ``backlog`` it reads the
-    streams as ``ls`` does too, in the same transaction (``Snapshot.backlog``).
+    the indexes it counts with, not every page. With ``streams`` it writes there, in
+    the same transaction, the ``watch --json`` streams: a JSON array of the oldest
+    ``MAX_STREAMS`` streams, each its ``ls --json`` object with ``failing`` and
+    ``latest_error``, names and errors whole, one object held at a time.
     """
     taken, at = time.monotonic(), time.time()
     with reading(path, quick_check=quick_check) as reader:
-        snap = reader.read(lambda conn: _read(conn, path, taken, at, stop, backlog))
+        snap = reader.read(lambda conn: _read(conn, path, taken, at, stop, streams))
     found = holders(path)
     open_by = None if found is None else tuple(found)
     return msgspec.structs.replace(snap, took=time.monotonic() - taken, open_by=open_by)
@@ -177,7 +170,7 @@ def _read(
     taken: float,
     at: float,
     stop: Callable[[], bool] | None,
-    backlog: bool,
+    out: IO[str] | None,
 ) -> Snapshot:
     if stop is not None:
         conn.set_progress_handler(stop, STOP_STEPS)
@@ -189,9 +182,9 @@ def _read(
             by_status = dict(conn.execute(STATUS_COUNT_SQL).fetchall())
             appended = conn.execute(APPENDED_SQL).get
             uid = conn.execute(UID_SQL).get
-            streams = conn.execute(STREAMS_SQL, {"limit": MAX_STREAMS}).fetchall()
-            errors = {(s, k): (e, n) for s, k, e, _, n in conn.execute(LAST_ERRORS_SQL)}
-            listed = read_backlog(conn, at)[:MAX_STREAMS] if backlog else None
+            lines = read_lines(conn)
+            if out is not None:
+                write_array(out, (_json_stream(conn, line, at) for line in lines[:MAX_STREAMS]))
     finally:
         conn.set_progress_handler(None)
     s = stats_from(by_reason, 0, failing, path)
@@ -201,7 +194,7 @@ def _read(
         at=at,
         uid=str(uid),
         rows=s.rows,
-        sessions=streams[0][-1] if streams else 0,
+        sessions=len(lines),
         bytes=s.bytes,
         oldest=s.oldest,
         inflight=inflight,
@@ -211,19 +204,23 @@ def _read(
         appended=appended,
         db_bytes=s.db_bytes,
         wal_bytes=s.wal_bytes,
-        streams=tuple(
-            Stream(*row[:-1], errors.get((row[0], row[1]), (None, 0))[0]) for row in streams
-        ),
-        backlog=None if listed is None else tuple(_with_errors(b, errors) for b in listed),
+        streams=tuple(_stream(line) for line in lines[:MAX_STREAMS]),
     )
 
 
-def _with_errors(
-    stream: dict[str, Any], errors: dict[tuple[str | None, str | None], tuple[str, int]]
-) -> dict[str, Any]:
-    """An ``ls --json`` stream with watch's ``failing`` and ``latest_error`` added."""
-    latest, failing = errors.get((stream["session_id"], stream["session_key"]), (None, 0))
-    return {**stream, "failing": failing, "latest_error": latest}
+def _stream(line: Line) -> Stream:
+    return Stream(
+        line.session_id, line.session_key, line.rows, line.bytes, line.oldest, line.inflight,
+        line.failing, line.latest_error,
+    )  # fmt: skip
+
+
+def _json_stream(conn: apsw.Connection, line: Line, now: float) -> dict[str, Any]:
+    """A ``watch --json`` stream: ``line``'s ``ls --json`` object with ``failing`` and
+    ``latest_error`` (whole, as its name and first error)."""
+    listed = backlog_object(conn, line, now)
+    latest = latest_error(conn, line, listed["last_error"])
+    return {**listed, "failing": line.failing, "latest_error": latest}
 
 
 def rates(before: Snapshot | None, after: Snapshot) -> Rates | None:

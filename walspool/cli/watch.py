@@ -7,6 +7,7 @@ import contextlib
 import math
 import os
 import select
+import shutil
 import signal
 import sys
 import termios
@@ -22,6 +23,7 @@ from ..errors import WalspoolError
 from ._frame import drain_eta, render, render_reading
 from ._interrupt import Interrupted, interruptible
 from ._output import EXIT_OK, dump, iso
+from ._streams import json_text
 from ._watching import Rates, Snapshot, near_names, rates, read_snapshot, try_snapshot
 
 #: Shortest --interval, in seconds: each reading opens the spool and counts its rows.
@@ -57,8 +59,8 @@ def run(args: argparse.Namespace) -> int:
     ETA: the rows left over the rate they shrink by (replayed less appended), "not
     draining" when they do not shrink.
 
-    A reading takes its time (seconds for a million rows: it reads every row, as ls
-    does); one slower than --interval is followed by a pause as long as it took, and
+    A reading takes its time (about a second for a million rows: it reads what ls
+    reads); one slower than --interval is followed by a pause as long as it took, and
     q and Ctrl-C work during it.
 
     Read-only, as stats and ls: nothing is written or created beside the spool, and
@@ -124,17 +126,22 @@ def seconds(text: str) -> float:
 def _once(args: argparse.Namespace) -> int:
     first = read_snapshot(args.spool, quick_check=True)  # damage refused as stats does
     time.sleep(args.interval)
-    last = read_snapshot(args.spool, backlog=args.json)
-    rate = rates(first, last)
-    if args.json:
-        print(dump(_json(last, rate)))
-    else:
-        print("\n".join(render(last, rate, "walspool watch")))  # no colour: not a terminal
+    if not args.json:
+        last = read_snapshot(args.spool)
+        print("\n".join(render(last, rates(first, last), "walspool watch")))  # no colour
+        return EXIT_OK
+    with json_text() as streams:
+        last = read_snapshot(args.spool, streams=streams)
+        head = dump(_json(last, rates(first, last)))
+        sys.stdout.write(head[:-1] + ',"streams":')  # the last key, as read: whole
+        streams.seek(0)
+        shutil.copyfileobj(streams, sys.stdout)
+        sys.stdout.write("}\n")
     return EXIT_OK
 
 
 def _json(snap: Snapshot, rate: Rates | None) -> dict[str, Any]:
-    """The ``watch --json`` object (see docs/cli.md)."""
+    """The ``watch --json`` object (see docs/cli.md) but its last key, ``streams``."""
     return {
         "spool": snap.spool,
         "at": iso(snap.at),
@@ -155,7 +162,6 @@ def _json(snap: Snapshot, rate: Rates | None) -> dict[str, Any]:
         "replay_rate": None if rate is None else rate.replayed,
         "drain_eta": drain_eta(snap, rate),
         "open_by": None if snap.open_by is None else [msgspec.to_builtins(h) for h in snap.open_by],
-        "streams": list(snap.backlog or ()),
     }
 
 
