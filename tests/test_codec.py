@@ -462,3 +462,67 @@ def test_a_dataclass_field_never_set_does_not_lose_the_message(spool):
         "event": {"text": "hi", "other": repr(bare), "reply_to": None},
         "surrogate": "\ufffd",
     }
+
+
+class Role(str):
+    """A str subclass such as an SDK's role type: comparing or hashing it raises, and
+    so do its ``__str__`` and ``__class__``."""
+
+    def __eq__(self, other: object) -> bool:
+        raise RuntimeError("no comparing")
+
+    __hash__ = str.__hash__
+
+    def __str__(self) -> str:
+        raise RuntimeError("no str")
+
+    @property
+    def __class__(self):  # type: ignore[override]
+        raise RuntimeError("no class")
+
+
+class Count(int):
+    def __int__(self) -> int:
+        return -1
+
+
+class Ratio(float):
+    pass
+
+
+class Stamp(datetime.datetime):
+    def timestamp(self) -> float:
+        raise RuntimeError("no timestamp")
+
+
+@pytest.mark.parametrize("slow", [False, True], ids=["fast", "slow"])
+def test_str_int_and_float_subclasses_keep_their_values(spool, slow):
+    """A role held in a str subclass stays the role (it was stored as ``{}``, and with a
+    raising ``__class__`` the whole message as its repr); int and float subclasses keep
+    their numbers as their base types hold them, whatever the subclass overrides."""
+    extra = {"keys": {NamedKey(): 1}} if slow else {}
+    spool.append(
+        "s",
+        {
+            "role": Role("assistant"),
+            "n": Count(5),
+            "r": Ratio(0.5),
+            "l": [Role("x\udc80")],
+            **extra,
+        },
+    )
+    (rec,) = spool.records()
+    assert {k: v for k, v in rec.message.items() if k != "keys"} == {
+        "role": "assistant", "n": 5, "r": 0.5, "l": ["x\ufffd"]
+    }  # fmt: skip
+
+
+def test_a_timestamp_whose_methods_raise_is_kept_as_any_value(spool):
+    """A datetime subclass overriding ``timestamp`` is read with datetime's own method;
+    a timestamp whose ``__class__`` raises is not a time; neither makes append raise."""
+    when = Stamp(2026, 1, 2, 3, 4, 5, tzinfo=datetime.UTC)
+    spool.append("s", {"role": "user", "content": "a", "timestamp": when})
+    spool.append("s", {"role": "user", "content": "b", "timestamp": Role("soon")})
+    first, second = spool.records()
+    assert first.message["timestamp"] == 1767323045.0  # 2026-01-02T03:04:05Z
+    assert second.message == {"role": "user", "content": "b", "timestamp": "soon"}

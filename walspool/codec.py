@@ -6,7 +6,8 @@ The rule, applied once when a message is appended:
   size, finite floats, booleans, None) is stored as it is and reads back equal.
 * Anything else is stored as its closest JSON form: bytes as base64 text;
   datetimes, dates and times as ISO 8601 text; UUIDs and Decimals as text; enums
-  as their value; tuples, sets and frozensets as lists; dataclasses and msgspec
+  as their value; subclasses of str, int and float as the value their base type
+  holds (whatever the subclass overrides); tuples, sets and frozensets as lists; dataclasses and msgspec
   Structs as objects of their fields; any other object with attributes (a platform
   ``MessageEvent``, an SDK update object) as an object of its public attributes,
   nested to a depth of 32 and without following cycles; dict keys that are not
@@ -92,25 +93,35 @@ def with_epoch_timestamp(message: Any) -> Any:
     """``message`` with a datetime ``timestamp`` replaced by its epoch seconds.
 
     A dict is copied (the caller's stays as it was); an object becomes its JSON
-    form, a dict, with the number in place. Anything else comes back unchanged.
+    form, a dict, with the number in place. Anything else comes back unchanged, and
+    so does a message whose fields raise when read: this never raises.
     """
-    if isinstance(message, dict):
-        stamp = message.get("timestamp")
-    elif isinstance(message, (str, bytes, int, float, list, tuple)) or message is None:
+    kind = type(message)  # type(), never __class__, which a value may make raise
+    if issubclass(kind, dict):
+        try:
+            stamp = message.get("timestamp")
+        except Exception:  # noqa: BLE001 - a dict whose get raises: no time read
+            return message
+    elif issubclass(kind, (str, bytes, int, float, list, tuple)) or message is None:
         return message
     else:
         try:
             stamp = getattr(message, "timestamp", None)
         except Exception:  # noqa: BLE001 - an attribute that raises is not a time
             return message
-    if not isinstance(stamp, datetime.datetime):
+    if not issubclass(type(stamp), datetime.datetime):
         return message
     try:
-        epoch = stamp.timestamp()  # a naive datetime is local time, read here once
+        # datetime's own method, whatever a subclass made of it; a naive datetime is
+        # local time, read here once
+        epoch = datetime.datetime.timestamp(stamp)
     except (OverflowError, OSError, ValueError):
         return message
-    if isinstance(message, dict):
-        return {**message, "timestamp": epoch}
+    if issubclass(kind, dict):
+        try:
+            return {**message, "timestamp": epoch}
+        except Exception:  # noqa: BLE001 - a dict whose keys raise: kept as it is
+            return message
     plain = decode(encode(message))
     if isinstance(plain, dict):
         plain["timestamp"] = epoch
@@ -191,8 +202,11 @@ class _Fields(dict):  # type: ignore[type-arg]
 
 def _object_fields(obj: Any) -> Any:
     """msgspec's hook for types it cannot encode natively."""
-    if isinstance(obj, _Fields):
+    kind = type(obj)  # never obj.__class__, which a value may make raise
+    if issubclass(kind, _Fields):
         raise TypeError("an object as a dict key")
+    if issubclass(kind, (str, int, float)):  # a subclass msgspec does not write natively
+        return _base_value(obj)
     try:
         fields = _public_attributes(obj)
     except Exception:  # noqa: BLE001 - attributes that raise when read: this value only
@@ -200,6 +214,17 @@ def _object_fields(obj: Any) -> Any:
     if fields is not None:
         return _Fields(fields)
     return _safe_repr(obj)
+
+
+def _base_value(obj: str | int | float) -> str | int | float:
+    """A ``str``, ``int`` or ``float`` subclass's value as its base type holds it, read
+    with the base type's own methods: whatever the subclass overrides (``__eq__``,
+    ``__str__``, attributes that raise) does not change what is stored."""
+    if issubclass(type(obj), str):
+        return _scrub(str.__str__(obj))
+    if issubclass(type(obj), int):
+        return int.__int__(obj)
+    return float.__float__(obj)
 
 
 def _public_attributes(obj: Any) -> dict[str, Any] | None:
@@ -239,19 +264,24 @@ def _plain(value: Any, depth: int, active: set[int]) -> Any:
 
 
 def _convert(value: Any, depth: int, active: set[int]) -> Any:
-    if value is None or isinstance(value, (bool, int, float)):
+    kind = type(value)  # never value.__class__, which a value may make raise
+    if value is None or kind in (bool, int, float):
         return value  # the encoder writes NaN and infinities as null
-    if isinstance(value, str):
+    if kind is str:
         return _scrub(value)
+    if issubclass(kind, enum.Enum):
+        if depth >= _MAX_DEPTH:
+            return _safe_repr(value)
+        return _plain(value.value, depth + 1, active)
+    if issubclass(kind, (str, int, float)):
+        return _base_value(value)
     if depth >= _MAX_DEPTH or id(value) in active:
         return _safe_repr(value)
-    if isinstance(value, enum.Enum):
-        return _plain(value.value, depth + 1, active)
     active.add(id(value))
     try:
-        if isinstance(value, Mapping):
+        if issubclass(kind, Mapping):
             return {_key(k): _plain(v, depth + 1, active) for k, v in value.items()}
-        if isinstance(value, (list, tuple, set, frozenset)):
+        if issubclass(kind, (list, tuple, set, frozenset)):
             return [_plain(v, depth + 1, active) for v in value]
         try:
             native = msgspec.to_builtins(value, enc_hook=_refuse)
