@@ -388,6 +388,33 @@ def test_appending_to_a_path_that_names_another_file_says_why(spool, spool_path)
     assert info.value.path == str(spool_path)
 
 
+def test_reading_a_path_that_names_another_spool_now_is_refused(spool, spool_path, tmp_path):
+    """Another spool renamed over the path after this Spool opened it: a read that opens
+    the reader then refuses (it returned the other spool's rows, while the writes of a
+    replay reading them went to this Spool's file); a reader opened before goes on
+    reading this Spool's file."""
+    spool.append("mine", MSG)
+    with walspool.Spool(tmp_path / "other" / "spool.db") as other:
+        other.append("theirs", MSG)
+    for suffix in ("", "-wal", "-shm"):
+        if os.path.exists(tmp_path / "other" / f"spool.db{suffix}"):
+            os.rename(tmp_path / "other" / f"spool.db{suffix}", f"{spool_path}{suffix}")
+    with pytest.raises(walspool.SpoolReplaced, match="reading the path would show another"):
+        list(spool.records())
+    with pytest.raises(walspool.SpoolReplaced):
+        spool.stats()
+
+
+def test_a_reader_opened_before_the_path_changed_keeps_reading_its_file(spool, spool_path):
+    spool.append("mine", MSG)
+    assert [r.session_id for r in spool.records()] == ["mine"]  # the reader is open now
+    moved = spool_path.with_name("moved.db")
+    for suffix in ("", "-wal", "-shm"):
+        if os.path.exists(f"{spool_path}{suffix}"):
+            os.rename(f"{spool_path}{suffix}", f"{moved}{suffix}")
+    assert [r.session_id for r in spool.records()] == ["mine"]
+
+
 def test_a_name_may_take_max_payload_bytes_and_no_more(tmp_path):
     with walspool.Spool(tmp_path / "spool.db", max_payload_bytes=1000) as spool:
         spool.append("x" * 1000, MSG)  # exactly the limit

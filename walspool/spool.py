@@ -18,7 +18,7 @@ from . import codec, files
 from .errors import InvalidArgument, PayloadTooLarge, SpoolClosed, SpoolReplaced
 from .paging import PAGE_ROWS, ROW_BYTES_SQL, read_page, record_from_row
 from .records import AGENT_HISTORY, CAP_DROP, Receipt, Record, Stats
-from .schema import close_quietly, open_reader, open_writer, sqlite_error
+from .schema import close_quietly, open_reader, open_writer, opened_file, sqlite_error
 from .writer import Append, Operation, Quarantined, Row, Writer
 
 DEFAULT_MAX_PAYLOAD_BYTES = 64 * 1024 * 1024
@@ -103,7 +103,10 @@ class Spool:
         self.max_bytes = max_bytes
         self._conn, self._open_lock, self._owner = open_writer(self.path, durability, max_bytes)
         try:
-            self._identity = _file_identity(self.path)
+            held = opened_file(self._conn)  # the file SQLite holds, whatever the path names
+            self._identity = (
+                (held.st_dev, held.st_ino) if held is not None else _file_identity(self.path)
+            )
             self._writer = Writer(self._conn, self.path, max_bytes)
         except BaseException:
             close_quietly(self._conn)
@@ -419,11 +422,29 @@ class Spool:
             if self._closed:
                 raise SpoolClosed(f"spool {self.path} is closed", path=self.path)
             if self._reader is None:
-                self._reader = open_reader(self.path)
+                self._reader = self._open_reader()
             try:
                 return fn(self._reader)
             except apsw.Error as exc:
                 raise sqlite_error(exc, self.path) from exc
+
+    def _open_reader(self) -> apsw.Connection:
+        """A read-only connection to the very file this Spool opened, or
+        ``SpoolReplaced``: opened by path, it would otherwise read whatever file the
+        path names now (another spool renamed over it), while the writes of a replay
+        reading through it go to this one."""
+        reader = open_reader(self.path)
+        opened = opened_file(reader)  # None under another VFS: then what the path names
+        now = (opened.st_dev, opened.st_ino) if opened is not None else _file_identity(self.path)
+        if self._identity is not None and now != self._identity:
+            close_quietly(reader)
+            raise SpoolReplaced(
+                f"spool {self.path} no longer names the file this Spool opened (it was "
+                "moved or replaced); reading the path would show another file's rows: "
+                "open the spool again, and look for the old file beside it",
+                path=self.path,
+            )
+        return reader
 
     # -- life cycle ------------------------------------------------------------
 
