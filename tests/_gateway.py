@@ -5,9 +5,11 @@ the spool's writer finding its write lock held by another process."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
+import pytest
 from _helpers import STEP
 
 #: The outage: SessionDB reads the error as FTS corruption, rebuilds, and fails again.
@@ -50,3 +52,23 @@ def found_locked(spool: Any) -> bool:
     writer = spool._writer
     with writer._cond:  # notified when a commit finds the lock held
         return writer._cond.wait_for(lambda: writer.busy_since is not None, STEP)
+
+
+def told_drops(caplog: pytest.LogCaptureFixture, session_id: str) -> int:
+    """How many messages of the session the link's lines tell it dropped: one for the
+    first line, the count of each summary and of the heal (``walspool._link_repeats``).
+    Lines held back are said when the link closes: close it first."""
+    told = 0
+    for r in caplog.records:
+        text = r.getMessage()
+        if f"pending queue full for {session_id} " in text and "dropping oldest" in text:
+            told += 1
+        elif more := re.search(rf"for {session_id} \(cap=\d+\); dropped (\d+) more", text):
+            told += int(more.group(1))
+        elif healed := re.search(
+            rf"transcript of {session_id}: the spool .* takes its evictions again; .*"
+            r"\((\d+) not said before\)",
+            text,
+        ):
+            told += int(healed.group(1))
+    return told

@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from _gateway import BREAK, HEAL, sql
+from _gateway import BREAK, HEAL, sql, told_drops
 from _lock_holder import read_snapshot_held
 
 import walspool
@@ -55,26 +54,6 @@ def refusals(caplog: pytest.LogCaptureFixture, session_id: str) -> list[str]:
     ]
 
 
-def refused(caplog: pytest.LogCaptureFixture, session_id: str) -> int:
-    """How many messages of the session the link's lines tell it dropped: one for the
-    first line, the count of each summary and of the heal. Lines held back are said
-    when the link closes: close it first."""
-    told = 0
-    for r in caplog.records:
-        text = r.getMessage()
-        if f"pending queue full for {session_id} " in text and "dropping oldest" in text:
-            told += 1
-        elif more := re.search(rf"for {session_id} \(cap=\d+\); dropped (\d+) more", text):
-            told += int(more.group(1))
-        elif healed := re.search(
-            rf"transcript of {session_id}: the spool .* takes its evictions again; .*"
-            r"\((\d+) not said before\)",
-            text,
-        ):
-            told += int(healed.group(1))
-    return told
-
-
 def contents(store: Any, session_id: str) -> list[str]:
     return [m["content"].split()[0] for m in store._db.get_messages(session_id)]
 
@@ -110,7 +89,7 @@ def test_a_chatty_session_cannot_take_the_room_kept_for_the_others(store, spool,
     assert got == sorted(got, key=lambda c: int(c[1:]))
     assert got[-200:] == [f"c{i}" for i in range(2400, 2600)]
     link.close()  # says the lines held back: every refusal is counted in one
-    assert refused(caplog, "chatty") == dropped
+    assert told_drops(caplog, "chatty") == dropped
 
 
 def test_the_cap_counts_the_wal_a_reader_lets_grow(store, spool, caplog):
@@ -268,7 +247,7 @@ def test_undo_after_a_flood_gives_a_chatty_session_no_room_kept_for_the_others(
     assert [r.session_id for r in spool.records()].count("quiet") == 15
     assert kept == [0] * 20  # refused: it holds most of the spool
     link.close()  # says the lines held back: every refusal is counted in one
-    assert refused(caplog, "chatty") == 20 * 30
+    assert told_drops(caplog, "chatty") == 20 * 30
     with link._lock:
         assert link._shares.of("chatty") == spooled_bytes(spool, "chatty")
 
@@ -330,7 +309,7 @@ def test_a_chatty_sessions_rows_from_an_earlier_run_count_after_a_restart(hermes
                 assert link._shares.of("chatty") == spooled_bytes(spool, "chatty")
         finally:
             stop(store, spool, link)
-    assert refused(caplog, "chatty") == 12 * 30  # each link's close said its held lines
+    assert told_drops(caplog, "chatty") == 12 * 30  # each link's close said its held lines
 
 
 def test_a_drain_lowers_the_share_by_the_rows_it_moved(store, spool, caplog):

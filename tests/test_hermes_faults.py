@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _gateway import BREAK, HEAL, contents, found_locked, msg, sql
+from _gateway import BREAK, HEAL, contents, found_locked, msg, sql, told_drops
 from _helpers import ROOT, STEP
 from _lock_holder import replay_lock_held, write_lock_held
 
@@ -197,25 +197,6 @@ def test_a_locked_spool_never_makes_a_gateway_thread_wait(store, spool, monkeypa
     assert link.wait_idle(WAIT)
     assert contents(store, "a") == [f"a{i}" for i in range(260)]
     assert spool.stats().rows == 0
-
-
-def told_drops(caplog: pytest.LogCaptureFixture, session_id: str) -> int:
-    """How many messages of the session the link's lines tell it dropped: one for the
-    first line, the count of each summary and of the heal (``walspool._link_repeats``)."""
-    told = 0
-    for r in caplog.records:
-        text = r.getMessage()
-        if f"pending queue full for {session_id} " in text and "dropping oldest" in text:
-            told += 1
-        elif more := re.search(rf"for {session_id} \(cap=\d+\); dropped (\d+) more", text):
-            told += int(more.group(1))
-        elif healed := re.search(
-            rf"transcript of {session_id}: the spool .* takes its evictions again; .*"
-            r"\((\d+) not said before\)",
-            text,
-        ):
-            told += int(healed.group(1))
-    return told
 
 
 def test_a_full_spool_queue_keeps_messages_in_memory_then_drops_with_a_warning(
