@@ -1485,7 +1485,7 @@ def test_a_live_message_whose_value_raises_when_inspected_is_quarantined_and_its
         "quarantined",
         1,
     )
-    assert rec.last_error == f"state.db refused it for its content: {error}"
+    assert rec.last_error == f"the gateway's write fails on one of its values: {error}"
     assert rec.message["content"] == "calling"
     if isinstance(bad["role"], str):
         assert rec.message["role"] == bad["role"]

@@ -17,6 +17,7 @@ from ._link_state import Session, log
 from .errors import InvalidArgument, PayloadTooLarge, WalspoolError
 from .outage import Line
 from .records import CAP_DROP
+from .sinks import is_row_rejection, rejects_content
 from .writer import Request
 
 #: The reason of a live message state.db refused for its content, quarantined at once.
@@ -357,7 +358,12 @@ class Evictions:
         lines to log once the lock is released."""
         if not pending or pending[0] is not message:
             return []  # a rewrite dropped the queue meanwhile, as the released store does
-        why = f"state.db refused it for its content: {type(error).__name__}: {error}"
+        what = (
+            "state.db refused it for its content"
+            if rejects_content(error) or is_row_rejection(error)
+            else "the gateway's write fails on one of its values"
+        )
+        why = f"{what}: {type(error).__name__}: {error}"
         try:
             row = self.spool.prepare(session_id, message, REJECTED)
             self.spool.put_nowait((row,), partial(self._set_aside_done, why), quarantine=why)
