@@ -1,9 +1,12 @@
 """The docs: the README's incident runbook run as written on a real outage, each
-command line example of docs/cli.md run on its small spool, every link resolving, and
-each page within its budget."""
+command line example of docs/cli.md run on its small spool, the python snippets of
+docs/gateway.md and docs/replay.md run as printed on the real 0.19.0 gateway, every link
+resolving, and each page within its budget. (docs/gateway.md's drop-in snippet for the
+newer gateways runs in their environments: tests/upstream, tests/axisrow.)"""
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import os
@@ -13,16 +16,17 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
-from _gateway import BREAK, HEAL, msg, sql, state_db
-from _helpers import ROOT, doc_section
+from _gateway import BREAK, HEAL, contents, msg, sql, state_db
+from _helpers import ROOT, STEP, doc_section
 
 import walspool
 from walspool import AGENT_HISTORY, CAP_DROP
 from walspool.cli import COMMANDS, build_parser, main
 from walspool.demo import run_demo
-from walspool.hermes import install
+from walspool.hermes import Link, install
 
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 #: Lines per page (issue 30): the README, the test and benchmark READMEs.
@@ -192,3 +196,104 @@ def test_each_command_line_example_runs_and_prints_what_it_shows(
         )
         assert (done.returncode, done.stderr) == (0, ""), line
         assert shape(done.stdout.splitlines()) == shape(printed), line
+
+
+# -- the python snippets of docs/gateway.md and docs/replay.md --------------------------
+
+
+def run_snippet(section: str, namespace: dict[str, Any]) -> dict[str, Any]:
+    """Run the one ``python`` block of the docs' ``## section`` as printed, in
+    ``namespace`` (what the text around it says the reader has); the names it left."""
+    (snippet,) = re.findall(r"```python\n(.*?)```", doc_section(section), re.S)
+    exec(compile(snippet, f"<the snippet of {section!r}>", "exec"), namespace)
+    return namespace
+
+
+def test_the_gateway_link_snippet_links_a_real_runner_as_printed(
+    hermes_home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """docs/gateway.md's snippet, given only ``runner`` (a real 0.19.0 GatewayRunner):
+    its spool is <HERMES_HOME>/spool.db and its link a ``Link`` installed on the runner's
+    store, which replays what an earlier run spooled; during an outage the evicted
+    messages land in the spool, and the runner's own ``stop()`` spools its pending slot
+    and the store's in-memory queue behind them."""
+    from gateway.config import GatewayConfig, Platform
+    from gateway.run import GatewayRunner
+    from gateway.session import SessionSource
+
+    # stop() marks a clean shutdown in the home gateway.run read at its import.
+    monkeypatch.setattr("gateway.run._hermes_home", hermes_home)
+    with walspool.Spool(hermes_home / "spool.db") as earlier:
+        earlier.append("s1", msg("spooled by an earlier run"))
+    runner = GatewayRunner(GatewayConfig(sessions_dir=hermes_home / "sessions"))
+    store = runner.session_store
+    store._db.create_session("s1", "telegram")
+    chat = store.get_or_create_session(SessionSource(platform=Platform.TELEGRAM, chat_id="42"))
+    found = run_snippet("Linking it into the gateway", {"runner": runner})
+    spool, link = found["spool"], found["link"]
+    try:
+        assert spool.path == hermes_home / "spool.db"
+        assert isinstance(link, Link) and store.append_to_transcript.__self__ is link
+        assert link.wait_idle(STEP)  # the recovery, in the background
+        assert contents(store, "s1") == ["spooled by an earlier run"]
+        sql(store, BREAK)
+        for i in range(250):
+            store.append_to_transcript("s1", msg(f"m{i}"))
+        runner._pending_messages[chat.session_key] = "pending at shutdown"
+        asyncio.run(runner.stop())
+        rows = [(r.reason, r.session_key, r.message) for r in spool.records()]
+    finally:
+        link.close()
+        spool.close()
+        store._db.close()
+    assert rows == [
+        *((walspool.CAP_DROP, None, msg(f"m{i}")) for i in range(50)),  # evicted at the cap
+        (walspool.SHUTDOWN, chat.session_key, {"text": "pending at shutdown"}),
+        *((walspool.SHUTDOWN, None, msg(f"m{i}")) for i in range(50, 250)),  # the queue in memory
+    ]
+
+
+def test_the_replay_snippet_moves_rows_into_a_real_session_db_as_printed(
+    hermes_home: Path,
+) -> None:
+    """docs/replay.md's snippet, given only ``spool`` and ``session_db`` (a real 0.19.0
+    SessionDB): s1's rows move in order; s2, missing from state.db, stays with its error
+    (its second row held behind the first); s3's row without a role is quarantined and
+    the row after it moves."""
+    from hermes_state import SessionDB
+
+    session_db = SessionDB(db_path=hermes_home / "state.db")
+    spool = walspool.Spool(hermes_home / "spool.db")
+    try:
+        session_db.create_session("s1", "telegram")
+        session_db.create_session("s3", "telegram")
+        spool.append_many([
+            ("s1", msg("hello")),
+            ("s2", msg("my order is late")),
+            ("s3", {"role": None, "content": "no role"}),
+            ("s1", {"role": "assistant", "content": "hi"}),
+            ("s2", msg("where is it?")),
+            ("s3", msg("after")),
+        ])  # fmt: skip
+        report = run_snippet("Replaying", {"spool": spool, "session_db": session_db})["report"]
+        missing = (
+            "session s2 does not exist in state.db (FOREIGN KEY constraint failed); "
+            "replay with create_missing=True to create it"
+        )
+        assert (report.moved, report.held, report.errors) == (3, 2, {"s2": missing})
+        assert report.quarantined == 1
+        assert [m["content"] for m in session_db.get_messages("s1")] == ["hello", "hi"]
+        assert [m["content"] for m in session_db.get_messages("s3")] == ["after"]
+        left = [(r.session_id, r.status, r.last_error) for r in spool.records()]
+        assert left == [
+            ("s2", None, missing),
+            (
+                "s3",
+                walspool.QUARANTINED,
+                "IntegrityError: NOT NULL constraint failed: messages.role",
+            ),
+            ("s2", None, None),
+        ]
+    finally:
+        spool.close()
+        session_db.close()
