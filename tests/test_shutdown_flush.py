@@ -852,6 +852,31 @@ def test_a_routing_mirror_over_its_bound_is_not_read(home, db, caplog):
     ]
 
 
+def test_a_recovery_reads_the_routing_mirror_once_for_all_its_keys(home, db, caplog, monkeypatch):
+    """Twelve slots under four keys, resolved from disk (0.20 passes no resolver): the
+    mirror is opened once (it was read again, up to 16 MiB, for every key), and a mirror
+    that cannot be used says so in one line, not one per key."""
+    keyed_rows(home, [f"key{n % 4}" for n in range(12)])
+    path = mirror(home, {"key0": {"session_id": "sess-1"}, "key1": {"session_id": "sess-2"}})
+    reads = []
+    read = sf._read_sessions_json
+    monkeypatch.setattr(sf, "_read_sessions_json", lambda d: reads.append(d) or read(d))
+    assert sf.recover_pending_to_db(db) == 6  # key0's and key1's three slots each
+    assert reads == [home / "sessions"]
+    sf.close_shared_spools()
+    keyed_rows(home, [f"key{n % 4}" for n in range(12)])  # key2, key3 and these twelve
+    path.unlink()
+    path.symlink_to(home / "elsewhere.json")
+    caplog.set_level(logging.DEBUG, logger="walspool.shutdown_flush")
+    reads.clear()
+    sf.recover_pending_to_db(db)
+    assert len(reads) == 1
+    assert [line for line in logged(caplog, logging.WARNING) if "routing mirror" in line] == [
+        f"Not reading the gateway's routing mirror {path} (it is a symbolic link); keys only "
+        "it routes stay in the spool"
+    ]
+
+
 def test_a_routing_mirror_that_is_a_link_is_not_followed(home, db, tmp_path, caplog):
     elsewhere = mirror(tmp_path / "elsewhere", {"k": {"session_id": "sess-1"}})
     path = mirror(home, {})

@@ -56,7 +56,7 @@ import stat
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from functools import partial
+from functools import cache, partial
 from pathlib import Path
 from typing import Any
 
@@ -539,7 +539,9 @@ def recover_pending_spool(
             return 0, _sessions_with_rows(spool)
     if session_resolver is None:
         # 0.20 calls this with no arguments: the gateway's own routing, from disk.
-        session_resolver = partial(routed_session_id, session_db)
+        # sessions.json is read (and, unusable, logged) once per recovery, not per key.
+        mirror = cache(lambda: _read_sessions_json(home() / SESSIONS_DIR_NAME))
+        session_resolver = partial(routed_session_id, session_db, mirror=mirror)
     try:
         report = _replay_all(spool, session_db, session_resolver)
     except ReplayBusy:  # a replay that began after the look above
@@ -655,14 +657,17 @@ SESSIONS_JSON_NAME = "sessions.json"
 SESSIONS_JSON_MAX_BYTES = 16 * 1024 * 1024
 
 
-def routed_session_id(session_db: Any, session_key: str) -> str | None:
+def routed_session_id(
+    session_db: Any, session_key: str, *, mirror: Callable[[], Any] | None = None
+) -> str | None:
     """The session the gateway routes ``session_key`` to, from what it keeps on disk.
 
     As the gateway's ``SessionStore.peek_session_id`` reads it after a restart: the
     ``gateway_routing`` table in state.db (the entry of the home's ``sessions``
     scope; else the one session every scope agrees on), then the legacy
     ``<HERMES_HOME>/sessions/sessions.json`` mirror. None when neither knows the key
-    (the rows stay, reported).
+    (the rows stay, reported). ``mirror`` gives the decoded ``sessions.json`` (a
+    recovery reads it once for all its keys); without it the file is read here.
     """
     from .sinks import _private_connection
 
@@ -683,7 +688,7 @@ def routed_session_id(session_db: Any, session_key: str) -> str | None:
         ids = {sid for sid in found.values() if sid}
         if len(ids) == 1:
             return ids.pop()
-    entries = _read_sessions_json(home() / SESSIONS_DIR_NAME)
+    entries = mirror() if mirror is not None else _read_sessions_json(home() / SESSIONS_DIR_NAME)
     entry = entries.get(session_key) if isinstance(entries, dict) else None
     return _entry_session_id(entry)
 
