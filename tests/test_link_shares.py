@@ -1,0 +1,113 @@
+"""The link's count of each session's bytes in the spool (``walspool._link_shares``):
+the start's count, and the rows a drain's sink notes and later finds gone."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+
+import walspool
+from walspool import _link_shares
+from walspool._link_shares import Moving, count
+from walspool.budget import Shares
+
+
+class Recording:
+    """A sink that records what it is handed, as it was handed."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[Any, ...]] = []
+
+    def write(self, session_id: str, record: Any, ticket: Any) -> None:
+        self.calls.append(("write", session_id, record.id, ticket))
+
+    def write_many(self, session_id: str, items: Any) -> None:
+        self.calls.append(("write_many", session_id, [(r.id, t) for r, t in items]))
+
+    def landed(self, tickets: Any) -> Any:
+        return []
+
+    def __str__(self) -> str:
+        return "recording sink"
+
+    def __repr__(self) -> str:
+        return "<Recording>"
+
+
+@pytest.fixture
+def spool(tmp_path):
+    with walspool.Spool(tmp_path / "spool.db") as spool:
+        yield spool
+
+
+def rows(spool: walspool.Spool, session_id: str, n: int) -> list[Any]:
+    spool.append_many([(session_id, {"role": "user", "content": f"m{i}"}) for i in range(n)])
+    return [r for r in spool.records(session_id=session_id)][-n:]
+
+
+def sizes(spool: walspool.Spool) -> dict[int, int]:
+    """Each row's stored ``size`` (its payload bytes), by id."""
+    return dict(spool.query("SELECT id, size FROM records", ()))
+
+
+def test_count_gives_each_sessions_bytes_and_the_largest_id(spool):
+    assert count(spool) == ({}, 0)  # an empty spool: nothing, and no id seen
+    a, b = rows(spool, "a", 2), rows(spool, "b", 1)
+    by_session, top = count(spool)
+    size = sizes(spool)
+    assert by_session == {"a": size[a[0].id] + size[a[1].id], "b": size[b[0].id]}
+    assert top == b[0].id
+
+
+def test_the_sink_gets_every_argument_as_handed_and_speaks_as_its_sink(spool):
+    """The ticket is the exact landing record: passed on unchanged (a write without it
+    could land twice after a crash), outside a counted replay and on any thread."""
+    sink = Recording()
+    moving = Moving(sink, spool, Shares())
+    (record,) = rows(spool, "s", 1)
+    ticket = object()
+    done = []
+    thread = threading.Thread(target=lambda: done.append(moving.write("s", record, ticket)))
+    thread.start()  # a thread that never counted a replay
+    thread.join(10)
+    moving.write_many("s", [(record, ticket)])
+    assert sink.calls == [
+        ("write", "s", record.id, ticket),
+        ("write_many", "s", [(record.id, ticket)]),
+    ]
+    assert done == [None]
+    assert (str(moving), repr(moving)) == ("recording sink", "<Recording>")
+
+
+def test_rows_written_in_a_counted_replay_that_left_are_told_by_session(spool):
+    sink = Recording()
+    moving = Moving(sink, spool, Shares())
+    a, b = rows(spool, "a", 3), rows(spool, "b", 2)
+    with moving.counting() as noted:
+        for record in a:
+            moving.write("a", record, None)
+        moving.write_many("b", [(r, None) for r in b])
+        assert noted.gone() == {}  # all still in the spool
+        size = sizes(spool)
+        spool.transact(lambda conn: conn.execute("DELETE FROM records WHERE id < ?", (b[1].id,)))
+        assert noted.gone() == {"a": sum(size[r.id] for r in a), "b": size[b[0].id]}
+
+
+def test_the_noted_rows_stay_within_their_bound(spool, monkeypatch):
+    """Past ``NOTED_ROWS``, the rows that left are told, and of those still there only
+    the latest are kept; up to the bound, every row is kept."""
+    monkeypatch.setattr(_link_shares, "NOTED_ROWS", 8)
+    moving = Moving(Recording(), spool, Shares())
+    held = rows(spool, "held", 8)
+    with moving.counting() as noted:
+        for record in held:
+            moving.write("held", record, None)
+        assert len(noted.rows) == 8  # at the bound: nothing checked, nothing forgotten
+        more = rows(spool, "more", 12)
+        for record in more:
+            moving.write("more", record, None)
+            assert len(noted.rows) <= 8
+        assert list(noted.rows)[-1] == more[-1].id
+        assert noted.gone() == {}  # forgotten rows are not told as gone
