@@ -314,3 +314,77 @@ def start_beside(
     status, report = replay.finish()  # let go of state.db in any case
     thread.join(CHILD_TIMEOUT)
     return took, returned, status, report
+
+
+# -- docs/gateway.md's drop-in snippet, run as printed -----------------------------------
+
+#: The process that runs the gateway: the snippet first, as printed, in a namespace of
+#: its own; then the gateway as it starts (its run module), each import statement of
+#: the module in the gateway's source, run as written, and an outage of its real store
+#: (its cap evictions call the module). What it found goes to the file OUT.
+GATEWAY = r"""
+import json, logging, os, pathlib, re, sys
+logging.disable(logging.WARNING)  # the outage's lines; a traceback still shows
+snippet, out, folder = sys.argv[1], pathlib.Path(sys.argv[2]), sys.argv[3]
+exec(compile(snippet, "docs/gateway.md", "exec"), {"__name__": "__main__"})
+
+import gateway.run
+import gateway.shutdown_flush as imported
+
+root = pathlib.Path(gateway.__file__).parent
+found = {}
+for path in sorted(root.rglob("*.py")):
+    if path.name == "shutdown_flush.py":
+        continue
+    text = path.read_text(encoding="utf-8")
+    for statement in re.findall(r"from gateway\.shutdown_flush import (?:\([^)]*\)|[^\n]+)", text):
+        names = {}
+        exec(statement, names)
+        for name, value in names.items():
+            if name != "__builtins__" and callable(value):
+                found[f"{path.relative_to(root)}: {name}"] = value.__module__
+
+sys.path[:0] = [folder, str(pathlib.Path(folder).parent)]
+fork = __import__(sys.argv[4])  # the fork's store module, in the test's folder
+TRANSIENT, break_db, new_store = fork.TRANSIENT, fork.break_db, fork.new_store
+
+store = new_store(pathlib.Path(os.environ["HERMES_HOME"]))
+store._db.create_session("s1", "telegram")
+break_db(store._db, TRANSIENT)
+for i in range(230):
+    store.append_to_transcript("s1", {"role": "user", "content": f"m{i}"})
+import walspool.shutdown_flush
+walspool.shutdown_flush.close_shared_spools()
+out.write_text(json.dumps({"module": imported.__name__, "imports": found}))
+"""
+
+
+def run_drop_in_snippet(tmp_path: Path, folder: Path, store_module: str) -> tuple[dict, list, Path]:
+    """Run docs/gateway.md's drop-in snippet as printed first in a fresh gateway process
+    (``GATEWAY``; the fork's store from ``store_module`` in ``folder``), then an outage
+    of 230 messages on that store: what ``gateway.shutdown_flush`` and the gateway's own
+    imports of it gave (``{"module", "imports"}``), the contents spooled for the
+    session, and the gateway's home."""
+    import re
+
+    from _helpers import ROOT, doc_section
+
+    import walspool
+
+    (snippet,) = re.findall(r"```python\n(.*?)```", doc_section("Newer gateways (0.20+)"), re.S)
+    home = tmp_path / "hermes"
+    home.mkdir()
+    out = tmp_path / "found.json"
+    done = subprocess.run(
+        [sys.executable, "-c", GATEWAY, snippet, str(out), str(folder), store_module],
+        env={**os.environ, "HOME": str(tmp_path), "HERMES_HOME": str(home)},
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        stdin=subprocess.DEVNULL,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    with walspool.Spool(home / "spool.db") as spool:
+        spooled = [r.message["content"] for r in spool.records(session_id="s1")]
+    return json.loads(out.read_text()), spooled, home
