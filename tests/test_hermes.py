@@ -1362,6 +1362,24 @@ class _SdkObject:
         self.name = "lookup"
 
 
+def one_bad_live_message(store: Any, spool: walspool.Spool, retry_interval: float, bad: Any):
+    """A healthy state.db; one bad live message between "before" and 20 more: the 21
+    good ones reach state.db at once and in order, the session left clean; the one row
+    left in the spool (the bad message, set aside)."""
+    store._db.create_session("s", "telegram")
+    link = install(store, spool, retry_interval=retry_interval)
+    store.append_to_transcript("s", _m("before"))
+    store.append_to_transcript("s", bad)
+    for i in range(20):
+        store.append_to_transcript("s", _m(f"m{i}"))
+    assert link.wait_idle(STEP)
+    assert contents(store, "s") == ["before"] + [f"m{i}" for i in range(20)]
+    assert "s" not in store._dirty_transcripts
+    spool.flush()
+    (rec,) = spool.records()
+    return rec
+
+
 @pytest.mark.parametrize("retry_interval", [1.0, 0], ids=["retrying", "no-retries"])
 @pytest.mark.parametrize(
     ("bad", "error"),
@@ -1380,17 +1398,7 @@ def test_a_live_message_refused_for_its_content_is_quarantined_and_its_session_g
     """A healthy state.db refuses one live message for its content: it is set aside in the
     spool as quarantined (``walspool ls`` shows it), and the 20 messages after it reach
     state.db at once, in order, with no retry delay and no 201st message needed."""
-    store._db.create_session("s", "telegram")
-    link = install(store, spool, retry_interval=retry_interval)
-    store.append_to_transcript("s", _m("before"))
-    store.append_to_transcript("s", bad)
-    for i in range(20):
-        store.append_to_transcript("s", _m(f"m{i}"))
-    assert link.wait_idle(STEP)
-    assert contents(store, "s") == ["before"] + [f"m{i}" for i in range(20)]
-    assert "s" not in store._dirty_transcripts
-    spool.flush()
-    (rec,) = spool.records()
+    rec = one_bad_live_message(store, spool, retry_interval, bad)
     assert (rec.session_id, rec.reason, rec.status, rec.attempts) == (
         "s",
         hermes.REJECTED,
@@ -1467,17 +1475,7 @@ def test_a_live_message_whose_value_raises_when_inspected_is_quarantined_and_its
     attributes, iteration, length or comparison raise), then 20 messages follow. The bad
     message is kept in the spool, quarantined with that error, and the 20 reach state.db
     at once, in order: the session is not retried forever behind it."""
-    store._db.create_session("s", "telegram")
-    link = install(store, spool, retry_interval=retry_interval)
-    store.append_to_transcript("s", _m("before"))
-    store.append_to_transcript("s", bad)
-    for i in range(20):
-        store.append_to_transcript("s", _m(f"m{i}"))
-    assert link.wait_idle(STEP)
-    assert contents(store, "s") == ["before"] + [f"m{i}" for i in range(20)]
-    assert "s" not in store._dirty_transcripts
-    spool.flush()
-    (rec,) = spool.records()
+    rec = one_bad_live_message(store, spool, retry_interval, bad)
     assert (rec.session_id, rec.seq, rec.reason, rec.status, rec.attempts) == (
         "s",
         1,
