@@ -411,6 +411,32 @@ def test_roots_replay_into_another_users_state_db_runs_as_that_user(shared_tmp, 
 
 
 @as_root
+def test_roots_replay_of_its_own_spool_into_another_users_state_db_says_why_it_cannot(
+    shared_tmp, capfd
+):
+    """The replay would run as state.db's owner, who cannot own root's spool: refused at
+    once, saying so and what to do (not the owner's bare "permission denied"); both
+    files untouched."""
+    home = owned_dir(shared_tmp / "hermes", OWNER)
+    state_db = hermes_state_db(home / "state.db", OWNER)
+    roots = owned_dir(shared_tmp / "roots", 0, 0o700)
+    with walspool.Spool(roots / "spool.db") as spool:
+        spool.append("s", {"role": "user", "content": "x"})
+    code = main(["replay", str(roots / "spool.db"), "--into", str(state_db)])
+    err = capfd.readouterr().err  # the child's, on the descriptor
+    assert code == 1
+    assert err == (
+        f"walspool replay: as root, the replay into {state_db} runs as its owner, uid "
+        f"{OWNER} (see docs/security.md), who does not own the spool {roots / 'spool.db'} "
+        f"(uid 0): give the spool's directory and files to uid {OWNER} (chown -R), then "
+        "replay again\n"
+    )
+    assert messages(state_db) == 0
+    with walspool.Spool(roots / "spool.db") as spool:
+        assert sum(1 for _ in spool.records()) == 1
+
+
+@as_root
 def test_a_signal_to_roots_replay_stops_the_replay_running_as_the_owner(shared_tmp):
     """SIGTERM sent to root's process (the one an operator or a service manager knows)
     reaches the child replaying as the owner: it stops as a replay stops (143, the row

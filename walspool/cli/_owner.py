@@ -30,7 +30,7 @@ from pathlib import Path
 from types import FrameType
 
 from ..directories import open_directory
-from ..errors import UntrustedSpool
+from ..errors import UntrustedSpool, WalspoolError
 
 #: Signals root passes on to the child while it waits (a terminal's Ctrl-C reaches both).
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -62,6 +62,7 @@ def run_as(owner: int, args: argparse.Namespace, command: Callable[[], int]) -> 
         value = getattr(args, name, None)
         if isinstance(value, Path):
             setattr(args, name, Path(os.path.abspath(value)))
+    args.func = _refusing_another_owners_spool(args, owner)
     _preload()
     for stream in (sys.stdout, sys.stderr):
         stream.flush()  # or the child would print root's buffered output a second time
@@ -69,6 +70,33 @@ def run_as(owner: int, args: argparse.Namespace, command: Callable[[], int]) -> 
     if pid == 0:
         _child(owner, command)
     return _wait(pid)
+
+
+def _refusing_another_owners_spool(
+    args: argparse.Namespace, owner: int
+) -> Callable[[argparse.Namespace], int]:
+    """``args.func``, refusing first (as the command's error) a spool whose directory
+    is not ``owner``'s: read as root, before the switch, so the refusal says why
+    rather than the owner's "permission denied"."""
+    func, spool = args.func, getattr(args, "spool", None)
+    found = owner
+    if isinstance(spool, Path):
+        try:
+            with open_directory(spool.parent, spool) as directory:
+                found = directory.owner
+        except (OSError, UntrustedSpool):
+            pass  # the command meets it again, as the owner, and says so
+
+    def checked(args: argparse.Namespace) -> int:
+        if found != owner:
+            raise WalspoolError(
+                f"as root, the replay into {args.into} runs as its owner, uid {owner} (see "
+                f"docs/security.md), who does not own the spool {spool} (uid {found}): "
+                f"give the spool's directory and files to uid {owner} (chown -R), then replay again"
+            )
+        return int(func(args))
+
+    return checked
 
 
 def _preload() -> None:
