@@ -556,3 +556,40 @@ def test_after_an_outage_sessions_with_backlogs_take_turns(store, spool, monkeyp
     first_big = min(i for sid, i in ids if sid == "big")
     # "small" went after big's first slice, long before big's 500 spooled rows were all in
     assert first_big < last["small"] < last["big"]
+
+
+def test_a_shutdown_flush_whose_commit_fails_puts_the_messages_back_in_order(
+    hermes_home, store, caplog
+):
+    """The spool's commit of a shutdown flush fails (an I/O error on its first write):
+    every message goes back to the front of its queue, in order, with one ERROR that
+    says they stay queued; the next flush spools them all, once, in arrival order."""
+    from _faultvfs import Fault, FaultVFS, installed
+
+    for sid in ("a", "b"):
+        store._db.create_session(sid, "telegram")
+    vfs = FaultVFS()
+    with installed(vfs), walspool.Spool(hermes_home / "spool.db") as spool:
+        link = install(store, spool, retry_interval=60, recover=False)
+        sql(store, BREAK)
+        for i in range(3):
+            store.append_to_transcript("a", msg(f"a{i}"))
+        for i in range(2):
+            store.append_to_transcript("b", msg(f"b{i}"))
+        queued = {s: [m["content"] for m in q] for s, q in store._dirty_transcripts.items() if q}
+        assert queued == {"a": ["a0", "a1", "a2"], "b": ["b0", "b1"]}
+        vfs.arm(Fault("write", 1, "eio"))
+        with caplog.at_level(logging.ERROR, logger="walspool.hermes"):
+            assert link.flush_queues() == 0
+        assert vfs.fired
+        vfs.disarm()
+        back = {s: [m["content"] for m in q] for s, q in store._dirty_transcripts.items() if q}
+        assert back == queued
+        [line] = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+        assert line.startswith("could not spool 5 queued transcript message(s) at shutdown to ")
+        assert "they stay queued" in line
+        assert link.flush_queues() == 5
+        assert [(r.session_id, r.message["content"], r.reason) for r in spool.records()] == [
+            (s, c, walspool.SHUTDOWN) for s in ("a", "b") for c in queued[s]
+        ]
+        link.close()
