@@ -320,3 +320,23 @@ def test_closing_the_link_says_the_lines_held_back(store, spool, caplog):
     link.close()  # idempotent: nothing said twice
     lines = _said(caplog, logging.WARNING, "oldest message")
     assert len(lines) == 2 and "dropped 2 more oldest message(s) (3 in " in lines[1]
+
+
+def test_due_says_each_key_at_its_own_time_and_keeps_the_others_held():
+    """Two keys held to different times: ``due`` at the sooner says that key only and
+    keeps the other held to its own time (it is said then, not lost, not early), and a
+    summary keeps the detail of the key's last occurrence that had one."""
+    r = Repeats(interval=60)
+    assert r.seen("x", 0.0, detail="disk full").kind is Kind.FIRST
+    assert r.seen("x", 60.0).kind is Kind.AGAIN  # said at 60: next not before 120
+    assert r.seen("y", 10.0).kind is Kind.FIRST
+    assert r.seen("y", 20.0) is None  # held to 70
+    assert r.seen("x", 61.0) is None  # held to 120
+    assert r.due(69.9) == []
+    [(key, line)] = r.due(70.0)
+    assert (key, line.kind, line.count) == ("y", Kind.AGAIN, 1)
+    assert r.due(119.9) == []
+    [(key, line)] = r.due(120.0)
+    assert (key, line.kind, line.count, line.total, line.detail) == (
+        "x", Kind.AGAIN, 1, 3, "disk full"
+    )  # fmt: skip
