@@ -85,6 +85,7 @@ class FaultVFS(apsw.VFS):
         self.base_name = base
         self.counts: Counter[str] = Counter()
         self.fault: Fault | None = None
+        self.every = False
         self.counting = False
         self.injected: list[Fault] = []
         self.opened: list[tuple[str, int]] = []
@@ -94,11 +95,13 @@ class FaultVFS(apsw.VFS):
         self._lock = threading.Lock()
         super().__init__(self.vfs_name, base)
 
-    def arm(self, fault: Fault | None = None) -> None:
-        """Reset the counts and start counting; fail ``fault`` when it comes."""
+    def arm(self, fault: Fault | None = None, *, every: bool = False) -> None:
+        """Reset the counts and start counting; fail ``fault`` when it comes (with
+        ``every``: that operation and every later one of its kind, until ``disarm``)."""
         with self._lock:
             self.counts = Counter()
             self.fault = fault
+            self.every = every
             self.counting = True
 
     def disarm(self) -> None:
@@ -119,7 +122,9 @@ class FaultVFS(apsw.VFS):
                 return
             self.counts[kind] += 1
             fault = self.fault
-            if fault is None or fault.kind != kind or self.counts[kind] != fault.n:
+            if fault is None or fault.kind != kind or self.counts[kind] < fault.n:
+                return
+            if self.counts[kind] > fault.n and not self.every:
                 return
             self.injected.append(fault)
         raise make_error(fault)

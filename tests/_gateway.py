@@ -6,11 +6,16 @@ the spool's writer finding its write lock held by another process."""
 from __future__ import annotations
 
 import re
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 from _helpers import STEP
+
+import walspool
+import walspool.writer as writer
 
 #: The outage: SessionDB reads the error as FTS corruption, rebuilds, and fails again.
 BREAK = (
@@ -72,3 +77,26 @@ def told_drops(caplog: pytest.LogCaptureFixture, session_id: str) -> int:
         ):
             told += int(healed.group(1))
     return told
+
+
+class Clock:
+    """A link's clock (``link.clock = Clock()``): monotonic time plus what the test
+    moved it by."""
+
+    def __init__(self) -> None:
+        self.moved = 0.0
+
+    def __call__(self) -> float:
+        return time.monotonic() + self.moved
+
+    def move(self, seconds: float) -> None:
+        self.moved += seconds
+
+
+def hold_the_writer(spool: walspool.Spool, bound: float = STEP) -> threading.Event:
+    """Hold the spool's writer thread inside an operation until the returned event is
+    set (at most ``bound``): what is submitted meanwhile queues behind it."""
+    running, go_on = threading.Event(), threading.Event()
+    spool._writer.submit(writer.Operation(lambda conn: running.set() or go_on.wait(bound)))
+    assert running.wait(STEP)
+    return go_on

@@ -20,7 +20,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from _gateway import BREAK, HEAL, contents, found_locked, msg, sql
+from _gateway import BREAK, HEAL, contents, found_locked, hold_the_writer, msg, sql
 from _helpers import STEP, naming_threads
 from _lock_holder import write_lock_held
 
@@ -102,15 +102,6 @@ def in_thread(fn: Callable[[], Any]) -> threading.Thread:
     thread = threading.Thread(target=fn, daemon=True)
     thread.start()
     return thread
-
-
-def _hold_the_writer(spool: walspool.Spool, bound: float = STEP) -> threading.Event:
-    """Hold the spool's writer thread inside an operation until the returned event is
-    set (at most ``bound``): what is submitted meanwhile queues behind it."""
-    running, go_on = threading.Event(), threading.Event()
-    spool._writer.submit(writer.Operation(lambda conn: running.set() or go_on.wait(bound)))
-    assert running.wait(STEP)
-    return go_on
 
 
 def _linked_with_an_earlier_row(
@@ -261,7 +252,7 @@ def test_a_failed_write_never_drops_what_a_waiting_thread_may_still_spool(
     a = in_thread(lambda: store.append_to_transcript("s", msg("m0")))
     assert gate.entered.wait(STEP)  # A is the writer; m0 is in flight
     # The spool's writer stops inside a transaction; four requests fill its queue.
-    go_on = _hold_the_writer(spool)
+    go_on = hold_the_writer(spool)
     fillers = [spool.submit("z", msg(f"z{i}")) for i in range(4)]
     for i in range(1, 400):  # over the cap with the head in flight: nothing evicted
         store.append_to_transcript("s", msg(f"m{i}"))
@@ -629,7 +620,7 @@ def test_a_wait_for_evictions_looks_again_often_and_gives_up_at_its_bound(
     for i in range(3):
         store.append_to_transcript("s", msg(f"m{i}"))  # each fails: queued
     sql(store, HEAL)
-    go_on = _hold_the_writer(spool)  # the eviction queues behind this
+    go_on = hold_the_writer(spool)  # the eviction queues behind this
     clock = [1000.0]
     looks: list[float | None] = []
 
@@ -828,7 +819,7 @@ def test_an_eviction_that_commits_after_its_writer_gave_up_wakes_the_session(
     gate.arm()
     a = in_thread(lambda: store.append_to_transcript("s", msg("m0")))
     assert gate.entered.wait(STEP)  # A writes m0
-    go_on = _hold_the_writer(spool)  # the eviction queues behind this
+    go_on = hold_the_writer(spool)  # the eviction queues behind this
     for i in range(1, 5):
         store.append_to_transcript("s", msg(f"m{i}"))  # queued: A holds the session
     gate.open()
@@ -853,7 +844,7 @@ def test_a_rewrite_while_an_eviction_is_in_flight_forgets_the_session_once_it_co
     sql(store, BREAK)
     for i in range(3):
         store.append_to_transcript("s", msg(f"m{i}"))  # fail: queued
-    go_on = _hold_the_writer(spool)  # the eviction queues behind this
+    go_on = hold_the_writer(spool)  # the eviction queues behind this
     store.append_to_transcript("s", msg("m3"))  # m0 evicted, not committed yet
     rewriter = in_thread(lambda: store._clear_dirty_transcript("s"))  # its supersede queues
     with link._lock:
@@ -884,7 +875,7 @@ def test_evictions_that_fail_and_commit_in_one_group_are_each_reported_word_for_
         sql(store, BREAK)
         store.append_to_transcript("a", msg(f"a0{big}"))  # fails: queued
         store.append_to_transcript("b", msg("b0"))  # fails: queued
-        go_on = _hold_the_writer(spool)  # both evictions queue behind this, for one group
+        go_on = hold_the_writer(spool)  # both evictions queue behind this, for one group
         caplog.clear()
         # DEBUG: the line per eviction too (the session's start line is a WARNING)
         with caplog.at_level(logging.DEBUG, logger="walspool.hermes"):
@@ -968,7 +959,7 @@ def test_a_gateway_thread_waits_for_room_in_the_spool_at_most_its_bound_then_dro
     sql(store, BREAK)
     for i in range(2):
         store.append_to_transcript("s", msg(f"m{i}"))  # fail: queued
-    go_on = _hold_the_writer(spool)
+    go_on = hold_the_writer(spool)
     filler = spool.submit("z", msg("z"))  # the spool's queue is full
     for i in range(2, 4):
         store.append_to_transcript("s", msg(f"m{i}"))  # over the cap: kept in memory
@@ -1271,7 +1262,7 @@ def _a_flush_the_spool_refuses(
         sql(store, BREAK)
         for i in range(3):
             store.append_to_transcript("s", msg(f"m{i}{big}"))
-        go_on = _hold_the_writer(spool)  # the flush's rows queue behind this
+        go_on = hold_the_writer(spool)  # the flush's rows queue behind this
         flushed: list[int] = []
         flusher = in_thread(lambda: flushed.append(link.flush_queues()))
         with link._lock:
@@ -1322,7 +1313,7 @@ def test_a_busy_spool_keeps_the_oldest_in_memory_and_says_so_word_for_word(
     store._db.create_session("s", "telegram")
     link = install(store, spool, retry_interval=0)
     sql(store, BREAK)
-    go_on = _hold_the_writer(spool)
+    go_on = hold_the_writer(spool)
     fillers = [spool.submit("z", msg(f"z{i}")) for i in range(2)]
     with caplog.at_level(logging.WARNING, logger="walspool.hermes"):
         for i in range(5):
@@ -1708,7 +1699,7 @@ def test_a_shutdown_flush_waits_for_a_slow_commit_up_to_its_bound(
     sql(store, BREAK)
     for i in range(3):
         store.append_to_transcript("s", msg(f"m{i}"))
-    go_on = _hold_the_writer(spool)
+    go_on = hold_the_writer(spool)
     flushed: list[int] = []
     with caplog.at_level(logging.WARNING, logger="walspool.hermes"):
         flusher = in_thread(lambda: flushed.append(link.flush_queues()))
@@ -1730,7 +1721,7 @@ def test_a_shutdown_flush_not_committed_within_its_bound_says_so(store, spool, m
     link = install(store, spool, retry_interval=0)
     sql(store, BREAK)
     store.append_to_transcript("s", msg("m0"))
-    go_on = _hold_the_writer(spool)
+    go_on = hold_the_writer(spool)
     with caplog.at_level(logging.ERROR, logger="walspool.hermes"):
         assert link.flush_queues() == 0
     assert [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR] == [
@@ -1752,7 +1743,7 @@ def test_a_shutdown_flush_with_no_room_within_its_bound_keeps_the_queue(
     sql(store, BREAK)
     for i in range(3):
         store.append_to_transcript("s", msg(f"m{i}"))
-    go_on = _hold_the_writer(spool)
+    go_on = hold_the_writer(spool)
     filler = spool.submit("z", msg("z"))  # the queue is full
     with caplog.at_level(logging.ERROR, logger="walspool.hermes"):
         assert link.flush_queues() == 0
@@ -1813,7 +1804,7 @@ def test_a_shutdown_flush_while_evictions_are_uncommitted_counts_each_once(store
     store._db.create_session("s", "telegram")
     link = install(store, spool, retry_interval=0.05)
     sql(store, BREAK)
-    go_on = _hold_the_writer(spool)
+    go_on = hold_the_writer(spool)
     for i in range(202):  # two evictions handed to the stuck writer
         store.append_to_transcript("s", msg(f"m{i}"))
     flushed: list[int] = []
@@ -1925,7 +1916,7 @@ def test_a_failed_drain_on_a_gateway_thread_does_not_wait_to_record_its_failure(
     gate.arm()
     appender = in_thread(lambda: store.append_to_transcript("s", msg("new")))
     assert gate.entered.wait(STEP)  # the row is taken; its write to state.db comes next
-    go_on = _hold_the_writer(spool, bound=3 * STEP)
+    go_on = hold_the_writer(spool, bound=3 * STEP)
     try:
         gate.open()
         assert joined(appender)  # while the spool's writer is still held

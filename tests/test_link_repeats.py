@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import logging
 import re
-import threading
-import time
 from pathlib import Path
 
 import pytest
-from _gateway import BREAK, HEAL, contents, msg, sql
+from _gateway import BREAK, HEAL, Clock, contents, hold_the_writer, msg, sql
 from _helpers import STEP
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -152,19 +150,6 @@ def test_every_occurrence_is_counted_in_exactly_one_line_and_lines_are_an_interv
 # -- on the real 0.19.0 store, with the link's clock moved by the test -----------------
 
 
-class Clock:
-    """The link's clock: monotonic time plus what the test moved it by."""
-
-    def __init__(self) -> None:
-        self.moved = 0.0
-
-    def __call__(self) -> float:
-        return time.monotonic() + self.moved
-
-    def move(self, seconds: float) -> None:
-        self.moved += seconds
-
-
 @pytest.fixture
 def spool(hermes_home: Path):
     with walspool.Spool(hermes_home / "spool.db") as s:
@@ -213,15 +198,6 @@ def test_a_burst_of_drops_is_one_line_then_one_summary_with_the_count_since(stor
     ]
 
 
-def _hold_the_writer(spool: walspool.Spool) -> threading.Event:
-    """Hold the spool's writer thread in an operation until the event is set: what is
-    submitted meanwhile queues behind it."""
-    running, go_on = threading.Event(), threading.Event()
-    spool._writer.submit(writer.Operation(lambda conn: running.set() or go_on.wait(STEP)))
-    assert running.wait(STEP)
-    return go_on
-
-
 def test_a_busy_spool_is_said_once_then_summed_up_and_its_end_said_once(
     store, spool, monkeypatch, caplog
 ):
@@ -235,7 +211,7 @@ def test_a_busy_spool_is_said_once_then_summed_up_and_its_end_said_once(
     link = install(store, spool, retry_interval=0)
     link.clock = clock = Clock()
     sql(store, BREAK)
-    go_on = _hold_the_writer(spool)
+    go_on = hold_the_writer(spool)
     fillers = [spool.submit("z", msg(f"z{i}")) for i in range(2)]  # its queue is full
     caplog.set_level(logging.WARNING, logger="walspool.hermes")
     for i in range(35):  # 15 over the cap, under twice the cap: nothing is dropped

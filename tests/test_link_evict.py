@@ -1,0 +1,287 @@
+"""The link's evictions and set-asides (``walspool._link_evict``) on the real hermes-agent
+0.19.0 store, where the other link tests leave them unchecked:
+
+* a live message state.db refuses for its content: the WARNING that says it was
+  quarantined, its bytes in its session's share from the moment the spool's writer takes
+  it, the line when the spool cannot keep it (closed, or its commit fails, which leaves
+  no share), and a /retry during the refused write, which leaves the new queue alone;
+* the lines of a session's repeated conditions when one comes back after a quiet
+  interval (a busy spool, a message it cannot spool), and when its drops end.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+from _gateway import BREAK, Clock, contents, hold_the_writer, msg, sql
+from _helpers import STEP
+
+import walspool
+import walspool.writer as writer
+from walspool._link_repeats import REPEAT_SECONDS
+from walspool.hermes import REJECTED, install
+
+pytest.importorskip("hermes_state")
+
+
+@pytest.fixture
+def spool(hermes_home: Path):
+    with walspool.Spool(hermes_home / "spool.db") as s:
+        yield s
+
+
+def too_deep() -> dict[str, Any]:
+    """An assistant message whose tool calls nest 5,000 deep: the gateway's json.dumps
+    raises RecursionError (content, by walspool's rule), which the spool's codec takes."""
+    calls: list[Any] = []
+    for _ in range(5000):
+        calls = [calls]
+    return {"role": "assistant", "content": "calling", "tool_calls": calls}
+
+
+REFUSED = (
+    "state.db refused it for its content: RecursionError: maximum recursion depth exceeded "
+    "while encoding a JSON object"
+)
+
+
+def said(caplog: pytest.LogCaptureFixture, level: int = logging.WARNING) -> list[str]:
+    return [
+        r.getMessage() for r in caplog.records if r.name == "walspool.hermes" and r.levelno >= level
+    ]
+
+
+def in_thread(fn: Any) -> threading.Thread:
+    thread = threading.Thread(target=fn, daemon=True)
+    thread.start()
+    return thread
+
+
+# -- a live message state.db refuses for its content --------------------------------
+
+
+def test_a_refused_live_message_is_said_quarantined_and_in_its_share_from_its_hand_over(
+    store, spool, caplog
+):
+    """The spool's writer busy: the refused message is handed to it and the session goes
+    on at once; the session's share counts the row before its commit, by the size the
+    spool then stores; its commit says, in one WARNING, where it is and why."""
+    store._db.create_session("s", "telegram")
+    link = install(store, spool, retry_interval=0)
+    caplog.set_level(logging.WARNING, logger="walspool.hermes")
+    go_on = hold_the_writer(spool)
+    store.append_to_transcript("s", too_deep())
+    store.append_to_transcript("s", msg("after"))
+    assert contents(store, "s") == ["after"]
+    with link._lock:
+        handed = link._shares.of("s")
+    assert said(caplog) == []  # said when it is committed
+    go_on.set()
+    spool.flush()
+    (rec,) = spool.records()
+    assert (rec.reason, rec.status, rec.last_error) == (REJECTED, "quarantined", REFUSED)
+    [(size,)] = spool.query("SELECT size FROM records", ())
+    with link._lock:
+        assert handed == size == link._shares.of("s")
+    assert said(caplog) == [
+        "Session DB transcript append refused a message of s; quarantined it in the spool "
+        f"(seq 1, shown by walspool ls), the session goes on: {REFUSED}"
+    ]
+
+
+def test_a_refused_live_message_a_closed_spool_cannot_keep_is_dropped_saying_both_reasons(
+    store, spool, caplog
+):
+    store._db.create_session("s", "telegram")
+    link = install(store, spool, retry_interval=0)
+    spool.close()
+    caplog.set_level(logging.WARNING, logger="walspool.hermes")
+    store.append_to_transcript("s", too_deep())
+    store.append_to_transcript("s", msg("after"))
+    assert contents(store, "s") == ["after"]
+    assert "s" not in store._dirty_transcripts
+    assert said(caplog) == [
+        "Session DB transcript append refused a message of s and the spool could not keep "
+        f"it (spool {spool.path} is closed); dropped it, the session goes on: {REFUSED}"
+    ]
+    with link._lock:
+        assert link._shares.of("s") == 0
+
+
+def test_a_refused_live_message_whose_commit_fails_is_said_dropped_and_leaves_no_share(
+    hermes_home, store, caplog
+):
+    """The spool's commit of the set-aside row fails (an I/O error on each write):
+    one WARNING says the message was dropped and why (both errors); the session's share
+    is back to nothing, and the session went on."""
+    from _faultvfs import Fault, FaultVFS, installed
+
+    store._db.create_session("s", "telegram")
+    vfs = FaultVFS()
+    with installed(vfs), walspool.Spool(hermes_home / "spool.db") as spool:
+        link = install(store, spool, retry_interval=0, recover=False)
+        caplog.set_level(logging.WARNING, logger="walspool.hermes")
+        vfs.arm(Fault("write", 1, "eio"), every=True)  # its retry alone fails too
+        told = threading.Event()  # the set-aside's outcome is logged
+        handler = logging.Handler(logging.WARNING)
+        handler.emit = lambda record: told.set()  # type: ignore[method-assign]
+        logging.getLogger("walspool.hermes").addHandler(handler)
+        try:
+            store.append_to_transcript("s", too_deep())
+            store.append_to_transcript("s", msg("after"))
+            assert told.wait(STEP)
+        finally:
+            logging.getLogger("walspool.hermes").removeHandler(handler)
+        assert vfs.fired
+        vfs.disarm()
+        assert contents(store, "s") == ["after"]
+        assert said(caplog) == [
+            "Session DB transcript append refused a message of s and the spool could not "
+            f"keep it ({spool.path}: injected eio on write #1; check the disk); dropped it, "
+            f"the session goes on: {REFUSED}"
+        ]
+        with link._lock:
+            assert link._shares.of("s") == 0
+        assert spool.stats().rows == 0
+        link.close()
+
+
+def test_a_retry_during_a_refused_write_leaves_the_new_queue_alone(store, spool):
+    """The refused message's write is under way when a /retry rewrites the transcript
+    (dropping the queue, as the released store does) and a new message queues behind
+    it: the refused one belonged to the old transcript and is not set aside, and the new
+    one is not taken for it: it reaches state.db."""
+    from test_hermes_interleavings import Gate
+
+    store._db.create_session("s", "telegram")
+    install(store, spool, retry_interval=0)
+    gate = Gate(store._append_transcript_message)
+    store._append_transcript_message = gate
+    gate.arm()
+    appender = in_thread(lambda: store.append_to_transcript("s", too_deep()))
+    assert gate.entered.wait(STEP)
+    assert store.rewrite_transcript("s", [msg("rewritten")])
+    store.append_to_transcript("s", msg("new"))  # queued: the appender holds the session
+    gate.open()
+    appender.join(STEP)
+    assert not appender.is_alive()
+    store.append_to_transcript("s", msg("next"))
+    assert contents(store, "s") == ["rewritten", "new", "next"]
+    spool.flush()
+    assert spool.stats().rows == 0
+
+
+# -- a session's repeated conditions, after a quiet interval ------------------------
+
+
+def test_a_busy_spool_met_again_after_a_quiet_interval_is_summed_up_at_once(
+    store, spool, monkeypatch, caplog
+):
+    """The oldest message stays in memory once (the spool's writer busy), then not again
+    for a whole interval: the next time is said at once, with the count and the time
+    since the first."""
+    monkeypatch.setattr(writer, "QUEUE_REQUESTS", 2)
+    monkeypatch.setattr(store, "_MAX_PENDING_PER_SESSION", 20, raising=False)
+    store._db.create_session("s", "telegram")
+    link = install(store, spool, retry_interval=3600)  # no retry adds a time
+    link.clock = clock = Clock()
+    sql(store, BREAK)
+    go_on = hold_the_writer(spool)
+    fillers = [spool.submit("z", msg(f"z{i}")) for i in range(2)]  # its queue is full
+    caplog.set_level(logging.WARNING, logger="walspool.hermes")
+    for i in range(21):
+        store.append_to_transcript("s", msg(f"m{i}"))
+    clock.move(REPEAT_SECONDS)
+    store.append_to_transcript("s", msg("m21"))
+    assert said(caplog) == [
+        "Session DB transcript append failed for s (failure_count=1, pending=1); will "
+        "retry: database disk image is malformed",
+        f"Session DB transcript pending queue full for s (cap=20); the spool {spool.path} "
+        "is busy, so the oldest message stays in memory (21 queued; the oldest is dropped "
+        "past 40)",
+        f"Session DB transcript pending queue full for s (cap=20); the spool {spool.path} "
+        "is still busy: the oldest message was kept in memory 1 more time(s) (2 in 60 s; "
+        "the oldest is dropped past 40)",
+    ]
+    go_on.set()
+    assert [f.result(STEP).seq for f in fillers] == [1, 2]
+
+
+def test_a_message_it_cannot_spool_met_again_after_a_quiet_interval_is_summed_up_at_once(
+    store, spool, monkeypatch, caplog
+):
+    """The oldest message cannot be made a spool row (a fault in its conversion): said
+    in full, with the error; met again only after a whole interval, said at once with
+    the count, the time since the first and the error."""
+    monkeypatch.setattr(store, "_MAX_PENDING_PER_SESSION", 20, raising=False)
+    store._db.create_session("s", "telegram")
+    link = install(store, spool, retry_interval=3600)
+    link.clock = clock = Clock()
+    row = spool._row
+    fault = RuntimeError("cannot convert")
+
+    def faulty(session_id: str, message: Any, *args: Any) -> Any:
+        if message["content"] == "bad":
+            raise fault
+        return row(session_id, message, *args)
+
+    monkeypatch.setattr(spool, "_row", faulty)
+    sql(store, BREAK)
+    store.append_to_transcript("s", msg("bad"))
+    caplog.set_level(logging.ERROR, logger="walspool.hermes")
+    for i in range(20):
+        store.append_to_transcript("s", msg(f"m{i}"))
+    clock.move(REPEAT_SECONDS)
+    store.append_to_transcript("s", msg("m20"))
+    assert said(caplog, logging.ERROR) == [
+        "walspool could not spool the oldest queued message of session s; it stays in "
+        f"memory: {fault!r}",
+        "walspool still could not spool the oldest queued message of session s; it stays "
+        f"in memory (1 more time(s), 2 in 60 s): {fault!r}",
+    ]
+    assert [m["content"] for m in store._dirty_transcripts["s"]][:2] == ["bad", "m0"]
+    spool.flush()
+    assert spool.stats().rows == 0
+
+
+def test_drops_that_end_are_said_with_their_count_once_the_spool_takes_evictions(
+    store, spool, monkeypatch, caplog
+):
+    """Evictions dropped at the link's cap: the first said in full; the cap raised after
+    a quiet interval, the next eviction is spooled and one line says the spool takes the
+    session's evictions again, with how many were dropped, in how long, and how many of
+    them no line had told."""
+    monkeypatch.setattr(store, "_MAX_PENDING_PER_SESSION", 2, raising=False)
+    store._db.create_session("s", "telegram")
+    link = install(store, spool, retry_interval=3600, max_bytes=1)
+    link.clock = clock = Clock()
+    sql(store, BREAK)
+    caplog.set_level(logging.WARNING, logger="walspool.hermes")
+    for i in range(5):  # m0, m1 and m2 dropped at the cap
+        store.append_to_transcript("s", msg(f"m{i}"))
+    clock.move(REPEAT_SECONDS)
+    link.max_bytes = None
+    store.append_to_transcript("s", msg("m5"))  # the drops' summary is due; m3 is spooled
+    clock.move(REPEAT_SECONDS)  # the end waits an interval after the summary
+    store.append_to_transcript("s", msg("m6"))  # m4 is spooled
+    lines = said(caplog)
+    assert lines[1:3] == [
+        "Session DB transcript pending queue full for s (cap=2); dropping oldest message to "
+        "make room (on-disk spool unavailable: the spool is at the link's cap of 1 bytes)",
+        "Session DB transcript pending queue full for s (cap=2); dropped 2 more oldest "
+        "message(s) (3 in 60 s; on-disk spool unavailable: the spool is at the link's cap "
+        "of 1 bytes)",
+    ]
+    assert re.fullmatch(
+        rf"Session DB transcript of s: the spool {re.escape(str(spool.path))} takes its "
+        r"evictions again; 3 oldest message\(s\) were dropped in 60\.\d s \(0 not said "
+        r"before\)",
+        lines[3],
+    ), lines
+    spool.flush()
+    assert [r.message["content"] for r in spool.records()] == ["m3", "m4"]
