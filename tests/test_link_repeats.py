@@ -241,8 +241,8 @@ def test_a_busy_spool_is_said_once_then_summed_up_and_its_end_said_once(
     (healed,) = _said(caplog, logging.WARNING, "back within its cap")
     told = re.fullmatch(
         r"Session DB transcript pending queue of s is back within its cap \(20\): the oldest "
-        r"message was kept in memory (\d+) time\(s\) in 60\.\d s while the spool .* was "
-        r"busy \((\d+) not said before\)",
+        r"message was kept in memory (\d+) time\(s\) in 60\.\d s while the spool "
+        rf"{re.escape(str(spool.path))} was busy \((\d+) not said before\)",
         healed,
     )
     assert told, healed
