@@ -93,9 +93,10 @@ class Clock:
         self.moved += seconds
 
 
-def hold_the_writer(spool: walspool.Spool, bound: float = STEP) -> threading.Event:
+def hold_the_writer(spool: walspool.Spool, bound: float = 4 * STEP) -> threading.Event:
     """Hold the spool's writer thread inside an operation until the returned event is
-    set (at most ``bound``): what is submitted meanwhile queues behind it."""
+    set (at most ``bound``, which only keeps a failed test from hanging: longer than the
+    several ``STEP``-bounded steps a test may take before it lets go)."""
     running, go_on = threading.Event(), threading.Event()
     spool._writer.submit(writer.Operation(lambda conn: running.set() or go_on.wait(bound)))
     assert running.wait(STEP)
