@@ -282,6 +282,54 @@ def test_a_drain_of_a_thousand_rows_is_told_in_two_lines_not_one_per_chunk(store
     )
 
 
+def test_a_drain_longer_than_the_interval_is_summed_up_between_its_chunks(store, spool, caplog):
+    """A drain whose second chunk comes a whole interval (on the link's clock) after its
+    first: the first chunk said at once, the second summed up at once with the count and
+    the time since the first, the rest in the line that says the session has drained."""
+    store._db.create_session("s", "telegram")
+    link = install(store, spool, retry_interval=0)
+    link.clock = clock = Clock()
+    sql(store, BREAK)
+    for i in range(500):
+        store.append_to_transcript("s", msg(f"m{i}"))
+    spool.flush()
+    assert spool.stats().rows == 300
+    write, written = link.replayer.sink.write, []
+
+    def late_second_chunk(*args, **kw):
+        written.append(args)
+        if len(written) == 129:  # the first row after the first chunk of 128
+            clock.move(REPEAT_SECONDS)
+        return write(*args, **kw)
+
+    link.replayer.sink.write = late_second_chunk
+    sql(store, HEAL)
+    caplog.set_level(logging.INFO, logger="walspool.hermes")
+    store.append_to_transcript("s", msg("fin"))  # evicts one more on its way in: 301
+    assert link.wait_idle(STEP)
+    assert contents(store, "s") == [f"m{i}" for i in range(500)] + ["fin"]
+    first, again, rest = _said(caplog, logging.INFO, "Replayed")
+    n1 = int(
+        re.fullmatch(
+            r"Replayed (\d+) spooled transcript message\(s\) for s after DB recovery", first
+        ).group(1)
+    )
+    n2, total = map(
+        int,
+        re.fullmatch(
+            r"Replayed (\d+) more spooled transcript message\(s\) for s after DB recovery "
+            r"\((\d+) in 60 s\)",
+            again,
+        ).groups(),
+    )
+    assert total == n1 + n2 and n1 <= 128 < total
+    assert re.fullmatch(
+        rf"Replayed {301 - total} more spooled transcript message\(s\) for s after DB "
+        r"recovery \(301 in all, in 60\.\d s\)",
+        rest,
+    ), rest
+
+
 def test_closing_the_link_says_the_lines_held_back(store, spool, caplog):
     """Nothing waits for a timer: a count not said yet is said when the link closes."""
     store._db.create_session("s", "telegram")
