@@ -1,0 +1,159 @@
+"""The link's background work (``walspool._link_retry``) on the real hermes-agent 0.19.0
+store, where the other link tests leave it unchecked: the start's count of each session's
+share when it fails or the spool closes first, what a recovery tells of each session's
+outage (the rows it moved, session by session) and the outage's end, and the sessions
+that waited for a start's recovery that failed.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+from _gateway import BREAK, HEAL, contents, msg, sql
+from _helpers import STEP
+
+import walspool
+import walspool._link_retry as link_retry
+from walspool.hermes import Link, install
+
+pytest.importorskip("hermes_state")
+
+
+@pytest.fixture
+def spool(hermes_home: Path):
+    with walspool.Spool(hermes_home / "spool.db") as s:
+        yield s
+
+
+def said(caplog: pytest.LogCaptureFixture, level: int) -> list[str]:
+    return [
+        r.getMessage() for r in caplog.records if r.name == "walspool.hermes" and r.levelno == level
+    ]
+
+
+def test_a_count_of_the_shares_that_fails_is_one_error_and_the_link_goes_on(
+    store, spool, monkeypatch, caplog
+):
+    """The start's count of what each session holds raises: one ERROR with the error's
+    traceback says what the shares are until the next start; the count is no longer
+    awaited, and the link works."""
+
+    def broken(spool: Any) -> Any:
+        raise RuntimeError("no index for you")
+
+    monkeypatch.setattr(link_retry.shares, "count", broken)
+    spool.append("earlier", msg("x"))  # rows of an earlier run: the start counts them
+    store._db.create_session("s", "telegram")
+    caplog.set_level(logging.ERROR, logger="walspool.hermes")
+    link = install(store, spool, recover=False, retry_interval=0)
+    assert link.wait_idle(STEP)
+    assert said(caplog, logging.ERROR) == [
+        f"could not count what each session holds in {spool.path}; until the next start a "
+        "session's share of the cap is what it spooled since this one"
+    ]
+    (record,) = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert record.exc_info is not None and "no index for you" in str(record.exc_info[1])
+    assert not link._shares.counting
+    store.append_to_transcript("s", msg("m0"))
+    assert contents(store, "s") == ["m0"]
+
+
+def test_a_spool_closed_before_its_rows_are_counted_is_said_quietly(
+    store, spool, monkeypatch, caplog
+):
+    """The spool is closed while the start's count waits to read it: one DEBUG line
+    names it, no ERROR (nothing is spooled any more), and the count is not awaited."""
+    entered, go_on = threading.Event(), threading.Event()
+    count = link_retry.shares.count
+
+    def late(spool: Any) -> Any:
+        entered.set()
+        assert go_on.wait(STEP)
+        return count(spool)
+
+    monkeypatch.setattr(link_retry.shares, "count", late)
+    spool.append("earlier", msg("x"))
+    store._db.create_session("s", "telegram")
+    caplog.set_level(logging.DEBUG, logger="walspool.hermes")
+    link = install(store, spool, recover=False, retry_interval=0)
+    assert entered.wait(STEP)
+    spool.close()
+    go_on.set()
+    assert link.wait_idle(STEP)
+    assert f"{spool.path} was closed before its rows were counted" in said(caplog, logging.DEBUG)
+    assert said(caplog, logging.ERROR) == []
+    assert not link._shares.counting
+
+
+def test_a_recovery_tells_each_sessions_drain_and_the_outage_over_with_the_rows_it_moved(
+    store, spool, monkeypatch, caplog
+):
+    """An outage spools 3 evictions of a and 2 of b; state.db heals and ``recover``
+    moves them: one line per session with its own counts, then one line for the whole
+    outage; each session's queue is written after its rows."""
+    monkeypatch.setattr(store, "_MAX_PENDING_PER_SESSION", 2, raising=False)
+    for sid in ("a", "b"):
+        store._db.create_session(sid, "telegram")
+    link = install(store, spool, retry_interval=3600)  # nothing drains but the recovery
+    sql(store, BREAK)
+    for i in range(5):
+        store.append_to_transcript("a", msg(f"a{i}"))
+    for i in range(4):
+        store.append_to_transcript("b", msg(f"b{i}"))
+    spool.flush()
+    sql(store, HEAL)
+    caplog.clear()
+    report = link.recover()
+    assert report.moved == 5
+    lines = said(caplog, logging.WARNING)
+    assert len(lines) == 3, lines
+    for line, (sid, n) in zip(lines, (("a", 3), ("b", 2)), strict=False):
+        assert re.fullmatch(
+            rf"Session DB transcript of {sid} drained: {n} message\(s\) spooled, {n} "
+            r"replayed into state.db in \d+\.\d s",
+            line,
+        ), line
+    assert re.fullmatch(r"walspool: outage over: 5 spooled, 5 replayed in \d+\.\d s", lines[2])
+    assert contents(store, "a") == [f"a{i}" for i in range(5)]
+    assert contents(store, "b") == [f"b{i}" for i in range(4)]
+    assert spool.stats().rows == 0
+
+
+def test_a_session_that_waited_for_a_start_recovery_that_failed_is_written(
+    store, spool, monkeypatch, caplog
+):
+    """The start's recovery fails while a session with no spooled rows waits for it (its
+    message queued: any session may hold spooled rows until the recovery has run): the
+    failure is said, and the waiting session drains its own rows (none) and writes its
+    message with no other message, not after its retry delay."""
+    entered, go_on = threading.Event(), threading.Event()
+    replay, calls = Link._replay, []
+
+    def first_fails(self: Link, **kw: Any) -> Any:
+        calls.append(kw)
+        if len(calls) > 1:  # the sessions' own drains work
+            return replay(self, **kw)
+        entered.set()
+        assert go_on.wait(STEP)
+        raise RuntimeError("replay failed")
+
+    monkeypatch.setattr(Link, "_replay", first_fails)
+    spool.append("earlier", msg("x"))  # an earlier run's row: the start recovers
+    store._db.create_session("t", "telegram")
+    caplog.set_level(logging.ERROR, logger="walspool.hermes")
+    link = install(store, spool, retry_interval=3600)
+    assert entered.wait(STEP)
+    store.append_to_transcript("t", msg("new"))
+    assert contents(store, "t") == []  # it waits for the recovery
+    go_on.set()
+    assert link.wait_idle(STEP)
+    assert contents(store, "t") == ["new"]
+    assert said(caplog, logging.ERROR) == [
+        f"could not replay {spool.path} at start; each session replays its own spooled rows "
+        "before its next write"
+    ]
