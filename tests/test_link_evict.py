@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _gateway import BREAK, Clock, contents, hold_the_writer, msg, sql
+from _gateway import BREAK, HEAL, Clock, contents, hold_the_writer, msg, sql
 from _helpers import STEP
 
 import walspool
@@ -285,3 +285,47 @@ def test_drops_that_end_are_said_with_their_count_once_the_spool_takes_evictions
     ), lines
     spool.flush()
     assert [r.message["content"] for r in spool.records()] == ["m3", "m4"]
+
+
+def test_an_eviction_whose_commit_fails_is_said_dropped_and_the_session_goes_on(
+    hermes_home, store, monkeypatch, caplog
+):
+    """The spool cannot commit an eviction (an I/O error on each write): the message is
+    dropped with the released store's WARNING and the spool's reason, nothing of it stays
+    counted (bytes in flight, the session's share), and once the disk and state.db work
+    again the session's next messages land in order."""
+    from _faultvfs import Fault, FaultVFS, installed
+
+    monkeypatch.setattr(store, "_MAX_PENDING_PER_SESSION", 2, raising=False)
+    store._db.create_session("s", "telegram")
+    vfs = FaultVFS()
+    with installed(vfs), walspool.Spool(hermes_home / "spool.db") as spool:
+        link = install(store, spool, retry_interval=3600, recover=False)
+        sql(store, BREAK)
+        for i in range(2):
+            store.append_to_transcript("s", msg(f"m{i}"))
+        caplog.set_level(logging.WARNING, logger="walspool.hermes")
+        caplog.clear()
+        vfs.arm(Fault("write", 1, "eio"), every=True)
+        store.append_to_transcript("s", msg("m2"))  # evicts m0: its commit fails
+        spool.flush()
+        vfs.disarm()
+        assert said(caplog) == [
+            "Session DB transcript pending queue full for s (cap=2); dropping oldest message "
+            f"to make room (on-disk spool unavailable: {spool.path}: injected eio on write "
+            "#1; check the disk)"
+        ]
+        with link._lock:
+            assert link._unconfirmed_bytes == 0 and link._shares.of("s") == 0
+            assert link._sessions["s"].unconfirmed == 0
+        store.append_to_transcript("s", msg("m3"))  # evicts m1: spooled
+        spool.flush()
+        with link._lock:
+            [(size,)] = spool.query("SELECT size FROM records", ())
+            assert link._unconfirmed_bytes == 0 and link._shares.of("s") == size
+        sql(store, HEAL)
+        link.recover()
+        store.append_to_transcript("s", msg("m4"))
+        assert link.wait_idle(STEP)
+        assert contents(store, "s") == ["m1", "m2", "m3", "m4"]
+        link.close()
