@@ -1,0 +1,114 @@
+"""The link's shell (``walspool._link_shell``) on the real hermes-agent 0.19.0 store, where
+the other link tests leave it unchecked: a transcript rewrite (/retry, /undo, /compress)
+ends the session's repeated conditions and says so, with their counts: a drain under
+way (the rows it replayed), a busy spool that kept the oldest message in memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+from _gateway import BREAK, HEAL, Clock, hold_the_writer, msg, sql
+from _helpers import STEP
+
+import walspool
+import walspool.writer as writer
+from walspool._link_repeats import REPEAT_SECONDS
+from walspool.hermes import install
+
+pytest.importorskip("hermes_state")
+
+
+@pytest.fixture
+def spool(hermes_home: Path):
+    with walspool.Spool(hermes_home / "spool.db") as s:
+        yield s
+
+
+def said(caplog: pytest.LogCaptureFixture, level: int, text: str) -> list[str]:
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "walspool.hermes" and r.levelno == level and text in r.getMessage()
+    ]
+
+
+def test_a_rewrite_during_a_drain_says_at_once_what_the_drain_replayed(store, spool, caplog):
+    """A drain of 500 spooled rows stops in its third chunk while a /retry rewrites the
+    transcript: the rewrite says at once how many rows were replayed since the first
+    chunk's line (the second chunk's, held back) and in all; the drain's own end line
+    never comes (its rows are superseded)."""
+    store._db.create_session("s", "telegram")
+    link = install(store, spool, retry_interval=0)
+    sql(store, BREAK)
+    for i in range(700):
+        store.append_to_transcript("s", msg(f"m{i}"))
+    spool.flush()
+    write, written = link.replayer.sink.write, []
+    entered, go_on = threading.Event(), threading.Event()
+
+    def stops_in_the_second_chunk(*args: Any, **kw: Any) -> Any:
+        written.append(args)
+        if len(written) == 300:
+            entered.set()
+            assert go_on.wait(STEP)
+        return write(*args, **kw)
+
+    link.replayer.sink.write = stops_in_the_second_chunk
+    caplog.set_level(logging.INFO, logger="walspool.hermes")
+    sql(store, HEAL)
+    drainer = threading.Thread(target=lambda: store.append_to_transcript("s", msg("fin")))
+    drainer.start()
+    assert entered.wait(STEP)
+    try:
+        (first,) = said(caplog, logging.INFO, "Replayed")
+        n1 = int(re.match(r"Replayed (\d+) spooled", first).group(1))
+        store.rewrite_transcript("s", [msg("rewritten")])  # /retry
+        lines = said(caplog, logging.INFO, "Replayed")
+        assert len(lines) == 2, lines
+        moved = re.fullmatch(
+            r"Replayed (\d+) more spooled transcript message\(s\) for s after DB recovery "
+            r"\((\d+) in all, in \d+\.\d s\)",
+            lines[1],
+        )
+        assert moved, lines[1]
+        more, total = map(int, moved.groups())
+        assert total == n1 + more and n1 < total < 300  # the rows committed, not the one held
+    finally:
+        go_on.set()
+        drainer.join(STEP)
+    assert not drainer.is_alive()
+    assert said(caplog, logging.INFO, "Replayed") == lines  # nothing said twice
+
+
+def test_a_rewrite_ends_a_busy_spool_condition_and_says_so(store, spool, monkeypatch, caplog):
+    """The oldest message stayed in memory once (the spool's writer busy); a whole
+    interval later a /retry drops the queue: that condition is over, said at once with
+    its count, beside the rewrite's own lines."""
+    monkeypatch.setattr(writer, "QUEUE_REQUESTS", 2)
+    monkeypatch.setattr(store, "_MAX_PENDING_PER_SESSION", 20, raising=False)
+    store._db.create_session("s", "telegram")
+    link = install(store, spool, retry_interval=3600)
+    link.clock = clock = Clock()
+    sql(store, BREAK)
+    go_on = hold_the_writer(spool)
+    fillers = [spool.submit("z", msg(f"z{i}")) for i in range(2)]  # its queue is full
+    for i in range(21):
+        store.append_to_transcript("s", msg(f"m{i}"))
+    go_on.set()  # the rewrite's supersede is a transaction of the spool's writer
+    assert [f.result(STEP).seq for f in fillers] == [1, 2]
+    caplog.set_level(logging.WARNING, logger="walspool.hermes")
+    caplog.clear()
+    clock.move(REPEAT_SECONDS)
+    sql(store, HEAL)
+    assert store.rewrite_transcript("s", [msg("rewritten")])
+    assert said(caplog, logging.WARNING, "back within its cap") == [
+        "Session DB transcript pending queue of s is back within its cap (20): the oldest "
+        f"message was kept in memory 1 time(s) in 60.0 s while the spool {spool.path} was "
+        "busy (0 not said before)"
+    ]
