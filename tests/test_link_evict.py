@@ -329,3 +329,39 @@ def test_an_eviction_whose_commit_fails_is_said_dropped_and_the_session_goes_on(
         assert link.wait_idle(STEP)
         assert contents(store, "s") == ["m1", "m2", "m3", "m4"]
         link.close()
+
+
+def test_two_messages_too_big_at_the_head_are_both_dropped_in_one_eviction(
+    hermes_home, store, monkeypatch, caplog
+):
+    """The queue grew past the cap while the spool's writer was busy; once it has room,
+    the next message's eviction spools the oldest, then drops the two after it, each too
+    big for the spool (each said in full, as its own fault), and the queue is within the
+    cap again, in order."""
+    monkeypatch.setattr(writer, "QUEUE_REQUESTS", 2)
+    monkeypatch.setattr(store, "_MAX_PENDING_PER_SESSION", 2, raising=False)
+    store._db.create_session("s", "telegram")
+    with walspool.Spool(hermes_home / "spool.db", max_payload_bytes=1000) as spool:
+        install(store, spool, retry_interval=3600, max_bytes=None)
+        sql(store, BREAK)
+        go_on = hold_the_writer(spool)
+        fillers = [spool.submit("z", msg(f"z{i}")) for i in range(2)]  # its queue is full
+        for content in ("m0", "x" * 2000, "y" * 2000, "m3"):  # kept: the spool is busy
+            store.append_to_transcript("s", msg(content))
+        go_on.set()
+        assert [f.result(STEP).seq for f in fillers] == [1, 2]
+        caplog.set_level(logging.WARNING, logger="walspool.hermes")
+        caplog.clear()
+        store.append_to_transcript("s", msg("m4"))
+        queued = [m["content"] for m in store._dirty_transcripts["s"]]
+        assert queued == ["m3", "m4"]
+        spool.flush()
+        assert [r.message["content"] for r in spool.records() if r.session_id == "s"] == ["m0"]
+        drops = [line for line in said(caplog) if "dropping oldest message" in line]
+        assert drops == [
+            "Session DB transcript pending queue full for s (cap=2); dropping oldest message "
+            f"to make room (on-disk spool unavailable: message for session 's' is {n} bytes as "
+            "JSON, over the spool's max_payload_bytes=1000; raise the limit or trim the "
+            "message)"
+            for n in (2028, 2028)
+        ]
