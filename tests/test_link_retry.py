@@ -122,6 +122,16 @@ def test_a_recovery_tells_each_sessions_drain_and_the_outage_over_with_the_rows_
     assert contents(store, "a") == [f"a{i}" for i in range(5)]
     assert contents(store, "b") == [f"b{i}" for i in range(4)]
     assert spool.stats().rows == 0
+    # A second outage of a is an outage of its own: its start is said again.
+    sql(store, BREAK)
+    caplog.clear()
+    for i in range(5, 8):
+        store.append_to_transcript("a", msg(f"a{i}"))
+    spool.flush()
+    assert said(caplog, logging.WARNING)[-1] == (
+        "Session DB transcript pending queue full for a (cap=2); spooling the oldest "
+        f"messages to {spool.path} until state.db takes them (one line when it has drained)"
+    )
 
 
 def test_a_session_that_waited_for_a_start_recovery_that_failed_is_written(

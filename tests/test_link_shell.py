@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _gateway import BREAK, HEAL, Clock, hold_the_writer, msg, sql
+from _gateway import BREAK, HEAL, Clock, contents, hold_the_writer, msg, sql
 from _helpers import STEP
 
 import walspool
@@ -112,3 +112,33 @@ def test_a_rewrite_ends_a_busy_spool_condition_and_says_so(store, spool, monkeyp
         f"message was kept in memory 1 time(s) in 60.0 s while the spool {spool.path} was "
         "busy (0 not said before)"
     ]
+
+
+def test_a_gateway_thread_waits_for_a_stuck_background_writer_at_most_its_bound(store, spool):
+    """The background thread's retry of a session is stuck in a state.db write; a new
+    message for that session waits for the hand-over at most ``HANDOFF_WAIT``: it returns
+    (queued) while the write is still stuck, and lands after it, in order."""
+    store._db.create_session("s", "telegram")
+    link = install(store, spool, retry_interval=0.01)
+    sql(store, BREAK)
+    store.append_to_transcript("s", msg("m0"))  # fails: queued, retried in the background
+    write, entered, release = store._append_transcript_message, threading.Event(), threading.Event()
+
+    def stuck_once(*args: Any, **kw: Any) -> Any:
+        if not entered.is_set():
+            entered.set()
+            release.wait(4 * STEP)  # far longer than the appender is given below
+        return write(*args, **kw)
+
+    store._append_transcript_message = stuck_once
+    sql(store, HEAL)
+    assert entered.wait(STEP)  # the background thread writes m0
+    appender = threading.Thread(target=lambda: store.append_to_transcript("s", msg("m1")))
+    appender.start()
+    try:
+        appender.join(STEP)
+        assert not appender.is_alive()  # while m0's write is still stuck
+    finally:
+        release.set()
+    assert link.wait_idle(STEP)
+    assert contents(store, "s") == ["m0", "m1"]
