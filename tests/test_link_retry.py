@@ -167,3 +167,31 @@ def test_a_session_that_waited_for_a_start_recovery_that_failed_is_written(
         f"could not replay {spool.path} at start; each session replays its own spooled rows "
         "before its next write"
     ]
+
+
+def test_a_recovery_after_another_replay_moved_the_rows_tells_none_replayed_by_it(
+    store, spool, monkeypatch, caplog
+):
+    """An outage spools 3 evictions of s; another replay (an operator's, say) moves them
+    before the link's recovery runs: the recovery still ends the session's outage, saying
+    that it replayed none of them, and the session's queue follows."""
+    monkeypatch.setattr(store, "_MAX_PENDING_PER_SESSION", 2, raising=False)
+    store._db.create_session("s", "telegram")
+    link = install(store, spool, retry_interval=3600)
+    sql(store, BREAK)
+    for i in range(5):
+        store.append_to_transcript("s", msg(f"m{i}"))
+    spool.flush()
+    sql(store, HEAL)
+    assert link.replayer.replay().moved == 3  # not through the link: it is not told
+    caplog.clear()
+    assert link.recover().moved == 0
+    lines = said(caplog, logging.WARNING)
+    assert len(lines) == 2, lines
+    assert re.fullmatch(
+        r"Session DB transcript of s drained: 3 message\(s\) spooled, 0 replayed into "
+        r"state.db in \d+\.\d s",
+        lines[0],
+    ), lines
+    assert re.fullmatch(r"walspool: outage over: 3 spooled, 0 replayed in \d+\.\d s", lines[1])
+    assert contents(store, "s") == [f"m{i}" for i in range(5)]
