@@ -252,10 +252,11 @@ def test_a_message_it_cannot_spool_met_again_after_a_quiet_interval_is_summed_up
 def test_drops_that_end_are_said_with_their_count_once_the_spool_takes_evictions(
     store, spool, monkeypatch, caplog
 ):
-    """Evictions dropped at the link's cap: the first said in full; the cap raised after
-    a quiet interval, the next eviction is spooled and one line says the spool takes the
-    session's evictions again, with how many were dropped, in how long, and how many of
-    them no line had told."""
+    """Evictions dropped at the link's cap: the first said in full; after a quiet interval
+    the next drop comes with the summary that was due (said, not lost to that drop); the
+    cap raised, the next eviction is spooled, and an interval after the summary one line
+    says the spool takes the session's evictions again, with how many were dropped, in
+    how long, and how many of them no line had told."""
     monkeypatch.setattr(store, "_MAX_PENDING_PER_SESSION", 2, raising=False)
     store._db.create_session("s", "telegram")
     link = install(store, spool, retry_interval=3600, max_bytes=1)
@@ -265,10 +266,11 @@ def test_drops_that_end_are_said_with_their_count_once_the_spool_takes_evictions
     for i in range(5):  # m0, m1 and m2 dropped at the cap
         store.append_to_transcript("s", msg(f"m{i}"))
     clock.move(REPEAT_SECONDS)
+    store.append_to_transcript("s", msg("m5"))  # the drops' summary is due; m3 dropped
     link.max_bytes = None
-    store.append_to_transcript("s", msg("m5"))  # the drops' summary is due; m3 is spooled
-    clock.move(REPEAT_SECONDS)  # the end waits an interval after the summary
     store.append_to_transcript("s", msg("m6"))  # m4 is spooled
+    clock.move(REPEAT_SECONDS)  # the end waits an interval after the summary
+    store.append_to_transcript("s", msg("m7"))  # m5 is spooled
     lines = said(caplog)
     assert lines[1:3] == [
         "Session DB transcript pending queue full for s (cap=2); dropping oldest message to "
@@ -279,12 +281,12 @@ def test_drops_that_end_are_said_with_their_count_once_the_spool_takes_evictions
     ]
     assert re.fullmatch(
         rf"Session DB transcript of s: the spool {re.escape(str(spool.path))} takes its "
-        r"evictions again; 3 oldest message\(s\) were dropped in 60\.\d s \(0 not said "
+        r"evictions again; 4 oldest message\(s\) were dropped in 60\.\d s \(1 not said "
         r"before\)",
         lines[3],
     ), lines
     spool.flush()
-    assert [r.message["content"] for r in spool.records()] == ["m3", "m4"]
+    assert [r.message["content"] for r in spool.records()] == ["m4", "m5"]
 
 
 def test_an_eviction_whose_commit_fails_is_said_dropped_and_the_session_goes_on(
