@@ -7,8 +7,9 @@ The rule, applied once when a message is appended:
 * Anything else is stored as its closest JSON form: bytes as base64 text;
   datetimes, dates and times as ISO 8601 text; UUIDs and Decimals as text; enums
   as their value; subclasses of str, int and float as the value their base type
-  holds (whatever the subclass overrides); tuples, sets and frozensets as lists; dataclasses and msgspec
-  Structs as objects of their fields; any other object with attributes (a platform
+  holds (whatever the subclass overrides); tuples, sets and frozensets as lists;
+  dataclasses and msgspec Structs as objects of their fields; any other object with
+  attributes (a platform
   ``MessageEvent``, an SDK update object) as an object of its public attributes,
   nested to a depth of 32 and without following cycles; dict keys that are not
   strings as msgspec writes keys (numbers and enums by value, times as ISO 8601
