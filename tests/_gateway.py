@@ -101,3 +101,36 @@ def hold_the_writer(spool: walspool.Spool, bound: float = 4 * STEP) -> threading
     spool._writer.submit(writer.Operation(lambda conn: running.set() or go_on.wait(bound)))
     assert running.wait(STEP)
     return go_on
+
+
+def fill_the_writer(spool: walspool.Spool) -> tuple[threading.Event, list[Any]]:
+    """Hold the spool's writer (``hold_the_writer``) and fill its queue, made two requests
+    long by the caller (``writer.QUEUE_REQUESTS``): nothing more finds room until the
+    returned event is set. Also the futures of the two requests that fill it."""
+    go_on = hold_the_writer(spool)
+    fillers = [spool.submit("z", {"role": "user", "content": f"z{i}"}) for i in range(2)]
+    return go_on, fillers
+
+
+def link_lines(caplog: pytest.LogCaptureFixture, level: int, text: str = "") -> list[str]:
+    """The messages the link logged at ``level`` (exactly) that contain ``text``."""
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "walspool.hermes" and r.levelno == level and text in r.getMessage()
+    ]
+
+
+def fail_conversion(spool: walspool.Spool, monkeypatch: pytest.MonkeyPatch) -> Exception:
+    """Make the spool unable to turn a message whose content is "bad" into a row (a
+    fault in its conversion); the fault it raises."""
+    row = spool._row
+    fault = RuntimeError("cannot convert")
+
+    def faulty(session_id: str, message: Any, *args: Any) -> Any:
+        if message["content"] == "bad":
+            raise fault
+        return row(session_id, message, *args)
+
+    monkeypatch.setattr(spool, "_row", faulty)
+    return fault

@@ -20,7 +20,16 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from _gateway import BREAK, HEAL, contents, found_locked, hold_the_writer, msg, sql
+from _gateway import (
+    BREAK,
+    HEAL,
+    contents,
+    fail_conversion,
+    found_locked,
+    hold_the_writer,
+    msg,
+    sql,
+)
 from _helpers import STEP, naming_threads
 from _lock_holder import write_lock_held
 
@@ -907,15 +916,7 @@ def test_a_message_the_spool_cannot_take_is_reported_then_dropped_past_twice_the
     monkeypatch.setattr(store, "_MAX_PENDING_PER_SESSION", 1, raising=False)
     store._db.create_session("s", "telegram")
     link = install(store, spool, retry_interval=3600)
-    row = spool._row
-    fault = RuntimeError("cannot convert")
-
-    def faulty(session_id: str, message: Any, *args: Any) -> Any:
-        if message["content"] == "bad":
-            raise fault
-        return row(session_id, message, *args)
-
-    monkeypatch.setattr(spool, "_row", faulty)
+    fault = fail_conversion(spool, monkeypatch)
     sql(store, BREAK)
     store.append_to_transcript("s", msg("bad"))  # fails: queued
     caplog.clear()

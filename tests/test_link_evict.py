@@ -18,7 +18,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _gateway import BREAK, HEAL, Clock, contents, hold_the_writer, msg, sql
+from _gateway import (
+    BREAK,
+    HEAL,
+    Clock,
+    contents,
+    fail_conversion,
+    fill_the_writer,
+    hold_the_writer,
+    link_lines,
+    msg,
+    sql,
+)
 from _helpers import STEP
 
 import walspool
@@ -50,12 +61,6 @@ REFUSED = (
 )
 
 
-def said(caplog: pytest.LogCaptureFixture, level: int = logging.WARNING) -> list[str]:
-    return [
-        r.getMessage() for r in caplog.records if r.name == "walspool.hermes" and r.levelno >= level
-    ]
-
-
 def in_thread(fn: Any) -> threading.Thread:
     thread = threading.Thread(target=fn, daemon=True)
     thread.start()
@@ -80,7 +85,7 @@ def test_a_refused_live_message_is_said_quarantined_and_in_its_share_from_its_ha
     assert contents(store, "s") == ["after"]
     with link._lock:
         handed = link._shares.of("s")
-    assert said(caplog) == []  # said when it is committed
+    assert link_lines(caplog, logging.WARNING) == []  # said when it is committed
     go_on.set()
     spool.flush()
     (rec,) = spool.records()
@@ -88,7 +93,7 @@ def test_a_refused_live_message_is_said_quarantined_and_in_its_share_from_its_ha
     [(size,)] = spool.query("SELECT size FROM records", ())
     with link._lock:
         assert handed == size == link._shares.of("s")
-    assert said(caplog) == [
+    assert link_lines(caplog, logging.WARNING) == [
         "Session DB transcript append refused a message of s; quarantined it in the spool "
         f"(seq 1, shown by walspool ls), the session goes on: {REFUSED}"
     ]
@@ -105,7 +110,7 @@ def test_a_refused_live_message_a_closed_spool_cannot_keep_is_dropped_saying_bot
     store.append_to_transcript("s", msg("after"))
     assert contents(store, "s") == ["after"]
     assert "s" not in store._dirty_transcripts
-    assert said(caplog) == [
+    assert link_lines(caplog, logging.WARNING) == [
         "Session DB transcript append refused a message of s and the spool could not keep "
         f"it (spool {spool.path} is closed); dropped it, the session goes on: {REFUSED}"
     ]
@@ -140,7 +145,7 @@ def test_a_refused_live_message_whose_commit_fails_is_said_dropped_and_leaves_no
         assert vfs.fired
         vfs.disarm()
         assert contents(store, "s") == ["after"]
-        assert said(caplog) == [
+        assert link_lines(caplog, logging.WARNING) == [
             "Session DB transcript append refused a message of s and the spool could not "
             f"keep it ({spool.path}: injected eio on write #1; check the disk); dropped it, "
             f"the session goes on: {REFUSED}"
@@ -191,14 +196,13 @@ def test_a_busy_spool_met_again_after_a_quiet_interval_is_summed_up_at_once(
     link = install(store, spool, retry_interval=3600)  # no retry adds a time
     link.clock = clock = Clock()
     sql(store, BREAK)
-    go_on = hold_the_writer(spool)
-    fillers = [spool.submit("z", msg(f"z{i}")) for i in range(2)]  # its queue is full
+    go_on, fillers = fill_the_writer(spool)
     caplog.set_level(logging.WARNING, logger="walspool.hermes")
     for i in range(21):
         store.append_to_transcript("s", msg(f"m{i}"))
     clock.move(REPEAT_SECONDS)
     store.append_to_transcript("s", msg("m21"))
-    assert said(caplog) == [
+    assert link_lines(caplog, logging.WARNING) == [
         "Session DB transcript append failed for s (failure_count=1, pending=1); will "
         "retry: database disk image is malformed",
         f"Session DB transcript pending queue full for s (cap=20); the spool {spool.path} "
@@ -222,15 +226,7 @@ def test_a_message_it_cannot_spool_met_again_after_a_quiet_interval_is_summed_up
     store._db.create_session("s", "telegram")
     link = install(store, spool, retry_interval=3600)
     link.clock = clock = Clock()
-    row = spool._row
-    fault = RuntimeError("cannot convert")
-
-    def faulty(session_id: str, message: Any, *args: Any) -> Any:
-        if message["content"] == "bad":
-            raise fault
-        return row(session_id, message, *args)
-
-    monkeypatch.setattr(spool, "_row", faulty)
+    fault = fail_conversion(spool, monkeypatch)
     sql(store, BREAK)
     store.append_to_transcript("s", msg("bad"))
     caplog.set_level(logging.ERROR, logger="walspool.hermes")
@@ -238,7 +234,7 @@ def test_a_message_it_cannot_spool_met_again_after_a_quiet_interval_is_summed_up
         store.append_to_transcript("s", msg(f"m{i}"))
     clock.move(REPEAT_SECONDS)
     store.append_to_transcript("s", msg("m20"))
-    assert said(caplog, logging.ERROR) == [
+    assert link_lines(caplog, logging.ERROR) == [
         "walspool could not spool the oldest queued message of session s; it stays in "
         f"memory: {fault!r}",
         "walspool still could not spool the oldest queued message of session s; it stays "
@@ -271,7 +267,7 @@ def test_drops_that_end_are_said_with_their_count_once_the_spool_takes_evictions
     store.append_to_transcript("s", msg("m6"))  # m4 is spooled
     clock.move(REPEAT_SECONDS)  # the end waits an interval after the summary
     store.append_to_transcript("s", msg("m7"))  # m5 is spooled
-    lines = said(caplog)
+    lines = link_lines(caplog, logging.WARNING)
     assert lines[1:3] == [
         "Session DB transcript pending queue full for s (cap=2); dropping oldest message to "
         "make room (on-disk spool unavailable: the spool is at the link's cap of 1 bytes)",
@@ -312,7 +308,7 @@ def test_an_eviction_whose_commit_fails_is_said_dropped_and_the_session_goes_on(
         store.append_to_transcript("s", msg("m2"))  # evicts m0: its commit fails
         spool.flush()
         vfs.disarm()
-        assert said(caplog) == [
+        assert link_lines(caplog, logging.WARNING) == [
             "Session DB transcript pending queue full for s (cap=2); dropping oldest message "
             f"to make room (on-disk spool unavailable: {spool.path}: injected eio on write "
             "#1; check the disk)"
@@ -346,8 +342,7 @@ def test_two_messages_too_big_at_the_head_are_both_dropped_in_one_eviction(
     with walspool.Spool(hermes_home / "spool.db", max_payload_bytes=1000) as spool:
         install(store, spool, retry_interval=3600, max_bytes=None)
         sql(store, BREAK)
-        go_on = hold_the_writer(spool)
-        fillers = [spool.submit("z", msg(f"z{i}")) for i in range(2)]  # its queue is full
+        go_on, fillers = fill_the_writer(spool)
         for content in ("m0", "x" * 2000, "y" * 2000, "m3"):  # kept: the spool is busy
             store.append_to_transcript("s", msg(content))
         go_on.set()
@@ -359,7 +354,11 @@ def test_two_messages_too_big_at_the_head_are_both_dropped_in_one_eviction(
         assert queued == ["m3", "m4"]
         spool.flush()
         assert [r.message["content"] for r in spool.records() if r.session_id == "s"] == ["m0"]
-        drops = [line for line in said(caplog) if "dropping oldest message" in line]
+        drops = [
+            line
+            for line in link_lines(caplog, logging.WARNING)
+            if "dropping oldest message" in line
+        ]
         assert drops == [
             "Session DB transcript pending queue full for s (cap=2); dropping oldest message "
             f"to make room (on-disk spool unavailable: message for session 's' is {n} bytes as "

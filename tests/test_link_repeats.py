@@ -12,7 +12,16 @@ import re
 from pathlib import Path
 
 import pytest
-from _gateway import BREAK, HEAL, Clock, contents, hold_the_writer, msg, sql
+from _gateway import (
+    BREAK,
+    HEAL,
+    Clock,
+    contents,
+    fill_the_writer,
+    link_lines,
+    msg,
+    sql,
+)
 from _helpers import STEP
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -156,14 +165,6 @@ def spool(hermes_home: Path):
         yield s
 
 
-def _said(caplog: pytest.LogCaptureFixture, level: int, text: str) -> list[str]:
-    return [
-        r.getMessage()
-        for r in caplog.records
-        if r.name == "walspool.hermes" and r.levelno == level and text in r.getMessage()
-    ]
-
-
 def test_a_burst_of_drops_is_one_line_then_one_summary_with_the_count_since(store, spool, caplog):
     """A spool that cannot take anything (closed) and 50 evictions in a burst: one
     WARNING, in full. The clock past the interval, the link's next use says the 49 since
@@ -176,7 +177,7 @@ def test_a_burst_of_drops_is_one_line_then_one_summary_with_the_count_since(stor
     caplog.set_level(logging.WARNING, logger="walspool.hermes")
     for i in range(250):
         store.append_to_transcript("s", msg(f"m{i}"))
-    assert _said(caplog, logging.WARNING, "oldest message") == [
+    assert link_lines(caplog, logging.WARNING, "oldest message") == [
         "Session DB transcript pending queue full for s (cap=200); dropping oldest message to "
         f"make room (on-disk spool unavailable: spool {spool.path} is closed)"
     ]
@@ -185,7 +186,7 @@ def test_a_burst_of_drops_is_one_line_then_one_summary_with_the_count_since(stor
     for i in range(251, 261):
         store.append_to_transcript("s", msg(f"m{i}"))
     link.close()
-    lines = _said(caplog, logging.WARNING, "oldest message")
+    lines = link_lines(caplog, logging.WARNING, "oldest message")
     assert len(lines) == 3, lines
     assert re.fullmatch(
         r"Session DB transcript pending queue full for s \(cap=200\); dropped 49 more oldest "
@@ -211,19 +212,18 @@ def test_a_busy_spool_is_said_once_then_summed_up_and_its_end_said_once(
     link = install(store, spool, retry_interval=0)
     link.clock = clock = Clock()
     sql(store, BREAK)
-    go_on = hold_the_writer(spool)
-    fillers = [spool.submit("z", msg(f"z{i}")) for i in range(2)]  # its queue is full
+    go_on, fillers = fill_the_writer(spool)
     caplog.set_level(logging.WARNING, logger="walspool.hermes")
     for i in range(35):  # 15 over the cap, under twice the cap: nothing is dropped
         store.append_to_transcript("s", msg(f"m{i}"))
-    kept = _said(caplog, logging.WARNING, "the oldest message")
+    kept = link_lines(caplog, logging.WARNING, "the oldest message")
     assert kept == [
         f"Session DB transcript pending queue full for s (cap=20); the spool {spool.path} is "
         "busy, so the oldest message stays in memory (21 queued; the oldest is dropped past 40)"
     ]
     clock.move(REPEAT_SECONDS)
     store.append_to_transcript("s", msg("m35"))
-    summary = _said(caplog, logging.WARNING, "still busy")
+    summary = link_lines(caplog, logging.WARNING, "still busy")
     assert len(summary) == 1, summary
     more, total = map(
         int, re.search(r"kept in memory (\d+) more time\(s\) \((\d+) in 60 s", summary[0]).groups()
@@ -235,10 +235,10 @@ def test_a_busy_spool_is_said_once_then_summed_up_and_its_end_said_once(
     store.append_to_transcript("s", msg("m36"))  # state.db takes the queue: within the cap
     assert link.wait_idle(STEP)
     assert contents(store, "s") == [f"m{i}" for i in range(37)]
-    assert _said(caplog, logging.WARNING, "back within its cap") == []  # a line is recent
+    assert link_lines(caplog, logging.WARNING, "back within its cap") == []  # a line is recent
     clock.move(REPEAT_SECONDS)
     store.append_to_transcript("s", msg("fin"))  # the link's next use says what is due
-    (healed,) = _said(caplog, logging.WARNING, "back within its cap")
+    (healed,) = link_lines(caplog, logging.WARNING, "back within its cap")
     told = re.fullmatch(
         r"Session DB transcript pending queue of s is back within its cap \(20\): the oldest "
         r"message was kept in memory (\d+) time\(s\) in 60\.\d s while the spool "
@@ -248,7 +248,7 @@ def test_a_busy_spool_is_said_once_then_summed_up_and_its_end_said_once(
     assert told, healed
     all_told, unsaid = map(int, told.groups())
     assert all_told == 1 + more + unsaid  # each time in exactly one line
-    assert _said(caplog, logging.WARNING, "dropping") == []
+    assert link_lines(caplog, logging.WARNING, "dropping") == []
     assert link.wait_idle(STEP)
     assert contents(store, "s") == [f"m{i}" for i in range(37)] + ["fin"]
 
@@ -269,7 +269,7 @@ def test_a_drain_of_a_thousand_rows_is_told_in_two_lines_not_one_per_chunk(store
     store.append_to_transcript("s", msg("fin"))
     assert link.wait_idle(STEP)
     assert contents(store, "s") == [f"m{i}" for i in range(1200)] + ["fin"]
-    first, rest = _said(caplog, logging.INFO, "Replayed")
+    first, rest = link_lines(caplog, logging.INFO, "Replayed")
     moved = re.fullmatch(
         r"Replayed (\d+) spooled transcript message\(s\) for s after DB recovery", first
     )
@@ -308,7 +308,7 @@ def test_a_drain_longer_than_the_interval_is_summed_up_between_its_chunks(store,
     store.append_to_transcript("s", msg("fin"))  # evicts one more on its way in: 301
     assert link.wait_idle(STEP)
     assert contents(store, "s") == [f"m{i}" for i in range(500)] + ["fin"]
-    first, again, rest = _said(caplog, logging.INFO, "Replayed")
+    first, again, rest = link_lines(caplog, logging.INFO, "Replayed")
     n1 = int(
         re.fullmatch(
             r"Replayed (\d+) spooled transcript message\(s\) for s after DB recovery", first
@@ -339,10 +339,10 @@ def test_closing_the_link_says_the_lines_held_back(store, spool, caplog):
     caplog.set_level(logging.WARNING, logger="walspool.hermes")
     for i in range(203):
         store.append_to_transcript("s", msg(f"m{i}"))
-    assert len(_said(caplog, logging.WARNING, "oldest message")) == 1
+    assert len(link_lines(caplog, logging.WARNING, "oldest message")) == 1
     link.close()
     link.close()  # idempotent: nothing said twice
-    lines = _said(caplog, logging.WARNING, "oldest message")
+    lines = link_lines(caplog, logging.WARNING, "oldest message")
     assert len(lines) == 2 and "dropped 2 more oldest message(s) (3 in " in lines[1]
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _gateway import BREAK, HEAL, contents, msg, sql
+from _gateway import BREAK, HEAL, contents, link_lines, msg, sql
 from _helpers import STEP
 
 import walspool
@@ -28,12 +28,6 @@ pytest.importorskip("hermes_state")
 def spool(hermes_home: Path):
     with walspool.Spool(hermes_home / "spool.db") as s:
         yield s
-
-
-def said(caplog: pytest.LogCaptureFixture, level: int) -> list[str]:
-    return [
-        r.getMessage() for r in caplog.records if r.name == "walspool.hermes" and r.levelno == level
-    ]
 
 
 def test_a_count_of_the_shares_that_fails_is_one_error_and_the_link_goes_on(
@@ -52,7 +46,7 @@ def test_a_count_of_the_shares_that_fails_is_one_error_and_the_link_goes_on(
     caplog.set_level(logging.ERROR, logger="walspool.hermes")
     link = install(store, spool, recover=False, retry_interval=0)
     assert link.wait_idle(STEP)
-    assert said(caplog, logging.ERROR) == [
+    assert link_lines(caplog, logging.ERROR) == [
         f"could not count what each session holds in {spool.path}; until the next start a "
         "session's share of the cap is what it spooled since this one"
     ]
@@ -85,8 +79,10 @@ def test_a_spool_closed_before_its_rows_are_counted_is_said_quietly(
     spool.close()
     go_on.set()
     assert link.wait_idle(STEP)
-    assert f"{spool.path} was closed before its rows were counted" in said(caplog, logging.DEBUG)
-    assert said(caplog, logging.ERROR) == []
+    assert f"{spool.path} was closed before its rows were counted" in link_lines(
+        caplog, logging.DEBUG
+    )
+    assert link_lines(caplog, logging.ERROR) == []
     assert not link._shares.counting
 
 
@@ -110,7 +106,7 @@ def test_a_recovery_tells_each_sessions_drain_and_the_outage_over_with_the_rows_
     caplog.clear()
     report = link.recover()
     assert report.moved == 5
-    lines = said(caplog, logging.WARNING)
+    lines = link_lines(caplog, logging.WARNING)
     assert len(lines) == 3, lines
     for line, (sid, n) in zip(lines, (("a", 3), ("b", 2)), strict=False):
         assert re.fullmatch(
@@ -128,7 +124,7 @@ def test_a_recovery_tells_each_sessions_drain_and_the_outage_over_with_the_rows_
     for i in range(5, 8):
         store.append_to_transcript("a", msg(f"a{i}"))
     spool.flush()
-    assert said(caplog, logging.WARNING)[-1] == (
+    assert link_lines(caplog, logging.WARNING)[-1] == (
         "Session DB transcript pending queue full for a (cap=2); spooling the oldest "
         f"messages to {spool.path} until state.db takes them (one line when it has drained)"
     )
@@ -163,7 +159,7 @@ def test_a_session_that_waited_for_a_start_recovery_that_failed_is_written(
     go_on.set()
     assert link.wait_idle(STEP)
     assert contents(store, "t") == ["new"]
-    assert said(caplog, logging.ERROR) == [
+    assert link_lines(caplog, logging.ERROR) == [
         f"could not replay {spool.path} at start; each session replays its own spooled rows "
         "before its next write"
     ]
@@ -186,7 +182,7 @@ def test_a_recovery_after_another_replay_moved_the_rows_tells_none_replayed_by_i
     assert link.replayer.replay().moved == 3  # not through the link: it is not told
     caplog.clear()
     assert link.recover().moved == 0
-    lines = said(caplog, logging.WARNING)
+    lines = link_lines(caplog, logging.WARNING)
     assert len(lines) == 2, lines
     assert re.fullmatch(
         r"Session DB transcript of s drained: 3 message\(s\) spooled, 0 replayed into "

@@ -13,7 +13,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _gateway import BREAK, HEAL, Clock, contents, hold_the_writer, msg, sql
+from _gateway import (
+    BREAK,
+    HEAL,
+    Clock,
+    contents,
+    fill_the_writer,
+    link_lines,
+    msg,
+    sql,
+)
 from _helpers import STEP
 
 import walspool
@@ -28,14 +37,6 @@ pytest.importorskip("hermes_state")
 def spool(hermes_home: Path):
     with walspool.Spool(hermes_home / "spool.db") as s:
         yield s
-
-
-def said(caplog: pytest.LogCaptureFixture, level: int, text: str) -> list[str]:
-    return [
-        r.getMessage()
-        for r in caplog.records
-        if r.name == "walspool.hermes" and r.levelno == level and text in r.getMessage()
-    ]
 
 
 def test_a_rewrite_during_a_drain_says_at_once_what_the_drain_replayed(store, spool, caplog):
@@ -66,10 +67,10 @@ def test_a_rewrite_during_a_drain_says_at_once_what_the_drain_replayed(store, sp
     drainer.start()
     assert entered.wait(STEP)
     try:
-        (first,) = said(caplog, logging.INFO, "Replayed")
+        (first,) = link_lines(caplog, logging.INFO, "Replayed")
         n1 = int(re.match(r"Replayed (\d+) spooled", first).group(1))
         store.rewrite_transcript("s", [msg("rewritten")])  # /retry
-        lines = said(caplog, logging.INFO, "Replayed")
+        lines = link_lines(caplog, logging.INFO, "Replayed")
         assert len(lines) == 2, lines
         moved = re.fullmatch(
             r"Replayed (\d+) more spooled transcript message\(s\) for s after DB recovery "
@@ -83,7 +84,7 @@ def test_a_rewrite_during_a_drain_says_at_once_what_the_drain_replayed(store, sp
         go_on.set()
         drainer.join(STEP)
     assert not drainer.is_alive()
-    assert said(caplog, logging.INFO, "Replayed") == lines  # nothing said twice
+    assert link_lines(caplog, logging.INFO, "Replayed") == lines  # nothing said twice
 
 
 def test_a_rewrite_ends_a_busy_spool_condition_and_says_so(store, spool, monkeypatch, caplog):
@@ -96,8 +97,7 @@ def test_a_rewrite_ends_a_busy_spool_condition_and_says_so(store, spool, monkeyp
     link = install(store, spool, retry_interval=3600)
     link.clock = clock = Clock()
     sql(store, BREAK)
-    go_on = hold_the_writer(spool)
-    fillers = [spool.submit("z", msg(f"z{i}")) for i in range(2)]  # its queue is full
+    go_on, fillers = fill_the_writer(spool)
     for i in range(21):
         store.append_to_transcript("s", msg(f"m{i}"))
     go_on.set()  # the rewrite's supersede is a transaction of the spool's writer
@@ -107,7 +107,7 @@ def test_a_rewrite_ends_a_busy_spool_condition_and_says_so(store, spool, monkeyp
     clock.move(REPEAT_SECONDS)
     sql(store, HEAL)
     assert store.rewrite_transcript("s", [msg("rewritten")])
-    assert said(caplog, logging.WARNING, "back within its cap") == [
+    assert link_lines(caplog, logging.WARNING, "back within its cap") == [
         "Session DB transcript pending queue of s is back within its cap (20): the oldest "
         f"message was kept in memory 1 time(s) in 60.0 s while the spool {spool.path} was "
         "busy (0 not said before)"
