@@ -493,7 +493,7 @@ def test_a_spool_whose_path_names_another_file_refuses_appends(spool_path):
         for attempt in (
             lambda: spool.append("s", MSG),
             lambda: spool.append_many([("s", MSG)]),
-            lambda: spool.submit("s", MSG),
+            lambda: spool.submit("s", MSG).result(),
         ):
             with pytest.raises(walspool.SpoolReplaced, match="no longer names the file"):
                 attempt()

@@ -595,7 +595,7 @@ def test_a_spool_whose_writer_cannot_start_closes_what_its_open_took(spool_path,
     """A failure after the file is open (no thread for the writer, say) closes the
     connection and the open lock: nothing is left open, and the next open works."""
 
-    def no_thread(*args: object) -> None:
+    def no_thread(*args: object, **kwargs: object) -> None:
         raise RuntimeError("can't start new thread")
 
     monkeypatch.setattr(walspool.spool, "Writer", no_thread)

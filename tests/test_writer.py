@@ -247,6 +247,41 @@ def test_a_group_failing_on_a_held_lock_names_each_requests_own_session(spool_pa
             assert caught.value.seconds == short_busy
 
 
+def test_appends_queued_before_the_path_changed_are_refused_when_their_group_commits(
+    spool_path,
+):
+    """The path check is made once per group, just before its transaction: appends that
+    were queued while the path still named the spool's file, and an `append_async`, are
+    refused (each error naming its own session) once the file is moved before their
+    commit, and none of them is written to the moved file; an operation in the same group
+    still runs there (``transact`` acts on the file this Spool opened)."""
+    moved = spool_path.with_name("moved.db")
+    with walspool.Spool(spool_path) as spool:
+        spool.append("s", {"i": 0})
+
+        async def append_async() -> None:
+            await spool.append_async("u", {"i": 3})
+
+        with spool._writer._commit_lock:  # all queued: one group
+            futures = {session_id: spool.submit(session_id, {"i": 1}) for session_id in "st"}
+            counted = spool._writer.submit(
+                Operation(lambda conn: conn.execute("SELECT count(*) FROM records").get)
+            )
+            for suffix in ("", "-wal", "-shm"):
+                os.rename(f"{spool_path}{suffix}", f"{moved}{suffix}")
+        for session_id, future in futures.items():
+            with pytest.raises(walspool.SpoolReplaced, match="no longer names") as caught:
+                future.result(30)
+            assert caught.value.session_id == session_id
+            assert caught.value.path == str(spool_path)
+        assert counted.result(30) == 1
+        with pytest.raises(walspool.SpoolReplaced) as caught:
+            asyncio.run(append_async())
+        assert caught.value.session_id == "u"
+    with walspool.Spool(moved) as old:
+        assert [(r.session_id, r.message) for r in old.records()] == [("s", {"i": 0})]
+
+
 def test_waiters_wake_as_soon_as_the_lock_is_released(spool_path, monkeypatch):
     monkeypatch.setattr(walspool_writer, "BUSY_RETRY_SECONDS", 60.0)
     with walspool.Spool(spool_path) as spool:

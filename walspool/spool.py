@@ -107,7 +107,7 @@ class Spool:
             self._identity = (
                 (held.st_dev, held.st_ino) if held is not None else _file_identity(self.path)
             )
-            self._writer = Writer(self._conn, self.path, max_bytes)
+            self._writer = Writer(self._conn, self.path, max_bytes, check=self._check_path)
         except BaseException:
             close_quietly(self._conn)
             os.close(self._open_lock)
@@ -130,7 +130,6 @@ class Spool:
         session_key: str | None = None,
     ) -> Receipt:
         """Spool one message; return once it is committed."""
-        self._check_path()
         row = self._row(session_id, message, reason, session_key)
         return self._writer.call(Append((row,), single=True))
 
@@ -144,7 +143,6 @@ class Spool:
 
         All or nothing: either every item is committed, in order, or none is.
         """
-        self._check_path()
         rows = [self._item_row(i, item, reason) for i, item in enumerate(items)]
         if not rows:
             return []
@@ -161,9 +159,9 @@ class Spool:
         """Take the message's place in its session's order now; commit in the background.
 
         A bad argument or an oversized message raises here; a storage failure
-        (disk full, spool full, I/O error) arrives through the future.
+        (disk full, spool full, I/O error, a path that names another file by then)
+        arrives through the future.
         """
-        self._check_path()
         row = self._row(session_id, message, reason, session_key)
         return self._writer.submit(Append((row,), single=True))
 
@@ -179,7 +177,6 @@ class Spool:
 
         Cancelling the awaiting task does not take the message back.
         """
-        self._check_path()
         row = self._row(session_id, message, reason, session_key)
         return await self._writer.call_async(Append((row,), single=True))
 
@@ -188,7 +185,8 @@ class Spool:
 
         An operator's ``mv``, or a move-aside by a process that did not honour the
         open lock, would otherwise leave acknowledged appends in a file the next
-        start does not open.
+        start does not open. The writer calls it once per group of appends, just
+        before their transaction (one ``stat`` per commit, off the callers' threads).
         """
         if _file_identity(self.path) != self._identity:
             raise SpoolReplaced(

@@ -43,7 +43,7 @@ from typing import Any
 import apsw
 
 from . import text
-from .errors import SpoolClosed, SpoolFull, WalspoolError
+from .errors import SpoolClosed, SpoolFull, SpoolReplaced, WalspoolError
 from .records import Receipt
 from .schema import sqlite_error
 
@@ -295,10 +295,20 @@ class Writer:
     queued before it.
     """
 
-    def __init__(self, conn: apsw.Connection, path: Path, max_bytes: int | None) -> None:
+    def __init__(
+        self,
+        conn: apsw.Connection,
+        path: Path,
+        max_bytes: int | None,
+        check: Callable[[], None] | None = None,
+    ) -> None:
         self._conn = conn
         self._path = path
         self._max_bytes = max_bytes
+        #: Called once per group that appends, before its transaction (the spool's
+        #: path check): what it raises fails the group's appends, its other requests
+        #: still run.
+        self._check = check
         self._pending: deque[tuple[Request, Any]] = deque()
         #: Payload bytes of the requests in ``_pending``.
         self._pending_bytes = 0
@@ -552,6 +562,16 @@ class Writer:
     def _commit_group(self, requests: list[Request]) -> None:
         """Commit ``requests`` together; if that fails, one by one. Never raises: each
         request ends with a result or an error, so no waiter is left behind."""
+        if self._check is not None and any(isinstance(r, Append) for r in requests):
+            try:
+                self._check()
+            except BaseException as exc:  # noqa: BLE001 - each append's caller gets it
+                for request in requests:
+                    if isinstance(request, Append):
+                        request.error = self._safe_error(exc, request)
+                requests = [r for r in requests if not isinstance(r, Append)]
+                if not requests:
+                    return
         try:
             self._commit(requests)
         except BaseException as exc:  # noqa: BLE001 - every failure reaches a caller
@@ -646,13 +666,15 @@ class Writer:
             pass
 
     def _error(self, exc: BaseException, request: Request) -> BaseException:
-        if isinstance(exc, (SpoolBusy, SpoolClosed)) and exc.session_id != request.session_id:
-            # ``_commit`` raises these for a whole group: name each request's session.
+        group_wide = (SpoolBusy, SpoolClosed, SpoolReplaced)
+        if isinstance(exc, group_wide) and exc.session_id != request.session_id:
+            # Raised for a whole group (``_commit``, the path check): name each
+            # request's session.
             error: BaseException
             if isinstance(exc, SpoolBusy):
                 error = SpoolBusy(exc.seconds, path=self._path, session_id=request.session_id)
             else:
-                error = SpoolClosed(str(exc), path=self._path, session_id=request.session_id)
+                error = type(exc)(str(exc), path=self._path, session_id=request.session_id)
             error.__cause__ = exc.__cause__
             return error
         if isinstance(exc, WalspoolError):
