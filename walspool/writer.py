@@ -49,6 +49,8 @@ from .schema import sqlite_error
 
 log = text.logger("walspool.writer")
 
+_LockType = type(_thread.allocate_lock())
+
 #: Requests the queue holds before ``put`` blocks.
 QUEUE_REQUESTS = 4096
 #: Payload bytes the queue holds before ``put`` blocks. A request larger than this is
@@ -126,17 +128,21 @@ class _Numbers:
     def __init__(self) -> None:
         self.version: int | None = None
         self.next_id: int | None = None
-        self.next_seq: dict[tuple[str, str], int] = {}
+        #: Next seqs of the streams named by a session id, and of those named by a
+        #: session key alone.
+        self.by_id: dict[str, int] = {}
+        self.by_key: dict[str, int] = {}
 
     def check(self, conn: apsw.Connection) -> None:
         version = conn.execute("PRAGMA data_version").get
-        if version != self.version or len(self.next_seq) > self.LIMIT:
+        if version != self.version or len(self.by_id) + len(self.by_key) > self.LIMIT:
             self.forget()
             self.version = version
 
     def forget(self) -> None:
         self.version = self.next_id = None
-        self.next_seq = {}
+        self.by_id = {}
+        self.by_key = {}
 
 
 class _Group:
@@ -146,30 +152,29 @@ class _Group:
         self.conn = conn
         self.numbers = numbers
         self.next_id = numbers.next_id or conn.execute(MAX_ID_SQL).get + 1
-        self.next_seq: dict[tuple[str, str], int] = {}
+        # The seqs this group hands out, kept apart from ``numbers`` until it commits.
+        self.by_id: dict[str, int] = {}
+        self.by_key: dict[str, int] = {}
         self.inserts: list[tuple[Any, ...]] = []
         self.operations = False
 
-    def add(self, rows: Sequence[Row]) -> list[Receipt]:
-        receipts = []
-        known = self.numbers.next_seq
-        for session_id, session_key, reason, created_at, payload, size in rows:
-            if session_id is not None:
-                stream = ("session_id", session_id)
-            else:
-                stream = ("session_key", session_key)
-            seq = self.next_seq.get(stream) or known.get(stream)
-            if seq is None:
-                sql = NEXT_SEQ_BY_ID_SQL if session_id is not None else NEXT_SEQ_BY_KEY_SQL
-                seq = self.conn.execute(sql, (stream[1],)).get
-            self.next_seq[stream] = seq + 1
-            row_id = self.next_id
-            self.next_id += 1
-            self.inserts.append(
-                (row_id, session_id, seq, reason, session_key, created_at, payload, size)
-            )
-            receipts.append(Receipt(row_id, session_id, seq, reason, session_key, created_at))
-        return receipts
+    def add_one(self, row: Row) -> Receipt:
+        """Number ``row`` (its id, its stream's next seq) and gather its insert."""
+        session_id, session_key, reason, created_at, payload, size = row
+        if session_id is not None:
+            mine, name, sql = self.by_id, session_id, NEXT_SEQ_BY_ID_SQL
+            seq = mine.get(name) or self.numbers.by_id.get(name)
+        else:
+            mine, name, sql = self.by_key, session_key, NEXT_SEQ_BY_KEY_SQL
+            seq = mine.get(name) or self.numbers.by_key.get(name)
+        if seq is None:
+            seq = self.conn.execute(sql, (name,)).get
+        mine[name] = seq + 1
+        row_id = self.next_id
+        self.next_id = row_id + 1
+        insert = (row_id, session_id, seq, reason, session_key, created_at, payload, size)
+        self.inserts.append(insert)
+        return Receipt(row_id, session_id, seq, reason, session_key, created_at)
 
     def flush(self) -> None:
         """Write the inserts gathered so far (before another kind of request runs)."""
@@ -186,24 +191,25 @@ class _Group:
             self.numbers.forget()
             return
         self.numbers.next_id = self.next_id
-        self.numbers.next_seq.update(self.next_seq)
+        self.numbers.by_id.update(self.by_id)
+        self.numbers.by_key.update(self.by_key)
 
 
 class Request:
     """One unit of work for the writer; ``run`` executes inside the group's transaction."""
 
-    __slots__ = ("result", "error", "session_id", "payload_bytes")
+    __slots__ = ("result", "error", "session_id", "payload_bytes", "size")
 
-    def __init__(self, session_id: str | None = None, payload_bytes: int = 0) -> None:
+    def __init__(
+        self, session_id: str | None = None, payload_bytes: int = 0, size: int = 1
+    ) -> None:
         self.result: Any = None
         self.error: BaseException | None = None
         self.session_id = session_id
         #: Bytes of payload the request holds (what the queue's byte bound counts).
         self.payload_bytes = payload_bytes
-
-    @property
-    def size(self) -> int:
-        return 1
+        #: Rows it adds to a group (``GROUP_ROWS``); 1 for one that adds none.
+        self.size = size
 
     def run(self, group: _Group) -> None:
         raise NotImplementedError
@@ -216,7 +222,13 @@ def row_bytes(row: Row) -> int:
     """What a row holds until it is committed: its payload's bytes and its names' (a
     session id, key or reason may be as long as a payload: counted in characters), not
     the payload alone."""
-    return row[5] + sum(len(name) for name in (row[0], row[1], row[2]) if name is not None)
+    session_id, session_key, reason = row[0], row[1], row[2]
+    return (
+        row[5]
+        + len(reason)
+        + (len(session_id) if session_id is not None else 0)
+        + (len(session_key) if session_key is not None else 0)
+    )
 
 
 class Append(Request):
@@ -225,18 +237,16 @@ class Append(Request):
     __slots__ = ("rows", "single")
 
     def __init__(self, rows: Sequence[Row], single: bool) -> None:
-        size = row_bytes(rows[0]) if len(rows) == 1 else sum(row_bytes(row) for row in rows)
-        super().__init__(rows[0][0] if rows else None, size)
+        nbytes = row_bytes(rows[0]) if len(rows) == 1 else sum(map(row_bytes, rows))
+        super().__init__(rows[0][0] if rows else None, nbytes, len(rows))
         self.rows = rows
         self.single = single
 
-    @property
-    def size(self) -> int:
-        return len(self.rows)
-
     def run(self, group: _Group) -> None:
-        receipts = group.add(self.rows)
-        self.result = receipts[0] if self.single else receipts
+        if self.single:
+            self.result = group.add_one(self.rows[0])
+        else:
+            self.result = [group.add_one(row) for row in self.rows]
 
 
 class Quarantined(Append):
@@ -269,19 +279,6 @@ class Operation(Request):
         group.flush()
         group.operations = True
         self.result = self.fn(group.conn)
-
-
-class _Blocking:
-    """Completion for a caller that blocks: a lock the writer releases."""
-
-    __slots__ = ("lock",)
-
-    def __init__(self) -> None:
-        self.lock = _thread.allocate_lock()
-        self.lock.acquire()
-
-    def __call__(self, request: Request) -> None:
-        self.lock.release()
 
 
 class Writer:
@@ -317,6 +314,9 @@ class Writer:
         #: ``wait_for_room`` answer for that request.
         self._refused = threading.local()
         self._cond = threading.Condition(threading.Lock())
+        #: Whether the writer thread waits on ``_cond`` for requests: a put wakes it
+        #: only then (a notify is Python code, paid per request otherwise).
+        self._idle = False
         #: Event loops that queued requests without waking the writer, and will wake it
         #: at the end of their pass (``call_async``); each loop adds and removes only
         #: itself, on its own thread. Weak: a loop closed first is not kept alive.
@@ -364,9 +364,10 @@ class Writer:
             if len(batch) > 1:
                 _wake(batch[:-1])
         else:
-            done = _Blocking()
+            done = _thread.allocate_lock()  # the writer releases it: see ``_wake``
+            done.acquire()
             self._put(request, done)
-            done.lock.acquire()
+            done.acquire()
         if request.error is not None:
             raise request.error
         return request.result
@@ -433,7 +434,8 @@ class Writer:
         """Wake the writer for what ``loop``'s tasks queued in its last pass."""
         self._loops_to_wake.discard(loop)
         with self._cond:
-            self._cond.notify_all()
+            if self._idle:
+                self._cond.notify_all()
 
     def _put(self, request: Request, waiter: Any, block: bool = True, wake: bool = True) -> bool:
         """Queue a request; False if the queue is full and ``block`` is False. With
@@ -451,7 +453,7 @@ class Writer:
                 self._cond.wait()
             self._pending.append((request, waiter))
             self._pending_bytes += nbytes
-            if wake:
+            if wake and self._idle:
                 self._cond.notify_all()
         self._refused.nbytes = 0
         return True
@@ -521,15 +523,15 @@ class Writer:
     def _take(self) -> list[tuple[Request, Any]]:
         """Take queued requests, up to about GROUP_ROWS rows; ``_cond`` is held."""
         batch: list[tuple[Request, Any]] = []
-        rows = 0
+        rows = taken = 0
         pending = self._pending
         while pending and rows < GROUP_ROWS:
             item = pending.popleft()
             batch.append(item)
             rows += item[0].size
-            self._pending_bytes -= item[0].payload_bytes
-        if not pending:
-            self._pending_bytes = 0  # exact whatever a caller did to its rows meanwhile
+            taken += item[0].payload_bytes
+        # Exact whatever a caller did to its rows meanwhile once nothing is queued.
+        self._pending_bytes = self._pending_bytes - taken if pending else 0
         if batch:
             self._cond.notify_all()  # room for blocked producers
         return batch
@@ -538,7 +540,9 @@ class Writer:
         while True:
             with self._cond:
                 while not self._pending and not self._closed:
+                    self._idle = True
                     self._cond.wait()
+                    self._idle = False
                 if not self._pending and self._closed:
                     return
             self._commit_queued()
@@ -742,9 +746,11 @@ def _wake(items: list[tuple[Request, Any]]) -> None:
             log.exception("callback for %d committed spool requests failed", len(requests))
     by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Request, asyncio.Future[Any]]]] = {}
     for request, waiter in items:
-        if isinstance(waiter, Batched):
+        if type(waiter) is _LockType:  # a blocking caller's (``call``): the most common
+            waiter.release()
+        elif isinstance(waiter, Batched):
             continue
-        if isinstance(waiter, tuple):
+        elif isinstance(waiter, tuple):
             by_loop.setdefault(waiter[0], []).append((request, waiter[1]))
         elif isinstance(waiter, concurrent.futures.Future):
             if request.error is not None:
