@@ -15,6 +15,8 @@ CAP_DROP = "transcript_cap_drop"
 SHUTDOWN = "shutdown"
 #: An agent's history that was never flushed; for operators, not replayed by default.
 AGENT_HISTORY = "shutdown-with-unpersisted-agent-history"
+#: The reasons walspool's own callers append with.
+REASONS = frozenset((CAP_DROP, SHUTDOWN, AGENT_HISTORY))
 
 #: ``Record.status`` of a row kept for operators because the sink refused its
 #: content, or because whether its write landed cannot be known; replayed only when

@@ -17,7 +17,7 @@ import apsw
 from . import codec, files
 from .errors import InvalidArgument, PayloadTooLarge, SpoolClosed, SpoolReplaced
 from .paging import PAGE_ROWS, ROW_BYTES_SQL, read_page, record_from_row
-from .records import AGENT_HISTORY, CAP_DROP, Receipt, Record, Stats
+from .records import AGENT_HISTORY, CAP_DROP, REASONS, Receipt, Record, Stats
 from .schema import close_quietly, open_reader, open_writer, opened_file, sqlite_error
 from .writer import Append, Operation, Quarantined, Row, Writer
 
@@ -208,13 +208,15 @@ class Spool:
     def _row(
         self, session_id: str | None, message: Any, reason: str, session_key: str | None
     ) -> Row:
-        if session_id is not None:
-            check_name(session_id, "session_id", self.path, self.max_payload_bytes)
-        if session_key is not None:
-            check_name(session_key, "session_key", self.path, self.max_payload_bytes)
+        limit = self.max_payload_bytes
+        if session_id is not None and not _plain(session_id, limit):
+            check_name(session_id, "session_id", self.path, limit)
+        if session_key is not None and not _plain(session_key, limit):
+            check_name(session_key, "session_key", self.path, limit)
         if session_id is None and session_key is None:
             raise InvalidArgument("a message needs a session_id or a session_key", path=self.path)
-        check_name(reason, "reason", self.path, self.max_payload_bytes)
+        if not (type(reason) is str and reason in REASONS):
+            check_name(reason, "reason", self.path, limit)
         try:
             message = codec.with_epoch_timestamp(message)
         except Exception:  # noqa: BLE001 - a timestamp that raises when inspected is no time
@@ -533,6 +535,12 @@ def _size(path: Path) -> int:
         return path.stat().st_size
     except FileNotFoundError:
         return 0
+
+
+def _plain(name: Any, limit: int) -> bool:
+    """Whether ``check_name`` surely takes ``name``: a non-empty ASCII str (a byte per
+    character) within ``limit``. The common case, without its calls."""
+    return type(name) is str and name.isascii() and 0 < len(name) <= limit
 
 
 def check_name(value: Any, what: str, path: Path, limit: int) -> None:

@@ -36,7 +36,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -317,10 +317,11 @@ class Writer:
         #: Whether the writer thread waits on ``_cond`` for requests: a put wakes it
         #: only then (a notify is Python code, paid per request otherwise).
         self._idle = False
-        #: Event loops that queued requests without waking the writer, and will wake it
-        #: at the end of their pass (``call_async``); each loop adds and removes only
-        #: itself, on its own thread. Weak: a loop closed first is not kept alive.
-        self._loops_to_wake: weakref.WeakSet[asyncio.AbstractEventLoop] = weakref.WeakSet()
+        #: Per thread: the event loop whose tasks queued requests without waking the
+        #: writer, and which wakes it at the end of its pass (``call_async``), until
+        #: that wake runs. A loop runs on one thread, so each sets and clears only its
+        #: own. Weak: a loop closed first is not kept alive.
+        self._wakes = threading.local()
         self._commit_lock = threading.Lock()
         self._numbers = _Numbers()
         self._closed = False
@@ -411,28 +412,44 @@ class Writer:
         self._put(request, future)
         return future
 
-    async def call_async(self, request: Request) -> Any:
-        """Run ``request`` without blocking the event loop; no SQLite work runs on it.
+    def call_async(self, request: Request) -> Awaitable[Any]:
+        """Run ``request`` without blocking the event loop (no SQLite work runs on it):
+        called from the running loop, returns what to await for its result.
 
         The request is queued at once, but the writer thread is woken only once the
         loop has run the rest of its ready callbacks: the requests its other tasks make
         meanwhile join the same group, where waking the writer at the first would let it
-        take that one alone while the loop still holds the GIL for the rest.
+        take that one alone while the loop still holds the GIL for the rest. Raises at
+        once what ``notify`` raises for a closed writer.
         """
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         waiter = (loop, future)
-        if self._put(request, waiter, block=False, wake=False):
-            if loop not in self._loops_to_wake:
-                self._loops_to_wake.add(loop)
-                loop.call_soon(self._wake_for, loop)
-        else:
-            await loop.run_in_executor(None, self._put, request, waiter)
+        if not self._put(request, waiter, block=False, wake=False):
+            return self._call_when_room(loop, request, waiter, future)
+        wakes = self._wakes
+        scheduled = getattr(wakes, "loop", None)
+        if scheduled is None or scheduled() is not loop:
+            wakes.loop = weakref.ref(loop)
+            loop.call_soon(self._wake_for, loop)
+        return future
+
+    async def _call_when_room(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        request: Request,
+        waiter: tuple[asyncio.AbstractEventLoop, asyncio.Future[Any]],
+        future: asyncio.Future[Any],
+    ) -> Any:
+        """``call_async`` for a full queue: wait for room off the loop, then as usual."""
+        await loop.run_in_executor(None, self._put, request, waiter)
         return await future
 
     def _wake_for(self, loop: asyncio.AbstractEventLoop) -> None:
         """Wake the writer for what ``loop``'s tasks queued in its last pass."""
-        self._loops_to_wake.discard(loop)
+        scheduled = getattr(self._wakes, "loop", None)
+        if scheduled is not None and scheduled() is loop:
+            self._wakes.loop = None
         with self._cond:
             if self._idle:
                 self._cond.notify_all()
