@@ -143,7 +143,7 @@ class Spool:
 
         All or nothing: either every item is committed, in order, or none is.
         """
-        rows = [self._item_row(i, item, reason) for i, item in enumerate(items)]
+        rows = self._rows(items, reason)
         if not rows:
             return []
         return self._writer.call(Append(rows, single=False))
@@ -196,37 +196,52 @@ class Spool:
                 path=self.path,
             )
 
-    def _item_row(self, index: int, item: Any, reason: str) -> Row:
-        if not isinstance(item, tuple) or len(item) not in (2, 3):
-            raise InvalidArgument(
-                f"append_many item {index} must be a (session_id, message) or "
-                f"(session_id, message, session_key) tuple, not {type(item).__name__}",
-                path=self.path,
-            )
-        return self._row(item[0], item[1], reason, item[2] if len(item) == 3 else None)
+    def _rows(self, items: Iterable[Any], reason: str) -> list[Row]:
+        """The rows of ``append_many``'s items (``_row`` for one message): every
+        argument checked, each message encoded and measured, one time for them all."""
+        limit = self.max_payload_bytes
+        if not (type(reason) is str and reason in REASONS):
+            check_name(reason, "reason", self.path, limit)
+        now = time.time()
+        rows = []
+        for index, item in enumerate(items):
+            if not isinstance(item, tuple) or len(item) not in (2, 3):
+                raise InvalidArgument(
+                    f"append_many item {index} must be a (session_id, message) or "
+                    f"(session_id, message, session_key) tuple, not {type(item).__name__}",
+                    path=self.path,
+                )
+            session_id, message = item[0], item[1]
+            session_key = item[2] if len(item) == 3 else None
+            # The common names (non-empty ASCII within the limit) without check_name.
+            if session_id is not None and not (
+                type(session_id) is str and session_id.isascii() and 0 < len(session_id) <= limit
+            ):
+                check_name(session_id, "session_id", self.path, limit)
+            if session_key is not None:
+                check_name(session_key, "session_key", self.path, limit)
+            elif session_id is None:
+                raise InvalidArgument(
+                    "a message needs a session_id or a session_key", path=self.path
+                )
+            try:
+                # A plain dict whose timestamp is no datetime needs no conversion.
+                stamp = message.get("timestamp") if type(message) is dict else _DATE
+                if type(stamp) not in _NOT_DATES:
+                    message = codec.with_epoch_timestamp(message)
+            except Exception:  # noqa: BLE001 - a timestamp that raises when inspected is no time
+                pass  # encoded as it is: ``codec.encode`` converts any value, never raises
+            payload = codec.encode(message)
+            size = len(payload)
+            if size > limit:
+                raise PayloadTooLarge(size, limit, path=str(self.path), session_id=session_id)
+            rows.append((session_id, session_key, reason, now, payload.decode("utf-8"), size))
+        return rows
 
     def _row(
         self, session_id: str | None, message: Any, reason: str, session_key: str | None
     ) -> Row:
-        limit = self.max_payload_bytes
-        if session_id is not None and not _plain(session_id, limit):
-            check_name(session_id, "session_id", self.path, limit)
-        if session_key is not None and not _plain(session_key, limit):
-            check_name(session_key, "session_key", self.path, limit)
-        if session_id is None and session_key is None:
-            raise InvalidArgument("a message needs a session_id or a session_key", path=self.path)
-        if not (type(reason) is str and reason in REASONS):
-            check_name(reason, "reason", self.path, limit)
-        try:
-            message = codec.with_epoch_timestamp(message)
-        except Exception:  # noqa: BLE001 - a timestamp that raises when inspected is no time
-            pass  # encoded as it is: ``codec.encode`` converts any value, never raises
-        payload = codec.encode(message)
-        if len(payload) > self.max_payload_bytes:
-            raise PayloadTooLarge(
-                len(payload), self.max_payload_bytes, path=str(self.path), session_id=session_id
-            )
-        return (session_id, session_key, reason, time.time(), payload.decode("utf-8"), len(payload))
+        return self._rows(((session_id, message, session_key),), reason)[0]
 
     def flush(self) -> None:
         """Block until everything submitted so far (``submit``, ``append_async``) is committed."""
@@ -537,10 +552,11 @@ def _size(path: Path) -> int:
         return 0
 
 
-def _plain(name: Any, limit: int) -> bool:
-    """Whether ``check_name`` surely takes ``name``: a non-empty ASCII str (a byte per
-    character) within ``limit``. The common case, without its calls."""
-    return type(name) is str and name.isascii() and 0 < len(name) <= limit
+#: Types of a plain dict's ``timestamp`` that ``codec.with_epoch_timestamp`` leaves as
+#: they are (the common case, without its call).
+_NOT_DATES = frozenset((float, int, type(None), str))
+#: Stands for the timestamp of a message that is not a plain dict: always converted.
+_DATE = object()
 
 
 def check_name(value: Any, what: str, path: Path, limit: int) -> None:

@@ -158,23 +158,30 @@ class _Group:
         self.inserts: list[tuple[Any, ...]] = []
         self.operations = False
 
-    def add_one(self, row: Row) -> Receipt:
-        """Number ``row`` (its id, its stream's next seq) and gather its insert."""
-        session_id, session_key, reason, created_at, payload, size = row
-        if session_id is not None:
-            mine, name, sql = self.by_id, session_id, NEXT_SEQ_BY_ID_SQL
-            seq = mine.get(name) or self.numbers.by_id.get(name)
-        else:
-            mine, name, sql = self.by_key, session_key, NEXT_SEQ_BY_KEY_SQL
-            seq = mine.get(name) or self.numbers.by_key.get(name)
-        if seq is None:
-            seq = self.conn.execute(sql, (name,)).get
-        mine[name] = seq + 1
+    def add(self, rows: Sequence[Row]) -> list[Receipt]:
+        """Number ``rows`` (each its id and its stream's next seq), gather their inserts,
+        and return their receipts, in order."""
+        receipts = []
+        inserts = self.inserts
+        conn, numbers, by_id, by_key = self.conn, self.numbers, self.by_id, self.by_key
         row_id = self.next_id
-        self.next_id = row_id + 1
-        insert = (row_id, session_id, seq, reason, session_key, created_at, payload, size)
-        self.inserts.append(insert)
-        return Receipt(row_id, session_id, seq, reason, session_key, created_at)
+        for session_id, session_key, reason, created_at, payload, size in rows:
+            if session_id is not None:
+                mine, name, sql = by_id, session_id, NEXT_SEQ_BY_ID_SQL
+                seq = mine.get(name) or numbers.by_id.get(name)
+            else:
+                mine, name, sql = by_key, session_key, NEXT_SEQ_BY_KEY_SQL
+                seq = mine.get(name) or numbers.by_key.get(name)
+            if seq is None:
+                seq = conn.execute(sql, (name,)).get
+            mine[name] = seq + 1
+            inserts.append(
+                (row_id, session_id, seq, reason, session_key, created_at, payload, size)
+            )
+            receipts.append(Receipt(row_id, session_id, seq, reason, session_key, created_at))
+            row_id += 1
+        self.next_id = row_id
+        return receipts
 
     def flush(self) -> None:
         """Write the inserts gathered so far (before another kind of request runs)."""
@@ -243,10 +250,8 @@ class Append(Request):
         self.single = single
 
     def run(self, group: _Group) -> None:
-        if self.single:
-            self.result = group.add_one(self.rows[0])
-        else:
-            self.result = [group.add_one(row) for row in self.rows]
+        receipts = group.add(self.rows)
+        self.result = receipts[0] if self.single else receipts
 
 
 class Quarantined(Append):
