@@ -98,6 +98,7 @@ class Spool:
             if value <= 0:
                 raise InvalidArgument(f"{name} must be positive, not {value}", path=path)
         self.path = Path(path) if path is not None else default_path()
+        self._path_name = os.fspath(self.path)  # for the path check: no Path per append
         self.durability = durability
         self.max_payload_bytes = max_payload_bytes
         self.max_bytes = max_bytes
@@ -188,7 +189,7 @@ class Spool:
         start does not open. The writer calls it once per group of appends, just
         before their transaction (one ``stat`` per commit, off the callers' threads).
         """
-        if _file_identity(self.path) != self._identity:
+        if _file_identity(self._path_name) != self._identity:
             raise SpoolReplaced(
                 f"spool {self.path} no longer names the file this Spool opened (it was "
                 "moved, replaced or deleted); nothing more is appended to it: open the "
@@ -500,7 +501,7 @@ class Spool:
         return f"Spool({str(self.path)!r}, durability={self.durability!r})"
 
 
-def _file_identity(path: Path) -> tuple[int, int] | None:
+def _file_identity(path: str | Path) -> tuple[int, int] | None:
     """(device, inode) of what ``path`` names now, not following a symlink; None if
     nothing."""
     try:

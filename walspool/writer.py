@@ -588,16 +588,13 @@ class Writer:
     def _commit_group(self, requests: list[Request]) -> None:
         """Commit ``requests`` together; if that fails, one by one. Never raises: each
         request ends with a result or an error, so no waiter is left behind."""
-        if self._check is not None and any(isinstance(r, Append) for r in requests):
-            try:
-                self._check()
-            except BaseException as exc:  # noqa: BLE001 - each append's caller gets it
-                for request in requests:
-                    if isinstance(request, Append):
-                        request.error = self._safe_error(exc, request)
-                requests = [r for r in requests if not isinstance(r, Append)]
-                if not requests:
-                    return
+        if self._check is not None:
+            for request in requests:
+                if isinstance(request, Append):
+                    requests = self._checked(requests)
+                    break
+            if not requests:
+                return
         try:
             self._commit(requests)
         except BaseException as exc:  # noqa: BLE001 - every failure reaches a caller
@@ -614,6 +611,18 @@ class Writer:
                         request.error = self._safe_error(one, request)
             if self._abandon.is_set():
                 self._abandoned += sum(_messages(r) for r in requests if r.error is not None)
+
+    def _checked(self, requests: list[Request]) -> list[Request]:
+        """``requests`` if the check passes; else the appends among them fail with what
+        it raised, and the others are left to run."""
+        try:
+            self._check()
+        except BaseException as exc:  # noqa: BLE001 - each append's caller gets it
+            for request in requests:
+                if isinstance(request, Append):
+                    request.error = self._safe_error(exc, request)
+            return [r for r in requests if not isinstance(r, Append)]
+        return requests
 
     def _safe_error(self, exc: BaseException, request: Request) -> BaseException:
         """``_error``, which asks SQLite about the failure, on a disk that may fail again."""
