@@ -152,9 +152,6 @@ class _Group:
         self.conn = conn
         self.numbers = numbers
         self.next_id = numbers.next_id or conn.execute(MAX_ID_SQL).get + 1
-        # The seqs this group hands out, kept apart from ``numbers`` until it commits.
-        self.by_id: dict[str, int] = {}
-        self.by_key: dict[str, int] = {}
         self.inserts: list[tuple[Any, ...]] = []
         self.operations = False
 
@@ -163,18 +160,19 @@ class _Group:
         and return their receipts, in order."""
         receipts = []
         inserts = self.inserts
-        conn, numbers, by_id, by_key = self.conn, self.numbers, self.by_id, self.by_key
+        # The next seqs are kept in ``numbers`` as they are handed out: a transaction
+        # that fails makes ``_commit`` forget them all.
+        conn, by_id, by_key = self.conn, self.numbers.by_id, self.numbers.by_key
         row_id = self.next_id
         for session_id, session_key, reason, created_at, payload, size in rows:
             if session_id is not None:
-                mine, name, sql = by_id, session_id, NEXT_SEQ_BY_ID_SQL
-                seq = mine.get(name) or numbers.by_id.get(name)
+                known, name, sql = by_id, session_id, NEXT_SEQ_BY_ID_SQL
             else:
-                mine, name, sql = by_key, session_key, NEXT_SEQ_BY_KEY_SQL
-                seq = mine.get(name) or numbers.by_key.get(name)
+                known, name, sql = by_key, session_key, NEXT_SEQ_BY_KEY_SQL
+            seq = known.get(name)
             if seq is None:
                 seq = conn.execute(sql, (name,)).get
-            mine[name] = seq + 1
+            known[name] = seq + 1
             inserts.append(
                 (row_id, session_id, seq, reason, session_key, created_at, payload, size)
             )
@@ -198,8 +196,6 @@ class _Group:
             self.numbers.forget()
             return
         self.numbers.next_id = self.next_id
-        self.numbers.by_id.update(self.by_id)
-        self.numbers.by_key.update(self.by_key)
 
 
 class Request:
