@@ -3,17 +3,19 @@
 Every benchmark appends a fixed number of ~500-byte JSON messages per round and
 reports ``msgs_per_s`` (messages per round over the median round time) in
 ``extra_info``; pytest-benchmark's own OPS column counts rounds, not messages.
-Groups put each walspool case next to its baseline:
+Groups put each walspool case next to its floor, in one benchmark whose rounds
+alternate the two (so a change of load on a shared machine hits each), reported as
+rates from their medians and the spread of the ratio over the rounds:
 
-- ``1 producer``: a bare ``os.write`` + ``os.fsync`` loop (one fsync per message, the
-  physical limit), the JSON-file design, walspool ``append``;
-- ``64 threads`` / ``64 asyncio tasks``: the JSON-file design and walspool, each
-  producer appending to its own session; beside them two floors, CPython's hand-off
-  alone and the hand-off into bare apsw INSERTs;
-- ``batches of 1000``: the JSON-file design's loop over a batch, walspool
-  ``append_many`` and bare apsw INSERTs of the same batches, in one benchmark whose
-  rounds alternate the designs (so a change of load on a shared machine hits each),
-  reported as rates from their medians and the spread of the ratio over the rounds.
+- ``1 producer``: walspool ``append`` and a bare ``os.write`` + ``os.fsync`` loop (one
+  fsync per message, the physical limit);
+- ``64 threads`` / ``64 asyncio tasks``: walspool and the hand-off into bare apsw
+  INSERTs, each producer appending to its own session; beside them CPython's hand-off
+  alone;
+- ``batches of 1000``: walspool ``append_many``, bare apsw INSERTs of the same batches
+  and the JSON-file design's loop over a batch.
+
+The JSON-file design also runs on its own in the first three groups, for context.
 
 Walspool cases also record commits per round (an apsw commit hook on the writer's
 connection), so ``msgs_per_commit`` shows how well group commit shares fsyncs.
@@ -70,6 +72,17 @@ JSONFILE_BATCHES = 2
 ROUNDS = 7
 #: Rounds of the interleaved ``append_many`` comparison (each times both designs).
 INTERLEAVED_ROUNDS = 9
+
+#: The results the interleaved benchmarks record, one per design (``run_interleaved``).
+WALSPOOL_1 = "test_walspool_1_producer"
+WRITE_FSYNC = "test_write_fsync"
+WALSPOOL_THREADS = "test_walspool_64_threads"
+FLOOR_THREADS = "test_handoff_sql_floor_64_threads"
+WALSPOOL_TASKS = "test_walspool_64_async"
+FLOOR_TASKS = "test_handoff_sql_floor_64_async"
+WALSPOOL_MANY = "test_walspool_append_many"
+JSONFILE_MANY = "test_jsonfile_append_many"
+FLOOR_MANY = "test_sql_floor_append_many"
 
 
 def count_commits(spool: walspool.Spool) -> list[int]:
@@ -238,19 +251,36 @@ def batch() -> list[tuple[str, Any]]:
 # -- one producer ----------------------------------------------------------------
 
 
+# Each walspool case runs interleaved with its floor (``run_interleaved``): a change of
+# load on the shared machine lands on both, and the ratio's spread round by round is
+# recorded beside it.
+
+
 @pytest.mark.benchmark(group="1 producer")
-def test_write_fsync(benchmark: Any, tmp_path: Path) -> None:
-    """Baseline (a): append ~500 bytes to one file and fsync it, per message."""
+def test_1_producer_interleaved(benchmark: Any, spool: walspool.Spool, tmp_path: Path) -> None:
+    """walspool ``append`` beside a bare ``os.write`` + ``os.fsync`` of ~500 bytes per
+    message to one file (the physical limit), alternating within each round; recorded
+    as ``test_walspool_1_producer`` and ``test_write_fsync``."""
     data = json.dumps(MESSAGE).encode() + b"\n"
     fd = os.open(tmp_path / "log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    half = SINGLE_MSGS // 2
+
+    def walspool_half() -> None:
+        for _ in range(half):
+            spool.append("session-0", MESSAGE)
+
+    def fsync_half() -> None:
+        for _ in range(half):
+            os.write(fd, data)
+            os.fsync(fd)
+
     try:
-
-        def round_() -> None:
-            for _ in range(SINGLE_MSGS):
-                os.write(fd, data)
-                os.fsync(fd)
-
-        run(benchmark, round_, SINGLE_MSGS)
+        run_interleaved(
+            benchmark,
+            {WALSPOOL_1: (walspool_half, half), WRITE_FSYNC: (fsync_half, half)},
+            ratio=(WALSPOOL_1, WRITE_FSYNC),
+            spool=(WALSPOOL_1, spool),
+        )
     finally:
         os.close(fd)
 
@@ -264,15 +294,6 @@ def test_jsonfile_1_producer(benchmark: Any, jsonfile: JsonFileSpool) -> None:
     run(benchmark, round_, SINGLE_MSGS, rounds=5)
 
 
-@pytest.mark.benchmark(group="1 producer")
-def test_walspool_1_producer(benchmark: Any, spool: walspool.Spool) -> None:
-    def round_() -> None:
-        for _ in range(SINGLE_MSGS):
-            spool.append("session-0", MESSAGE)
-
-    run(benchmark, round_, SINGLE_MSGS, spool=spool)
-
-
 # -- 64 producer threads -----------------------------------------------------------
 
 
@@ -284,10 +305,27 @@ def test_jsonfile_64_threads(
 
 
 @pytest.mark.benchmark(group="64 threads")
-def test_walspool_64_threads(
-    benchmark: Any, spool: walspool.Spool, producers: ThreadPoolExecutor
+def test_64_threads_interleaved(
+    benchmark: Any,
+    spool: walspool.Spool,
+    producers: ThreadPoolExecutor,
+    bare_inserts: _BareInserts,
 ) -> None:
-    run(benchmark, in_threads(producers, spool.append), PRODUCERS * PER_PRODUCER, spool=spool)
+    """walspool ``append`` from 64 threads beside its floor: the same threads handing
+    their appends to one thread that commits each batch with bare apsw (``_HandoffFloor``
+    with ``_BareInserts``); recorded as ``test_walspool_64_threads`` and
+    ``test_handoff_sql_floor_64_threads``."""
+    msgs = PRODUCERS * PER_PRODUCER
+    run_interleaved(
+        benchmark,
+        {
+            WALSPOOL_THREADS: (in_threads(producers, spool.append), msgs),
+            FLOOR_THREADS: (in_threads(producers, _HandoffFloor(bare_inserts).append), msgs),
+        },
+        ratio=(WALSPOOL_THREADS, FLOOR_THREADS),
+        pieces=1,
+        spool=(WALSPOOL_THREADS, spool),
+    )
 
 
 # -- 64 asyncio tasks --------------------------------------------------------------
@@ -302,18 +340,30 @@ def test_jsonfile_64_async(
 
 
 @pytest.mark.benchmark(group="64 asyncio tasks")
-def test_walspool_64_async(
-    benchmark: Any, spool: walspool.Spool, loop: asyncio.AbstractEventLoop
+def test_64_async_interleaved(
+    benchmark: Any,
+    spool: walspool.Spool,
+    loop: asyncio.AbstractEventLoop,
+    bare_inserts: _BareInserts,
 ) -> None:
-    run(benchmark, in_tasks(loop, spool.append_async), PRODUCERS * PER_PRODUCER, spool=spool)
+    """walspool ``append_async`` from 64 tasks beside the same floor, the tasks awaiting
+    the hand-off; recorded as ``test_walspool_64_async`` and
+    ``test_handoff_sql_floor_64_async``."""
+    msgs = PRODUCERS * PER_PRODUCER
+    floor = _HandoffFloor(bare_inserts).append_async
+    run_interleaved(
+        benchmark,
+        {
+            WALSPOOL_TASKS: (in_tasks(loop, spool.append_async), msgs),
+            FLOOR_TASKS: (in_tasks(loop, floor), msgs),
+        },
+        ratio=(WALSPOOL_TASKS, FLOOR_TASKS),
+        pieces=1,
+        spool=(WALSPOOL_TASKS, spool),
+    )
 
 
 # -- batches of 1,000 ----------------------------------------------------------------
-
-
-WALSPOOL_MANY = "test_walspool_append_many"
-JSONFILE_MANY = "test_jsonfile_append_many"
-FLOOR_MANY = "test_sql_floor_append_many"
 
 
 @pytest.mark.benchmark(group="batches of 1000")
@@ -350,7 +400,7 @@ def test_append_many_interleaved(
             JSONFILE_MANY: (jsonfile_half, JSONFILE_BATCHES // 2 * BATCH),
             FLOOR_MANY: (floor_half, WALSPOOL_BATCHES // 2 * BATCH),
         },
-        ratio=(WALSPOOL_MANY, JSONFILE_MANY),
+        ratio=(WALSPOOL_MANY, FLOOR_MANY),
         spool=(WALSPOOL_MANY, spool),
     )
 
@@ -459,25 +509,6 @@ def test_handoff_floor_64_threads(benchmark: Any, producers: ThreadPoolExecutor)
 @pytest.mark.benchmark(group="64 asyncio tasks")
 def test_handoff_floor_64_async(benchmark: Any, loop: asyncio.AbstractEventLoop) -> None:
     run(benchmark, in_tasks(loop, _HandoffFloor().append_async), PRODUCERS * PER_PRODUCER)
-
-
-@pytest.mark.benchmark(group="64 threads")
-def test_handoff_sql_floor_64_threads(
-    benchmark: Any, producers: ThreadPoolExecutor, bare_inserts: _BareInserts
-) -> None:
-    """Hand-off and SQL together: 64 threads hand their appends to a thread that
-    commits each batch with bare apsw, the floor under the 64-thread case."""
-    append = _HandoffFloor(bare_inserts).append
-    run(benchmark, in_threads(producers, append), PRODUCERS * PER_PRODUCER)
-
-
-@pytest.mark.benchmark(group="64 asyncio tasks")
-def test_handoff_sql_floor_64_async(
-    benchmark: Any, loop: asyncio.AbstractEventLoop, bare_inserts: _BareInserts
-) -> None:
-    """The same floor under the 64-task case."""
-    append_async = _HandoffFloor(bare_inserts).append_async
-    run(benchmark, in_tasks(loop, append_async), PRODUCERS * PER_PRODUCER)
 
 
 @pytest.mark.benchmark(group="groups of 64")

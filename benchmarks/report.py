@@ -208,7 +208,7 @@ def format_report(results: dict[str, dict[str, Any]]) -> str:
             lines.append(f"{what:<52} {ratio:7.2f}x  target >= {case.target:.3g}x  {verdict}")
     for case in CASES:
         ours = named.get(case.ours, {})
-        if case.target is None and "round_ratio_min" in ours and ours["ratio_to"] == case.base:
+        if "round_ratio_min" in ours and ours["ratio_to"] == case.base:
             lines.append(f"{case.what.replace('`', '')}:")
             lines.append(spread_line(ours))
     lines.extend(peer_lines(results))
