@@ -609,20 +609,26 @@ def test_a_spool_whose_writer_cannot_start_closes_what_its_open_took(spool_path,
 
 
 @pytest.mark.parametrize("how", ["deleted", "moved"])
-def test_put_nowait_makes_the_path_check_append_makes(spool, how):
-    """The gateway link's non-blocking path refuses a spool whose path no longer names
-    its file, as ``append`` does, before anything is queued."""
+def test_put_nowait_gets_the_path_check_append_gets(spool, how):
+    """The gateway link's non-blocking path is refused as ``append`` is once the path no
+    longer names the spool's file: ``check_path`` raises at once, and rows handed over
+    fail when their group commits (the writer's check), none written to the old file."""
     row = spool.prepare("s", {"content": "m"}, CAP_DROP)
     assert spool.stats().rows == 0  # its reader is open on the file from now on
+    spool.check_path()  # names it still
     if how == "deleted":
         spool.path.unlink()
     else:
         spool.path.rename(spool.path.with_name("moved.db"))
+    with pytest.raises(walspool.SpoolReplaced, match="no longer names the file"):
+        spool.check_path()
     done: list = []
-    with pytest.raises(walspool.SpoolReplaced):
-        spool.put_nowait((row,), done.append)
+    spool.put_nowait((row,), done.append)
     spool.flush()
-    assert done == [] and spool.stats().rows == 0
+    (request,) = done
+    assert isinstance(request.error, walspool.SpoolReplaced)
+    assert request.error.session_id == "s"
+    assert spool.stats().rows == 0
 
 
 def test_the_internal_surface_answers_as_the_spool_is(spool):

@@ -95,6 +95,8 @@ class ShutdownFlushes:
                 # Filled below; ``_flushed`` reads it under the lock held here.
                 generations: dict[str, int] = {}
                 try:
+                    # A replaced spool is refused before the queue is touched.
+                    self.spool.check_path()
                     # Under the lock, so no message of these sessions is queued, evicted
                     # or written meanwhile: the spool gets them in arrival order.
                     self.spool.put_nowait(

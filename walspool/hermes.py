@@ -35,12 +35,14 @@ session up again, so every thread wakes to the current state.
 Waits a gateway thread can meet because of walspool, with their bounds:
 
 * the store's lock, held only for in-memory work: never a blocking put, never SQLite
-  or file I/O (an eviction costs one ``stat`` of the spool's path, no more).
-  An eviction is handed to the spool's writer with ``Spool.put_nowait``; when its
-  queue is full, or the oldest message is being written right now, the message stays
-  in memory over the cap (WARNING when the spool is the reason). ``put_nowait`` makes
-  the checks ``Spool.append`` makes: a closed spool, or one whose path no longer names
-  its file (deleted, moved), refuses the eviction, which takes the drop-and-warn path;
+  or file I/O (not even a ``stat``: one releases the GIL, and every other gateway
+  thread would then wait on the lock for it). An eviction is handed to the spool's
+  writer with ``Spool.put_nowait``; when its queue is full, or the oldest message is
+  being written right now, the message stays in memory over the cap (WARNING when the
+  spool is the reason). An eviction gets the checks ``Spool.append`` gets: a closed
+  spool refuses it at once, and one whose path no longer names its file (deleted,
+  moved) fails it when its group commits (the writer's check, once per group); either
+  takes the drop-and-warn path;
 * past twice the cap only (messages arriving faster than the spool or one state.db
   write takes them): at most ``HANDOFF_WAIT`` for room in the spool writer's queue or
   for that write to end, and no wait at all while another process holds the spool's

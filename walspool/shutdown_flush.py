@@ -225,6 +225,9 @@ def spool_dropped_transcript_message(session_id: str, message: dict[str, Any]) -
             )
             return None
         row = spool.prepare(session_id, message, CAP_DROP)
+        # Refused now, so the gateway drops and warns, rather than at the commit after
+        # it has said the message was spooled.
+        spool.check_path()
         key = (spool.path, session_id)
         with _handoffs:
             _unconfirmed[key] = _unconfirmed.get(key, 0) + 1

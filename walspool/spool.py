@@ -271,16 +271,23 @@ class Spool:
         place in order is taken now, and ``callback(request)`` runs once they are
         committed or have failed (see ``Writer.notify``). With ``quarantine`` (one row),
         the row is committed already set aside, that text as its error. Raises
-        ``queue.Full`` when the writer's queue has no room, and what ``append`` raises
-        for a closed spool or one whose path names another file now (``SpoolReplaced``).
+        ``queue.Full`` when the writer's queue has no room, and ``SpoolClosed`` for a
+        closed spool. The path check ``append`` gets is made the same way, by the writer
+        when the group commits: rows queued for a path that names another file by then
+        fail there (``request.error`` is ``SpoolReplaced``). ``check_path`` asks now.
         """
-        self._check_path()
         if quarantine is not None:
             (row,) = rows
             request: Append = Quarantined(row, quarantine)
         else:
             request = Append(rows, single=single)
         self._writer.notify_nowait(request, callback)
+
+    def check_path(self) -> None:
+        """Raise ``SpoolReplaced`` now if the spool's path names another file (or none):
+        the check the writer makes for each group of appends, for a caller that must
+        know before it hands rows over (a shutdown's flush keeps its queue then)."""
+        self._check_path()
 
     def confirm_nowait(self, callback: Callable[[Any], None]) -> None:
         """Queue an empty transaction without waiting: ``callback(request)`` runs once
