@@ -184,4 +184,5 @@ def test_replay_overhead_only(benchmark: Any, tmp_path: Path) -> None:
 def _record(benchmark: Any, name: str) -> None:
     median = benchmark.stats.stats.median
     benchmark.extra_info["msgs_per_round"] = REPLAY_ROWS
+    benchmark.extra_info["group"] = GROUP  # report.py reads it from the JSON file
     benchmark.extra_info["msgs_per_s"] = record(name, GROUP, REPLAY_ROWS, median)
