@@ -372,8 +372,9 @@ def test_only_the_claims_holder_changes_its_fields(change, holder):
         state.backed_off(mine, 2, 140.0, 145.0)
         state.writing(mine, {"role": "user", "content": "x"})
     before = holder_record(state)
-    with pytest.raises(NotTheHolder):
+    with pytest.raises(NotTheHolder) as refused:
         getattr(state, change)(Writer(background=True), *HOLDER_CHANGES[change])
+    assert str(refused.value) == "only the holder of the session's claim changes it"
     assert holder_record(state) == before
 
 
