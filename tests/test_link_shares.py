@@ -111,3 +111,35 @@ def test_the_noted_rows_stay_within_their_bound(spool, monkeypatch):
             assert len(noted.rows) <= 8
         assert list(noted.rows)[-1] == more[-1].id
         assert noted.gone() == {}  # forgotten rows are not told as gone
+
+
+def test_past_the_bound_only_the_latest_half_still_there_is_kept(spool, monkeypatch):
+    """Past ``NOTED_ROWS`` (8 here) the rows still in the spool but the latest 4 are
+    forgotten before a new row is noted; a batch that alone takes the count past the
+    bound forgets none of the fewer than 4 noted before it."""
+    monkeypatch.setattr(_link_shares, "NOTED_ROWS", 8)
+    moving = Moving(Recording(), spool, Shares())
+    held, more = rows(spool, "held", 8), rows(spool, "more", 1)
+    with moving.counting() as noted:
+        for record in held:
+            moving.write("held", record, None)
+        moving.write("more", more[0], None)
+        assert list(noted.rows) == [r.id for r in held[4:]] + [more[0].id]
+    first, big = rows(spool, "first", 3), rows(spool, "big", 7)
+    with moving.counting() as noted:
+        for record in first:
+            moving.write("first", record, None)
+        moving.write_many("big", [(r, None) for r in big])
+        assert list(noted.rows) == [r.id for r in first + big]
+
+
+def test_a_spool_that_cannot_be_probed_is_not_taken_for_empty(spool, monkeypatch):
+    """``empty`` answers True only when the probe shows no row: a probe that fails says
+    False, so the start's count runs and finds out."""
+
+    def fails(sql: str, params: Any) -> Any:
+        raise walspool.SpoolIOError("disk I/O error", path=spool.path)
+
+    assert _link_shares.empty(spool)
+    monkeypatch.setattr(spool, "query", fails)
+    assert _link_shares.empty(spool) is False
