@@ -279,6 +279,9 @@ def test_the_gateway_started_its_own_way_is_linked_and_stops_on_sigint(
     ) as gw:
         try:
             line = wait_for_line(gateway, logs, gw)
+            # The linked line comes at plugin discovery, before the gateway installs its
+            # SIGINT handler; all three write their PID file after installing it.
+            wait_for_file(home / "gateway.pid", gw)
             gw.send_signal(signal.SIGINT)
             gw.wait(PROCESS_SECONDS)
         finally:
@@ -289,6 +292,15 @@ def test_the_gateway_started_its_own_way_is_linked_and_stops_on_sigint(
     assert not [x for x in text.splitlines() if "walspool" in x and " ERROR " in x]
     with walspool.Spool(spool) as s:  # made by the link, or by the startup recovery
         assert s.stats().rows == 0
+
+
+def wait_for_file(path: Path, process: subprocess.Popen[bytes]) -> None:
+    """``path`` made by the running ``process``, waited for with a bound."""
+    deadline = time.monotonic() + PROCESS_SECONDS
+    while not path.exists():
+        assert process.poll() is None, f"the gateway exited with {process.returncode}"
+        assert time.monotonic() < deadline, f"no {path} within {PROCESS_SECONDS} s"
+        time.sleep(0.1)
 
 
 def wait_for_line(gateway: Gateway, logs: Path, process: subprocess.Popen[bytes]) -> str:
