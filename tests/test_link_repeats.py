@@ -28,6 +28,7 @@ from hypothesis import strategies as st
 
 import walspool
 import walspool.writer as writer
+from walspool import outage
 from walspool._link_repeats import REPEAT_SECONDS, Kind, Repeats, Said
 from walspool.hermes import install
 
@@ -364,3 +365,39 @@ def test_due_says_each_key_at_its_own_time_and_keeps_the_others_held():
     assert (key, line.kind, line.count, line.total, line.detail) == (
         "x", Kind.AGAIN, 1, 3, "disk full"
     )  # fmt: skip
+
+
+def test_a_drain_that_keeps_failing_is_said_again_once_per_interval(store, spool, caplog):
+    """state.db broken with a session's rows spooled: each message tries the drain first
+    (it fails: the message waits, the oldest is evicted), and each failure counts. Past
+    the first few (said while the queue filled), a failed drain is said once per
+    ``REPORT_SECONDS`` on the link's clock, word for word with its counts, and not in
+    between."""
+    store._db.create_session("s", "telegram")
+    link = install(store, spool, retry_interval=0)
+    link.clock = clock = Clock()
+    sql(store, BREAK)
+    for i in range(201):  # the 201st evicts the oldest: the session has a spooled row
+        store.append_to_transcript("s", msg(f"m{i}"))
+    caplog.set_level(logging.WARNING, logger="walspool.hermes")
+    for i in range(201, 211):
+        store.append_to_transcript("s", msg(f"m{i}"))
+    assert link_lines(caplog, logging.WARNING, "Replay of") == []  # within the interval
+    said = []
+    for k, i in enumerate(range(211, 215)):
+        if k % 2 == 0:
+            clock.move(outage.REPORT_SECONDS)
+        store.append_to_transcript("s", msg(f"m{i}"))
+        said.append(link_lines(caplog, logging.WARNING, "Replay of"))
+    spooled = 11 + 1  # m0-m10 before the first said drain, then one per message
+    assert [len(lines) for lines in said] == [1, 1, 2, 2]
+    for n, line in enumerate(said[-1]):
+        assert line == (
+            f"Replay of {spooled + 2 * n} spooled transcript message(s) for s failed; keeping "
+            f"them in {spool.path} and holding back 200 queued message(s): IntegrityError: "
+            "database disk image is malformed"
+        )
+    sql(store, HEAL)
+    store.append_to_transcript("s", msg("m215"))
+    assert link.wait_idle(STEP)
+    assert contents(store, "s") == [f"m{i}" for i in range(216)]
