@@ -212,7 +212,40 @@ def format_report(results: dict[str, dict[str, Any]]) -> str:
             lines.append(f"{case.what.replace('`', '')}:")
             lines.append(spread_line(ours))
     lines.extend(peer_lines(results))
+    costs = cost_table(results)
+    if costs:
+        lines += ["", "what each guarantee costs (bench_costs.py), us a message:", *costs]
     return "\n".join(lines)
+
+
+#: bench_costs.py's designs, in its table's order: the guarantees, then the machinery.
+COSTS = ["path check", "data_version", "checks and encoding", "statistics index", "all off"]
+
+
+def cost_table(results: dict[str, dict[str, Any]]) -> list[str]:
+    """bench_costs.py's figures as a markdown table: per case, the whole path's time a
+    message, each guarantee's cost (the whole path less that guarantee switched off, round
+    by round), and all of them off less the floor (walspool's own machinery)."""
+    by_group: dict[str, dict[str, dict[str, Any]]] = {}
+    for r in results.values():
+        if "costs_of" in r:
+            by_group.setdefault(r["group"], {})[r["costs_of"]] = r
+    if not by_group:
+        return []
+    lines = [
+        "| case | whole path | " + " | ".join(COSTS[:-1]) + " | machinery (all off - floor) |",
+        "|---|" + "---:|" * (len(COSTS) + 1),
+    ]
+    for group, designs in by_group.items():
+        whole = 1e6 / designs["whole"]["msgs_per_s"]
+        floor = 1e6 / designs["floor"]["msgs_per_s"]
+        cells = [f"{designs[name]['us_per_msg_over']:.2f}" for name in COSTS if name in designs]
+        lines.append(
+            f"| {group.removeprefix('costs: ')} | {whole:.1f} (floor {floor:.1f}) | "
+            + " | ".join(cells)
+            + " |"
+        )
+    return lines
 
 
 def spread_line(result: dict[str, Any]) -> str:
@@ -390,6 +423,9 @@ def markdown_table(results: dict[str, dict[str, Any]], runs: list[dict[str, Any]
             lines.append(
                 f"| {what} | {_quantity(value, unit)} | | | < {bound:g} {unit}: {verdict} |"
             )
+    costs = cost_table(results)
+    if costs:
+        lines += ["", *costs]
     return "\n".join(lines)
 
 
