@@ -47,7 +47,7 @@ from report import record
 
 import walspool
 
-ROUNDS = 9
+ROUNDS = 15
 SINGLE = 1_000
 BATCHES = 10
 
