@@ -68,6 +68,20 @@ def test_a_second_outage_starts_its_totals_afresh(caplog):
     )
 
 
+def test_a_rewrite_after_every_row_was_replayed_supersedes_none(caplog):
+    """A session whose spooled rows were all written back before a rewrite ended its
+    episode adds nothing to the superseded count: the outage line names none."""
+    log = OutageLog(SPOOL, 200)
+    a, _ = log.evicted("a", None, 2, 0.0)
+    b, _ = log.evicted("b", None, 1, 0.0)
+    log.replayed_rows(a, 2)
+    assert said(log.ended("a", a, 1.0, superseded=True), caplog) == []
+    log.replayed_rows(b, 1)
+    assert said(log.ended("b", b, 3.0), caplog)[-1] == (
+        "walspool: outage over: 3 spooled, 3 replayed in 3.0 s"
+    )
+
+
 def test_a_session_without_an_episode_ends_nothing(caplog):
     log = OutageLog(SPOOL, 200)
     log.replayed_rows(None, 5)
