@@ -401,3 +401,31 @@ def test_a_drain_that_keeps_failing_is_said_again_once_per_interval(store, spool
     store.append_to_transcript("s", msg("m215"))
     assert link.wait_idle(STEP)
     assert contents(store, "s") == [f"m{i}" for i in range(216)]
+
+
+def test_the_first_failures_in_a_row_are_said_each_and_the_next_waits_for_the_interval(
+    store, spool, caplog
+):
+    """state.db broken, no background retries: each message's write fails. The first
+    ``QUIET_AFTER`` failures are said each, word for word with their count; the next
+    ones only once ``REPORT_SECONDS`` have passed on the link's clock since the last."""
+    store._db.create_session("s", "telegram")
+    link = install(store, spool, retry_interval=0)
+    link.clock = clock = Clock()
+    sql(store, BREAK)
+    caplog.set_level(logging.WARNING, logger="walspool.hermes")
+    for i in range(outage.QUIET_AFTER + 3):
+        store.append_to_transcript("s", msg(f"m{i}"))
+    failed = link_lines(caplog, logging.WARNING, "append failed")
+    assert failed == [
+        f"Session DB transcript append failed for s (failure_count={n}, pending={n}); will "
+        "retry: database disk image is malformed"
+        for n in range(1, outage.QUIET_AFTER + 1)
+    ]
+    clock.move(outage.REPORT_SECONDS)
+    store.append_to_transcript("s", msg("late"))
+    n = outage.QUIET_AFTER + 4
+    assert link_lines(caplog, logging.WARNING, "append failed")[len(failed) :] == [
+        f"Session DB transcript append failed for s (failure_count={n}, pending={n}); will "
+        "retry: database disk image is malformed"
+    ]
