@@ -37,6 +37,7 @@ import walspool
 import walspool._link_bounds as bounds
 import walspool._link_shutdown as link_shutdown
 import walspool.writer as writer
+from walspool.errors import ReplayBusy
 from walspool.hermes import Link, install
 
 pytest.importorskip("hermes_state")
@@ -1245,6 +1246,44 @@ def test_a_flush_while_a_drain_finds_nothing_is_not_taken_for_what_that_drain_sa
     assert not armed.is_set() and flushed == [4]
     assert contents(store, "s") == [f"m{i}" for i in range(5)]
     assert spool.stats().rows == 0
+
+
+@pytest.mark.parametrize(
+    "failure",
+    [
+        lambda path: ReplayBusy("another replay has the spool", path=path, pid=None),
+        lambda path: OSError(5, "disk I/O error"),
+    ],
+    ids=["busy", "error"],
+)
+def test_a_message_queued_behind_a_failed_drain_after_a_rewrite_is_written_unasked(
+    store, spool, failure
+):
+    """Step by step: a gateway thread drains its session's row an earlier run spooled;
+    while its replay runs, a /retry rewrites the transcript (it forgets the queue at
+    once, and supersedes the row once the drain has let the spool go or HANDOFF_WAIT
+    has passed) and then a message is queued behind the drain; then the replay fails
+    (another replay has the spool's lock, or an error). The drain gives the session up
+    with nothing spooled and one message queued: the background thread writes it once
+    the retry delay ends, with no further message (not at its idle wake, a minute on)."""
+    link, _ = _linked_with_an_earlier_row(store, spool, retry_interval=0.05)
+    replay, failed = link.replayer.replay, []
+
+    def rewritten_then_failing(*args: Any, **kw: Any) -> Any:
+        if failed:
+            return replay(*args, **kw)
+        assert joined(in_thread(lambda: store.rewrite_transcript("s", [msg("rewritten")])))
+        assert joined(in_thread(lambda: store.append_to_transcript("s", msg("after"))))
+        with link._lock:
+            assert [m["content"] for m in store._dirty_transcripts["s"]] == ["after"]
+        failed.append(threading.current_thread())
+        raise failure(spool.path)
+
+    link.replayer.replay = rewritten_then_failing
+    store.append_to_transcript("s", msg("first"))  # drains first; the /retry forgets it
+    assert failed == [threading.current_thread()]
+    assert link.wait_idle(STEP), "the queued message waited for another message"
+    assert contents(store, "s") == ["rewritten", "after"]
 
 
 @contextlib.contextmanager
