@@ -429,3 +429,7 @@ def test_the_first_failures_in_a_row_are_said_each_and_the_next_waits_for_the_in
         f"Session DB transcript append failed for s (failure_count={n}, pending={n}); will "
         "retry: database disk image is malformed"
     ]
+    # A failure not said ends its writer's turn as one that is: no second attempt by a
+    # writer that gave its role up (which the claim refuses, an ERROR).
+    assert link_lines(caplog, logging.ERROR) == []
+    assert store._transcript_append_failures["s"] == n
