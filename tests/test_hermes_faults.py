@@ -20,13 +20,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _gateway import BREAK, HEAL, contents, found_locked, msg, sql, told_drops
+from _gateway import BREAK, HEAL, contents, fill_the_writer, found_locked, msg, sql, told_drops
 from _helpers import ROOT, STEP
 from _lock_holder import replay_lock_held, write_lock_held
 
 import walspool
 import walspool._link_bounds as bounds
 import walspool.writer as writer
+from walspool._link_repeats import REPEAT_SECONDS
 from walspool.errors import ReplayBusy
 from walspool.hermes import Link, install
 
@@ -233,6 +234,57 @@ def test_a_full_spool_queue_keeps_messages_in_memory_then_drops_with_a_warning(
     with caplog.at_level(logging.WARNING, logger="walspool.hermes"):
         link.close()  # says the lines held back
     assert told_drops(caplog, "a") == 420 - len(got)
+
+
+def test_past_twice_the_cap_behind_a_full_spool_queue_a_gateway_thread_waits_its_bound(
+    store, spool, monkeypatch, caplog
+):
+    """The spool's writer is held inside an operation with its queue full (its write
+    lock is not held elsewhere: the spool is not busy, room may come soon). Past twice
+    the cap a gateway thread waits for room at most ``HANDOFF_WAIT``, then drops the
+    oldest message with a WARNING and returns, while the writer is still held. A line
+    due before the wait (the keeps' summary, an interval on) is said with the drop."""
+    monkeypatch.setattr(writer, "QUEUE_REQUESTS", 2)
+    monkeypatch.setattr(store, "_MAX_PENDING_PER_SESSION", 2, raising=False)
+    monkeypatch.setattr(bounds, "HANDOFF_WAIT", 0.2)
+    store._db.create_session("a", "telegram")
+    link = install(store, spool, retry_interval=3600)
+    later = [0.0]
+    link.clock = lambda: time.monotonic() + later[0]
+    sql(store, BREAK)
+    go_on, fillers = fill_the_writer(spool)
+    for i in range(4):  # up to twice the cap: kept in memory, no room in the spool
+        store.append_to_transcript("a", msg(f"a{i}"))
+    later[0] = REPEAT_SECONDS  # the next keep is summed up at once
+    recorded: list[Waits] = []
+
+    def past_twice_the_cap() -> None:
+        recorded.append(Waits(link, spool))
+        store.append_to_transcript("a", msg("a4"))
+
+    caplog.set_level(logging.WARNING, logger="walspool.hermes")
+    appender = threading.Thread(target=past_twice_the_cap, daemon=True)
+    appender.start()
+    appender.join(STEP)
+    try:
+        assert not appender.is_alive(), "the gateway thread waited for the spool's writer"
+        room = [bound for what, bound, _ in recorded[0].seen if "wait_for_room" in what]
+        assert room and all(0 < bound <= 0.2 for bound in room), room
+        assert [m["content"] for m in store._dirty_transcripts["a"]] == [
+            f"a{i}" for i in range(1, 5)
+        ]
+        # The first look's summary of the keeps is said, before the wait's drop.
+        kept = [r.getMessage() for r in caplog.records if "kept in memory" in r.getMessage()]
+        assert kept == [
+            f"Session DB transcript pending queue full for a (cap=2); the spool {spool.path} "
+            "is still busy: the oldest message was kept in memory 1 more time(s) (2 in 60 s; "
+            "the oldest is dropped past 4)"
+        ]
+        assert told_drops(caplog, "a") == 1
+        assert not any(f.done() for f in fillers)  # the writer is still held
+    finally:
+        go_on.set()
+    assert [f.result(STEP).seq for f in fillers] == [1, 2]
 
 
 def test_a_lock_held_past_the_bound_takes_the_drop_path_and_the_gateway_goes_on(
