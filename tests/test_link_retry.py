@@ -191,3 +191,39 @@ def test_a_recovery_after_another_replay_moved_the_rows_tells_none_replayed_by_i
     ), lines
     assert re.fullmatch(r"walspool: outage over: 3 spooled, 0 replayed in \d+\.\d s", lines[1])
     assert contents(store, "s") == [f"m{i}" for i in range(5)]
+
+
+def test_a_recovery_that_ends_an_outage_on_a_broken_state_db_leaves_the_next_its_own(
+    store, spool, monkeypatch, caplog
+):
+    """Another replay moves the 3 rows an outage of s spooled, and state.db breaks again
+    before the link's recovery: the recovery ends that outage, its write of the queue
+    fails, and the evictions that follow begin a second outage, said as it begins (the
+    first one's record is gone); once state.db heals, everything lands in order."""
+    monkeypatch.setattr(store, "_MAX_PENDING_PER_SESSION", 2, raising=False)
+    store._db.create_session("s", "telegram")
+    link = install(store, spool, retry_interval=3600)
+    sql(store, BREAK)
+    for i in range(5):
+        store.append_to_transcript("s", msg(f"m{i}"))
+    spool.flush()
+    sql(store, HEAL)
+    assert link.replayer.replay().moved == 3  # not through the link: it is not told
+    sql(store, BREAK)
+    caplog.set_level(logging.WARNING, logger="walspool.hermes")
+    caplog.clear()
+    assert link.recover().moved == 0
+    assert len(link_lines(caplog, logging.WARNING, "outage over")) == 1
+    caplog.clear()
+    for i in range(5, 8):
+        store.append_to_transcript("s", msg(f"m{i}"))  # m3, m4, m5 evicted at the cap
+    spool.flush()
+    assert link_lines(caplog, logging.ERROR) == []
+    assert link_lines(caplog, logging.WARNING, "queue full") == [
+        "Session DB transcript pending queue full for s (cap=2); spooling the oldest "
+        f"messages to {spool.path} until state.db takes them (one line when it has drained)"
+    ]
+    sql(store, HEAL)
+    assert link.recover().moved == 3
+    assert link.wait_idle(STEP)
+    assert contents(store, "s") == [f"m{i}" for i in range(8)]
