@@ -165,12 +165,12 @@ def test_a_session_that_waited_for_a_start_recovery_that_failed_is_written(
     ]
 
 
-def test_a_recovery_after_another_replay_moved_the_rows_tells_none_replayed_by_it(
-    store, spool, monkeypatch, caplog
-):
-    """An outage spools 3 evictions of s; another replay (an operator's, say) moves them
-    before the link's recovery runs: the recovery still ends the session's outage, saying
-    that it replayed none of them, and the session's queue follows."""
+def _spooled_then_moved_elsewhere(
+    store: Any, spool: walspool.Spool, monkeypatch: pytest.MonkeyPatch
+) -> Link:
+    """An outage of s (cap 2) spools m0-m2 and keeps m3, m4 queued; state.db heals and
+    another replay (an operator's, say), not the link's, moves the three rows. The link
+    (retrying in an hour: only the test's calls recover)."""
     monkeypatch.setattr(store, "_MAX_PENDING_PER_SESSION", 2, raising=False)
     store._db.create_session("s", "telegram")
     link = install(store, spool, retry_interval=3600)
@@ -180,6 +180,16 @@ def test_a_recovery_after_another_replay_moved_the_rows_tells_none_replayed_by_i
     spool.flush()
     sql(store, HEAL)
     assert link.replayer.replay().moved == 3  # not through the link: it is not told
+    return link
+
+
+def test_a_recovery_after_another_replay_moved_the_rows_tells_none_replayed_by_it(
+    store, spool, monkeypatch, caplog
+):
+    """An outage spools 3 evictions of s; another replay (an operator's, say) moves them
+    before the link's recovery runs: the recovery still ends the session's outage, saying
+    that it replayed none of them, and the session's queue follows."""
+    link = _spooled_then_moved_elsewhere(store, spool, monkeypatch)
     caplog.clear()
     assert link.recover().moved == 0
     lines = link_lines(caplog, logging.WARNING)
@@ -200,15 +210,7 @@ def test_a_recovery_that_ends_an_outage_on_a_broken_state_db_leaves_the_next_its
     before the link's recovery: the recovery ends that outage, its write of the queue
     fails, and the evictions that follow begin a second outage, said as it begins (the
     first one's record is gone); once state.db heals, everything lands in order."""
-    monkeypatch.setattr(store, "_MAX_PENDING_PER_SESSION", 2, raising=False)
-    store._db.create_session("s", "telegram")
-    link = install(store, spool, retry_interval=3600)
-    sql(store, BREAK)
-    for i in range(5):
-        store.append_to_transcript("s", msg(f"m{i}"))
-    spool.flush()
-    sql(store, HEAL)
-    assert link.replayer.replay().moved == 3  # not through the link: it is not told
+    link = _spooled_then_moved_elsewhere(store, spool, monkeypatch)
     sql(store, BREAK)
     caplog.set_level(logging.WARNING, logger="walspool.hermes")
     caplog.clear()
