@@ -269,7 +269,7 @@ def test_past_twice_the_cap_behind_a_full_spool_queue_a_gateway_thread_waits_its
     try:
         assert not appender.is_alive(), "the gateway thread waited for the spool's writer"
         room = [bound for what, bound, _ in recorded[0].seen if "wait_for_room" in what]
-        assert room and all(0 < bound <= 0.2 for bound in room), room
+        assert room and all(0 < bound <= bounds.HANDOFF_WAIT for bound in room), room
         assert [m["content"] for m in store._dirty_transcripts["a"]] == [
             f"a{i}" for i in range(1, 5)
         ]

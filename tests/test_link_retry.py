@@ -169,8 +169,8 @@ def _spooled_then_moved_elsewhere(
     store: Any, spool: walspool.Spool, monkeypatch: pytest.MonkeyPatch
 ) -> Link:
     """An outage of s (cap 2) spools m0-m2 and keeps m3, m4 queued; state.db heals and
-    another replay (an operator's, say), not the link's, moves the three rows. The link
-    (retrying in an hour: only the test's calls recover)."""
+    another replay (an operator's, say), not the link's, moves the three rows. Returns
+    the link, which retries in an hour: only the test's own calls recover."""
     monkeypatch.setattr(store, "_MAX_PENDING_PER_SESSION", 2, raising=False)
     store._db.create_session("s", "telegram")
     link = install(store, spool, retry_interval=3600)
