@@ -295,6 +295,126 @@ def test_a_fifo_swapped_in_after_the_check_never_hangs_roots_reads(shared_tmp):
     assert set(json.loads(last[len("codes ") :])) <= {0, 1}
 
 
+# -- SQLite's own opens: every file it keeps is checked on its descriptor -------------------
+
+#: The commands root may run on the owner's spool, each of which makes SQLite read it.
+ROOTS_COMMANDS = [
+    ["stats"],
+    ["ls"],
+    ["show", "s"],
+    ["export"],
+    ["vacuum"],
+    ["requeue", "--session", "s", "--quarantined"],
+    ["drop", "--session", "s", "--superseded", "--yes"],
+]
+
+GATEWAY_HOLDING = """
+import sys, walspool
+spool = walspool.Spool(sys.argv[1])
+spool.append("s", {"role": "user", "content": "x"})
+print("ready", flush=True)
+sys.stdin.read()
+spool.close()
+"""
+
+
+@contextlib.contextmanager
+def gateway_running(path: Path) -> Iterator[None]:
+    """The owner's process holding the spool open, as a gateway does (its ``-wal`` and
+    ``-shm`` exist), for the block."""
+    assert SETPRIV is not None
+    proc = subprocess.Popen(
+        [SETPRIV, f"--reuid={OWNER}", f"--regid={OWNER}", "--clear-groups", sys.executable]
+        + ["-c", GATEWAY_HOLDING, str(path)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "HOME": "/nonexistent"},
+    )
+    try:
+        ready, _, _ = select.select([proc.stdout], [], [], BOUND)
+        assert ready and proc.stdout.readline() == "ready\n", proc.stderr.read()
+        assert os.path.exists(f"{path}-wal")
+        yield
+    finally:
+        proc.kill()
+        proc.wait(BOUND)
+
+
+def link_as_owner(target: Path, name: Path) -> None:
+    done = as_user(OWNER, "import os, sys; os.link(*sys.argv[1:])", str(target), str(name))
+    assert done.returncode == 0, done.stderr
+
+
+@as_root
+@pytest.mark.parametrize("running", [False, True], ids=["stopped", "gateway running"])
+@pytest.mark.parametrize("command", ROOTS_COMMANDS, ids=lambda argv: argv[0])
+def test_a_hard_link_planted_as_the_journal_is_never_given_away(shared_tmp, command, running):
+    """The owner hard-links a file of root's (one it may write, so the kernel lets it)
+    as ``spool.db-journal``: every command root runs refuses, naming it; the file stays
+    root's (before: SQLite's hot-journal check at the first read chowned it to the
+    owner, for every write command, and for every read while a gateway ran)."""
+    home = owned_dir(shared_tmp / "hermes", OWNER)
+    spool_path = gateway_spool(home)
+    victim = root_file(shared_tmp, 0o666)
+    with gateway_running(spool_path) if running else contextlib.nullcontext():
+        link_as_owner(victim, home / "spool.db-journal")
+        done = walspool_cli(command[0], spool_path, *command[1:])
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "spool.db-journal has 2 hard links" in done.stderr
+    assert state(victim) == (0, 0o666, "root's own")
+    with pytest.raises(walspool.UntrustedSpool, match="spool.db-journal has 2 hard links"):
+        walspool.Spool(spool_path)
+    assert state(victim) == (0, 0o666, "root's own")
+
+
+@as_root
+@pytest.mark.parametrize("name", ["spool.db-journal", "spool.db-wal"])
+def test_a_hard_link_swapped_in_after_the_check_is_never_given_away(shared_tmp, name):
+    """The owner puts a hard link to a file of root's at ``-journal`` (linked and
+    unlinked) or exchanges it with the running gateway's genuine ``-wal``, as fast as
+    it can, while root runs ``stats`` over and over: every reading returns (read or
+    refused) and root's file stays root's (before: given to the owner within a few
+    hundred readings; SQLite's open is now checked on its own descriptor)."""
+    home = owned_dir(shared_tmp / "hermes", OWNER)
+    spool_path = gateway_spool(home)
+    victim = root_file(shared_tmp, 0o666)
+    setup = f"""
+        def link():
+            if not os.path.lexists("link"):
+                os.link({str(victim)!r}, "link")
+        """
+    if name == "spool.db-wal":  # renameat2 exchanges the two names
+        setup += """
+        setup = link
+        """
+    else:  # the journal appears and goes, and is exchanged with "link" while it exists
+        setup += """
+        def setup():
+            link()
+            if not os.path.lexists("spool.db-journal"):
+                os.link("link", "spool.db-journal")
+        def each():
+            if os.path.lexists("spool.db-journal"):
+                os.unlink("spool.db-journal")
+            else:
+                os.link("link", "spool.db-journal")
+        """
+    with gateway_running(spool_path), swapping(home, name, "link", setup):
+        done = subprocess.run(
+            [sys.executable, "-c", READ_LOOP, str(spool_path), str(TRIES)],
+            capture_output=True,
+            text=True,
+            timeout=BOUND * 3,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
+    assert done.returncode == 0, done.stderr[-2000:]
+    (last,) = [line for line in done.stdout.splitlines() if line.startswith("codes ")]
+    assert set(json.loads(last[len("codes ") :])) <= {0, 1}
+    assert state(victim) == (0, 0o666, "root's own")
+
+
 # -- replay writes into the state.db it checked ----------------------------------------
 
 

@@ -39,6 +39,7 @@ import sys
 import time
 from pathlib import Path
 
+from . import open_guard
 from .directories import Directory, changed, open_directory
 from .errors import DiskFull, NotASpool, SpoolIOError, SymlinkRefused, UntrustedSpool
 
@@ -98,7 +99,8 @@ def check_files(path: Path, owner: int) -> None:
 
 
 def _check_files(directory: Directory, path: Path) -> None:
-    """Check the database, ``-wal`` and ``-shm`` in ``directory``; fix modes by descriptor.
+    """Check the database, ``-journal``, ``-wal`` and ``-shm`` in ``directory``; fix modes
+    by descriptor.
 
     Each is opened below the directory with ``O_PATH | O_NOFOLLOW`` (Linux): that
     opens neither a FIFO nor a link's target, and closing it drops none of the POSIX
@@ -106,7 +108,7 @@ def _check_files(directory: Directory, path: Path) -> None:
     that descriptor, and its mode changed through it (``/proc/self/fd``, as glibc's
     ``fchmodat`` does): never by the path again.
     """
-    for name in (path.name, f"{path.name}-wal", f"{path.name}-shm"):
+    for name in sqlite_names(path):
         shown = path.with_name(name)
         try:
             fd = directory.open(name, _PATH_ONLY)
@@ -115,12 +117,8 @@ def _check_files(directory: Directory, path: Path) -> None:
         try:
             st = os.fstat(fd)
             if stat.S_ISLNK(st.st_mode):
-                raise SymlinkRefused(
-                    f"{shown} is a symbolic link; walspool does not follow links among a "
-                    "spool's files: remove it",
-                    path=path,
-                )
-            _check_stat(st, shown, directory.owner, path)
+                raise symlink_refused(shown, path)
+            check_stat(st, shown, directory.owner, path)
             if stat.S_IMODE(st.st_mode) != 0o600:
                 _chmod_descriptor(fd, directory, name)
         finally:
@@ -160,40 +158,50 @@ def check_opened(path: Path, opened: os.stat_result | None) -> None:
             opened is not None and (st.st_dev, st.st_ino) != (opened.st_dev, opened.st_ino)
         ):
             raise changed(path, path)
-        for name in (path.name, f"{path.name}-wal", f"{path.name}-shm"):
+        for name in sqlite_names(path):
             st = directory.lstat(name)
             if st is None:
                 continue
             if stat.S_ISLNK(st.st_mode):
-                raise SymlinkRefused(
-                    f"{path.with_name(name)} is a symbolic link; walspool does not follow "
-                    "links among a spool's files: remove it",
-                    path=path,
-                )
-            _check_stat(st, path.with_name(name), directory.owner, path)
+                raise symlink_refused(path.with_name(name), path)
+            check_stat(st, path.with_name(name), directory.owner, path)
         if opened is not None:
-            _check_stat(opened, path, directory.owner, path)
+            check_stat(opened, path, directory.owner, path)
 
 
-def check_for_reading(path: Path) -> None:
+def check_for_reading(path: Path) -> int:
     """Before a read-only open: the directory trusted, and each spool file there a
     regular file of its owner (a FIFO is refused here, before SQLite could wait on
-    it). Checked with ``lstat`` only, which never drops a lock."""
+    it). Checked with ``lstat`` only, which never drops a lock. Returns the owner's uid."""
     refuse_symlink(path)
     with open_directory(path.parent, path) as directory:
-        for name in (path.name, f"{path.name}-wal", f"{path.name}-shm"):
+        for name in sqlite_names(path):
             st = directory.lstat(name)
             if st is not None and not stat.S_ISLNK(st.st_mode):
-                _check_stat(st, path.with_name(name), directory.owner, path)
+                check_stat(st, path.with_name(name), directory.owner, path)
             elif st is not None:
-                raise SymlinkRefused(
-                    f"{path.with_name(name)} is a symbolic link; walspool does not follow "
-                    "links among a spool's files: remove it",
-                    path=path,
-                )
+                raise symlink_refused(path.with_name(name), path)
+        return directory.owner
 
 
-def _check_stat(st: os.stat_result, name: Path, owner: int, path: Path) -> None:
+def sqlite_names(path: Path) -> tuple[str, ...]:
+    """The names of the files SQLite keeps for the spool ``path``: the database, and
+    the ``-journal``, ``-wal`` and ``-shm`` it opens by name when it needs them."""
+    return (path.name, *(path.name + suffix for suffix in open_guard.SUFFIXES))
+
+
+def symlink_refused(name: Path, path: Path) -> SymlinkRefused:
+    """The error for a symbolic link at ``name``, one of the spool ``path``'s files."""
+    return SymlinkRefused(
+        f"{name} is a symbolic link; walspool does not follow links among a spool's "
+        "files: remove it",
+        path=path,
+    )
+
+
+def check_stat(st: os.stat_result, name: Path, owner: int, path: Path) -> None:
+    """Refuse a spool file that is not a regular file of ``owner`` with one link,
+    naming it (``NotASpool``, ``UntrustedSpool``)."""
     if not stat.S_ISREG(st.st_mode):
         raise NotASpool(
             f"{name} is not a regular file; a spool's files are regular files: remove it",
@@ -285,7 +293,7 @@ def check_descriptor(fd: int, name: Path, owner: int, path: Path) -> None:
         and st.st_size <= _LOCK_LEFTOVER_BYTES
     )
     if not leftover:
-        _check_stat(st, name, owner, path)
+        check_stat(st, name, owner, path)
     if stat.S_IMODE(st.st_mode) != 0o600:
         os.fchmod(fd, 0o600)
     if leftover:

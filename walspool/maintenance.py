@@ -240,10 +240,9 @@ def _connect(spool: Spool) -> apsw.Connection:
     path = spool.path
     files.refuse_symlink(path)
     held = spool.transact(schema.opened_file)
-    flags = apsw.SQLITE_OPEN_READWRITE | apsw.SQLITE_OPEN_NOFOLLOW | apsw.SQLITE_OPEN_URI
     conn = None
     try:
-        conn = apsw.Connection(f"file:{schema._uri_path(path)}", flags=flags)
+        conn = schema.connect(path, spool.owner, apsw.SQLITE_OPEN_READWRITE)
         # Until it is known to be the spool's file, closing must not checkpoint.
         conn.config(apsw.SQLITE_DBCONFIG_NO_CKPT_ON_CLOSE, 1)
         opened = schema.opened_file(conn)
@@ -259,7 +258,7 @@ def _connect(spool: Spool) -> apsw.Connection:
         conn.config(apsw.SQLITE_DBCONFIG_NO_CKPT_ON_CLOSE, 0)
     except apsw.Error as exc:
         schema.close_quietly(conn)
-        raise schema.fifo_refused(path) or schema.sqlite_error(exc, path) from exc
+        raise schema.sqlite_error(exc, path) from exc
     except BaseException:
         schema.close_quietly(conn)
         raise

@@ -1,18 +1,31 @@
-"""SQLite's own opens in this process never wait on a FIFO.
+"""Every file SQLite opens for a spool is checked on the descriptor SQLite will keep.
 
-walspool checks every file before SQLite opens it, but whoever owns the spool's
-directory can swap a FIFO in between the check and SQLite's ``open()``: a read-only
-connection opens with ``O_RDONLY``, which blocks until a writer comes (for ever), and
-retries on ``EINTR``, so not even Ctrl-C ends it. SQLite lets a program replace the
-system calls of its ``unix`` VFS (https://www.sqlite.org/c3ref/vfs.html,
-``xSetSystemCall``); ``install`` replaces ``open`` with one that adds ``O_NONBLOCK``,
-refuses a FIFO on the descriptor it got (``ENXIO``: SQLite reports
-``SQLITE_CANTOPEN``), and clears ``O_NONBLOCK`` again for everything else, so SQLite
-sees exactly the descriptor it would have had.
+SQLite opens a spool's ``-journal``, ``-wal`` and ``-shm`` by path whenever it needs
+them (a hot-journal check at every connection's first read, WAL databases included),
+and, run as root, hands each journal and WAL it opens to the database file's owner
+(``fchown``). Whoever owns the spool's directory can put any name there at any moment:
+a hard link to a file of root's as ``spool.db-journal``, a FIFO, a file exchanged
+(``renameat2``) with the genuine ``-wal`` between a check by name and SQLite's
+``open()``. No check made before that ``open()`` closes such a race; a check of the
+descriptor it returns does.
 
-This applies to apsw's SQLite only (the spool's), for the whole process, and only to
-the ``unix`` VFS family (every VFS that does not replace ``xOpen``). It is not
-installed where ``ctypes`` cannot call the C library.
+SQLite lets a program replace the system calls of its ``unix`` VFS
+(https://www.sqlite.org/c3ref/vfs.html, ``xSetSystemCall``). ``install`` replaces
+``open`` for apsw's SQLite (the spool's), for the whole process:
+
+- every file is opened with ``O_NONBLOCK`` and a FIFO refused on its descriptor (a
+  read-only open would otherwise wait for a writer for ever, Ctrl-C included);
+- a file of a spool ``watch`` was told about (the database, ``-journal``, ``-wal``,
+  ``-shm``) is opened with ``O_NOFOLLOW`` and must be a regular file of the spool's
+  owner with one link, checked with ``fstat`` on the descriptor before SQLite has it.
+  A file this very call created (``O_CREAT|O_EXCL`` succeeded) is the caller's own and
+  passes: SQLite then gives it to the database's owner itself.
+
+A refused open fails with ``EPERM`` (SQLite reports ``SQLITE_CANTOPEN`` or an I/O
+error: the statement fails and nothing of the file is used or changed); ``refused``
+tells the thread what was refused, so walspool's error can name it. Not covered: other
+VFSes than the ``unix`` family, and a process where ``ctypes`` cannot call the C
+library (``install`` returns False; walspool's checks by name still run).
 """
 
 from __future__ import annotations
@@ -23,7 +36,7 @@ import fcntl
 import os
 import stat
 import threading
-from typing import Any
+from typing import Any, NamedTuple
 
 import apsw
 
@@ -36,6 +49,38 @@ _SLOTS = (ctypes.py_object(), ctypes.py_object(), ctypes.py_object())
 _PENDING = tuple(ctypes.byref(slot) for slot in _SLOTS)
 _installed: list[Any] = []  # the callback and the C function: alive as long as SQLite
 
+#: The names SQLite gives a database's other files.
+SUFFIXES = ("-journal", "-wal", "-shm")
+#: Spool databases by the name SQLite opens them with, and their owner's uid. A name
+#: stays watched for the life of the process (a process opens a few spools).
+_owners: dict[str, int] = {}
+#: Turns lost to a name created or removed between the two opens of ``_open_watched``.
+_TURNS = 16
+
+
+class Refusal(NamedTuple):
+    """A file the guard refused: its name, its ``fstat`` (None: a symbolic link), and
+    the uid it had to belong to (None: a file of no watched spool)."""
+
+    name: str
+    stat: os.stat_result | None
+    owner: int | None
+
+
+def watch(database: str, owner: int) -> None:
+    """Check every file SQLite opens for the spool ``database`` (named as SQLite
+    names it: absolute, symlinks in its directory resolved) against ``owner``."""
+    _owners[database] = owner
+
+
+def _owner_of(name: str) -> int | None:
+    owner = _owners.get(name)
+    if owner is None:
+        for suffix in SUFFIXES:
+            if name.endswith(suffix):
+                return _owners.get(name[: -len(suffix)])
+    return owner
+
 
 def _guarded_open(path: bytes, flags: int, mode: int) -> int:
     # SQLite may open a file while a Python exception is pending in this thread (an
@@ -43,34 +88,74 @@ def _guarded_open(path: bytes, flags: int, mode: int) -> int:
     # then fail. It is taken out first (apsw has it no more; SQLite has the error
     # code); nothing in this function may call C before this line.
     _pyerr_fetch(_PENDING[0], _PENDING[1], _PENDING[2])
-    fd = _libc_open(path, flags | os.O_NONBLOCK, mode)
-    if fd < 0:
-        return fd
+    try:
+        name = os.fsdecode(path)
+        owner = _owner_of(name)
+        if owner is None:
+            fd, made = _libc_open(path, flags | os.O_NONBLOCK, mode), False
+        else:
+            fd, made = _open_watched(path, flags | os.O_NONBLOCK | os.O_NOFOLLOW, mode)
+        if fd < 0:
+            if owner is not None and ctypes.get_errno() == errno.ELOOP:
+                return _refuse(Refusal(name, None, owner), errno.EPERM)
+            return fd
+    except BaseException:  # never let an exception cross into SQLite's C frames
+        ctypes.set_errno(errno.EIO)
+        return -1
     try:
         st = os.fstat(fd)
         if stat.S_ISFIFO(st.st_mode):
             os.close(fd)
-            _state.refused = os.fsdecode(path)
-            ctypes.set_errno(errno.ENXIO)
-            return -1
+            return _refuse(Refusal(name, st, owner), errno.ENXIO)
+        if owner is not None and not made and not _trusted(st, owner):
+            os.close(fd)
+            return _refuse(Refusal(name, st, owner), errno.EPERM)
         if not flags & os.O_NONBLOCK:
             fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
     except OSError as exc:
         os.close(fd)
         ctypes.set_errno(exc.errno or errno.EIO)
         return -1
-    except BaseException:  # never let an exception cross into SQLite's C frames
+    except BaseException:
         os.close(fd)
         ctypes.set_errno(errno.EIO)
         return -1
     return fd
 
 
-def refused() -> str | None:
-    """The last file an open in this thread refused as a FIFO (and forget it)."""
-    name = getattr(_state, "refused", None)
+def _open_watched(path: bytes, flags: int, mode: int) -> tuple[int, bool]:
+    """Open a watched file; the descriptor (or -1, errno set) and whether this call
+    created the file. With ``O_CREAT`` a new file is made with ``O_EXCL`` so that it
+    is known to be ours; an existing one is opened without ``O_CREAT`` and checked."""
+    for _ in range(_TURNS):
+        if flags & os.O_CREAT:
+            fd = _libc_open(path, flags | os.O_EXCL, mode)
+            if fd >= 0:
+                return fd, True
+            if ctypes.get_errno() != errno.EEXIST:
+                return -1, False
+        fd = _libc_open(path, flags & ~os.O_CREAT, mode)
+        if fd >= 0 or not flags & os.O_CREAT or ctypes.get_errno() != errno.ENOENT:
+            return fd, False
+    ctypes.set_errno(errno.EAGAIN)  # made and removed again, turn after turn
+    return -1, False
+
+
+def _trusted(st: os.stat_result, owner: int) -> bool:
+    return stat.S_ISREG(st.st_mode) and st.st_nlink == 1 and st.st_uid == owner
+
+
+def _refuse(refusal: Refusal, code: int) -> int:
+    _state.refused = refusal
+    ctypes.set_errno(code)
+    return -1
+
+
+def refused() -> Refusal | None:
+    """The last file an open in this thread refused (and forget it)."""
+    refusal = getattr(_state, "refused", None)
     _state.refused = None
-    return name
+    return refusal
 
 
 def install() -> bool:

@@ -15,6 +15,7 @@ import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from urllib.parse import quote
 
 import apsw
 
@@ -25,12 +26,13 @@ from .errors import (
     SchemaTooNew,
     SpoolCorrupt,
     SpoolIOError,
+    UntrustedSpool,
     WalspoolError,
 )
 
 log = text.logger("walspool.schema")
 
-# SQLite never waits on a FIFO swapped in after a check (see open_guard).
+# Every file SQLite opens for a spool is checked on its own descriptor (see open_guard).
 open_guard.install()
 
 #: ``PRAGMA application_id`` of a spool: "WSPL".
@@ -343,16 +345,18 @@ def open_writer(
     files.refuse_non_sqlite(path)
     lock = hold_open_lock(path, owner)
     try:
-        conn = _open_locked(path, durability, max_bytes, lock)
+        conn = _open_locked(path, owner, durability, max_bytes, lock)
     except BaseException:
         os.close(lock)
         raise
     return conn, lock, owner
 
 
-def _open_locked(path: Path, durability: str, max_bytes: int | None, lock: int) -> apsw.Connection:
+def _open_locked(
+    path: Path, owner: int, durability: str, max_bytes: int | None, lock: int
+) -> apsw.Connection:
     try:
-        return _open_checked(path, durability, max_bytes)
+        return _open_checked(path, owner, durability, max_bytes)
     except SpoolCorrupt as exc:
         # No other walspool process has it open (the open lock), and no other program
         # either (SQLite's own locks): Litestream, say, would go on reading the renamed
@@ -376,7 +380,7 @@ def _open_locked(path: Path, durability: str, max_bytes: int | None, lock: int) 
                 moved,
             )
             files.prepare(path)
-            return _open_checked(path, durability, max_bytes)
+            return _open_checked(path, owner, durability, max_bytes)
         finally:
             fcntl.flock(lock, fcntl.LOCK_SH)  # back to sharing it with later openers
 
@@ -421,32 +425,54 @@ def open_reader(path: Path) -> apsw.Connection:
     files.refuse_symlink(path)
     if not path.exists():
         raise WalspoolError(f"no spool at {path}", path=path)
-    files.check_for_reading(path)
+    owner = files.check_for_reading(path)
     files.refuse_non_sqlite(path)
-    flags = apsw.SQLITE_OPEN_READONLY | apsw.SQLITE_OPEN_URI | apsw.SQLITE_OPEN_NOFOLLOW
     conn = None
     try:
-        conn = apsw.Connection(f"file:{_uri_path(path)}?mode=ro", flags=flags)
+        conn = connect(path, owner, apsw.SQLITE_OPEN_READONLY, "mode=ro")
         set_busy_timeout(conn)
         verify_read_only(conn, path)
     except apsw.Error as exc:
         close_quietly(conn)
-        raise fifo_refused(path) or sqlite_error(exc, path) from exc
+        raise sqlite_error(exc, path) from exc
     except BaseException:
         close_quietly(conn)
         raise
     return conn
 
 
-def fifo_refused(path: Path) -> NotASpool | None:
-    """The error for a FIFO SQLite was about to open in this thread (``open_guard``):
-    one swapped in after walspool's own check."""
-    name = open_guard.refused()
-    if name is None:
+def connect(path: Path, owner: int, flags: int, query: str = "") -> apsw.Connection:
+    """An apsw connection to the spool ``path`` of the user ``owner``: the only way
+    walspool opens one.
+
+    The name is handed to SQLite by URI (``query`` its parameters, ``mode=ro``), no
+    link followed; every file SQLite opens for it (the database, ``-journal``, ``-wal``,
+    ``-shm``) is checked on the descriptor SQLite keeps (``open_guard``): a regular file
+    of ``owner`` with one link, or one SQLite's call just created.
+    """
+    name = _sqlite_name(path)
+    open_guard.watch(name, owner)
+    uri = f"file:{quote(name)}" + (f"?{query}" if query else "")
+    return apsw.Connection(uri, flags=flags | apsw.SQLITE_OPEN_URI | apsw.SQLITE_OPEN_NOFOLLOW)
+
+
+def refused_open(path: Path) -> WalspoolError | None:
+    """The error for a file of the spool ``path`` SQLite was about to open in this
+    thread and ``open_guard`` refused (a name changed after walspool's own checks),
+    naming the file; None if nothing was refused."""
+    refusal = open_guard.refused()
+    if refusal is None:
         return None
-    return NotASpool(
-        f"{name} is not a regular file (a FIFO, put there while walspool opened the "
-        f"spool {path}); a spool's files are regular files: remove it",
+    name = Path(refusal.name)
+    if refusal.stat is None:
+        return files.symlink_refused(name, path)
+    try:
+        owner = refusal.stat.st_uid if refusal.owner is None else refusal.owner
+        files.check_stat(refusal.stat, name, owner, path)
+    except WalspoolError as exc:
+        return exc
+    return UntrustedSpool(
+        f"{name} changed while SQLite opened it; walspool did not use it: try again",
         path=path,
     )
 
@@ -509,17 +535,13 @@ def opened_file(conn: apsw.Connection) -> os.stat_result | None:
         return None
 
 
-def _open_checked(path: Path, durability: str, max_bytes: int | None) -> apsw.Connection:
+def _open_checked(
+    path: Path, owner: int, durability: str, max_bytes: int | None
+) -> apsw.Connection:
     files.refuse_non_sqlite(path)
-    flags = (
-        apsw.SQLITE_OPEN_READWRITE
-        | apsw.SQLITE_OPEN_CREATE
-        | apsw.SQLITE_OPEN_NOFOLLOW
-        | apsw.SQLITE_OPEN_URI
-    )
     conn = None
     try:
-        conn = apsw.Connection(f"file:{_uri_path(path)}", flags=flags)
+        conn = connect(path, owner, apsw.SQLITE_OPEN_READWRITE | apsw.SQLITE_OPEN_CREATE)
         # Until the file is known to be a healthy spool, closing must not checkpoint:
         # that would fold a refused or damaged file's -wal into it and delete the -wal.
         conn.config(apsw.SQLITE_DBCONFIG_NO_CKPT_ON_CLOSE, 1)
@@ -545,7 +567,7 @@ def _open_checked(path: Path, durability: str, max_bytes: int | None) -> apsw.Co
         set_max_bytes(conn, max_bytes)
     except apsw.Error as exc:
         close_quietly(conn)
-        raise fifo_refused(path) or sqlite_error(exc, path) from exc
+        raise sqlite_error(exc, path) from exc
     except BaseException:
         close_quietly(conn)
         raise
@@ -559,13 +581,12 @@ def close_quietly(conn: apsw.Connection | None) -> None:
             conn.close()
 
 
-def _uri_path(path: Path) -> str:
-    """The spool's path for SQLite, its directory resolved: SQLite's ``NOFOLLOW``
-    refuses a symlink anywhere in the name, and a symlinked ``HERMES_HOME`` is fine
-    (only the spool's own name may not be a link, which ``files`` refuses)."""
-    from urllib.parse import quote
-
-    return quote(str(Path(os.path.realpath(path.parent)) / path.name))
+def _sqlite_name(path: Path) -> str:
+    """The spool's name as SQLite opens it, its directory resolved: SQLite's
+    ``NOFOLLOW`` refuses a symlink anywhere in the name, and a symlinked
+    ``HERMES_HOME`` is fine (only the spool's own name may not be a link, which
+    ``files`` refuses)."""
+    return str(Path(os.path.realpath(path.parent)) / path.name)
 
 
 def _check_identity(conn: apsw.Connection, path: Path, *, allow_empty: bool) -> bool:
@@ -783,9 +804,14 @@ def sqlite_error(
 ) -> WalspoolError:
     """Map an apsw error to the walspool error named for its condition.
 
-    ``conn``, when given, supplies the operating system's errno of the failure, which
-    tells a full disk (ENOSPC) or a file-size limit (EFBIG) from other I/O errors.
+    A file of the spool that ``open_guard`` refused in this thread is named first
+    (``refused_open``): it is why SQLite failed. ``conn``, when given, supplies the
+    operating system's errno of the failure, which tells a full disk (ENOSPC) or a
+    file-size limit (EFBIG) from other I/O errors.
     """
+    refused = refused_open(path)
+    if refused is not None:
+        return refused
     os_errno = _system_errno(conn)
     text = f"{path}: {exc}"
     if isinstance(exc, (apsw.CorruptError, apsw.NotADBError)):

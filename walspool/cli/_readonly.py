@@ -134,16 +134,15 @@ def _lock_shared(path: Path) -> int | None:
 
 def _open_immutable(path: Path) -> apsw.Connection:
     """``open_reader``'s checks on an ``immutable=1`` connection."""
-    files.check_for_reading(path)
+    owner = files.check_for_reading(path)
     files.refuse_non_sqlite(path)
-    flags = apsw.SQLITE_OPEN_READONLY | apsw.SQLITE_OPEN_URI | apsw.SQLITE_OPEN_NOFOLLOW
     conn = None
     try:
-        conn = apsw.Connection(f"file:{schema._uri_path(path)}?mode=ro&immutable=1", flags=flags)
+        conn = schema.connect(path, owner, apsw.SQLITE_OPEN_READONLY, "mode=ro&immutable=1")
         schema.verify_read_only(conn, path)
     except apsw.Error as exc:
         schema.close_quietly(conn)
-        refused = schema.fifo_refused(path)  # a FIFO swapped in after the check
+        refused = schema.refused_open(path)  # a file swapped in after the check
         if refused is not None:
             raise refused from exc
         raise
