@@ -1,12 +1,28 @@
-"""Shared fixtures: a real spool in a temporary directory."""
+"""Shared fixtures: a real spool in a temporary directory; each released gateway in
+its own environment, and an empty ``HERMES_HOME`` for its processes."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+from contract._gateways import GATEWAYS, IDS, Gateway, present
 
 import walspool
+
+
+@pytest.fixture(params=GATEWAYS, ids=IDS)
+def gateway(request: pytest.FixtureRequest) -> Gateway:
+    """Each released gateway in turn (``tests/contract/_gateways.py``)."""
+    return present(request.param)
+
+
+@pytest.fixture
+def home(tmp_path: Path) -> Path:
+    """An empty ``HERMES_HOME`` for a gateway's processes."""
+    home = tmp_path / "hermes"
+    home.mkdir()
+    return home
 
 
 @pytest.fixture

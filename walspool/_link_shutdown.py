@@ -38,9 +38,12 @@ class ShutdownFlushes:
     def flush_slots(self, slots: list[tuple[str, Any]], *, reason: str = SHUTDOWN) -> int:
         """Spool ``(session_key, text or event)`` pairs in order, in one transaction.
 
-        The session id is resolved now, through the store, while the gateway still
-        knows it; the key is kept too. Values that are None are skipped.
+        The store's queues are spooled first (``flush_queues``): a session's queued
+        turns go before the slots that arrived after them. The session id is resolved
+        now, through the store, while the gateway still knows it; the key is kept too.
+        Values that are None are skipped.
         """
+        _never_raise(self.flush_queues)
         items = [
             (_resolve(self.store, key), slot_message(value), key)
             for key, value in slots
@@ -223,7 +226,7 @@ def install_runner(runner: Any, link: Any) -> None:
     def runner_cleared(slots: dict[str, Any]) -> None:
         # GatewayRunner.stop() clears its own slots after tearing the adapters down,
         # so the /queue overflow (each key's tail, after the adapter slot that holds
-        # its head) and the store's queues are spooled here, in that order.
+        # its head) is spooled here, after them, and what was queued since, last.
         _never_raise(link.flush_pending, slots, reason=SHUTDOWN)
         queued = runner._queued_events or {}  # checked above: 0.19.0 has it
         overflow = [(key, event) for key, events in list(queued.items()) for event in events]

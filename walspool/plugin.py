@@ -47,6 +47,7 @@ import importlib.util
 import os
 import sys
 import threading
+import weakref
 from collections.abc import Callable
 from functools import wraps
 from types import ModuleType
@@ -123,6 +124,9 @@ def _register() -> str:
     _supersede_on_rewrite(SessionStore)
     if how == DROP_IN_DRAINED_FIRST:
         _drain_before_live_writes(SessionStore)
+        from .shutdown_flush import queues_before_slots
+
+        queues_before_slots(_spool_queues_of_stores)
     return how
 
 
@@ -410,6 +414,7 @@ def _drain_before_live_writes(store_class: type) -> None:
 
     @wraps(write)
     def drained_first(self: Any, session_id: str, message: Any) -> Any:
+        _stores.add(self)  # a store with a queue has tried a write: known here
         if not getattr(_draining, "on", False):
             _drain_first(self, write, session_id)
         return write(self, session_id, message)
@@ -448,6 +453,74 @@ def _drain_first(store: Any, write: Callable[..., Any], session_id: str) -> None
         )
     looked.add(session_id)
     marked.discard(session_id)
+
+
+#: 0.20's stores that have written (or tried to) in this process.
+_stores: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def _spool_queues_of_stores() -> None:
+    for store in list(_stores):
+        _spool_queues(store)
+
+
+def _spool_queues(store: Any) -> int:
+    """Spool a 0.20 store's in-memory transcript queues (``SHUTDOWN``), oldest first,
+    and empty them; how many were spooled.
+
+    0.20's ``GatewayRunner.stop()`` clears these with the process (0.19.0's link and
+    0.22's store spool them). Run before its slots are spooled (see
+    ``shutdown_flush.queues_before_slots``). A gateway thread writes a queue's head
+    while holding the store's ``_transcript_drain_lock``: it is waited for at most
+    ``_link_bounds.FLUSH_TIMEOUT`` seconds, then that head is left queued (it may land) and said
+    at ERROR. On a spool error the queues stay as they are (ERROR).
+    """
+    from ._link_bounds import FLUSH_TIMEOUT
+    from .records import SHUTDOWN
+    from .shutdown_flush import shared_spool
+
+    idle = store._transcript_drain_lock.acquire(timeout=FLUSH_TIMEOUT)
+    try:
+        with store._transcript_retry_lock:
+            skip = 0 if idle else 1
+            taken = {
+                session_id: pending[skip:]
+                for session_id, pending in store._dirty_transcripts.items()
+                if pending[skip:]
+            }
+            items = [(session_id, m) for session_id, ms in taken.items() for m in ms]
+            if items:
+                spool = shared_spool()
+                spool.append_many(items, reason=SHUTDOWN)
+                for session_id in taken:
+                    pending = store._dirty_transcripts[session_id]
+                    del pending[skip:]
+                    if not pending:
+                        del store._dirty_transcripts[session_id]
+            writing = [sid for sid, pending in store._dirty_transcripts.items() if pending]
+    except Exception as exc:  # noqa: BLE001 - the gateway is stopping all the same
+        log.error(
+            "walspool could not spool the transcript queues at shutdown; they are lost "
+            "with the process: %s",
+            exc,
+        )
+        return 0
+    finally:
+        if idle:
+            store._transcript_drain_lock.release()
+    if items:
+        log.warning(
+            "Spooled %d queued transcript message(s) to %s at shutdown", len(items), spool.path
+        )
+    for session_id in writing:
+        log.error(
+            "a gateway thread was still writing the oldest queued message of session %s "
+            "after %g s at shutdown; it is not spooled (it may land) and is lost with the "
+            "process if its write fails",
+            session_id,
+            FLUSH_TIMEOUT,
+        )
+    return len(items)
 
 
 def _rebind(theirs: ModuleType, ours: ModuleType) -> None:

@@ -394,8 +394,31 @@ def _remaining(spool: Spool, session_id: str) -> int:
 # -- shutdown ----------------------------------------------------------------------------
 
 
+#: What spools the gateway's in-memory transcript queues (``queues_before_slots``).
+_queue_flushes: list[Callable[[], object]] = []
+
+
+def queues_before_slots(flush: Callable[[], object]) -> None:
+    """Run ``flush``, which spools the gateway's in-memory transcript queues, before
+    every flush of pending slots or queued overflow: a session's queued turns go
+    before the slots that arrived after them. Not upstream's API: the plugin's."""
+    if flush not in _queue_flushes:
+        _queue_flushes.append(flush)
+
+
+def _flush_queues() -> None:
+    for flush in list(_queue_flushes):
+        try:
+            flush()
+        except Exception:  # noqa: BLE001 - the slots are spooled all the same
+            log.exception("walspool could not spool the transcript queues at shutdown")
+
+
 def flush_pending_to_file(pending: Mapping[str, Any], *, reason: str = "shutdown") -> int:
-    """Spool pending slots (session key -> text or event); return how many were spooled."""
+    """Spool pending slots (session key -> text or event); return how many were spooled.
+
+    The gateway's transcript queues are spooled first (``queues_before_slots``)."""
+    _flush_queues()
     if not pending:
         return 0
     return _flush_slots(
@@ -414,6 +437,7 @@ def flush_overflow_to_file(
     that holds the queue's head (flushed first by the gateway). Returns how many
     events were spooled.
     """
+    _flush_queues()
     if not overflow_by_session:
         return 0
     slots = [

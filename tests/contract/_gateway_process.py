@@ -1,18 +1,24 @@
-"""A real gateway process for tests/test_plugin.py, run by the python of one gateway's
+"""A real gateway process for the contract suite, run by the python of one gateway's
 environment (``.venv``: hermes-agent 0.19.0, ``.venv-axisrow``: 0.20.1.2,
 ``.venv-upstream``: 0.22.2.post1) in a ``HERMES_HOME`` where the test enabled (or did
 not enable) the plugin the user's way.
 
-    python _plugin_gateway.py OUT probe              start a GatewayRunner, report, stop
-    python _plugin_gateway.py OUT outage N quiet     the same, with an outage of state.db in
-    python _plugin_gateway.py OUT outage N message   between: N messages to each of 3 sessions
+    python _gateway_process.py OUT probe             start a GatewayRunner, report, stop
+    python _gateway_process.py OUT outage N quiet    the same, with an outage of state.db in
+    python _gateway_process.py OUT outage N message  between: N messages to each of 3 sessions
                                                  while every insert fails, then heal; then
                                                  nothing more is sent (quiet), or one more
                                                  message to each session (message)
-    python _plugin_gateway.py OUT rewrite N          an outage as above, during which s1's
+    python _gateway_process.py OUT rewrite N         an outage as above, during which s1's
                                                  transcript is rewritten (emptied, as a
                                                  /compress or /retry replaces it), then
                                                  heal and one more message to each
+    python _gateway_process.py OUT stop N            a routed chat's session gets N turns
+                                                 while every insert fails (they wait in
+                                                 the store's queue), then a message for it
+                                                 arrives while its agent is busy (the
+                                                 runner's pending slot), then the gateway
+                                                 stops, state.db still broken
 
 Nothing here touches walspool: the gateway's own plugin discovery loads it (or not). Writes
 one JSON object to the file OUT (the 0.22 gateway takes stdout over): what the test asserts
@@ -91,6 +97,9 @@ async def run(mode: str, n: int, after: str) -> dict[str, Any]:
     await runner.start()
     result: dict[str, Any] = {"before": linked(runner)}
     store = runner.session_store
+    if mode == "stop":
+        result.update(await stop_during_outage(runner, n))
+        return result
     if mode in ("outage", "rewrite"):
         db = store._db
         for sid in SESSIONS:
@@ -117,6 +126,40 @@ async def run(mode: str, n: int, after: str) -> dict[str, Any]:
         }
     await runner.stop()
     return result
+
+
+#: The pending slot of ``stop``: a user message that arrived while the agent was busy.
+SLOT_TEXT = "sent while the agent was busy"
+
+
+async def stop_during_outage(runner: Any, n: int) -> dict[str, Any]:
+    """``stop``: queued turns, then a pending slot, then a graceful stop, state.db broken."""
+    from gateway.config import Platform
+    from gateway.session import SessionSource
+
+    store = runner.session_store
+    entry = store.get_or_create_session(SessionSource(platform=Platform.TELEGRAM, chat_id="42"))
+    sid = entry.session_id
+    sql(store._db, BREAK)
+    turns = [(m["role"], m["content"]) for m in turn_rows(sid, n)]
+    for message in turn_rows(sid, n):
+        store.append_to_transcript(sid, message)
+    runner._pending_messages[entry.session_key] = SLOT_TEXT
+    await runner.stop()
+    return {"session_id": sid, "turns": turns, "slot": SLOT_TEXT}
+
+
+def turn_rows(sid: str, n: int) -> list[dict[str, Any]]:
+    """``n`` rows of agent turns (a user message and the reply, one timestamp per turn)."""
+    now = int(time.time())
+    return [
+        {
+            "role": "user" if i % 2 == 0 else "assistant",
+            "content": f"{sid} turn {i}",
+            "timestamp": now + i // 2,
+        }
+        for i in range(n)
+    ]
 
 
 async def settle(db: Any, sent: dict[str, list[dict[str, Any]]]) -> None:

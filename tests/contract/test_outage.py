@@ -1,0 +1,55 @@
+"""An outage of state.db: what the gateway would drop at its cap is spooled and lands
+in drop order, each message once; a rewrite during it supersedes the spooled rows."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import apsw
+
+import walspool
+from walspool import plugin
+
+from ._gateways import Gateway, configure, linked_lines, run_worker
+
+#: Messages sent to each of three sessions during the outage: past the 200 cap.
+BURST = 450
+
+
+def test_an_enabled_plugin_carries_an_outage_into_state_db(gateway: Gateway, home: Path) -> None:
+    configure(gateway, home, gateway.enable)
+    after = "quiet" if gateway.how == plugin.LINK else "message"
+    result = run_worker(gateway, home, "outage", str(BURST), after)
+
+    if gateway.how == plugin.LINK:
+        assert result["before"]["store_linked"] is True
+    else:
+        assert result["before"]["shutdown_flush"] == "walspool.shutdown_flush"
+    assert result["during"] == {"s1": 0, "s2": 0, "s3": 0}  # the outage was real
+    spool = home / "spool.db"
+    (line,) = linked_lines(gateway, result["log"])
+    assert str(spool) in line
+    for session, sent in result["sent"].items():
+        assert result["landed"][session] == sent, session  # each once, in drop order
+    with walspool.Spool(spool) as s:
+        assert s.stats().rows == 0
+
+
+def test_a_rewrite_during_an_outage_supersedes_the_sessions_spooled_rows(
+    gateway: Gateway, home: Path
+) -> None:
+    configure(gateway, home, gateway.enable)
+    result = run_worker(gateway, home, "rewrite", str(BURST))
+
+    assert result["landed"]["s1"] == [["user", "s1-last"]]  # nothing from before the rewrite
+    for session in ("s2", "s3"):
+        assert result["landed"][session] == result["sent"][session]
+    with apsw.Connection(str(home / "spool.db"), flags=apsw.SQLITE_OPEN_READONLY) as db:
+        kept = dict(
+            db.execute(
+                "SELECT coalesce(status, 'replayable'), count(*) FROM records "
+                "WHERE session_id = 's1' GROUP BY 1"
+            ).fetchall()
+        )
+    assert list(kept) == ["superseded"]  # kept for operators, never replayed
+    assert kept["superseded"] >= BURST - 200

@@ -1,0 +1,27 @@
+"""Shutdown: what the gateway holds in memory when it stops during an outage is spooled,
+in arrival order, and lands at the next start."""
+
+from __future__ import annotations
+
+from ._gateways import Gateway, configure, gateway_running, heal, run_worker, transcript, wait_for
+
+#: Rows of agent turns queued in the store while state.db refuses them (under the cap).
+TURNS = 6
+
+
+def test_a_stop_during_an_outage_keeps_queued_turns_before_the_slot_they_preceded(
+    gateway: Gateway, home
+) -> None:
+    """Turns wait in the store's queue, then a user message arrives while the agent is
+    busy (a pending slot), then the gateway stops with state.db still broken. At the
+    next start, once state.db works, the transcript is the turns, then the slot: each
+    once, in arrival order (before: 0.19.0 spooled the slot first and it landed before
+    the turns; 0.20 lost the queued turns)."""
+    configure(gateway, home, gateway.enable)
+    stopped = run_worker(gateway, home, "stop", str(TURNS))
+    sid = stopped["session_id"]
+    expected = [tuple(turn) for turn in stopped["turns"]] + [("user", stopped["slot"])]
+    heal(home)
+    with gateway_running(gateway, home) as process:
+        wait_for("recovered", lambda: len(transcript(home, sid)) >= len(expected), process)
+    assert transcript(home, sid) == expected
