@@ -566,9 +566,7 @@ def recover_pending_spool(
             return 0, _sessions_with_rows(spool)
     if session_resolver is None:
         # 0.20 calls this with no arguments: the gateway's own routing, from disk.
-        # sessions.json is read (and, unusable, logged) once per recovery, not per key.
-        mirror = cache(lambda: _read_sessions_json(home() / SESSIONS_DIR_NAME))
-        session_resolver = partial(routed_session_id, session_db, mirror=mirror)
+        session_resolver = routing_resolver(session_db, home())
     try:
         report = _replay_all(spool, session_db, session_resolver)
     except ReplayBusy:  # a replay that began after the look above
@@ -684,21 +682,36 @@ SESSIONS_JSON_NAME = "sessions.json"
 SESSIONS_JSON_MAX_BYTES = 16 * 1024 * 1024
 
 
+def routing_resolver(session_db: Any, home_dir: Path) -> Callable[[str], str | None]:
+    """A resolver of session keys (``Replayer``'s) as the gateway in ``home_dir`` routes
+    them now (``routed_session_id``): what a stopped gateway's start and an operator's
+    replay into its state.db both use. ``sessions.json`` is read (and, unusable,
+    logged) once per resolver, not per key."""
+    mirror = cache(lambda: _read_sessions_json(home_dir / SESSIONS_DIR_NAME))
+    return partial(routed_session_id, session_db, mirror=mirror, home_dir=home_dir)
+
+
 def routed_session_id(
-    session_db: Any, session_key: str, *, mirror: Callable[[], Any] | None = None
+    session_db: Any,
+    session_key: str,
+    *,
+    mirror: Callable[[], Any] | None = None,
+    home_dir: Path | None = None,
 ) -> str | None:
     """The session the gateway routes ``session_key`` to, from what it keeps on disk.
 
     As the gateway's ``SessionStore.peek_session_id`` reads it after a restart: the
     ``gateway_routing`` table in state.db (the entry of the home's ``sessions``
     scope; else the one session every scope agrees on), then the legacy
-    ``<HERMES_HOME>/sessions/sessions.json`` mirror. None when neither knows the key
-    (the rows stay, reported). ``mirror`` gives the decoded ``sessions.json`` (a
-    recovery reads it once for all its keys); without it the file is read here.
+    ``<home>/sessions/sessions.json`` mirror. None when neither knows the key (the
+    rows stay, reported). ``home_dir`` is the gateway's home (default
+    ``HERMES_HOME``); ``mirror`` gives the decoded ``sessions.json`` (a recovery reads
+    it once for all its keys); without it the file is read here.
     """
     from .sinks import _private_connection
 
-    scope = str((home() / SESSIONS_DIR_NAME).resolve())
+    home_dir = home() if home_dir is None else home_dir
+    scope = str((home_dir / SESSIONS_DIR_NAME).resolve())
     conn, lock = _private_connection(session_db)
     if conn is not None:
         try:
@@ -715,7 +728,10 @@ def routed_session_id(
         ids = {sid for sid in found.values() if sid}
         if len(ids) == 1:
             return ids.pop()
-    entries = mirror() if mirror is not None else _read_sessions_json(home() / SESSIONS_DIR_NAME)
+    if mirror is None:
+        entries = _read_sessions_json(home_dir / SESSIONS_DIR_NAME)
+    else:
+        entries = mirror()
     entry = entries.get(session_key) if isinstance(entries, dict) else None
     return _entry_session_id(entry)
 

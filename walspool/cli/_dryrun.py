@@ -28,6 +28,7 @@ from ..paging import (
 )
 from ..records import AGENT_HISTORY, Record
 from ..replay import REASON_FILTER, ReplayReport, StreamReport, report_of
+from ..shutdown_flush import routing_resolver
 from ..sinks import LANDED_SQL, LANDED_TABLE, LANDED_TABLE_EXISTS_SQL, rejects_content
 from ..spool import RECORD_COLUMNS, UID_SQL
 from ._statedb import session_exists
@@ -189,16 +190,21 @@ def dry_run_report(
     done = landed(state, plan.uid, list(ticket_of.values()))
     db = trial_session_db(state, path)
     trial = Trial(state, db, create_missing) if db is not None else None
+    resolve = routing_resolver(db, path.parent)
     sessions: dict[str, StreamReport] = {}
     keys: dict[str, StreamReport] = {}
     recovered_in_all = 0
-    for s in plan.streams:
+    # Session streams first: a key's rows are judged by the session it is routed to.
+    for s in sorted(plan.streams, key=lambda s: s.session_id is None):
         recovered, rejected, error = 0, 0, None
         if s.session_id is None:
-            error = (
-                f"rows spooled with session_key {s.session_key!r} but no session_id need a "
-                "resolver to find their session; the gateway's link replays them"
-            )
+            routed = resolve(str(s.session_key))
+            if routed is None:
+                error = f"the gateway routes no session to key {s.session_key!r} now"
+            elif routed in sessions:
+                error = sessions[routed].error
+            elif not create_missing and not session_exists(state, routed):
+                error = str(SessionMissing(routed))
         else:
             out = [f.id for f in plan.inflight.get(s.session_id, []) if f.decodable]
             written = [i for i in out if (ticket_of[i], i) not in done]

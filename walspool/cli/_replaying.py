@@ -45,6 +45,7 @@ def replay_into(
         import hermes_state
     except ImportError as exc:
         raise WalspoolError("replay needs hermes-agent: pip install 'walspool[hermes]'") from exc
+    from ..shutdown_flush import routing_resolver
     from ..sinks import SessionDBSink
     from ..spool import Spool
 
@@ -63,7 +64,11 @@ def replay_into(
     try:
         with Spool(args.spool) as spool:
             sink = SessionDBSink(db, create_missing=args.create_missing)
-            replayer = Replayer(spool, ProgressSink(sink, progress, total, written))
+            # Rows spooled by routing key go where the gateway routes that key now.
+            resolver = routing_resolver(db, args.into.parent)
+            replayer = Replayer(
+                spool, ProgressSink(sink, progress, total, written), resolver=resolver
+            )
             options = {
                 "session_id": args.session,
                 "reasons": args.reason,

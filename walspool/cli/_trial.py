@@ -60,7 +60,9 @@ def trial_session_db(conn: sqlite3.Connection, path: Path) -> Any | None:
             self._fts_unavailable_warned = True
             self._conn = conn
 
-        def _execute_write(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        def _execute_write(self, fn: Callable[[sqlite3.Connection], T], *_: Any, **__: Any) -> T:
+            # Newer gateways pass more (0.20 and 0.22: ``patience_s``, how long to
+            # retry a lock): a trial waits as set on its connection, whatever they ask.
             with self._lock:
                 if not self._conn.in_transaction:
                     # A savepoint outside a transaction would commit on release.
@@ -104,12 +106,15 @@ class Trial:
         except sqlite3.Error as exc:
             self._lock_met(exc)
             return exc
+        # Rows as hermes reads them on its own connection (0.20 indexes them by name).
+        self.conn.row_factory = sqlite3.Row
         try:
             sink.write(session_id, record, (TRIAL_TICKET_SPOOL, 0, record.id))
         except Exception as exc:  # noqa: BLE001 - the trial's answer
             self._lock_met(exc)
             return exc
         finally:
+            self.conn.row_factory = None
             if self.conn.in_transaction:
                 self.conn.execute("ROLLBACK")
         return None
