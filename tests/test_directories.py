@@ -27,6 +27,7 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
+import apsw
 import pytest
 from _helpers import ROOT, MemorySink
 from _lock_holder import replay_lock_held
@@ -34,6 +35,7 @@ from _users import NOBODY, SETPRIV, as_root, shared_directory
 from _users import python_as as as_user
 
 import walspool
+from walspool import open_guard, schema
 from walspool.cli import main
 from walspool.replay import Replayer
 
@@ -413,6 +415,23 @@ def test_a_hard_link_swapped_in_after_the_check_is_never_given_away(shared_tmp, 
     (last,) = [line for line in done.stdout.splitlines() if line.startswith("codes ")]
     assert set(json.loads(last[len("codes ") :])) <= {0, 1}
     assert state(victim) == (0, 0o666, "root's own")
+
+
+def test_a_refused_open_is_never_blamed_for_another_spools_error(tmp_path):
+    """A file ``open_guard`` refused for one spool (its error surfaced elsewhere) is not
+    named as the cause of a later failure of another spool in the same thread
+    (before: an injected I/O error on a commit was reported as another spool's
+    ``-wal`` being a symbolic link)."""
+    refused = tmp_path / "a" / "spool.db"
+    with walspool.Spool(refused):
+        pass
+    open_guard.watch(str(refused.resolve()), os.geteuid() + 1)  # as if another's file
+    with pytest.raises(apsw.CantOpenError):
+        apsw.Connection(str(refused)).execute("SELECT 1")
+    other = tmp_path / "b" / "spool.db"
+    error = schema.sqlite_error(apsw.IOError("disk I/O error"), other)
+    assert isinstance(error, walspool.SpoolIOError) and "check the disk" in str(error)
+    assert schema.refused_open(refused) is None  # consumed, by the look above
 
 
 # -- replay writes into the state.db it checked ----------------------------------------

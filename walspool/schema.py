@@ -452,6 +452,7 @@ def connect(path: Path, owner: int, flags: int, query: str = "") -> apsw.Connect
     """
     name = _sqlite_name(path)
     open_guard.watch(name, owner)
+    open_guard.refused()  # one left from an earlier failure is not this open's
     uri = f"file:{quote(name)}" + (f"?{query}" if query else "")
     return apsw.Connection(uri, flags=flags | apsw.SQLITE_OPEN_URI | apsw.SQLITE_OPEN_NOFOLLOW)
 
@@ -461,8 +462,9 @@ def refused_open(path: Path) -> WalspoolError | None:
     thread and ``open_guard`` refused (a name changed after walspool's own checks),
     naming the file; None if nothing was refused."""
     refusal = open_guard.refused()
-    if refusal is None:
-        return None
+    database = _sqlite_name(path)
+    if refusal is None or refusal.name not in {database + s for s in ("", *open_guard.SUFFIXES)}:
+        return None  # nothing refused, or another spool's file: not why this failed
     name = Path(refusal.name)
     if refusal.stat is None:
         return files.symlink_refused(name, path)
