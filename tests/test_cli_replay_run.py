@@ -14,6 +14,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import apsw
 import pytest
 from _gateway import state_db
 from _helpers import ROOT
@@ -68,6 +69,28 @@ def child(*argv: Any, code: str | None = None) -> subprocess.Popen[str]:
     killer.daemon = True
     killer.start()
     return proc
+
+
+# -- exit status ---------------------------------------------------------------------------
+
+
+def test_rows_both_held_and_quarantined_exit_3_for_the_held(tmp_path, capsys):
+    """One session's row is quarantined (its payload is not JSON: a hand edit) while
+    another session is held (missing from state.db): the replay exits 3, not 5, since
+    what is held needs the operator first and a rerun moves it."""
+    path = tmp_path / "spool.db"
+    with walspool.Spool(path) as spool:
+        spool.append("s1", {"role": "user", "content": "fine"})
+        bad = spool.append("s1", {"role": "user", "content": "edited by hand"})
+        spool.append("gone", {"role": "user", "content": "no session in state.db"})
+    with apsw.Connection(str(path)) as conn:
+        conn.execute("UPDATE records SET payload = '{not json' WHERE id = ?", (bad.id,))
+    state = state_db(tmp_path / "state.db", "s1")
+    rc, out, _ = run(capsys, "replay", path, "--into", state, "--json")
+    report = json.loads(out)
+    assert (report["moved"], report["held"], report["quarantined"]) == (1, 1, 1)
+    assert rc == 3
+    assert messages(state, "s1") == ["fine"]
 
 
 # -- another replay running --------------------------------------------------------------

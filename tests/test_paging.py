@@ -542,3 +542,23 @@ def test_watch_holds_a_bounded_prefix_of_each_session_id_and_error(tmp_path):
     for n in range(4):
         e = streams[f"e{n}"]
         assert e["last_error"] == e["latest_error"] == "e" * (16 * MiB) and e["failing"] == 1
+
+
+def test_payloads_not_json_are_found_on_both_sides_of_the_scan_bound(tmp_path):
+    """A payload that is not JSON is found whatever its size: one byte under, exactly
+    at and one byte over ``SCAN_JSON_BYTES`` (a small and a large row each belong to
+    exactly one of the two queries)."""
+    path = tmp_path / "spool.db"
+    sizes = [paging.SCAN_JSON_BYTES - 1, paging.SCAN_JSON_BYTES, paging.SCAN_JSON_BYTES + 1]
+    with walspool.Spool(path) as spool:
+        ids = [spool.append("s", {"n": n}).id for n in range(len(sizes) + 1)]
+    with apsw.Connection(str(path)) as conn:
+        for row_id, size in zip(ids, sizes):  # the last row stays JSON
+            conn.execute("UPDATE records SET payload = ? WHERE id = ?", ("{" * size, row_id))
+        small = (
+            f"SELECT id FROM records WHERE {paging.SMALL_PAYLOAD} AND NOT json_valid(payload) "
+            "ORDER BY id"
+        )
+        large = f"SELECT id FROM records WHERE {paging.LARGE_PAYLOAD} ORDER BY id"
+        found = [row[0] for row in paging.rows_not_json(conn, small, large, ())]
+    assert found == ids[:-1]
