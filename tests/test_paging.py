@@ -553,7 +553,7 @@ def test_payloads_not_json_are_found_on_both_sides_of_the_scan_bound(tmp_path):
     with walspool.Spool(path) as spool:
         ids = [spool.append("s", {"n": n}).id for n in range(len(sizes) + 1)]
     with apsw.Connection(str(path)) as conn:
-        for row_id, size in zip(ids, sizes):  # the last row stays JSON
+        for row_id, size in zip(ids[:-1], sizes, strict=True):  # the last row stays JSON
             conn.execute("UPDATE records SET payload = ? WHERE id = ?", ("{" * size, row_id))
         small = (
             f"SELECT id FROM records WHERE {paging.SMALL_PAYLOAD} AND NOT json_valid(payload) "
