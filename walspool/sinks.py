@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import inspect
 import json
 import math
@@ -539,6 +540,7 @@ class SessionDBSink:
             conn.execute(TICKET_TRIGGER_SQL)
             conn.create_function("walspool_tickets", 1, _batch_part)
             conn.execute(BATCH_TRIGGER_SQL)
+        _restore_landings_on_write(self.session_db)
         self._prepared = conn
         return True
 
@@ -729,6 +731,51 @@ def _is_closed_session_db(session_db: Any) -> bool:
         and hasattr(getattr(session_db, "_lock", None), "__enter__")
         and callable(getattr(session_db, "_execute_write", None))
     )
+
+
+#: Marks a ``SessionDB`` write wrapped by ``_restore_landings_on_write``.
+_RESTORES = "__walspool_restores_landings__"
+#: The writes of a ``SessionDB`` that insert into ``messages`` (0.22 has the batch).
+_MESSAGE_WRITES = ("append_message", "append_messages_batch")
+
+
+def _restore_landings_on_write(session_db: Any) -> None:
+    """Make ``session_db``'s message writes outlive a dropped ``walspool_landed``.
+
+    The TEMP triggers ``prepare`` puts on its connection name that table, so once it is
+    gone (an operator's ``DROP TABLE`` with the sqlite3 shell) SQLite refuses every
+    insert into ``messages`` on that connection, the gateway's own included, until the
+    process ends. The statement fails as it is prepared, before anything is written,
+    so the table is made again and the write made once more. Rows a replay had in
+    flight lose their tickets with the table: their landing cannot be told.
+    """
+    for name in _MESSAGE_WRITES:
+        write = getattr(session_db, name, None)
+        if write is None or getattr(write, _RESTORES, False):
+            continue
+        own = session_db.__dict__.get(name) if hasattr(session_db, "__dict__") else None
+
+        @functools.wraps(write)
+        def restoring(*args: Any, _name: str = name, _own: Any = own, **kwargs: Any) -> Any:
+            # The class's method as it is now (another wrapper may come later), unless
+            # the instance had one of its own.
+            _write = _own or getattr(type(session_db), _name).__get__(session_db)
+            try:
+                return _write(*args, **kwargs)
+            except sqlite3.OperationalError as exc:
+                if "no such table" not in str(exc) or LANDED_TABLE not in str(exc):
+                    raise
+            log.warning(
+                "the table %s of replay tickets was dropped from %s; made again, and the "
+                "write retried",
+                LANDED_TABLE,
+                getattr(session_db, "db_path", session_db),
+            )
+            session_db._execute_write(lambda c: c.execute(CREATE_LANDED_TABLE_SQL))
+            return _write(*args, **kwargs)
+
+        setattr(restoring, _RESTORES, True)
+        setattr(session_db, name, restoring)
 
 
 def _private_connection(session_db: Any) -> tuple[Any, Any]:

@@ -13,6 +13,11 @@ not enable) the plugin the user's way.
                                                  transcript is rewritten (emptied, as a
                                                  /compress or /retry replaces it), then
                                                  heal and one more message to each
+    python _gateway_process.py OUT drop-tickets N    an outage, heal and one more message to
+                                                 each as ``outage N message``; then the
+                                                 table of replay tickets is dropped from
+                                                 state.db by another connection, and each
+                                                 session gets one more message
     python _gateway_process.py OUT stop N            a routed chat's session gets N turns
                                                  while every insert fails (they wait in
                                                  the store's queue), then a message for it
@@ -30,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import sqlite3
 import sys
 import time
 from typing import Any
@@ -100,7 +106,7 @@ async def run(mode: str, n: int, after: str) -> dict[str, Any]:
     if mode == "stop":
         result.update(await stop_during_outage(runner, n))
         return result
-    if mode in ("outage", "rewrite"):
+    if mode in ("outage", "rewrite", "drop-tickets"):
         db = store._db
         for sid in SESSIONS:
             db.create_session(sid, "telegram")
@@ -114,12 +120,23 @@ async def run(mode: str, n: int, after: str) -> dict[str, Any]:
             result["rewritten"] = store.rewrite_transcript("s1", [])
             sent["s1"] = []
         sql(db, HEAL)
-        if after == "message" or mode == "rewrite":
+        if after == "message" or mode in ("rewrite", "drop-tickets"):
             for sid in SESSIONS:
                 last = {"role": "user", "content": f"{sid}-last", "timestamp": int(time.time())}
                 sent[sid].append(last)
                 store.append_to_transcript(sid, last)
         await settle(db, sent)
+        if mode == "drop-tickets":
+            # An operator drops the table of replay tickets with the sqlite3 shell.
+            other = sqlite3.connect(db.db_path, timeout=30)
+            other.execute("DROP TABLE IF EXISTS walspool_landed")
+            other.commit()
+            other.close()
+            for sid in SESSIONS:
+                after_drop = {"role": "user", "content": f"{sid}-after", "timestamp": 0}
+                sent[sid].append(after_drop)
+                store.append_to_transcript(sid, after_drop)
+            await settle(db, sent)
         result["sent"] = {sid: [(m["role"], m["content"]) for m in sent[sid]] for sid in SESSIONS}
         result["landed"] = {
             sid: [(m["role"], m["content"]) for m in db.get_messages(sid)] for sid in SESSIONS

@@ -53,3 +53,14 @@ def test_a_rewrite_during_an_outage_supersedes_the_sessions_spooled_rows(
         )
     assert list(kept) == ["superseded"]  # kept for operators, never replayed
     assert kept["superseded"] >= BURST - 200
+
+
+def test_a_dropped_ticket_table_stops_no_transcript_write(gateway: Gateway, home: Path) -> None:
+    """After an outage has drained, an operator drops ``walspool_landed`` (the table of
+    replay tickets) from state.db with the sqlite3 shell: every session's next message
+    still lands, once, in order (before: on 0.19.0 every transcript write of the running
+    gateway failed with "no such table" until a restart, healthy sessions included)."""
+    configure(gateway, home, gateway.enable)
+    result = run_worker(gateway, home, "drop-tickets", str(BURST))
+    for session, sent in result["sent"].items():
+        assert result["landed"][session] == sent, session
