@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -226,6 +227,76 @@ def test_a_signal_reports_what_moved_and_what_is_in_flight(tmp_path, capsys, sig
     assert report["interrupted"] is None
     assert messages(state, "s1") == [f"m{i}" for i in range(5)]
     assert json.loads(run(capsys, "stats", path, "--json")[1])["rows"] == 0
+
+
+#: A BEFORE INSERT trigger that keeps SQLite busy in C for a few seconds: a signal sent
+#: meanwhile is handled at the next Python code, the sink's ticket function that the
+#: same INSERT calls.
+SLOW_INSERT = """
+CREATE TRIGGER slow_insert BEFORE INSERT ON messages BEGIN
+    SELECT count(*) FROM (
+        WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c WHERE x < 20000000)
+        SELECT x FROM c
+    );
+END
+"""
+
+
+def write_lock_taken(path: Path) -> bool:
+    """Whether another connection holds state.db's write lock now."""
+    import sqlite3
+
+    conn = sqlite3.connect(path, timeout=0, isolation_level=None)
+    try:
+        conn.execute("BEGIN IMMEDIATE")
+        conn.execute("ROLLBACK")
+        return False
+    except sqlite3.OperationalError as exc:
+        assert "locked" in str(exc), exc
+        return True
+    finally:
+        conn.close()
+
+
+def test_a_sigterm_during_a_rows_insert_stops_the_replay_after_that_row(tmp_path):
+    """SIGTERM while the replay is inside a row's INSERT (a slow trigger of state.db's
+    own runs): the row is written, with its ticket, and the replay stops there, exit
+    143, saying so; the next replay writes the rest, each message once (before: the
+    signal's exception was raised inside the ticket function, sqlite3 swallowed it,
+    the row was held with "user-defined function raised exception", later signals were
+    ignored and the replay ran to its end, exit 3)."""
+    import sqlite3
+
+    path = spool_of(tmp_path / "spool.db", 3)
+    state = state_db(tmp_path / "state.db", "s1")
+    conn = sqlite3.connect(state)
+    conn.executescript(SLOW_INSERT)
+    conn.close()
+    proc = child("replay", path, "--into", state, "--json")
+    deadline = time.monotonic() + CHILD_TIMEOUT
+    while not write_lock_taken(state):  # the first row's transaction has begun
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "the replay never took state.db's write lock"
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=CHILD_TIMEOUT)
+    assert proc.returncode == 143, out + err
+    report = json.loads(out)
+    assert report["interrupted"] == "SIGTERM" and report["held"] == 0, report
+    assert "user-defined function" not in out + err
+    conn = sqlite3.connect(state)
+    conn.execute("DROP TRIGGER slow_insert")
+    conn.commit()
+    conn.close()
+    done = subprocess.run(
+        [sys.executable, "-m", "walspool", "replay", str(path), "--into", str(state)],
+        capture_output=True,
+        text=True,
+        timeout=CHILD_TIMEOUT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert messages(state, "s1") == ["m0", "m1", "m2"]
 
 
 def test_after_a_signal_the_progress_line_and_the_summary_agree(tmp_path):

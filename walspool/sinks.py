@@ -143,6 +143,11 @@ def _batch_part(i: int) -> Any:
     return None if parts is None else parts[i]
 
 
+#: The code of the functions SQLite calls inside a replayed row's INSERT: a signal
+#: handler must not raise there (``sqlite3`` would swallow it and fail the write).
+SQL_FUNCTIONS = frozenset({_ticket_part.__code__, _batch_part.__code__})
+
+
 @runtime_checkable
 class Sink(Protocol):
     """Where replayed messages go: a write that records its ticket, and a lookup.

@@ -13,6 +13,8 @@ import threading
 from collections.abc import Iterator
 from types import FrameType
 
+from ..sinks import SQL_FUNCTIONS
+
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
@@ -28,14 +30,22 @@ class Interrupted(BaseException):
         super().__init__(self.name)
 
 
+#: A signal that came while SQLite ran one of walspool's SQL functions, kept for
+#: ``raise_kept``: an exception raised there is swallowed by ``sqlite3``, which fails
+#: the statement with "user-defined function raised exception" instead.
+_kept: list[int] = []
+
+
 @contextlib.contextmanager
 def interruptible() -> Iterator[None]:
     """Within the block, the first SIGINT or SIGTERM raises ``Interrupted``.
 
     Later ones are ignored until the block ends, so the cleanup the first one starts
     (settling what the replay knows, closing the spool and state.db) runs to its end.
-    Outside the main thread (where Python cannot set handlers) signals keep their
-    handlers.
+    One that comes while SQLite runs a function of walspool's (the ticket of the row
+    being written, inside its INSERT) is kept until ``raise_kept``, called once that
+    write is done. Outside the main thread (where Python cannot set handlers) signals
+    keep their handlers.
     """
     if threading.current_thread() is not threading.main_thread():
         yield
@@ -44,13 +54,24 @@ def interruptible() -> Iterator[None]:
 
     def stop(signum: int, frame: FrameType | None) -> None:
         nonlocal raised
-        if not raised:
-            raised = True
-            raise Interrupted(signum)
+        if raised:
+            return
+        raised = True
+        if frame is not None and frame.f_code in SQL_FUNCTIONS:
+            _kept.append(signum)
+            return
+        raise Interrupted(signum)
 
     previous = {s: signal.signal(s, stop) for s in SIGNALS}
     try:
         yield
     finally:
+        _kept.clear()
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+
+def raise_kept() -> None:
+    """Raise ``Interrupted`` for a signal kept while SQLite ran a function of ours."""
+    if _kept:
+        raise Interrupted(_kept.pop())

@@ -17,6 +17,7 @@ from ..replay import LOCK_SUFFIX, Replayer, ReplayReport
 from ..sinks import Sink, Ticket
 from ..spool import UID_SQL
 from ._dryrun import landed
+from ._interrupt import raise_kept
 from ._output import Progress, warn
 from ._reading import reading
 from ._statedb import (
@@ -209,10 +210,15 @@ class ProgressSink:
         self.done = 0
 
     def write(self, session_id: str, record: Record, ticket: Ticket) -> None:
-        self.sink.write(session_id, record, ticket)
+        try:
+            self.sink.write(session_id, record, ticket)
+        except BaseException:
+            raise_kept()  # a signal that came during the write ends the replay now
+            raise
         self.written.append(ticket)
         self.done += 1
         self.progress(self.done, self.total)
+        raise_kept()
 
     def landed(self, tickets: Sequence[Ticket]) -> Collection[Ticket] | None:
         return self.sink.landed(tickets)
