@@ -28,6 +28,11 @@ SMALL_BYTES = int(CAP * SMALL)
         (RESERVED_FROM, 0, SMALL_BYTES + 1, 1, "is kept for sessions"),
         # Below the reserve, a big session spools as any other.
         (RESERVED_FROM - ON_DISK * 100, 0, SMALL_BYTES * 50, 100, None),
+        # Past the cap too, a session big already is told it meets the reserve:
+        # whichever its evictions meet first depends on how far the writer's commits lag.
+        (CAP, 0, SMALL_BYTES + 1, 1, "is kept for sessions"),
+        (CAP, 0, SMALL_BYTES, 1, "at the link's cap"),
+        (CAP, 0, 0, SMALL_BYTES * 2, "at the link's cap"),
     ],
 )
 def test_an_eviction_is_refused_exactly_past_the_cap_or_into_the_reserve(

@@ -346,14 +346,9 @@ def test_a_session_id_equal_to_a_session_key_stays_a_stream_of_its_own(tmp_path,
     assert report["keys"] == {"same": stream(None, "same", held=1, error=UNRESOLVED)}
 
 
-DRY_UNRESOLVED = (
-    "rows spooled with session_key 'same' but no session_id need a resolver to find their "
-    "session; the gateway's link replays them"
-)
-UNRESOLVED = (
-    "rows spooled with session_key 'same' but no session_id need a resolver "
-    "(Replayer(..., resolver=...)) to find their session"
-)
+#: The gateway routes no session to the key "same" (state.db's gateway_routing and
+#: sessions/sessions.json know none): the dry run and the replay say the same.
+DRY_UNRESOLVED = UNRESOLVED = "resolver found no session for session_key 'same'"
 
 
 def stream(session_id, session_key, moved=0, held=0, error=None):

@@ -59,7 +59,11 @@ def refusal(
     if max_bytes is None:
         return None
     after = footprint + ON_DISK * (unconfirmed + nbytes)
-    if after > max_bytes:
+    big = session_bytes > max_bytes * SMALL
+    # A session that is big already is told it meets the reserve even past the cap
+    # itself: which of the two its evictions meet first depends on how far the
+    # writer's commits lag behind.
+    if after > max_bytes and not big:
         return f"the spool is at the link's cap of {max_bytes} bytes"
     if after > max_bytes * (1 - RESERVE) and session_bytes + nbytes > max_bytes * SMALL:
         return (

@@ -200,7 +200,7 @@ def dry_run_report(
         if s.session_id is None:
             routed = resolve(str(s.session_key))
             if routed is None:
-                error = f"the gateway routes no session to key {s.session_key!r} now"
+                error = f"resolver found no session for session_key {s.session_key!r}"
             elif routed in sessions:
                 error = sessions[routed].error
             elif not create_missing and not session_exists(state, routed):
