@@ -15,7 +15,7 @@ from ._link_evict import REPLAYED
 from ._link_machine import Facts, Spooled, Step
 from ._link_state import Session, Writer, log
 from .errors import ReplayBusy
-from .sinks import rejects_live_row
+from .sinks import rejects_live_row, write_bindable
 
 
 class SessionWriter:
@@ -289,13 +289,13 @@ class SessionWriter:
         """Write one queued message as the released store does, FTS repair included."""
         store = self.store
         try:
-            store._append_transcript_message(session_id, message)
+            write_bindable(store._append_transcript_message, session_id, message)
             return None
         except Exception as exc:  # noqa: BLE001 - the store's own policy: retry later
             if not (store._is_fts_corruption_error(exc) and store._rebuild_fts_once()):
                 return exc
         try:
-            store._append_transcript_message(session_id, message)
+            write_bindable(store._append_transcript_message, session_id, message)
             return None
         except Exception as exc:  # noqa: BLE001
             return exc

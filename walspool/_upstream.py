@@ -36,7 +36,7 @@ from typing import Any
 from . import text
 from .records import Record
 from .replay import UNKNOWN_LANDING
-from .sinks import SessionDBSink, Ticket, as_rejection
+from .sinks import SessionDBSink, Ticket, as_rejection, write_bindable
 
 log = text.logger("walspool.shutdown_flush")
 
@@ -151,9 +151,9 @@ class DrainSink:
         try:
             if track is not None and tracked:
                 with track.tracking(ticket):
-                    self.replay(record.message)
+                    write_bindable(self._write, session_id, record.message)
             else:
-                self.replay(record.message)
+                write_bindable(self._write, session_id, record.message)
         except Exception as exc:
             if not tracked:
                 self._put_back(record)
@@ -172,6 +172,9 @@ class DrainSink:
                     self.session_id,
                 )
                 self._store = None
+
+    def _write(self, session_id: str, message: Any) -> None:
+        self.replay(message)
 
     def _set_aside(self, record: Record) -> None:
         self.spool.transact(

@@ -49,7 +49,7 @@ import sys
 import threading
 import weakref
 from collections.abc import Callable
-from functools import wraps
+from functools import partial, wraps
 from types import ModuleType
 from typing import Any
 
@@ -122,6 +122,7 @@ def _register() -> str:
     from gateway.session import SessionStore
 
     _supersede_on_rewrite(SessionStore)
+    _bindable_live_writes(SessionStore)
     if how == DROP_IN_DRAINED_FIRST:
         _drain_before_live_writes(SessionStore)
         from .shutdown_flush import queues_before_slots
@@ -385,6 +386,29 @@ def _supersede(spool: Any, session_id: str) -> int:
             return int(spool.supersede(session_id, inflight=True))
     except ReplayBusy:
         return int(spool.supersede(session_id))
+
+
+#: Marks the store's live write once ``_bindable_live_writes`` wrapped it.
+_BINDABLE = "__walspool_bindable__"
+
+
+def _bindable_live_writes(store_class: type) -> None:
+    """Make the store's live writes (``_append_transcript_message``) give a message
+    state.db refuses for a value as it is (an integer past 64 bits) the verdict a
+    replay gives it: written once more with its values made bindable
+    (``sinks.write_bindable``). Without it 0.20 and 0.22 retry the refused message for
+    ever, and every later message of its session waits behind it."""
+    write = store_class._append_transcript_message
+    if getattr(write, _BINDABLE, False):
+        return
+    from .sinks import write_bindable
+
+    @wraps(write)
+    def bindable_write(self: Any, session_id: str, message: Any) -> Any:
+        return write_bindable(partial(write, self), session_id, message)
+
+    setattr(bindable_write, _BINDABLE, True)
+    store_class._append_transcript_message = bindable_write
 
 
 class SpooledFirst(Exception):

@@ -575,6 +575,20 @@ class SessionDBClosed(Exception):
     """A real ``SessionDB`` whose connection is closed: landings cannot be checked now."""
 
 
+def write_bindable(write: Callable[[str, Any], Any], session_id: str, message: Any) -> Any:
+    """``write(session_id, message)`` (the gateway's live write); if state.db refuses one
+    of the message's values as it is (``rejects_content``: refused while binding, before
+    anything is written), once more with its values made bindable as a replay makes
+    them (``bindable``). So a row gets one verdict, live or replayed."""
+    try:
+        return write(session_id, message)
+    except Exception as exc:
+        fixed = bindable(message) if isinstance(message, dict) and rejects_content(exc) else None
+        if fixed is None or fixed == message:
+            raise
+    return write(session_id, fixed)
+
+
 def bindable(kwargs: dict[str, Any]) -> dict[str, Any]:
     """``append_message`` keywords with every value SQLite can bind where it goes.
 

@@ -18,6 +18,9 @@ not enable) the plugin the user's way.
                                                  table of replay tickets is dropped from
                                                  state.db by another connection, and each
                                                  session gets one more message
+    python _gateway_process.py OUT values            a healthy session gets a turn whose values
+                                                 a TEXT column cannot take as they are (an
+                                                 integer past 64 bits, one in a list)
     python _gateway_process.py OUT stop N            a routed chat's session gets N turns
                                                  while every insert fails (they wait in
                                                  the store's queue), then a message for it
@@ -106,6 +109,10 @@ async def run(mode: str, n: int, after: str) -> dict[str, Any]:
     if mode == "stop":
         result.update(await stop_during_outage(runner, n))
         return result
+    if mode == "values":
+        result.update(await odd_values(store))
+        await runner.stop()
+        return result
     if mode in ("outage", "rewrite", "drop-tickets"):
         db = store._db
         for sid in SESSIONS:
@@ -164,6 +171,24 @@ async def stop_during_outage(runner: Any, n: int) -> dict[str, Any]:
     runner._pending_messages[entry.session_key] = SLOT_TEXT
     await runner.stop()
     return {"session_id": sid, "turns": turns, "slot": SLOT_TEXT}
+
+
+#: ``values``: a turn whose reply holds values a TEXT column cannot take as they are.
+ODD_VALUES = [
+    {"role": "user", "content": "how big?"},
+    {"role": "assistant", "content": 2**70},
+    {"role": "assistant", "content": "and a list", "tool_calls": [{"id": "t1", "n": 2**70}]},
+    {"role": "user", "content": "thanks"},
+]
+
+
+async def odd_values(store: Any) -> dict[str, Any]:
+    """``values``: ``ODD_VALUES`` sent to a healthy session; what state.db holds."""
+    store._db.create_session("s1", "telegram")
+    for message in ODD_VALUES:
+        store.append_to_transcript("s1", dict(message))
+    await settle(store._db, {"s1": ODD_VALUES, "s2": [], "s3": []})
+    return {"landed": [(m["role"], m["content"]) for m in store._db.get_messages("s1")]}
 
 
 def turn_rows(sid: str, n: int) -> list[dict[str, Any]]:
