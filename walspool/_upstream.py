@@ -89,6 +89,22 @@ def tracker(session_db: Any) -> SessionDBSink:
         return sink
 
 
+class StoreWrite:
+    """A drain callback of walspool's own (the plugin's drain before a live write):
+    ``write(store, session_id, message)``, the store's write, with its store named, so
+    the drain's landings are exact (``store_of``)."""
+
+    __slots__ = ("store", "session_id", "write")
+
+    def __init__(self, store: Any, session_id: str, write: Callable[..., Any]) -> None:
+        self.store = store
+        self.session_id = session_id
+        self.write = write
+
+    def __call__(self, message: Any) -> Any:
+        return self.write(self.store, self.session_id, message)
+
+
 def store_of(replay: Callable[..., Any]) -> Any:
     """The ``SessionStore`` behind a drain callback, or None.
 
@@ -98,8 +114,10 @@ def store_of(replay: Callable[..., Any]) -> Any:
     ``self._append_transcript_message``), or a bound method of it; failing that,
     the one store ``recover_gateway_pending`` registered in this process. Only a
     callback defined in the gateway's own modules counts: anything else is not
-    assumed to write through the store it closes over.
+    assumed to write through the store it closes over, but walspool's ``StoreWrite``.
     """
+    if isinstance(replay, StoreWrite):
+        return replay.store if _is_store(replay.store) else None
     if not str(getattr(replay, "__module__", "")).startswith("gateway."):
         return None
     owner = getattr(replay, "__self__", None)

@@ -458,6 +458,7 @@ def _drain_before_live_writes(store_class: type) -> None:
 
 def _drain_first(store: Any, write: Callable[..., Any], session_id: str) -> None:
     """Drain ``session_id``'s spooled rows if it may have some; raise if rows remain."""
+    from ._upstream import StoreWrite
     from .shutdown_flush import drain_transcript_spool
 
     marked = getattr(store, "_spooled_drop_sessions", None) or set()
@@ -466,9 +467,8 @@ def _drain_first(store: Any, write: Callable[..., Any], session_id: str) -> None
         return
     _draining.on = True
     try:
-        _, remaining = drain_transcript_spool(
-            session_id, lambda message: write(store, session_id, message)
-        )
+        # A callback that names its store: the drain records and looks up tickets.
+        _, remaining = drain_transcript_spool(session_id, StoreWrite(store, session_id, write))
     finally:
         _draining.on = False
     if remaining:

@@ -18,6 +18,9 @@ not enable) the plugin the user's way.
                                                  table of replay tickets is dropped from
                                                  state.db by another connection, and each
                                                  session gets one more message
+    python _gateway_process.py OUT operator N        an outage as ``outage N message``, during
+                                                 which the operator runs ``walspool replay``
+                                                 into the broken state.db beside the gateway
     python _gateway_process.py OUT values            a healthy session gets a turn whose values
                                                  a TEXT column cannot take as they are (an
                                                  integer past 64 bits, one in a list)
@@ -113,7 +116,7 @@ async def run(mode: str, n: int, after: str) -> dict[str, Any]:
         result.update(await odd_values(store))
         await runner.stop()
         return result
-    if mode in ("outage", "rewrite", "drop-tickets"):
+    if mode in ("outage", "rewrite", "drop-tickets", "operator"):
         db = store._db
         for sid in SESSIONS:
             db.create_session(sid, "telegram")
@@ -126,8 +129,10 @@ async def run(mode: str, n: int, after: str) -> dict[str, Any]:
         if mode == "rewrite":
             result["rewritten"] = store.rewrite_transcript("s1", [])
             sent["s1"] = []
+        if mode == "operator":
+            result["replay_status"] = operator_replay(db.db_path)
         sql(db, HEAL)
-        if after == "message" or mode in ("rewrite", "drop-tickets"):
+        if after == "message" or mode in ("rewrite", "drop-tickets", "operator"):
             for sid in SESSIONS:
                 last = {"role": "user", "content": f"{sid}-last", "timestamp": int(time.time())}
                 sent[sid].append(last)
@@ -202,6 +207,22 @@ def turn_rows(sid: str, n: int) -> list[dict[str, Any]]:
         }
         for i in range(n)
     ]
+
+
+def operator_replay(state_db: Any) -> int:
+    """``operator``: the operator's ``walspool replay`` into the broken state.db, from
+    beside the running gateway; its exit status."""
+    import os
+    import subprocess
+
+    home = os.environ["HERMES_HOME"]
+    done = subprocess.run(
+        [sys.executable, "-m", "walspool", "replay", f"{home}/spool.db", "--into", str(state_db)],
+        capture_output=True,
+        text=True,
+        timeout=SETTLE_SECONDS * 4,
+    )
+    return done.returncode
 
 
 async def settle(db: Any, sent: dict[str, list[dict[str, Any]]]) -> None:

@@ -64,3 +64,21 @@ def test_a_dropped_ticket_table_stops_no_transcript_write(gateway: Gateway, home
     result = run_worker(gateway, home, "drop-tickets", str(BURST))
     for session, sent in result["sent"].items():
         assert result["landed"][session] == sent, session
+
+
+def test_an_operators_replay_during_the_outage_leaves_the_gateway_to_land_everything(
+    gateway: Gateway, home: Path
+) -> None:
+    """During the outage the operator runs ``walspool replay`` beside the gateway: it
+    is held (exit 3: state.db refuses the first row) and leaves that row in flight.
+    Once state.db heals, the gateway lands everything, that row too, once, in drop
+    order, and nothing stays in the spool (before: on 0.20 the plugin's drain, whose
+    callback walspool did not track, quarantined the row in flight although its ticket
+    answered whether it had landed)."""
+    configure(gateway, home, gateway.enable)
+    result = run_worker(gateway, home, "operator", str(BURST))
+    assert result["replay_status"] == 3
+    for session, sent in result["sent"].items():
+        assert result["landed"][session] == sent, session
+    with walspool.Spool(home / "spool.db") as s:
+        assert s.stats().rows == 0
