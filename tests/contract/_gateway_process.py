@@ -21,6 +21,11 @@ not enable) the plugin the user's way.
     python _gateway_process.py OUT operator N        an outage as ``outage N message``, during
                                                  which the operator runs ``walspool replay``
                                                  into the broken state.db beside the gateway
+    python _gateway_process.py OUT kill N K          an outage with N messages to each of 3
+                                                 sessions (what was sent written to OUT),
+                                                 heal, one more message each; after the
+                                                 K-th state.db commit from there, OUT.landed
+                                                 is made and the process waits for SIGKILL
     python _gateway_process.py OUT values            a healthy session gets a turn whose values
                                                  a TEXT column cannot take as they are (an
                                                  integer past 64 bits, one in a list)
@@ -116,6 +121,8 @@ async def run(mode: str, n: int, after: str) -> dict[str, Any]:
         result.update(await odd_values(store))
         await runner.stop()
         return result
+    if mode == "kill":
+        await killed_in_the_drain(store, n, int(after))  # never returns: SIGKILLed
     if mode in ("outage", "rewrite", "drop-tickets", "operator"):
         db = store._db
         for sid in SESSIONS:
@@ -209,6 +216,43 @@ def turn_rows(sid: str, n: int) -> list[dict[str, Any]]:
     ]
 
 
+async def killed_in_the_drain(store: Any, n: int, commits: int) -> None:
+    """``kill``: an outage past the cap, its traffic saved to ``OUT``; then heal, and
+    after the ``commits``-th state.db commit from there (the drain's: the spooled rows
+    go first), ``OUT.landed`` is made and the process waits to be SIGKILLed."""
+    import threading
+
+    import hermes_state
+
+    db = store._db
+    for sid in SESSIONS:
+        db.create_session(sid, "telegram")
+    sent = traffic(n)
+    sql(db, BREAK)
+    for i in range(n):
+        for sid in SESSIONS:
+            store.append_to_transcript(sid, sent[sid][i])
+    with open(OUT, "w") as f:
+        json.dump({sid: [(m["role"], m["content"]) for m in rows] for sid, rows in sent.items()}, f)
+    original = hermes_state.SessionDB.append_message
+    seen = [0]
+
+    def append_message(self: Any, *args: Any, **kwargs: Any) -> Any:
+        row = original(self, *args, **kwargs)
+        seen[0] += 1
+        if seen[0] == commits:
+            with open(f"{OUT}.landed", "w"):
+                pass
+            threading.Event().wait()
+        return row
+
+    hermes_state.SessionDB.append_message = append_message
+    sql(db, HEAL)
+    for sid in SESSIONS:  # 0.20 and 0.22 drain at a session's next write
+        store.append_to_transcript(sid, {"role": "user", "content": f"{sid}-last"})
+    threading.Event().wait()
+
+
 def operator_replay(state_db: Any) -> int:
     """``operator``: the operator's ``walspool replay`` into the broken state.db, from
     beside the running gateway; its exit status."""
@@ -233,6 +277,10 @@ async def settle(db: Any, sent: dict[str, list[dict[str, Any]]]) -> None:
         if all(len(db.get_messages(sid)) >= len(sent[sid]) for sid in SESSIONS):
             return
         await asyncio.sleep(0.05)
+
+
+#: The file the result is written to (``sys.argv[1]``).
+OUT = sys.argv[1] if __name__ == "__main__" else ""
 
 
 def main() -> None:
