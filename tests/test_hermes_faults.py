@@ -645,3 +645,34 @@ def test_a_shutdown_flush_whose_commit_fails_puts_the_messages_back_in_order(
             (s, c, walspool.SHUTDOWN) for s in ("a", "b") for c in queued[s]
         ]
         link.close()
+
+
+def test_a_stop_while_a_gateway_thread_writes_into_a_locked_state_db_spools_that_message(
+    store, spool, hermes_home, caplog
+):
+    """Another process holds state.db's write lock; a gateway thread is inside the
+    write of a session's message (0.19.0's SessionDB retries about 16 s) when the
+    shutdown flushes the queues: the flush leaves it to that write and says so, and
+    once the write fails the message is spooled at once, nothing queued left (before:
+    it went back to a queue nobody flushed again, lost with the process, unsaid)."""
+    store._db.create_session("s", "telegram")
+    link = install(store, spool, retry_interval=1.0)
+    caplog.set_level(logging.WARNING, logger="walspool.hermes")
+    with write_lock_held(hermes_home / "state.db"):
+        gateway_thread = threading.Thread(
+            target=store.append_to_transcript, args=("s", {"role": "user", "content": "late"})
+        )
+        gateway_thread.start()
+        deadline = time.monotonic() + STEP
+        while not store._dirty_transcripts.get("s"):  # queued: its write has begun
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        link.flush_queues()  # as the runner's stop() does
+        gateway_thread.join(120)
+        assert not gateway_thread.is_alive()
+    spool.flush()
+    assert [(r.reason, r.message["content"]) for r in spool.records()] == [
+        (walspool.SHUTDOWN, "late")
+    ]
+    assert not store._dirty_transcripts.get("s")
+    link.close()

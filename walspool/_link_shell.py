@@ -86,6 +86,10 @@ class Link(SessionWriter, Evictions, Retries, ShutdownFlushes):
         #: may write rows spooled by session key, which precede them).
         self._recovering = False
         self._closed = False
+        #: Set by the shutdown's flush of the queues: a write that fails after it has its
+        #: session's queue spooled at once (``spool_if_stopping``), as nothing flushes
+        #: the queues again.
+        self._stopping = False
         #: When the background thread will look next (None: only when notified).
         self._wake_at: float | None = None
         self._thread: threading.Thread | None = None

@@ -89,6 +89,7 @@ class ShutdownFlushes:
         committed = threading.Event()
         #: The spool's request, once committed or failed (``_flushed`` adds it).
         requests: list[Request] = []
+        self._stopping = True
         while True:
             with self._lock:
                 taken, rows, notes = self._queued_rows()
@@ -166,6 +167,13 @@ class ShutdownFlushes:
         )
         return len(rows)
 
+    def spool_if_stopping(self) -> None:
+        """After a failed write: once the shutdown has flushed the queues, spool what
+        is queued now (the message that was being written then among it), since no
+        later flush comes."""
+        if self._stopping:
+            _never_raise(self.flush_queues)
+
     def _flushed(
         self,
         taken: dict[str, list[dict[str, Any]]],
@@ -203,6 +211,8 @@ class ShutdownFlushes:
         for session_id, pending in self.store._dirty_transcripts.items():
             state = self._sessions.get(session_id)
             busy = state is not None and pending and pending[0] is state.inflight
+            if busy:
+                notes.append(partial(_say_writing, session_id))
             for message in pending[1 if busy else 0 :]:
                 try:
                     rows.append(self.spool.prepare(session_id, message, SHUTDOWN))
@@ -211,6 +221,14 @@ class ShutdownFlushes:
                     continue
                 taken.setdefault(session_id, []).append(message)
         return taken, rows, notes
+
+
+def _say_writing(session_id: str) -> None:
+    log.warning(
+        "A gateway thread is writing the oldest queued message of %s at shutdown; it is "
+        "left to that write, and spooled if the write fails",
+        session_id,
+    )
 
 
 def install_runner(runner: Any, link: Any) -> None:
@@ -232,6 +250,8 @@ def install_runner(runner: Any, link: Any) -> None:
         overflow = [(key, event) for key, events in list(queued.items()) for event in events]
         _never_raise(link.flush_slots, overflow, reason="overflow_shutdown")
         _never_raise(link.flush_queues)
+        # The runner closes SessionDB next: no background retry may write into it.
+        _never_raise(link.close)
 
     runner._pending_messages = SpoolOnClear(runner._pending_messages, runner_cleared)
     teardown = runner._bounded_adapter_teardown

@@ -273,6 +273,7 @@ class SessionWriter:
             self._run(aside)
             return True
         self._run(notes)
+        self.spool_if_stopping()
         if not say:
             return False
         log.warning(
