@@ -68,7 +68,7 @@ from .jsonspool import FILE_PATTERN, QUARANTINE_PATTERN, import_json_spool
 from .paging import LARGE_PAYLOAD, SMALL_PAYLOAD
 from .records import AGENT_HISTORY, CAP_DROP
 from .replay import Replayer, ReplayReport, replay_lock
-from .sinks import is_row_rejection
+from .sinks import gateway_mapping, is_row_rejection
 from .spool import Spool, check_lookup
 
 __all__ = [
@@ -209,16 +209,19 @@ def spool_dropped_transcript_message(session_id: str, message: dict[str, Any]) -
     the session's order at once and commits it in the background. Returns the
     spool's path once handed off, or None when the spool cannot take it now (the
     caller then keeps or drops the message, as upstream does when its spool fails):
-    closed, a bad value, the writer's queue full, or its write lock found held by
-    another process (nothing is handed to a writer that cannot commit: 0.22 then
-    keeps a stalled backlog in memory). A hand-off the writer then fails to commit
+    closed, a bad value, the writer's queue full, or, on a gateway that keeps what is
+    refused in memory (0.22's stalled backlog), its write lock found held by another
+    process (nothing is handed to a writer that cannot commit). 0.20 drops what is
+    refused: there a lock found held elsewhere, most often for a moment (another
+    gateway's or a replay's commit), is left to the writer, which waits for it. A
+    hand-off the writer then fails to commit
     (the lock held elsewhere past ``walspool.writer.BUSY_RETRY_SECONDS``, a full
     disk) is dropped with a WARNING. A drain of the session counts it as remaining
     until it is committed.
     """
     try:
         spool = shared_spool()
-        if spool.busy():
+        if spool.busy() and _keeps_what_is_refused():
             _probe(spool, wait=0.0)  # a probe that commits ends the busy state
             log.debug(
                 "The spool %s is locked elsewhere; not spooling for %s", spool.path, session_id
@@ -240,6 +243,13 @@ def spool_dropped_transcript_message(session_id: str, message: dict[str, Any]) -
         log.debug("Failed to spool cap-dropped transcript message for %s: %s", session_id, exc)
         return None
     return spool.path
+
+
+@cache
+def _keeps_what_is_refused() -> bool:
+    """Whether the gateway keeps in memory an eviction this module refuses (0.22, the
+    gateway with its own row mapping), rather than dropping it (0.20)."""
+    return gateway_mapping() is not None
 
 
 def _evicted(key: tuple[Path, str], request: Any) -> None:

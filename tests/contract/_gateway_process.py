@@ -26,6 +26,9 @@ not enable) the plugin the user's way.
                                                  heal, one more message each; after the
                                                  K-th state.db commit from there, OUT.landed
                                                  is made and the process waits for SIGKILL
+    python _gateway_process.py OUT beside N          an outage as ``outage N message``, with the
+                                                 operator's ``walspool replay`` running over
+                                                 and over beside the gateway meanwhile
     python _gateway_process.py OUT values            a healthy session gets a turn whose values
                                                  a TEXT column cannot take as they are (an
                                                  integer past 64 bits, one in a list)
@@ -123,15 +126,18 @@ async def run(mode: str, n: int, after: str) -> dict[str, Any]:
         return result
     if mode == "kill":
         await killed_in_the_drain(store, n, int(after))  # never returns: SIGKILLed
-    if mode in ("outage", "rewrite", "drop-tickets", "operator"):
+    if mode in ("outage", "rewrite", "drop-tickets", "operator", "beside"):
         db = store._db
         for sid in SESSIONS:
             db.create_session(sid, "telegram")
         sent = traffic(n)
         sql(db, BREAK)
+        beside = replays_beside(db.db_path) if mode == "beside" else None
         for i in range(n):
             for sid in SESSIONS:
                 store.append_to_transcript(sid, sent[sid][i])
+        if beside is not None:
+            result["replays"] = beside()
         result["during"] = {sid: len(db.get_messages(sid)) for sid in SESSIONS}
         if mode == "rewrite":
             result["rewritten"] = store.rewrite_transcript("s1", [])
@@ -139,7 +145,7 @@ async def run(mode: str, n: int, after: str) -> dict[str, Any]:
         if mode == "operator":
             result["replay_status"] = operator_replay(db.db_path)
         sql(db, HEAL)
-        if after == "message" or mode in ("rewrite", "drop-tickets", "operator"):
+        if after == "message" or mode in ("rewrite", "drop-tickets", "operator", "beside"):
             for sid in SESSIONS:
                 last = {"role": "user", "content": f"{sid}-last", "timestamp": int(time.time())}
                 sent[sid].append(last)
@@ -251,6 +257,31 @@ async def killed_in_the_drain(store: Any, n: int, commits: int) -> None:
     for sid in SESSIONS:  # 0.20 and 0.22 drain at a session's next write
         store.append_to_transcript(sid, {"role": "user", "content": f"{sid}-last"})
     threading.Event().wait()
+
+
+def replays_beside(state_db: Any) -> Any:
+    """``beside``: the operator's ``walspool replay`` run over and over beside the gateway
+    (each takes the spool's write lock for moments) until the returned function is
+    called; it returns how many ran."""
+    import threading
+
+    stop = threading.Event()
+    ran = [0]
+
+    def loop() -> None:
+        while not stop.is_set():
+            operator_replay(state_db)
+            ran[0] += 1
+
+    thread = threading.Thread(target=loop)
+    thread.start()
+
+    def done() -> int:
+        stop.set()
+        thread.join()
+        return ran[0]
+
+    return done
 
 
 def operator_replay(state_db: Any) -> int:

@@ -82,3 +82,20 @@ def test_an_operators_replay_during_the_outage_leaves_the_gateway_to_land_everyt
         assert result["landed"][session] == sent, session
     with walspool.Spool(home / "spool.db") as s:
         assert s.stats().rows == 0
+
+
+def test_replays_run_beside_the_gateway_during_an_outage_cost_no_eviction(
+    gateway: Gateway, home: Path
+) -> None:
+    """The operator's ``walspool replay`` runs over and over beside the gateway while
+    the outage overflows its cap; each replay holds the spool's write lock for moments.
+    Every eviction is still kept, and everything lands once, in drop order (before: on
+    0.20 an eviction that met the lock taken marked the spool busy until walspool's
+    next commit, and the drop-in refused, so the gateway dropped, every eviction
+    meanwhile)."""
+    configure(gateway, home, gateway.enable)
+    result = run_worker(gateway, home, "beside", str(BURST))
+    assert result["replays"] > 0
+    assert not [line for line in result["log"] if "dropping oldest" in line]
+    for session, sent in result["sent"].items():
+        assert result["landed"][session] == sent, session
