@@ -566,7 +566,7 @@ def recover_pending_spool(
     if not _count(spool, ANY_TO_REPLAY_SQL, (AGENT_HISTORY,)):
         return 0, set()
     if _replay_running(spool):  # learnt before state.db is opened, which may be locked
-        return _left_to_the_running_replay(spool)
+        return _left_to_the_running_replay(spool, session_resolver)
     owned = session_db is None
     if owned:
         try:
@@ -580,7 +580,7 @@ def recover_pending_spool(
     try:
         report = _replay_all(spool, session_db, session_resolver)
     except ReplayBusy:  # a replay that began after the look above
-        return _left_to_the_running_replay(spool)
+        return _left_to_the_running_replay(spool, session_resolver)
     except Exception as exc:  # noqa: BLE001 - never raises, as upstream
         log.warning("Failed to recover pending messages: %s", exc)
         return 0, _sessions_with_rows(spool)
@@ -639,9 +639,18 @@ def _replay_running(spool: Spool) -> bool:
         return False
 
 
-def _left_to_the_running_replay(spool: Spool) -> tuple[int, set[str]]:
-    """A start's answer while another replay runs: nothing replayed, its sessions held."""
+def _left_to_the_running_replay(
+    spool: Spool, session_resolver: Callable[..., Any] | None
+) -> tuple[int, set[str]]:
+    """A start's answer while another replay runs: nothing replayed, its sessions held:
+    those with rows of their own, and those the resolver routes spooled keys to (a
+    slot spooled by key precedes its session's next live row too)."""
     held = _sessions_with_rows(spool)
+    if session_resolver is not None:
+        for key, ts in _keys_to_resolve(spool):
+            found = _upstream.resolve_key(session_resolver, key, ts)
+            if found is not None:
+                held.add(found[0])
     log.warning(
         "Another replay of %s is running; %d session(s) will drain their spooled rows "
         "before their next message",

@@ -50,3 +50,26 @@ def test_a_start_while_a_real_walspool_replay_runs_skips_it_and_nothing_lands_tw
         assert contents(store._db, sid) == [*(f"{sid}-{i}" for i in range(ROWS)), f"{sid}-live"]
     with walspool.Spool(home / "spool.db") as spool:
         assert spool.stats().rows == 0
+
+
+def test_a_start_while_a_replay_runs_holds_the_session_of_a_slot_spooled_by_key(home, store):
+    """A slot spooled at the last shutdown by session key only (0.22's slots carry no
+    session id); the gateway starts while a real ``walspool replay`` runs: the session
+    the key routes to is marked with the others, so its first live row waits behind the
+    slot (before: only sessions with rows of their own were marked, and a live message
+    of the slot's session overtook it)."""
+    from gateway.config import Platform
+    from gateway.session import SessionSource
+
+    entry = store.get_or_create_session(SessionSource(platform=Platform.TELEGRAM, chat_id="42"))
+    store._db.create_session("other", "telegram")
+    assert wsf.spool_dropped_transcript_message("other", {"role": "user", "content": "x"})
+    assert wsf.flush_pending_to_file({entry.session_key: "the slot"}) == 1
+    wsf.close_shared_spools()
+    runner = types.SimpleNamespace(session_store=store, config=store.config)
+    with replay_running(home) as replay:
+        _, started, _, _ = start_beside(
+            replay, lambda: wsf.recover_gateway_pending(runner), START_BOUND
+        )
+    assert started == [0]
+    assert {"other", entry.session_id} <= set(store._spooled_drop_sessions)
