@@ -111,6 +111,11 @@ def test_a_second_replay_does_not_wait_by_default(tmp_path, capsys):
             "--wait SECONDS\n"
         )
         assert digest(path) == before
+        # --json: the error object on stdout, as for every other error.
+        rc, out, err = run(capsys, "replay", path, "--into", state, "--json")
+        assert rc == 4
+        error = err[len("walspool replay: ") : -1]
+        assert json.loads(out) == {"command": "replay", "error": error, "exit": 4}
     # A holder that wrote no pid (not walspool): the message says how to find it.
     with replay_lock_held(path, anonymous=True):
         rc, out, err = run(capsys, "replay", path, "--into", state)

@@ -127,6 +127,14 @@ def test_requeue_and_drop_wait_for_a_running_replay(quarantined):
         assert f"(process {holder.proc.pid})" in err and "nothing was changed" in err
         rc, _, _ = cli("requeue", path, "--id", ids[0], "--wait", "0")
         assert rc == 4
+        # --json: the error object on stdout, as for every other error.
+        rc, out, err = cli("requeue", path, "--id", ids[0], "--wait", "0", "--json")
+        assert rc == 4 and "nothing was changed" in err
+        assert json.loads(out) == {
+            "command": "requeue",
+            "error": err[len("walspool requeue: ") : -1],
+            "exit": 4,
+        }
     assert len(raw(path, "SELECT id FROM records")) == 2
     assert raw(path, "SELECT count(*) FROM audit") == [(0,)]
     assert cli("requeue", path, "--id", ids[0], "--wait", "0")[0] == 0

@@ -36,7 +36,7 @@ from . import (
 )
 from ._filters import UsageError
 from ._interrupt import Interrupted
-from ._output import EXIT_ERROR, EXIT_USAGE, as_path, dump, log_lines, warn
+from ._output import EXIT_BUSY, EXIT_ERROR, EXIT_USAGE, SpoolBusy, as_path, dump, log_lines, warn
 from ._owner import run_as, state_db_owner
 from ._reading import spool_error
 
@@ -203,6 +203,8 @@ def _run(args: argparse.Namespace) -> tuple[int, str | None]:
             return int(args.func(args)), None
     except UsageError as exc:
         return EXIT_USAGE, str(exc)
+    except SpoolBusy as exc:
+        return EXIT_BUSY, str(exc)
     except WalspoolError as exc:
         return EXIT_ERROR, str(exc)
     except apsw.Error as exc:

@@ -22,6 +22,7 @@ from typing import Any, TextIO
 
 import msgspec
 
+from ..errors import WalspoolError
 from ..text import ansi_c, json_safe, printable
 
 EXIT_OK = 0
@@ -35,6 +36,13 @@ EXIT_HELD = 3
 EXIT_BUSY = 4
 #: The replay ran, held nothing, but quarantined rows (kept, never replayed unasked).
 EXIT_QUARANTINED = 5
+
+
+class SpoolBusy(WalspoolError):
+    """Another replay of the spool holds its replay lock (exit status 4): reported as
+    any error, a line on stderr and, with --json, the error object."""
+
+
 #: Redraw the progress bar at most this often, in seconds.
 PROGRESS_INTERVAL = 0.1
 

@@ -13,7 +13,7 @@ from ..records import QUARANTINED, SUPERSEDED
 from ..spool import Spool
 from ..text import printable
 from ._filters import UsageError, row_ids, which_stream
-from ._output import EXIT_BUSY, EXIT_OK, clip, dump, plural, stream_name, table, warn
+from ._output import EXIT_OK, SpoolBusy, clip, dump, plural, stream_name, table
 from ._reading import reading
 from ._readonly import SpoolReader
 
@@ -96,12 +96,10 @@ def run_change(args: argparse.Namespace, command: str, change: Change, done: str
             ids = change(spool, ids, by=by, wait=args.wait)
     except ReplayBusy as busy:
         holder = f" (process {busy.pid})" if busy.pid is not None else ""
-        warn(
-            command,
+        raise SpoolBusy(
             f"a replay of {args.spool}{holder} kept its lock for {args.wait:g} s; "
-            "nothing was changed: run again when it ends, or give --wait SECONDS",
-        )
-        return EXIT_BUSY
+            "nothing was changed: run again when it ends, or give --wait SECONDS"
+        ) from busy
     report(args, ids, by, done)
     return EXIT_OK
 

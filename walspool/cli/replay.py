@@ -17,11 +17,11 @@ from ._dryrun import dry_run_report, fetch_record, plan, replay_streams
 from ._filters import check_reasons, check_session
 from ._interrupt import Interrupted, interruptible
 from ._output import (
-    EXIT_BUSY,
     EXIT_HELD,
     EXIT_OK,
     EXIT_QUARANTINED,
     Progress,
+    SpoolBusy,
     add_progress_argument,
     as_path,
     cli_terms,
@@ -88,8 +88,7 @@ def run(args: argparse.Namespace) -> int:
                 report = replay_into(args, progress, total, written)
         except ReplayBusy as busy:
             progress.close()
-            warn("replay", busy_message(args, busy.pid))
-            return EXIT_BUSY
+            raise SpoolBusy(busy_message(args, busy.pid)) from busy
         except Interrupted as stop:
             # Moved: rows this run wrote that left the spool. The rows it had out stay
             # in flight, some of them already in state.db (the write the signal cut
