@@ -356,7 +356,13 @@ def test_export(capsys: pytest.CaptureFixture[str], spool_file: Path) -> None:
     assert sorted(json.loads(line)["reason"] for line in out.splitlines()) == [
         SHUTDOWN, AGENT_HISTORY,
     ]  # fmt: skip
-    assert run(capsys, "export", spool_file, "--json", "--session", "nobody") == (0, "", "")
+    # A session with no row is a typo: exit 1, as show, replay, requeue and drop say it.
+    rc, out, err = run(capsys, "export", spool_file, "--json", "--session", "nobody")
+    error = f"no rows for session 'nobody' in {spool_file}"
+    assert (rc, err) == (1, f"walspool export: {error}\n")
+    assert json.loads(out) == {"command": "export", "error": error, "exit": 1}
+    rc, out, _ = run(capsys, "export", spool_file, "--session", f"key:{KEY}")
+    assert rc == 0 and [json.loads(line)["session_key"] for line in out.splitlines()] == [KEY]
 
 
 def test_export_pages_through_many_rows(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

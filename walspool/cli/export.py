@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from . import _narrow
-from ._filters import KEY_PREFIX, check_reasons, has_stream
+from ._filters import KEY_PREFIX, check_reasons, check_session, has_stream
 from ._output import Progress, add_progress_argument
 from ._reading import count_records, iter_records, reading, record_line, report_bad
 
@@ -16,7 +16,8 @@ def run(args: argparse.Namespace) -> int:
 
     Each session in drop order (rows spooled by session id first, then rows spooled
     by session key only). Every reason is exported unless --reason is given.
-    --session S takes `key:<KEY>` as ls prints it too. The lines are JSON whatever;
+    --session S takes `key:<KEY>` as ls prints it too; one with no row is an error
+    (exit 1). The lines are JSON whatever;
     with --json an error (exit 1: a damaged spool, rows whose payload is not JSON) is
     also one last line on stdout, {"command": "export", "error": ..., "exit": 1},
     which no record line has (records have "id"). Each message is the payload's JSON
@@ -30,6 +31,8 @@ def run(args: argparse.Namespace) -> int:
         if args.session is not None and args.session.startswith(KEY_PREFIX):
             if not any(has_stream(reader, args.session, kind) for kind in kinds):
                 args.session, kinds = args.session[len(KEY_PREFIX) :], ("key",)
+        # A session with no row is a typo, as for show, replay, requeue and drop.
+        check_session(reader, args.session)
         progress = Progress("export", sys.stderr, enabled=args.progress)
         narrowing = args.limit, args.tail, args.since, args.failing or None
         counted = progress.enabled and narrowing == (None, None, None, None)
