@@ -781,3 +781,53 @@ def test_a_non_finite_message_timestamp_falls_back_to_the_spool_time(spool, stat
     assert (report.moved, report.held, report.quarantined) == (2, 0, 0), report.errors
     landed = [(m["content"], m["timestamp"]) for m in state_db.get_messages("s")]
     assert landed == [("odd time", spooled_at["odd time"]), ("own time", 1_700_000_000.5)]
+
+
+# -- a payload that is not UTF-8 ---------------------------------------------------------
+
+
+def spool_with_a_payload_not_utf8(path: Path) -> int:
+    """Three rows in two sessions; the first one's payload made bytes that are not
+    UTF-8 (0xff inside a string: a hand edit or a damaged page). Its row id."""
+    with walspool.Spool(path) as spool:
+        bad = spool.append("s1", {"role": "user", "content": "a"}).id
+        spool.append("s1", {"role": "user", "content": "b"})
+        spool.append("s2", {"role": "user", "content": "c"})
+    with apsw.Connection(str(path)) as conn:
+        conn.execute(
+            "UPDATE records SET payload = CAST(CAST(? AS BLOB) AS TEXT) WHERE id = ?",
+            (b'{"role":"user","content":"\xff"}', bad),
+        )
+    return bad
+
+
+def test_a_payload_that_is_not_utf8_is_one_bad_row(tmp_path, capsys):
+    """``show``, ``export`` and a replay meet a row whose payload is not UTF-8: it is
+    flagged (a one-line error, exit 1; the --json error object), quarantined by the
+    replay, and every other row and session goes on (before: a UnicodeDecodeError
+    traceback from show and export, and a replay that wrote nothing)."""
+    path = tmp_path / "spool.db"
+    bad = spool_with_a_payload_not_utf8(path)
+    assert main(["show", str(path), "s1"]) == 1
+    out, err = capsys.readouterr()
+    assert "[NOT JSON]" in out and "user: b" in out
+    assert f"id {bad} (session s1, seq 1)" in err and "Traceback" not in err
+    assert main(["export", str(path), "--json"]) == 1
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [line.get("message") for line in lines[:3]] == [
+        None,
+        {"role": "user", "content": "b"},
+        {"role": "user", "content": "c"},
+    ]
+    assert "Invalid UTF-8" in lines[0]["bad_payload"]["error"]
+    assert lines[3]["command"] == "export" and lines[3]["exit"] == 1
+    sink = MemorySink()
+    with walspool.Spool(path) as spool:
+        report = walspool.Replayer(spool, sink).replay()
+        assert (report.moved, report.quarantined) == (2, 1)
+    assert [m["content"] for _, m in sink.rows] == ["b", "c"]
+    with apsw.Connection(str(path)) as conn:
+        ((row_id, status, last_error),) = conn.execute(
+            "SELECT id, status, last_error FROM records"
+        ).fetchall()
+    assert (row_id, status) == (bad, walspool.QUARANTINED) and "not valid JSON" in last_error

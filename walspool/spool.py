@@ -22,9 +22,12 @@ from .schema import close_quietly, open_reader, open_writer, opened_file, sqlite
 from .writer import Append, Operation, Quarantined, Row, Writer
 
 DEFAULT_MAX_PAYLOAD_BYTES = 64 * 1024 * 1024
+#: A row as ``Record`` takes it. The payload comes as its stored bytes, made text by
+#: ``paging.read_page`` when they are UTF-8: a payload that is not (a hand edit, a
+#: damaged page) is then one bad row, where apsw's own decoding would fail the page.
 RECORD_COLUMNS = (
-    "id, session_id, seq, reason, session_key, created_at, payload, attempts, last_error, "
-    "last_attempt_at, status"
+    "id, session_id, seq, reason, session_key, created_at, CAST(payload AS BLOB), attempts, "
+    "last_error, last_attempt_at, status"
 )
 RECORDS_PAGE_SQL = f"""
 SELECT {RECORD_COLUMNS}, {ROW_BYTES_SQL} FROM records

@@ -186,7 +186,7 @@ def iter_records(
             rows, full = reader.read(lambda c, sql=sql, page=page: read_page(c, sql, page))
             for row in rows:
                 columns, inflight, valid = row[:-3], row[-3], row[-2]
-                if raw and valid:
+                if raw and valid and isinstance(columns[6], str):
                     record = Record(*columns[:6], RawPayload(columns[6]), *columns[7:])
                 else:
                     record = _record_or_flagged(columns, path, bad)
