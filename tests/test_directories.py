@@ -83,14 +83,14 @@ def owned_dir(path: Path, uid: int, mode: int = 0o700) -> Path:
 
 
 @contextlib.contextmanager
-def swapping(directory: Path, a: str, b: str, setup: str) -> Iterator[subprocess.Popen[str]]:
-    """``nobody`` exchanging the names ``a`` and ``b`` in ``directory`` in a loop (a
-    real second process) for the block; ``setup`` defines ``setup()``, which (re)makes
-    them."""
+def as_owner(code: str, *args: str) -> Iterator[subprocess.Popen[str]]:
+    """``code`` run by ``nobody``, the spool's owner (a real second process), for the
+    block, once it has printed ``ready``; killed afterwards."""
     assert SETPRIV is not None
     proc = subprocess.Popen(
         [SETPRIV, f"--reuid={OWNER}", f"--regid={OWNER}", "--clear-groups", sys.executable]
-        + ["-c", SWAPPER, str(directory), a, b, textwrap.dedent(setup)],
+        + ["-c", code, *args],
+        stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -100,10 +100,19 @@ def swapping(directory: Path, a: str, b: str, setup: str) -> Iterator[subprocess
         ready, _, _ = select.select([proc.stdout], [], [], BOUND)
         assert ready and proc.stdout.readline() == "ready\n", proc.stderr.read()
         yield proc
-        assert proc.poll() is None, f"the swapper stopped: {proc.stderr.read()}"
     finally:
         proc.kill()
         proc.wait(BOUND)
+
+
+@contextlib.contextmanager
+def swapping(directory: Path, a: str, b: str, setup: str) -> Iterator[subprocess.Popen[str]]:
+    """``nobody`` exchanging the names ``a`` and ``b`` in ``directory`` in a loop (a
+    real second process) for the block; ``setup`` defines ``setup()``, which (re)makes
+    them."""
+    with as_owner(SWAPPER, str(directory), a, b, textwrap.dedent(setup)) as proc:
+        yield proc
+        assert proc.poll() is None, f"the swapper stopped: {proc.stderr.read()}"
 
 
 def gateway_spool(home: Path) -> Path:
@@ -324,24 +333,9 @@ spool.close()
 def gateway_running(path: Path) -> Iterator[None]:
     """The owner's process holding the spool open, as a gateway does (its ``-wal`` and
     ``-shm`` exist), for the block."""
-    assert SETPRIV is not None
-    proc = subprocess.Popen(
-        [SETPRIV, f"--reuid={OWNER}", f"--regid={OWNER}", "--clear-groups", sys.executable]
-        + ["-c", GATEWAY_HOLDING, str(path)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT), "HOME": "/nonexistent"},
-    )
-    try:
-        ready, _, _ = select.select([proc.stdout], [], [], BOUND)
-        assert ready and proc.stdout.readline() == "ready\n", proc.stderr.read()
+    with as_owner(GATEWAY_HOLDING, str(path)):
         assert os.path.exists(f"{path}-wal")
         yield
-    finally:
-        proc.kill()
-        proc.wait(BOUND)
 
 
 def link_as_owner(target: Path, name: Path) -> None:

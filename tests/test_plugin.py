@@ -28,9 +28,11 @@ from contract._gateways import (
     Gateway,
     configure,
     env,
+    gateway_process,
     linked_lines,
     present,
     run_worker,
+    wait_for,
 )
 
 import walspool
@@ -102,37 +104,18 @@ def test_the_gateway_started_its_own_way_is_linked_and_stops_on_sigint(
         command = [str(gateway.python()), "-m", "gateway.run"]
     spool = home / "spool.db"
     logs = home / "logs"
-    with subprocess.Popen(
-        command,
-        env=env(home),
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    ) as gw:
-        try:
-            line = wait_for_line(gateway, logs, gw)
-            # The linked line comes at plugin discovery, before the gateway installs its
-            # SIGINT handler; all three write their PID file after installing it.
-            wait_for_file(home / "gateway.pid", gw)
-            gw.send_signal(signal.SIGINT)
-            gw.wait(PROCESS_SECONDS)
-        finally:
-            if gw.poll() is None:
-                gw.kill()
+    with gateway_process(home, *command) as gw:
+        line = wait_for_line(gateway, logs, gw)
+        # The linked line comes at plugin discovery, before the gateway installs its
+        # SIGINT handler; all three write their PID file after installing it.
+        wait_for("started", (home / "gateway.pid").exists, gw)
+        gw.send_signal(signal.SIGINT)
+        gw.wait(PROCESS_SECONDS)
     assert str(spool) in line
     text = "\n".join(p.read_text(errors="replace") for p in sorted(logs.glob("*.log")))
     assert not [x for x in text.splitlines() if "walspool" in x and " ERROR " in x]
     with walspool.Spool(spool) as s:  # made by the link, or by the startup recovery
         assert s.stats().rows == 0
-
-
-def wait_for_file(path: Path, process: subprocess.Popen[bytes]) -> None:
-    """``path`` made by the running ``process``, waited for with a bound."""
-    deadline = time.monotonic() + PROCESS_SECONDS
-    while not path.exists():
-        assert process.poll() is None, f"the gateway exited with {process.returncode}"
-        assert time.monotonic() < deadline, f"no {path} within {PROCESS_SECONDS} s"
-        time.sleep(0.1)
 
 
 def wait_for_line(gateway: Gateway, logs: Path, process: subprocess.Popen[bytes]) -> str:

@@ -174,25 +174,34 @@ def wait_for(what: str, ready: Callable[[], bool], process: subprocess.Popen[byt
 
 
 @contextmanager
-def gateway_running(gateway: Gateway, home: Path) -> Iterator[subprocess.Popen[bytes]]:
-    """``python -m gateway.run`` (the gateway's own start, its start-up recovery
-    included) for the block, then stopped with SIGINT as a terminal's Ctrl-C does."""
+def gateway_process(home: Path, *argv: str) -> Iterator[subprocess.Popen[bytes]]:
+    """``argv`` run in ``home`` (a gateway's process) for the block, its output
+    discarded; killed afterwards if it still runs."""
     with subprocess.Popen(
-        [str(gateway.python()), "-m", "gateway.run"],
+        list(argv),
         env=env(home),
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     ) as process:
         try:
-            # All three write their PID file once their signal handlers are in place.
-            wait_for("started", (home / "gateway.pid").exists, process)
             yield process
-            process.send_signal(signal.SIGINT)
-            process.wait(PROCESS_SECONDS)
         finally:
             if process.poll() is None:
                 process.kill()
+                process.wait(PROCESS_SECONDS)
+
+
+@contextmanager
+def gateway_running(gateway: Gateway, home: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """``python -m gateway.run`` (the gateway's own start, its start-up recovery
+    included) for the block, then stopped with SIGINT as a terminal's Ctrl-C does."""
+    with gateway_process(home, str(gateway.python()), "-m", "gateway.run") as process:
+        # All three write their PID file once their signal handlers are in place.
+        wait_for("started", (home / "gateway.pid").exists, process)
+        yield process
+        process.send_signal(signal.SIGINT)
+        process.wait(PROCESS_SECONDS)
 
 
 def transcript(home: Path, session_id: str) -> list[tuple[str, str]]:

@@ -5,7 +5,6 @@ starts again."""
 from __future__ import annotations
 
 import json
-import subprocess
 from collections import Counter
 from pathlib import Path
 
@@ -14,11 +13,10 @@ import pytest
 import walspool
 
 from ._gateways import (
-    PROCESS_SECONDS,
     WORKER,
     Gateway,
     configure,
-    env,
+    gateway_process,
     gateway_running,
     transcript,
     wait_for,
@@ -55,18 +53,10 @@ def test_a_sigkill_right_after_a_drains_commit_loses_and_doubles_no_spooled_row(
     only in the gateway's memory may be lost, as with the released gateway."""
     configure(gateway, home, gateway.enable)
     out = home.parent / "sent.json"
-    with subprocess.Popen(
-        [str(gateway.python()), str(WORKER), str(out), "kill", str(BURST), str(commits)],
-        env=env(home),
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    ) as process:
-        try:
-            wait_for("killed in the drain", Path(f"{out}.landed").exists, process)
-        finally:
-            process.kill()
-            process.wait(PROCESS_SECONDS)
+    argv = [str(gateway.python()), str(WORKER), str(out), "kill", str(BURST), str(commits)]
+    with gateway_process(home, *argv) as process:
+        wait_for("killed in the drain", Path(f"{out}.landed").exists, process)
+        process.kill()  # SIGKILL, right after the drain's commit
     sent = {
         sid: [tuple(row) for row in rows] + [("user", f"{sid}-last")]
         for sid, rows in json.loads(out.read_text()).items()
