@@ -286,13 +286,16 @@ def replays_beside(state_db: Any) -> Any:
 
 def operator_replay(state_db: Any) -> int:
     """``operator``: the operator's ``walspool replay`` into the broken state.db, from
-    beside the running gateway; its exit status."""
+    beside the running gateway, waiting its turn while a drain of the gateway's holds
+    the replay lock (``--wait``); its exit status."""
     import os
     import subprocess
 
     home = os.environ["HERMES_HOME"]
+    wait = str(SETTLE_SECONDS)
     done = subprocess.run(
-        [sys.executable, "-m", "walspool", "replay", f"{home}/spool.db", "--into", str(state_db)],
+        [sys.executable, "-m", "walspool", "replay", f"{home}/spool.db", "--into", str(state_db)]
+        + ["--wait", wait],
         capture_output=True,
         text=True,
         timeout=SETTLE_SECONDS * 4,
