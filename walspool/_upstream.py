@@ -169,9 +169,9 @@ class DrainSink:
         try:
             if track is not None and tracked:
                 with track.tracking(ticket):
-                    write_bindable(self._write, session_id, record.message)
+                    write_bindable(self._replay, session_id, record.message)
             else:
-                write_bindable(self._write, session_id, record.message)
+                write_bindable(self._replay, session_id, record.message)
         except Exception as exc:
             if not tracked:
                 self._put_back(record)
@@ -191,7 +191,9 @@ class DrainSink:
                 )
                 self._store = None
 
-    def _write(self, session_id: str, message: Any) -> None:
+    def _replay(self, session_id: str, message: Any) -> None:
+        """The gateway's callback as ``write_bindable`` calls a write (its session is
+        this drain's)."""
         self.replay(message)
 
     def _set_aside(self, record: Record) -> None:

@@ -214,10 +214,9 @@ def spool_dropped_transcript_message(session_id: str, message: dict[str, Any]) -
     process (nothing is handed to a writer that cannot commit). 0.20 drops what is
     refused: there a lock found held elsewhere, most often for a moment (another
     gateway's or a replay's commit), is left to the writer, which waits for it. A
-    hand-off the writer then fails to commit
-    (the lock held elsewhere past ``walspool.writer.BUSY_RETRY_SECONDS``, a full
-    disk) is dropped with a WARNING. A drain of the session counts it as remaining
-    until it is committed.
+    hand-off the writer then fails to commit (the lock held elsewhere past
+    ``walspool.writer.BUSY_RETRY_SECONDS``, a full disk) is dropped with a WARNING. A
+    drain of the session counts it as remaining until it is committed.
     """
     try:
         spool = shared_spool()
