@@ -765,8 +765,9 @@ def _restore_landings_on_write(session_db: Any) -> None:
     gone (an operator's ``DROP TABLE`` with the sqlite3 shell) SQLite refuses every
     insert into ``messages`` on that connection, the gateway's own included, until the
     process ends. The statement fails as it is prepared, before anything is written,
-    so the table is made again and the write made once more. Rows a replay had in
-    flight lose their tickets with the table: their landing cannot be told.
+    so the table is made again and the write made once more. Not guaranteed: rows a
+    replay had in flight lose their tickets with the table, and the next lookup takes
+    them as not landed, so one that had landed is written a second time.
     """
     for name in _MESSAGE_WRITES:
         write = getattr(session_db, name, None)
