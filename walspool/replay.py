@@ -22,7 +22,8 @@ once, finds its ticket: then it landed after all), so its retry is probed first.
 
 A sink that cannot look tickets up (``landed`` returns None) trusts its own raise:
 a failed row is freed at once; a row left in flight by a crash, whose fate nobody
-can know, is quarantined (kept, flagged for an operator), never guessed.
+can know, is quarantined (kept, flagged for an operator), never guessed. Such a sink
+is handed one row per batch, so that row is the only one a crash leaves in doubt.
 
 A row the sink refuses for its content (``rejects_content``), a payload that is not
 JSON or is too costly to decode (nested deeper than ``codec.MAX_DEPTH``, more than
@@ -462,7 +463,8 @@ class _Run:
             return
         after: tuple[str, int] = ("", 0)
         while limit is None or self.taken < limit:
-            want = self.batch_rows if limit is None else min(self.batch_rows, limit - self.taken)
+            size = self.batch_rows if self._sink_can_look_up() else 1
+            want = size if limit is None else min(size, limit - self.taken)
             params = {
                 **self.filter,
                 "session_id": self.session_id,
@@ -490,6 +492,19 @@ class _Run:
             after = (last_stream[1], _MAX_SEQ if self._held(last_stream) else last.seq)
             if not full:
                 return
+
+    def _sink_can_look_up(self) -> bool:
+        """Whether the sink can look tickets up (``landed(())`` is not None).
+
+        One that cannot is given one row per batch: a crash then leaves in flight,
+        to be quarantined as "cannot tell", only the row the sink was writing, never
+        rows it was not handed yet. A sink that fails to answer is taken at its
+        word later, by its writes and lookups.
+        """
+        try:
+            return self.sink.landed(()) is not None
+        except Exception:  # noqa: BLE001 - its writes will say what is wrong
+            return True
 
     def _let_sink_forget(self, below: int, keep: list[int]) -> None:
         """Tell the sink which ticket records it may drop: every earlier batch is

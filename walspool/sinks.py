@@ -155,7 +155,8 @@ class Sink(Protocol):
     ``write`` commits one message durably before it returns, or raises; if it
     raises, ``landed`` tells whether it committed all the same. ``landed`` returns
     exactly the given tickets whose writes committed, or None when the sink cannot
-    tell (then a raise must mean nothing was written). A sink may also offer
+    tell (then a raise must mean nothing was written); asked of no tickets, None
+    says it can never tell, and the replayer hands it one row per batch. A sink may also offer
     ``forget(spool, below, keep)``: the replayer no longer needs the records of
     that spool's tickets under ``below``, except those in ``keep``.
     """
