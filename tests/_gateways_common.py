@@ -166,7 +166,10 @@ class DropInWaits:
         self._thread = threading.current_thread()
         self._writer = spool._writer  # type: ignore[attr-defined]
         writer = self._writer
-        for name in ("call", "notify", "submit"):  # unbounded but for the busy bound
+        # ``call`` within its ``within`` (0.22's hand-offs), else unbounded but for the
+        # busy bound, as ``notify`` and ``submit``.
+        self._wrap(monkeypatch, writer, "call", lambda request, within=None: within)
+        for name in ("notify", "submit"):
             self._wrap(monkeypatch, writer, name, lambda *a, **k: None)
         self._wrap(monkeypatch, writer, "wait_for_room", lambda timeout, *a, **k: timeout)
         self._wrap(monkeypatch, wsf, "_probe", lambda spool, *, wait: wait)

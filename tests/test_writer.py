@@ -16,12 +16,13 @@ from types import SimpleNamespace
 
 import apsw
 import pytest
+from _gateway import found_locked
 from _helpers import ROOT, child_deadline, run_python
 from _lock_holder import write_lock_held
 
 import walspool
 import walspool.writer as walspool_writer
-from walspool.writer import Append, Batched, Operation, SpoolBusy
+from walspool.writer import Append, Batched, NotInTime, Operation, SpoolBusy
 
 WRITER_CHILD = r"""
 import sys, threading, walspool
@@ -280,6 +281,47 @@ def test_appends_queued_before_the_path_changed_are_refused_when_their_group_com
         assert caught.value.session_id == "u"
     with walspool.Spool(moved) as old:
         assert [(r.session_id, r.message) for r in old.records()] == [("s", {"i": 0})]
+
+
+@pytest.mark.parametrize("where", ["on the caller's thread", "queued behind a waiting group"])
+def test_a_commit_asked_within_a_bound_fails_not_in_time_and_never_lands_later(
+    spool_path, monkeypatch, where
+):
+    """``put_within`` while another process holds the write lock (longer than the
+    bound, shorter than the busy bound): ``NotInTime``, and nothing of it is written
+    once the lock is free, whether it waited for the lock itself or behind a group that
+    does (taken back from the queue). What was queued without a bound still lands."""
+    monkeypatch.setattr(walspool_writer, "BUSY_RETRY_SECONDS", 60.0)
+    with walspool.Spool(spool_path) as spool:
+        row = spool.prepare("s", {"i": "timed"}, walspool.CAP_DROP)
+        with write_lock_held(spool_path) as holder:
+            waiting = None
+            if where == "queued behind a waiting group":
+                waiting = spool.submit("s", {"i": "untimed"})
+                assert found_locked(spool)  # the writer waits for the lock with it
+            with pytest.raises(NotInTime) as caught:
+                spool.put_within(row, 0.2)
+            assert caught.value.session_id == "s" and caught.value.seconds == 0.2
+            assert "nothing was written" in str(caught.value)
+            holder.release()
+            if waiting is not None:
+                assert waiting.result(30).seq == 1
+        spool.flush()
+        assert [r.message["i"] for r in spool.records()] == (["untimed"] if waiting else [])
+        receipt = spool.put_within(row, 30)  # the lock free: committed in time
+        assert [r.message["i"] for r in spool.records()][-1] == "timed"
+        assert receipt.seq == (2 if waiting else 1)
+
+
+def test_a_commit_within_a_bound_on_a_full_queue_is_refused_at_once(spool, monkeypatch):
+    monkeypatch.setattr(walspool_writer, "QUEUE_REQUESTS", 1)
+    row = spool.prepare("s", {"i": 0}, walspool.CAP_DROP)
+    with spool._writer._commit_lock:  # the writer (any committer) is busy
+        spool.submit("s", {"i": 1})
+        with pytest.raises(queue.Full):
+            spool.put_within(row, 30)
+    spool.flush()
+    assert [r.message["i"] for r in spool.records()] == [1]
 
 
 def test_waiters_wake_as_soon_as_the_lock_is_released(spool_path, monkeypatch):

@@ -21,9 +21,12 @@ What differs from upstream, on purpose:
   the live drain: the store behind the gateway's own callback is found on 0.20 and
   0.22; any other callback's rows are set aside while they are written
   (see ``walspool._upstream``).
-* No gateway thread waits on the spool: evictions are handed to its writer (none
-  while its write lock is found held elsewhere: the caller keeps or drops the
-  message, as upstream's contract says), drains skip a locked spool or a running
+* No gateway thread waits on the spool past a bound: on 0.20, which drops what the
+  spool refuses, evictions are handed to its writer and committed in the background;
+  on 0.22, which keeps it in memory, an eviction is answered once committed, within
+  ``HANDOFF_SECONDS`` (else refused with nothing written, and the gateway keeps it:
+  a full disk or a lock held elsewhere never drops it), as upstream answers once its
+  file is written. Drains skip a locked spool or a running
   replay and are retried at the session's next write; a start finds a running replay
   before it opens state.db and leaves the rows to it.
 * Without a resolver (0.20's ``recover_pending_to_db()``), session keys are resolved
@@ -40,9 +43,9 @@ What differs from upstream, on purpose:
 Not guaranteed: order between a slot spooled by routing key and rows spooled by
 session id (as upstream, key rows replay after the session's own rows); on 0.20,
 spooled rows landing before newer live rows (that gateway writes its in-memory
-backlog first); an eviction handed off and then outlasted by a write lock held
-elsewhere (dropped with a WARNING); a rewrite superseding spooled rows (the gateway
-gives the module no hook).
+backlog first); on 0.20, an eviction handed off and then outlasted by a write lock
+held elsewhere or met by a full disk (dropped with a WARNING); a rewrite superseding
+spooled rows (the gateway gives the module no hook).
 """
 
 from __future__ import annotations
@@ -105,6 +108,9 @@ IMPORT_SOURCE_KEY = "_walspool_import"
 CONFIRM_WAIT = 0.25
 #: How often that wait looks whether the writer found the write lock held elsewhere.
 BUSY_LOOK_SECONDS = 0.01
+#: Seconds a gateway that keeps what the spool refuses (0.22) waits for an eviction's
+#: commit; past it nothing is written and the gateway keeps the message.
+HANDOFF_SECONDS = 1.0
 
 _spools: dict[Path, Spool] = {}
 _spools_lock = threading.Lock()
@@ -205,22 +211,27 @@ atexit.register(close_shared_spools)
 def spool_dropped_transcript_message(session_id: str, message: dict[str, Any]) -> Path | None:
     """Spool a message the transcript queue evicted (or diverted) instead of dropping it.
 
-    Never waits: the row is handed to the spool's writer, which takes its place in
-    the session's order at once and commits it in the background. Returns the
-    spool's path once handed off, or None when the spool cannot take it now (the
-    caller then keeps or drops the message, as upstream does when its spool fails):
-    closed, a bad value, the writer's queue full, or, on a gateway that keeps what is
-    refused in memory (0.22's stalled backlog), its write lock found held by another
-    process (nothing is handed to a writer that cannot commit). 0.20 drops what is
-    refused: there a lock found held elsewhere, most often for a moment (another
-    gateway's or a replay's commit), is left to the writer, which waits for it. A
-    hand-off the writer then fails to commit (the lock held elsewhere past
-    ``walspool.writer.BUSY_RETRY_SECONDS``, a full disk) is dropped with a WARNING. A
-    drain of the session counts it as remaining until it is committed.
+    Returns the spool's path once the spool has the message, or None when it cannot
+    take it (the caller then keeps or drops the message, as upstream does when its
+    spool fails): closed, a bad value, the writer's queue full, and:
+
+    * on a gateway that keeps in memory what is refused (0.22's stalled backlog and
+      evictions), once it is committed, within ``HANDOFF_SECONDS``: a full disk, a
+      write lock found held elsewhere (now, or past the bound) or a commit not made in
+      time is a refusal with nothing written, so nothing is dropped that the gateway
+      would have kept;
+    * on 0.20, which drops what is refused, at once: the row takes its place in the
+      session's order and is committed in the background, a lock held elsewhere for a
+      moment (another gateway's or a replay's commit) waited for by the writer. A
+      hand-off the writer then fails to commit (the lock held past
+      ``walspool.writer.BUSY_RETRY_SECONDS``, a full disk) is dropped with a WARNING.
+
+    A drain of the session counts the message as remaining until it is committed.
     """
     try:
         spool = shared_spool()
-        if spool.busy() and _keeps_what_is_refused():
+        keeps = _keeps_what_is_refused()
+        if spool.busy() and keeps:
             _probe(spool, wait=0.0)  # a probe that commits ends the busy state
             log.debug(
                 "The spool %s is locked elsewhere; not spooling for %s", spool.path, session_id
@@ -234,11 +245,18 @@ def spool_dropped_transcript_message(session_id: str, message: dict[str, Any]) -
         with _handoffs:
             _unconfirmed[key] = _unconfirmed.get(key, 0) + 1
         try:
-            spool.put_nowait((row,), partial(_evicted, key))
+            if keeps:
+                try:
+                    spool.put_within(row, HANDOFF_SECONDS)
+                finally:
+                    _settled(key)
+            else:
+                spool.put_nowait((row,), partial(_evicted, key))
         except BaseException:
-            _settled(key)
+            if not keeps:
+                _settled(key)
             raise
-    except Exception as exc:  # noqa: BLE001 - the caller drops and warns, as upstream
+    except Exception as exc:  # noqa: BLE001 - the caller keeps or drops it, as upstream
         log.debug("Failed to spool cap-dropped transcript message for %s: %s", session_id, exc)
         return None
     return spool.path

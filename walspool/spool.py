@@ -286,6 +286,17 @@ class Spool:
             request = Append(rows, single=single)
         self._writer.notify_nowait(request, callback)
 
+    def put_within(self, row: Row, seconds: float) -> Receipt:
+        """Commit ``row`` (from ``prepare``) within ``seconds``, or not at all.
+
+        ``NotInTime`` when the queue ahead of it or a write lock held elsewhere kept it
+        waiting past the bound (nothing was written); ``queue.Full`` at once when the
+        writer's queue has no room; a storage failure (a full disk) as ``append``. It
+        waits longer only for a commit already under way. For a caller that keeps what
+        the spool cannot take (see ``Writer.call``).
+        """
+        return self._writer.call(Append((row,), single=True), within=seconds)
+
     def check_path(self) -> None:
         """Raise ``SpoolReplaced`` now if the spool's path names another file (or none):
         the check the writer makes for each group of appends, for a caller that must

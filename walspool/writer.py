@@ -18,7 +18,11 @@ alone and the others still commit.
 
 Waits are bounded. While another connection holds the spool's write lock, a group
 waits for it at most ``BUSY_RETRY_SECONDS`` (then each of its requests fails with
-``SpoolBusy``, so every waiter wakes); ``close`` waits at most ``CLOSE_TIMEOUT`` for
+``SpoolBusy``, so every waiter wakes). A caller that must hear within a bound
+(``call(request, within=s)``) gets the commit, its failure, or ``NotInTime`` with
+nothing written: taken back from the queue, or failed at its deadline by a commit
+still waiting for the lock; it waits longer only for a commit already under way;
+``close`` waits at most ``CLOSE_TIMEOUT`` for
 what was accepted, then fails the rest and logs at ERROR how many messages were not
 committed. Not guaranteed: a commit stuck inside the operating system (an fsync on a
 hung disk) is not interrupted; ``close`` then returns with the thread still running.
@@ -201,7 +205,7 @@ class _Group:
 class Request:
     """One unit of work for the writer; ``run`` executes inside the group's transaction."""
 
-    __slots__ = ("result", "error", "session_id", "payload_bytes", "size")
+    __slots__ = ("result", "error", "session_id", "payload_bytes", "size", "deadline")
 
     def __init__(
         self, session_id: str | None = None, payload_bytes: int = 0, size: int = 1
@@ -213,6 +217,9 @@ class Request:
         self.payload_bytes = payload_bytes
         #: Rows it adds to a group (``GROUP_ROWS``); 1 for one that adds none.
         self.size = size
+        #: ``(time.monotonic() bound, seconds)`` for a ``call(within=...)``: no commit
+        #: of it begins after the bound.
+        self.deadline: tuple[float, float] | None = None
 
     def run(self, group: _Group) -> None:
         raise NotImplementedError
@@ -280,6 +287,19 @@ class Operation(Request):
         group.flush()
         group.operations = True
         self.result = self.fn(group.conn)
+
+
+class NotInTime(WalspoolError):
+    """A request that had to be committed within a bound was not: nothing of it was
+    written (it waited in the queue, or for a write lock held elsewhere, too long)."""
+
+    def __init__(self, seconds: float, *, path: Path, session_id: str | None = None) -> None:
+        super().__init__(
+            f"spool {path}: not committed within {seconds:g} s; nothing was written",
+            path=path,
+            session_id=session_id,
+        )
+        self.seconds = seconds
 
 
 class Writer:
@@ -352,8 +372,16 @@ class Writer:
 
     # -- the callers' side --------------------------------------------------
 
-    def call(self, request: Request) -> Any:
-        """Run ``request`` and block until it is committed; return its result."""
+    def call(self, request: Request, within: float | None = None) -> Any:
+        """Run ``request`` and block until it is committed; return its result.
+
+        ``within``: seconds the caller can wait. Then a full queue raises
+        ``queue.Full`` at once, and a request not committed by then fails with
+        ``NotInTime``, nothing of it written, unless its commit is already under way
+        (the write lock taken): that commit is waited for.
+        """
+        if within is not None:
+            return self._call_within(request, within)
         if not self._pending and self._commit_lock.acquire(blocking=False):
             try:
                 self._check_open(request)
@@ -373,6 +401,46 @@ class Writer:
         if request.error is not None:
             raise request.error
         return request.result
+
+    def _call_within(self, request: Request, within: float) -> Any:
+        request.deadline = (time.monotonic() + within, within)
+        if not self._pending and self._commit_lock.acquire(blocking=False):
+            try:
+                self._check_open(request)
+                with self._cond:
+                    batch = self._take()
+                batch.append((request, None))
+                self._commit_group([r for r, _ in batch])
+            finally:
+                self._commit_lock.release()
+            if len(batch) > 1:
+                _wake(batch[:-1])
+        else:
+            done = _thread.allocate_lock()  # the writer releases it: see ``_wake``
+            done.acquire()
+            if not self._put(request, done, block=False):
+                raise queue.Full
+            if not done.acquire(timeout=max(within, 0.0)):
+                if self._take_back(request, done):
+                    request.error = NotInTime(
+                        within, path=self._path, session_id=request.session_id
+                    )
+                else:
+                    done.acquire()  # taken by a commit, which fails it at its deadline
+        if request.error is not None:
+            raise request.error
+        return request.result
+
+    def _take_back(self, request: Request, waiter: Any) -> bool:
+        """Remove ``request`` from the queue; False if a commit has taken it already."""
+        with self._cond:
+            try:
+                self._pending.remove((request, waiter))
+            except ValueError:
+                return False
+            self._pending_bytes = max(self._pending_bytes - request.payload_bytes, 0)
+            self._cond.notify_all()  # room for blocked producers
+            return True
 
     def notify(self, request: Request, callback: Callable[[Request], None]) -> None:
         """Queue ``request`` (its place in order is taken now); after it is committed,
@@ -598,15 +666,22 @@ class Writer:
                 # A busy lock or a closing spool fails the group as a whole: one by
                 # one, each request would wait for the lock again.
                 for request in requests:
-                    request.error = self._safe_error(exc, request)
+                    if request.error is None:  # not failed at its deadline already
+                        request.error = self._safe_error(exc, request)
             else:
                 for request in requests:
+                    if request.error is not None:
+                        continue
                     try:
                         self._commit([request])
                     except BaseException as one:  # noqa: BLE001
                         request.error = self._safe_error(one, request)
             if self._abandon.is_set():
-                self._abandoned += sum(_messages(r) for r in requests if r.error is not None)
+                self._abandoned += sum(
+                    _messages(r)
+                    for r in requests
+                    if r.error is not None and not isinstance(r.error, NotInTime)
+                )
 
     def _checked(self, requests: list[Request]) -> list[Request]:
         """``requests`` if the check passes; else the appends among them fail with what
@@ -634,8 +709,16 @@ class Writer:
         elsewhere at most ``BUSY_RETRY_SECONDS`` (then ``SpoolBusy``). Those two errors
         name no session: ``_error`` names each request's own."""
         started = time.monotonic()
-        self._busy_deadline = started + BUSY_RETRY_SECONDS
+        lock_deadline = started + BUSY_RETRY_SECONDS
+        self._busy_deadline = lock_deadline
         while True:
+            if any(r.deadline is not None for r in requests):
+                requests = self._in_time(requests)
+                if not requests:
+                    return
+                self._busy_deadline = min(
+                    [lock_deadline] + [r.deadline[0] for r in requests if r.deadline]
+                )
             if self._abandon.is_set():
                 raise SpoolClosed(
                     f"spool {self._path} was closed before this message was committed "
@@ -661,13 +744,16 @@ class Writer:
                 self._numbers.forget()
                 if self.busy_since is None:
                     self.busy_since = started
-                if time.monotonic() >= self._busy_deadline or self._abandon.is_set():
+                now = time.monotonic()
+                if now >= lock_deadline or self._abandon.is_set():
                     if self._abandon.is_set():
                         continue  # fails above, as SpoolClosed
                     raise SpoolBusy(BUSY_RETRY_SECONDS, path=self._path) from exc
+                if now >= self._busy_deadline:
+                    continue  # a request's own deadline: it fails above, the rest try again
                 # SQLite may report busy without asking the handler (a WAL snapshot
                 # or recovery in another process): look again shortly.
-                self._abandon.wait(BUSY_POLL_SECONDS)
+                self._abandon.wait(min(BUSY_POLL_SECONDS, self._busy_deadline - now))
             except BaseException:
                 self._numbers.forget()
                 raise
@@ -677,6 +763,19 @@ class Writer:
                 if self.footprint is not None:
                     self._measure()
                 return
+
+    def _in_time(self, requests: list[Request]) -> list[Request]:
+        """Fail with ``NotInTime`` the requests whose deadline has passed (no commit
+        of theirs is under way); the others."""
+        now = time.monotonic()
+        kept = []
+        for request in requests:
+            if request.deadline is not None and now >= request.deadline[0]:
+                seconds = request.deadline[1]
+                request.error = NotInTime(seconds, path=self._path, session_id=request.session_id)
+            else:
+                kept.append(request)
+        return kept
 
     def track_footprint(self) -> None:
         """Keep ``footprint`` up to date from now on: measured now, unless a commit is
