@@ -146,6 +146,27 @@ def test_restart_recovery_marks_held_back_sessions_so_live_rows_never_overtake(h
     assert spooled(home) == []
 
 
+def test_a_held_slot_spooled_by_key_reports_the_session_it_resolves_to_held_back(home, store):
+    """A slot spooled by routing key that resolves to a session state.db refuses now:
+    recovery reports that session held back (the gateway marks it), as it reports a
+    session held by its own rows; a session with nothing held is not reported."""
+    db = store._db
+    for sid in ("s1", "s2"):
+        db.create_session(sid, "telegram")
+    keys = {"agent:main:telegram:dm:9": "s1", "agent:main:telegram:dm:8": "s2"}
+    assert wsf.flush_pending_to_file({key: f"slot {sid}" for key, sid in keys.items()}) == 2
+
+    def resolver(key: str, *, not_after: float | None = None) -> tuple[str, Any] | None:
+        return (keys[key], db) if key in keys else None
+
+    break_db(db, session_id="s1")
+    assert wsf.recover_pending_spool(db, session_resolver=resolver) == (1, {"s1"})
+    assert contents(db, "s2") == ["slot s2"]
+    heal_db(db)
+    assert wsf.recover_pending_spool(db, session_resolver=resolver) == (1, set())
+    assert contents(db, "s1") == ["slot s1"]
+
+
 def test_a_row_state_db_cannot_bind_as_it_is_lands_as_a_replay_writes_it(home, store):
     """A spooled row whose content is 2**70, which the gateway's own write cannot bind:
     the drain writes it once more with its values made bindable, as any replay does, so
