@@ -89,3 +89,49 @@ def test_a_key_routed_after_the_first_start_lands_at_the_next(home):
         assert contents(store._db, entry.session_id) == ["slot 0", "slot of an unknown key"]
     finally:
         close_store(store)
+
+
+def test_a_key_routed_differently_by_other_scopes_is_resolved_only_where_they_agree(home):
+    """Routing entries for a key outside the home's own scope (other profiles' sessions
+    directories): one session they all name is taken; two that disagree resolve to
+    none of them (the slot stays, reported), never to either at random."""
+    import hermes_state
+
+    (entry,) = shutdown_with_slots(home, 1)
+    db = hermes_state.SessionDB()
+    db.create_session("other", "telegram")
+    with db._lock:
+        (entry_json,) = db._conn.execute(
+            "SELECT entry_json FROM gateway_routing WHERE session_key = ?", (entry.session_key,)
+        ).fetchone()
+        other_json = entry_json.replace(entry.session_id, "other")
+        assert other_json != entry_json
+        db._conn.execute("DELETE FROM gateway_routing")
+        db._conn.executemany(
+            "INSERT INTO gateway_routing (scope, session_key, entry_json, updated_at) "
+            "VALUES (?, ?, ?, 0)",
+            [
+                ("/profiles/a/sessions", entry.session_key, entry_json),
+                ("/profiles/b/sessions", entry.session_key, other_json),
+            ],
+        )
+        db._conn.commit()
+    db.close()
+    (home / "sessions" / "sessions.json").unlink()
+    assert wsf.recover_pending_to_db() == 0  # they disagree: the slot stays
+    assert entry.session_key in {r.session_key for r in spooled(home)}
+    db = hermes_state.SessionDB()
+    with db._lock:
+        db._conn.execute(
+            "UPDATE gateway_routing SET entry_json = ? WHERE scope = ?",
+            (entry_json, "/profiles/b/sessions"),
+        )
+        db._conn.commit()
+    db.close()
+    assert wsf.recover_pending_to_db() == 1  # they agree
+    store = new_store(home)
+    try:
+        assert contents(store._db, entry.session_id) == ["slot 0"]
+        assert contents(store._db, "other") == []
+    finally:
+        close_store(store)
