@@ -89,6 +89,14 @@ def tracker(session_db: Any) -> SessionDBSink:
         return sink
 
 
+def session_sink(replay: Callable[..., Any], session_id: str) -> SessionDBSink | None:
+    """The ticket-recording sink of the ``SessionDB`` that the drain callback's store
+    writes ``session_id`` to; None when that store is not known (see ``store_of``)."""
+    store = store_of(replay)
+    db = None if store is None else db_of(store, session_id)
+    return None if db is None else tracker(db)
+
+
 class StoreWrite:
     """A drain callback of walspool's own (the plugin's drain before a live write):
     ``write(store, session_id, message)``, the store's write, with its store named, so

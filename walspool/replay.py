@@ -93,11 +93,18 @@ WHERE session_id IS NULL AND (session_key, seq) > (:after_name, :after_seq)
   AND inflight IS NULL AND {REASON_FILTER}
 ORDER BY session_key, seq LIMIT :limit
 """
+NEXT_OF_KEY_SQL = f"""
+SELECT {RECORD_COLUMNS}, {ROW_BYTES_SQL} FROM records INDEXED BY records_session_key_seq_idx
+WHERE session_id IS NULL AND session_key = :session_key AND seq > :after_seq
+  AND inflight IS NULL AND {REASON_FILTER}
+ORDER BY seq LIMIT :limit
+"""
 #: Rows left in flight, found through their partial index in id order: the next one
 #: after ``:after``, for the names of its stream (one row's names, never a page of them).
 NEXT_INFLIGHT_SQL = """
 SELECT id, session_id, session_key FROM records INDEXED BY records_inflight_idx
 WHERE inflight IS NOT NULL AND id > :after AND (:session_id IS NULL OR session_id = :session_id)
+  AND (:session_key IS NULL OR (session_id IS NULL AND session_key = :session_key))
 ORDER BY id LIMIT 1
 """
 # One stream's rows in flight, a page (``paging.read_page``) at a time in seq order. The
@@ -257,11 +264,13 @@ class Replayer:
         quarantined: bool = False,
         superseded: bool = False,
         wait: bool | float = True,
+        session_key: str | None = None,
     ) -> ReplayReport:
         """Move rows to the sink; return what moved, what stayed and why.
 
         ``session_id`` limits the replay to rows spooled with that session id
-        (rows spooled by routing key only are then left alone). ``reasons``
+        (rows spooled by routing key only are then left alone); ``session_key``
+        to the rows spooled by that routing key alone (not with ``session_id``). ``reasons``
         chooses rows by reason; by default every reason except
         ``AGENT_HISTORY``. ``quarantined`` and ``superseded`` also take rows of
         that status (an operator fixed the cause, or wants a rewritten session's
@@ -279,7 +288,14 @@ class Replayer:
         reasons_json = reasons_filter(reasons, self.spool.path)
         if session_id is not None:
             check_lookup(session_id, "session_id", self.spool.path)
-        run = _Run(self, session_id, reasons_json, statuses_filter(quarantined, superseded))
+        if session_key is not None:
+            if session_id is not None:
+                raise InvalidArgument(
+                    "replay takes a session_id or a session_key, not both", path=self.spool.path
+                )
+            check_lookup(session_key, "session_key", self.spool.path)
+        statuses = statuses_filter(quarantined, superseded)
+        run = _Run(self, session_id, reasons_json, statuses, session_key)
         with replay_lock(self.spool, wait):
             run.resume(limit)
             run.move(limit)
@@ -330,7 +346,12 @@ class _Run:
     """The state of one ``replay`` call."""
 
     def __init__(
-        self, replayer: Replayer, session_id: str | None, reasons: str | None, statuses: str
+        self,
+        replayer: Replayer,
+        session_id: str | None,
+        reasons: str | None,
+        statuses: str,
+        session_key: str | None = None,
     ) -> None:
         self.spool = replayer.spool
         self.sink = replayer.sink
@@ -338,6 +359,8 @@ class _Run:
         self.batch_rows = replayer.batch_rows
         self.wait_for_bookkeeping = replayer.wait_for_bookkeeping
         self.session_id = session_id
+        #: Only the rows spooled by this routing key (``replay(session_key=...)``).
+        self.session_key = session_key
         self.filter = {"reasons": reasons, "agent_history": AGENT_HISTORY, "statuses": statuses}
         self.uid = self.spool.uid
         self.tallies: dict[Stream, _Tally] = {}
@@ -368,7 +391,8 @@ class _Run:
         after = 0
         while limit is None or self.taken < limit:
             found = self.spool.query(
-                NEXT_INFLIGHT_SQL, {"after": after, "session_id": self.session_id}
+                NEXT_INFLIGHT_SQL,
+                {"after": after, "session_id": self.session_id, "session_key": self.session_key},
             )
             if not found:
                 return
@@ -454,12 +478,16 @@ class _Run:
         """Write batches of rows, streams spooled by session_id first, then by key."""
         if self.session_id is not None:
             self._move(NEXT_IN_SESSION_SQL, limit)
+        elif self.session_key is not None:
+            self._move(NEXT_OF_KEY_SQL, limit)
         else:
             self._move(NEXT_BY_ID_SQL, limit)
             self._move(NEXT_BY_KEY_SQL, limit)
 
     def _move(self, sql: str, limit: int | None) -> None:
         if self.session_id is not None and self._held(("session_id", self.session_id)):
+            return
+        if self.session_key is not None and self._held(("session_key", self.session_key)):
             return
         after: tuple[str, int] = ("", 0)
         while limit is None or self.taken < limit:
@@ -468,6 +496,7 @@ class _Run:
             params = {
                 **self.filter,
                 "session_id": self.session_id,
+                "session_key": self.session_key,
                 "after_name": after[0],
                 "after_seq": after[1],
                 "limit": want,

@@ -119,7 +119,16 @@ _unconfirmed: dict[tuple[Path, str], int] = {}
 #: Spools with an empty transaction queued to learn whether their write lock is free.
 _probing: dict[Path, threading.Event] = {}
 _handoffs = threading.Condition()
+#: Per spool, by session: the routing keys whose spooled rows a start left for that
+#: session (held, or left to a running replay). The session's drain writes them after
+#: its own rows and counts them as remaining, so its live rows wait behind them.
+_keys_left: dict[Path, dict[str, set[str]]] = {}
 
+COUNT_KEY_ROWS_SQL = """
+SELECT count(*) FROM records
+WHERE session_id IS NULL AND session_key = ? AND reason != ?
+  AND (status IS NULL OR inflight IS NOT NULL)
+"""
 COUNT_SESSION_ROWS_SQL = """
 SELECT count(*) FROM records
 WHERE session_id = ? AND reason = ? AND (status IS NULL OR inflight IS NOT NULL)
@@ -382,6 +391,9 @@ def drain_transcript_spool(
         report = Replayer(
             spool, _upstream.DrainSink(replay, session_id, spool), wait_for_bookkeeping=False
         ).replay(session_id=session_id, reasons=[CAP_DROP], wait=False)
+        keys_moved = keys_held = 0
+        if not report.held and not _handed_off(spool, session_id):
+            keys_moved, keys_held = _drain_keys_left(spool, session_id, replay)
     except InvalidArgument:  # an id the spool cannot hold has no rows in it
         return 0, 0
     except ReplayBusy:
@@ -402,20 +414,75 @@ def drain_transcript_spool(
             spool.path,
             report.errors.get(session_id),
         )
-    if report.moved:
+    if report.moved + keys_moved:
         log.info(
             "Replayed %d spooled transcript message(s) for %s after DB recovery",
-            report.moved,
+            report.moved + keys_moved,
             session_id,
         )
-    return report.moved, report.held + _handed_off(spool, session_id)
+    return report.moved + keys_moved, report.held + keys_held + _handed_off(spool, session_id)
 
 
 def _remaining(spool: Spool, session_id: str) -> int:
-    """The session's spooled cap drops, committed or still being handed off."""
-    return _count(spool, COUNT_SESSION_ROWS_SQL, (session_id, CAP_DROP)) + _handed_off(
-        spool, session_id
-    )
+    """The session's spooled cap drops, committed or still being handed off, and the
+    rows of the keys a start left for it."""
+    remaining = _count(spool, COUNT_SESSION_ROWS_SQL, (session_id, CAP_DROP))
+    for key in _keys_of(spool, session_id):
+        remaining += _count(spool, COUNT_KEY_ROWS_SQL, (key, AGENT_HISTORY))
+    return remaining + _handed_off(spool, session_id)
+
+
+def _leave_keys(spool: Spool, keys: Mapping[str, str]) -> None:
+    """Note ``keys`` (routing key -> the session it resolves to) as left for their
+    sessions' drains."""
+    if keys:
+        with _handoffs:
+            by_session = _keys_left.setdefault(spool.path, {})
+            for key, session_id in keys.items():
+                by_session.setdefault(session_id, set()).add(key)
+
+
+def _keys_of(spool: Spool, session_id: str) -> list[str]:
+    with _handoffs:
+        return sorted(_keys_left.get(spool.path, {}).get(session_id, ()))
+
+
+def _forget_key(spool: Spool, session_id: str, key: str) -> None:
+    with _handoffs:
+        keys = _keys_left.get(spool.path, {}).get(session_id)
+        if keys is not None:
+            keys.discard(key)
+            if not keys:
+                del _keys_left[spool.path][session_id]
+
+
+def _drain_keys_left(
+    spool: Spool, session_id: str, replay: Callable[[dict[str, Any]], Any]
+) -> tuple[int, int]:
+    """Write the rows of the keys a start left for ``session_id`` (a slot spooled by
+    key), in key order, through the ``SessionDB`` the callback's store writes the
+    session to; stop at the first key held. ``(moved, held)``."""
+    keys = _keys_of(spool, session_id)
+    if not keys:
+        return 0, 0
+    sink = _upstream.session_sink(replay, session_id)
+    if sink is None:
+        # Not the gateway's own callback: those rows wait for the next start, which
+        # resolves and writes them; this session's live rows are not held for them.
+        log.debug("%s: the rows of keys %s wait for the next start", session_id, keys)
+        for key in keys:
+            _forget_key(spool, session_id, key)
+        return 0, 0
+    moved = 0
+    for key in keys:
+        report = Replayer(
+            spool, sink, resolver=lambda _key: session_id, wait_for_bookkeeping=False
+        ).replay(session_key=key, wait=False)
+        moved += report.moved
+        if report.held:
+            return moved, report.held
+        _forget_key(spool, session_id, key)
+    return moved, 0
 
 
 # -- shutdown ----------------------------------------------------------------------------
@@ -605,6 +672,14 @@ def recover_pending_spool(
         if owned:
             release(session_db)
     held_back = {s.session_id for s in report.streams() if s.error is not None and s.session_id}
+    _leave_keys(
+        spool,
+        {
+            s.session_key: s.session_id
+            for s in report.keys.values()
+            if s.error is not None and s.session_id and s.session_key
+        },
+    )
     if report.moved or report.recovered:
         log.info(
             "Recovered %d pending message(s) from %s", report.moved + report.recovered, spool.path
@@ -663,11 +738,14 @@ def _left_to_the_running_replay(
     those with rows of their own, and those the resolver routes spooled keys to (a
     slot spooled by key precedes its session's next live row too)."""
     held = _sessions_with_rows(spool)
+    keys: dict[str, str] = {}
     if session_resolver is not None:
         for key, ts in _keys_to_resolve(spool):
             found = _upstream.resolve_key(session_resolver, key, ts)
             if found is not None:
-                held.add(found[0])
+                keys[key] = found[0]
+    held.update(keys.values())
+    _leave_keys(spool, keys)
     log.warning(
         "Another replay of %s is running; %d session(s) will drain their spooled rows "
         "before their next message",

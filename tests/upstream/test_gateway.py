@@ -146,10 +146,11 @@ def test_restart_recovery_marks_held_back_sessions_so_live_rows_never_overtake(h
     assert spooled(home) == []
 
 
-def test_a_held_slot_spooled_by_key_reports_the_session_it_resolves_to_held_back(home, store):
-    """A slot spooled by routing key that resolves to a session state.db refuses now:
-    recovery reports that session held back (the gateway marks it), as it reports a
-    session held by its own rows; a session with nothing held is not reported."""
+def test_a_held_slot_spooled_by_key_lands_before_the_live_rows_of_its_session(home, store):
+    """A slot spooled by routing key that resolves to a session state.db refuses at the
+    start: recovery reports that session held back (the gateway marks it), and the
+    session's drain writes the slot before its live rows; a session with nothing held
+    is not reported."""
     db = store._db
     for sid in ("s1", "s2"):
         db.create_session(sid, "telegram")
@@ -162,9 +163,14 @@ def test_a_held_slot_spooled_by_key_reports_the_session_it_resolves_to_held_back
     break_db(db, session_id="s1")
     assert wsf.recover_pending_spool(db, session_resolver=resolver) == (1, {"s1"})
     assert contents(db, "s2") == ["slot s2"]
+    store.mark_spooled_drop_sessions({"s1"})  # as recover_gateway_pending does
+    store.append_to_transcript("s1", {"role": "user", "content": "during"})
+    assert contents(db, "s1") == []  # still broken: the slot, then the live row, wait
     heal_db(db)
-    assert wsf.recover_pending_spool(db, session_resolver=resolver) == (1, set())
-    assert contents(db, "s1") == ["slot s1"]
+    store.append_to_transcript("s1", {"role": "user", "content": "live"})
+    assert contents(db, "s1") == ["slot s1", "during", "live"]
+    assert spooled(home) == []
+    assert wsf.recover_pending_spool(db, session_resolver=resolver) == (0, set())
 
 
 def test_a_row_state_db_cannot_bind_as_it_is_lands_as_a_replay_writes_it(home, store):

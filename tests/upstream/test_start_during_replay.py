@@ -7,6 +7,7 @@ from __future__ import annotations
 import types
 
 from _gateways_common import replay_running, start_beside
+from _lock_holder import replay_lock_held
 
 import walspool
 import walspool.shutdown_flush as wsf
@@ -73,3 +74,27 @@ def test_a_start_while_a_replay_runs_holds_the_session_of_a_slot_spooled_by_key(
         )
     assert started == [0]
     assert {"other", entry.session_id} <= set(store._spooled_drop_sessions)
+
+
+def test_a_live_row_of_a_slots_session_waits_while_another_replay_holds_the_spool(home, store):
+    """The start finds another replay holding the spool (its lock held by another
+    process) and leaves the slot spooled by key to it; a live message of the slot's
+    session arrives meanwhile: it waits in the gateway's queue (the drain counts the
+    slot as remaining), and once the replay lock is free the session's next write puts
+    the slot first."""
+    from gateway.config import Platform
+    from gateway.session import SessionSource
+
+    entry = store.get_or_create_session(SessionSource(platform=Platform.TELEGRAM, chat_id="42"))
+    sid = entry.session_id
+    assert wsf.flush_pending_to_file({entry.session_key: "the slot"}) == 1
+    runner = types.SimpleNamespace(session_store=store, config=store.config)
+    with replay_lock_held(home / "spool.db"):
+        assert wsf.recover_gateway_pending(runner) == 0
+        assert sid in store._spooled_drop_sessions
+        store.append_to_transcript(sid, {"role": "user", "content": "live 1"})
+        assert contents(store._db, sid) == []  # behind the slot, in the gateway's queue
+    store.append_to_transcript(sid, {"role": "user", "content": "live 2"})
+    assert contents(store._db, sid) == ["the slot", "live 1", "live 2"]
+    with walspool.Spool(home / "spool.db") as spool:
+        assert spool.stats().rows == 0
