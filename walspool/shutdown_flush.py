@@ -65,7 +65,7 @@ from typing import Any
 
 from . import _upstream, text
 from .directories import open_directory
-from .errors import InvalidArgument, ReplayBusy, UntrustedSpool, WalspoolError
+from .errors import InvalidArgument, ReplayBusy, SpoolReplaced, UntrustedSpool, WalspoolError
 from .hermes import agent_history_message, slot_message
 from .jsonspool import FILE_PATTERN, QUARANTINE_PATTERN, import_json_spool
 from .paging import LARGE_PAYLOAD, SMALL_PAYLOAD
@@ -178,6 +178,11 @@ def spool_path() -> Path:
 def shared_spool() -> Spool:
     """The process's spool for the current home; opened once, kept open.
 
+    A spool whose path no longer names the file it opened (deleted or moved while the
+    gateway runs) is closed and a fresh one opened at the path, with a WARNING, as the
+    next start would: later messages are kept there, not dropped. Rows of the old file
+    stay in it (a moved file can be replayed with ``walspool replay``).
+
     Refuses (``FileNotFoundError``) a named profile home that was deleted, as
     upstream's spool directory does, rather than create it again.
     """
@@ -188,11 +193,32 @@ def shared_spool() -> Spool:
         pass
     else:
         assert_named_profile_home_live(path)
+    stale = None
     with _spools_lock:
         spool = _spools.get(path)
+        if spool is not None:
+            try:
+                spool.check_path()
+            except SpoolReplaced:
+                stale, spool = spool, None
         if spool is None:
             spool = _spools[path] = Spool(path)
-        return spool
+    if stale is not None:
+        log.warning(
+            "The transcript spool %s was moved or deleted while the gateway ran; a fresh "
+            "one is open at that path. Rows of the old file stay in it (if it was moved, "
+            "`walspool replay OLD_PATH --into STATE_DB` writes them)",
+            path,
+        )
+        _close_quietly(stale)
+    return spool
+
+
+def _close_quietly(spool: Spool) -> None:
+    try:
+        spool.close()
+    except WalspoolError as exc:
+        log.error("Closing the transcript spool %s failed: %s", spool.path, exc)
 
 
 def close_shared_spools() -> None:
@@ -205,10 +231,7 @@ def close_shared_spools() -> None:
         spools = list(_spools.values())
         _spools.clear()
     for spool in spools:
-        try:
-            spool.close()
-        except WalspoolError as exc:
-            log.error("Closing the transcript spool %s failed: %s", spool.path, exc)
+        _close_quietly(spool)
 
 
 atexit.register(close_shared_spools)

@@ -173,6 +173,35 @@ def test_a_held_slot_spooled_by_key_lands_before_the_live_rows_of_its_session(ho
     assert wsf.recover_pending_spool(db, session_resolver=resolver) == (0, set())
 
 
+def test_a_spool_deleted_while_the_gateway_runs_is_opened_fresh_and_nothing_more_is_lost(
+    home, store, caplog
+):
+    """An operator deletes spool.db (and its -wal, -shm) while a session is stalled: the
+    next eviction goes to a fresh spool at the path, with a WARNING, and lands once
+    state.db works again; a moved spool keeps its rows where it was moved."""
+    import os
+
+    db = store._db
+    db.create_session("s1", "telegram")
+    first = {"role": "user", "content": "before the move"}
+    assert wsf.spool_dropped_transcript_message("s1", first) == home / "spool.db"
+    wsf.shared_spool().flush()
+    moved = home / "moved.db"
+    for suffix in ("", "-wal", "-shm"):
+        if os.path.exists(f"{home / 'spool.db'}{suffix}"):
+            os.rename(f"{home / 'spool.db'}{suffix}", f"{moved}{suffix}")
+    later = {"role": "user", "content": "after the move"}
+    with caplog.at_level(logging.WARNING, logger="walspool.shutdown_flush"):
+        assert wsf.spool_dropped_transcript_message("s1", later) == home / "spool.db"
+    (warning,) = [r.getMessage() for r in caplog.records if "moved or deleted" in r.getMessage()]
+    assert str(home / "spool.db") in warning
+    assert [r.message for r in spooled(home)] == [later]
+    with walspool.Spool(moved) as old:
+        assert [r.message for r in old.records()] == [first]
+    assert wsf.drain_transcript_spool("s1", lambda m: db.append_message("s1", **m)) == (1, 0)
+    assert contents(db, "s1") == ["after the move"]
+
+
 def test_a_row_state_db_cannot_bind_as_it_is_lands_as_a_replay_writes_it(home, store):
     """A spooled row whose content is 2**70, which the gateway's own write cannot bind:
     the drain writes it once more with its values made bindable, as any replay does, so
