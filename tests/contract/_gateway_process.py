@@ -32,6 +32,11 @@ not enable) the plugin the user's way.
     python _gateway_process.py OUT values            a healthy session gets a turn whose values
                                                  a TEXT column cannot take as they are (an
                                                  integer past 64 bits, one in a list)
+    python _gateway_process.py OUT full N            the disk under HERMES_HOME fills up (a
+                                                 file written until ENOSPC), then N
+                                                 messages to each of 3 sessions; the
+                                                 file is removed (room again) and each
+                                                 session gets one more message
     python _gateway_process.py OUT stop N            a routed chat's session gets N turns
                                                  while every insert fails (they wait in
                                                  the store's queue), then a message for it
@@ -126,6 +131,10 @@ async def run(mode: str, n: int, after: str) -> dict[str, Any]:
         return result
     if mode == "kill":
         await killed_in_the_drain(store, n, int(after))  # never returns: SIGKILLed
+    if mode == "full":
+        result.update(await on_a_full_disk(store, n))
+        await runner.stop()
+        return result
     if mode in ("outage", "rewrite", "drop-tickets", "operator", "beside"):
         db = store._db
         for sid in SESSIONS:
@@ -168,6 +177,52 @@ async def run(mode: str, n: int, after: str) -> dict[str, Any]:
         }
     await runner.stop()
     return result
+
+
+async def on_a_full_disk(store: Any, n: int) -> dict[str, Any]:
+    """``full``: ``n`` messages to each session while the disk is full, then one more
+    each once there is room; what was sent and what state.db holds once every
+    session's last message landed."""
+    import errno
+    import os
+
+    home = os.environ["HERMES_HOME"]
+    db = store._db
+    for sid in SESSIONS:
+        db.create_session(sid, "telegram")
+    sent = traffic(n)
+    filler = f"{home}/filler"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        for size in (1 << 20, 1 << 12, 1):  # to the last byte tmpfs gives
+            try:
+                while True:
+                    os.write(fd, b"x" * size)
+            except OSError as exc:
+                assert exc.errno == errno.ENOSPC, exc
+    finally:
+        os.close(fd)
+    for i in range(n):
+        for sid in SESSIONS:
+            store.append_to_transcript(sid, sent[sid][i])
+    during = {sid: len(db.get_messages(sid)) for sid in SESSIONS}
+    os.unlink(filler)
+    for sid in SESSIONS:
+        last = {"role": "user", "content": f"{sid}-last", "timestamp": int(time.time())}
+        sent[sid].append(last)
+        store.append_to_transcript(sid, last)
+    deadline = time.monotonic() + SETTLE_SECONDS
+    while time.monotonic() < deadline and not all(
+        any(m["content"] == f"{sid}-last" for m in db.get_messages(sid)) for sid in SESSIONS
+    ):
+        await asyncio.sleep(0.05)
+    return {
+        "during": during,
+        "sent": {sid: [(m["role"], m["content"]) for m in sent[sid]] for sid in SESSIONS},
+        "landed": {
+            sid: [(m["role"], m["content"]) for m in db.get_messages(sid)] for sid in SESSIONS
+        },
+    }
 
 
 #: The pending slot of ``stop``: a user message that arrived while the agent was busy.

@@ -136,11 +136,43 @@ def configure(gateway: Gateway, home: Path, command: tuple[str, ...]) -> None:
     assert done.returncode == 0, done.stdout + done.stderr
 
 
-def run_worker(gateway: Gateway, home: Path, *args: str, **extra: str) -> dict[str, Any]:
-    """``_gateway_process.py ARGS`` in the gateway's environment; what it reported."""
+#: Run a command with ``HOME_DIR`` on a file system of its own, ``MIB`` MiB large, in a
+#: private mount namespace (``unshare -m``, as root): the home's files are copied onto it
+#: first. ``sh -c SCRIPT sh HOME_DIR MIB COMMAND...``.
+SMALL_DISK = """
+set -e
+copy="$1.copy"; cp -a "$1" "$copy"
+mount -t tmpfs -o "size=$2m,mode=0700" walspool-test "$1"
+cp -a "$copy/." "$1/"; rm -rf "$copy"
+home="$1"; shift 2
+exec "$@"
+"""
+
+
+def small_disk(home: Path, mib: int, argv: list[str]) -> list[str]:
+    """``argv`` run with ``home`` on a disk of ``mib`` MiB (see ``SMALL_DISK``); skips
+    where no private mount namespace can be made (not root)."""
+    probe = subprocess.run(
+        ["unshare", "-m", "sh", "-c", "mount -t tmpfs -o size=1m walspool-probe /mnt"],
+        capture_output=True,
+        text=True,
+    )
+    if probe.returncode != 0:
+        pytest.skip(f"no private mount namespace here: {probe.stderr.strip()}")
+    return ["unshare", "-m", "sh", "-c", SMALL_DISK, "sh", str(home), str(mib), *argv]
+
+
+def run_worker(
+    gateway: Gateway, home: Path, *args: str, disk_mib: int | None = None, **extra: str
+) -> dict[str, Any]:
+    """``_gateway_process.py ARGS`` in the gateway's environment; what it reported.
+    ``disk_mib``: with the home on a disk of that size of its own (``small_disk``)."""
     out = home.parent / "result.json"
+    argv = [str(gateway.python()), str(WORKER), str(out), *args]
+    if disk_mib is not None:
+        argv = small_disk(home, disk_mib, argv)
     done = subprocess.run(
-        [str(gateway.python()), str(WORKER), str(out), *args],
+        argv,
         env=env(home, **extra),
         capture_output=True,
         text=True,

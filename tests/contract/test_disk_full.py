@@ -1,0 +1,40 @@
+"""A full disk under the gateway's home: state.db and the spool both refuse to grow.
+
+The released gateways keep at least the newest 200 messages of each session in memory
+and write them once there is room (0.22 keeps whatever its spool refuses; 0.19.0 and
+0.20 drop what is evicted at the cap). With the plugin, nothing is lost that the
+released gateway would have kept, nothing lands twice, and order holds.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from walspool import plugin
+
+from ._gateways import Gateway, configure, run_worker
+
+#: Messages sent to each of three sessions while the disk is full: past the 200 cap.
+BURST = 260
+#: The home's own disk: room for the gateway's files, then filled to the last byte.
+DISK_MIB = 32
+
+
+def test_a_full_disk_loses_nothing_the_released_gateway_would_keep(
+    gateway: Gateway, home: Path
+) -> None:
+    configure(gateway, home, gateway.enable)
+    result = run_worker(gateway, home, "full", str(BURST), disk_mib=DISK_MIB)
+
+    for session, sent in result["sent"].items():
+        landed = result["landed"][session]
+        assert result["during"][session] < len(sent) - 1, "the disk was not full"
+        sent = [tuple(m) for m in sent]
+        landed = [tuple(m) for m in landed]
+        # Each once, in order: what landed is the newest of what was sent...
+        assert landed == sent[len(sent) - len(landed) :], session
+        # ...and at least what the released gateway keeps: the newest 200, then the last.
+        assert len(landed) >= 201, (session, len(landed))
+    dropped = [line for line in result["log"] if "dropped" in line and "WARNING" in line]
+    if gateway.how == plugin.DROP_IN:
+        assert dropped == []  # 0.22 keeps in memory what its spool refuses
