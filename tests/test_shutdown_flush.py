@@ -459,13 +459,18 @@ def test_a_drain_of_an_id_the_spool_cannot_hold_is_empty(home):
     assert [r.message["content"] for r in spooled(home)] == ["kept"]
 
 
-def test_a_drain_takes_only_cap_drops(home):
+def test_a_drain_takes_the_sessions_rows_of_every_reason_but_agent_history(home):
+    """Cap drops, then a pending slot spooled by the session's id (as the user message
+    a replay makes of it); an agent history stays for operators."""
     sf.spool_dropped_transcript_message("a", {"content": "dropped"})
     assert sf.flush_pending_to_file({"k": {"text": "slot", "session_id": "a"}}) == 1
+    sf.flush_agent_history_to_file("a", [{"role": "user", "content": "unsaved"}])
     seen = []
-    assert sf.drain_transcript_spool("a", seen.append) == (1, 0)
-    assert seen == [{"content": "dropped"}]
-    assert [(r.session_id, r.reason) for r in spooled(home)] == [("a", "shutdown")]
+    assert sf.drain_transcript_spool("a", seen.append) == (2, 0)
+    assert seen[0] == {"content": "dropped"}
+    assert {k: seen[1][k] for k in ("role", "content")} == {"role": "user", "content": "slot"}
+    assert isinstance(seen[1]["timestamp"], float)
+    assert [(r.session_id, r.reason) for r in spooled(home)] == [("a", AGENT_HISTORY)]
 
 
 def test_a_drain_never_waits_for_a_replay_elsewhere_and_counts_what_remains(

@@ -36,7 +36,7 @@ from typing import Any
 from . import text
 from .records import Record
 from .replay import UNKNOWN_LANDING
-from .sinks import SessionDBSink, Ticket, as_rejection, write_bindable
+from .sinks import SessionDBSink, Ticket, as_rejection, transcript_message, write_bindable
 
 log = text.logger("walspool.shutdown_flush")
 
@@ -175,11 +175,12 @@ class DrainSink:
         if not tracked:
             self._set_aside(record)
         try:
+            message = transcript_message(record)
             if track is not None and tracked:
                 with track.tracking(ticket):
-                    write_bindable(self._replay, session_id, record.message)
+                    write_bindable(self._replay, session_id, message)
             else:
-                write_bindable(self._replay, session_id, record.message)
+                write_bindable(self._replay, session_id, message)
         except Exception as exc:
             if not tracked:
                 self._put_back(record)

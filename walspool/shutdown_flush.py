@@ -131,7 +131,7 @@ WHERE session_id IS NULL AND session_key = ? AND reason != ?
 """
 COUNT_SESSION_ROWS_SQL = """
 SELECT count(*) FROM records
-WHERE session_id = ? AND reason = ? AND (status IS NULL OR inflight IS NOT NULL)
+WHERE session_id = ? AND reason != ? AND (status IS NULL OR inflight IS NOT NULL)
 """
 #: A row's time to resolve its routing key at: the message's own ``timestamp`` (an
 #: imported file's ``ts``), else spool time.
@@ -374,7 +374,9 @@ def drain_transcript_spool(
     *,
     db_known_failing: bool = False,
 ) -> tuple[int, int]:
-    """Replay one session's cap-dropped messages through ``replay``, in drop order.
+    """Replay one session's spooled messages through ``replay``, in drop order: its
+    cap drops, and the queued turns a stop spooled by its id (0.20's, through the
+    plugin); not agent histories.
 
     Each row is removed only after ``replay(message)`` returned; the first failure
     stops the drain and keeps that row and the later ones, but a message refused for
@@ -413,7 +415,7 @@ def drain_transcript_spool(
     try:
         report = Replayer(
             spool, _upstream.DrainSink(replay, session_id, spool), wait_for_bookkeeping=False
-        ).replay(session_id=session_id, reasons=[CAP_DROP], wait=False)
+        ).replay(session_id=session_id, wait=False)
         keys_moved = keys_held = 0
         if not report.held and not _handed_off(spool, session_id):
             keys_moved, keys_held = _drain_keys_left(spool, session_id, replay)
@@ -447,9 +449,9 @@ def drain_transcript_spool(
 
 
 def _remaining(spool: Spool, session_id: str) -> int:
-    """The session's spooled cap drops, committed or still being handed off, and the
-    rows of the keys a start left for it."""
-    remaining = _count(spool, COUNT_SESSION_ROWS_SQL, (session_id, CAP_DROP))
+    """The session's spooled rows (not agent histories), committed or still being
+    handed off, and the rows of the keys a start left for it."""
+    remaining = _count(spool, COUNT_SESSION_ROWS_SQL, (session_id, AGENT_HISTORY))
     for key in _keys_of(spool, session_id):
         remaining += _count(spool, COUNT_KEY_ROWS_SQL, (key, AGENT_HISTORY))
     return remaining + _handed_off(spool, session_id)

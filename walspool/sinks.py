@@ -642,9 +642,7 @@ def append_kwargs(record: Record, mapping: GatewayMapping | None = None) -> dict
     message has them (the sink passes them only where ``append_message`` takes them).
     """
     message = record.message
-    transcript = isinstance(message, dict) and (
-        "role" in message or "content" in message or "text" not in message
-    )
+    transcript = _is_transcript_message(message)
     kwargs: dict[str, Any]
     if transcript and mapping is not None:
         kwargs = dict(mapping("", message, fallback_ts=record.created_at))
@@ -687,6 +685,23 @@ def append_kwargs(record: Record, mapping: GatewayMapping | None = None) -> dict
     own = message.get("timestamp") if isinstance(message, dict) else None
     kwargs["timestamp"] = _timestamp(own, record.created_at)
     return kwargs
+
+
+def _is_transcript_message(message: Any) -> bool:
+    """A dict a transcript row is made of, not a pending slot (``{"text": ...}``)."""
+    return isinstance(message, dict) and (
+        "role" in message or "content" in message or "text" not in message
+    )
+
+
+def transcript_message(record: Record) -> Any:
+    """The record as the message a gateway's own transcript write takes: a transcript
+    message as it is; a pending slot (an event's ``{"text": ...}``, a str, any other
+    value) as the user message ``append_kwargs`` makes of it."""
+    if _is_transcript_message(record.message):
+        return record.message
+    kwargs = append_kwargs(record, None)
+    return {k: v for k, v in kwargs.items() if v is not None}
 
 
 def _is_history(message: Any) -> bool:

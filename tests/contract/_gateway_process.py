@@ -37,6 +37,18 @@ not enable) the plugin the user's way.
                                                  messages to each of 3 sessions; the
                                                  file is removed (room again) and each
                                                  session gets one more message
+    python _gateway_process.py OUT held-replay N     an outage past the cap as ``outage N``;
+                                                 then, while another process holds the
+                                                 spool's replay lock (as a running
+                                                 ``walspool replay`` does), state.db
+                                                 heals and each session gets a message;
+                                                 released, one more to each
+    python _gateway_process.py OUT outage-stop N     N messages to each of 3 sessions while
+                                                 every insert fails, then a graceful stop,
+                                                 state.db still broken
+    python _gateway_process.py OUT held-start        a start on that broken state.db (the
+                                                 spooled rows are held), then heal and
+                                                 ``held-replay``'s two messages a session
     python _gateway_process.py OUT stop N            a routed chat's session gets N turns
                                                  while every insert fails (they wait in
                                                  the store's queue), then a message for it
@@ -57,6 +69,7 @@ import logging
 import sqlite3
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 #: A deterministic outage every gateway treats as transient: inserts fail until healed.
@@ -135,6 +148,22 @@ async def run(mode: str, n: int, after: str) -> dict[str, Any]:
         result.update(await on_a_full_disk(store, n))
         await runner.stop()
         return result
+    if mode in ("held-replay", "held-start"):
+        result.update(await beside_a_held_replay_lock(store, n, mode == "held-start"))
+        await runner.stop()
+        return result
+    if mode == "outage-stop":
+        db = store._db
+        for sid in SESSIONS:
+            db.create_session(sid, "telegram")
+        sent = traffic(n)
+        sql(db, BREAK)
+        for i in range(n):
+            for sid in SESSIONS:
+                store.append_to_transcript(sid, sent[sid][i])
+        await runner.stop()
+        result["sent"] = {sid: [(m["role"], m["content"]) for m in sent[sid]] for sid in SESSIONS}
+        return result
     if mode in ("outage", "rewrite", "drop-tickets", "operator", "beside"):
         db = store._db
         for sid in SESSIONS:
@@ -177,6 +206,66 @@ async def run(mode: str, n: int, after: str) -> dict[str, Any]:
         }
     await runner.stop()
     return result
+
+
+async def beside_a_held_replay_lock(store: Any, n: int, restarted: bool) -> dict[str, Any]:
+    """``held-replay``: spooled rows of an outage wait while another process holds the
+    spool's replay lock; the live messages sent meanwhile must wait behind them.
+    ``held-start`` (``restarted``): the rows are from the last run, held at this start."""
+    import os
+    import subprocess
+
+    home = os.environ["HERMES_HOME"]
+    db = store._db
+    sent: dict[str, list[dict[str, Any]]] = {sid: [] for sid in SESSIONS}
+    if not restarted:
+        for sid in SESSIONS:
+            db.create_session(sid, "telegram")
+        sent = traffic(n)
+        sql(db, BREAK)
+        for i in range(n):
+            for sid in SESSIONS:
+                store.append_to_transcript(sid, sent[sid][i])
+    # The replay lock is taken before state.db heals: no drain can run in between.
+    holder = subprocess.Popen(
+        [sys.executable, str(LOCK_HOLDER), "replay", f"{home}/spool.db"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdin is not None
+        assert holder.stdout.readline().strip() == "locked"
+        sql(db, HEAL)
+        for sid in SESSIONS:
+            live = {"role": "user", "content": f"{sid}-while-held", "timestamp": int(time.time())}
+            sent[sid].append(live)
+            store.append_to_transcript(sid, live)
+        while_held = {sid: len(db.get_messages(sid)) for sid in SESSIONS}
+        holder.stdin.write("\n")
+        holder.stdin.flush()
+        assert holder.stdout.readline().strip() == "released"
+    finally:
+        holder.kill()
+        holder.wait()
+    for sid in SESSIONS:
+        last = {"role": "user", "content": f"{sid}-last", "timestamp": int(time.time())}
+        sent[sid].append(last)
+        store.append_to_transcript(sid, last)
+    # A restart's rows were sent by the last run: n of them a session, before these.
+    earlier = n if restarted else 0
+    await settle(db, {sid: [{}] * earlier + rows for sid, rows in sent.items()})
+    return {
+        "while_held": while_held,
+        "sent": {sid: [(m["role"], m["content"]) for m in sent[sid]] for sid in SESSIONS},
+        "landed": {
+            sid: [(m["role"], m["content"]) for m in db.get_messages(sid)] for sid in SESSIONS
+        },
+    }
+
+
+#: Holds one of a spool's locks in another process until told (``tests/_lock_holder.py``).
+LOCK_HOLDER = Path(__file__).resolve().parent.parent / "_lock_holder.py"
 
 
 async def on_a_full_disk(store: Any, n: int) -> dict[str, Any]:

@@ -14,6 +14,8 @@ from ._gateways import Gateway, configure, linked_lines, run_worker
 
 #: Messages sent to each of three sessions during the outage: past the 200 cap.
 BURST = 450
+#: Messages sent to each session before a stop during an outage: past the cap too.
+TURNS_AT_STOP = 230
 
 
 def test_an_enabled_plugin_carries_an_outage_into_state_db(gateway: Gateway, home: Path) -> None:
@@ -99,3 +101,33 @@ def test_replays_run_beside_the_gateway_during_an_outage_cost_no_eviction(
     assert not [line for line in result["log"] if "dropping oldest" in line]
     for session, sent in result["sent"].items():
         assert result["landed"][session] == sent, session
+
+
+def test_live_messages_wait_behind_spooled_rows_while_another_replay_holds_the_spool(
+    gateway: Gateway, home: Path
+) -> None:
+    """After an outage past the cap, another process holds the spool's replay lock (a
+    running ``walspool replay``): a session's drain before its live write cannot run,
+    and the live message waits behind the spooled rows, then lands after them."""
+    configure(gateway, home, gateway.enable)
+    result = run_worker(gateway, home, "held-replay", str(BURST))
+
+    assert result["while_held"] == {"s1": 0, "s2": 0, "s3": 0}
+    for session, sent in result["sent"].items():
+        assert result["landed"][session] == sent, session  # each once, in order
+
+
+def test_rows_held_at_a_start_stay_ahead_of_live_messages_while_another_replay_holds_the_spool(
+    gateway: Gateway, home: Path
+) -> None:
+    """A gateway stopped during an outage starts again on the still-broken state.db (its
+    start-up recovery holds the spooled rows); state.db heals, and another process holds
+    the spool's replay lock while each session gets a message: it waits behind the rows
+    of the last run, then everything lands once, in order."""
+    configure(gateway, home, gateway.enable)
+    before = run_worker(gateway, home, "outage-stop", str(TURNS_AT_STOP))
+    after = run_worker(gateway, home, "held-start", str(TURNS_AT_STOP))
+
+    assert after["while_held"] == {"s1": 0, "s2": 0, "s3": 0}
+    for session, sent in before["sent"].items():
+        assert after["landed"][session] == sent + after["sent"][session], session
