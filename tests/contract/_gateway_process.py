@@ -46,9 +46,12 @@ not enable) the plugin the user's way.
     python _gateway_process.py OUT outage-stop N     N messages to each of 3 sessions while
                                                  every insert fails, then a graceful stop,
                                                  state.db still broken
-    python _gateway_process.py OUT held-start        a start on that broken state.db (the
+    python _gateway_process.py OUT held-start N      a start on that broken state.db (the
                                                  spooled rows are held), then heal and
                                                  ``held-replay``'s two messages a session
+                                                 (N: the rows sent a session before)
+    python _gateway_process.py OUT locked-start N    the same, the replay lock held by
+                                                 another process from before the start
     python _gateway_process.py OUT stop N            a routed chat's session gets N turns
                                                  while every insert fails (they wait in
                                                  the store's queue), then a message for it
@@ -131,6 +134,8 @@ def linked(runner: Any) -> dict[str, Any]:
 async def run(mode: str, n: int, after: str) -> dict[str, Any]:
     from gateway.run import GatewayRunner
 
+    # ``locked-start``: another replay holds the spool before the gateway starts.
+    holder = ReplayLockHolder() if mode == "locked-start" else None
     runner = GatewayRunner()
     await runner.start()
     result: dict[str, Any] = {"before": linked(runner)}
@@ -148,8 +153,8 @@ async def run(mode: str, n: int, after: str) -> dict[str, Any]:
         result.update(await on_a_full_disk(store, n))
         await runner.stop()
         return result
-    if mode in ("held-replay", "held-start"):
-        result.update(await beside_a_held_replay_lock(store, n, mode == "held-start"))
+    if mode in ("held-replay", "held-start", "locked-start"):
+        result.update(await beside_a_held_replay_lock(store, n, mode != "held-replay", holder))
         await runner.stop()
         return result
     if mode == "outage-stop":
@@ -208,14 +213,42 @@ async def run(mode: str, n: int, after: str) -> dict[str, Any]:
     return result
 
 
-async def beside_a_held_replay_lock(store: Any, n: int, restarted: bool) -> dict[str, Any]:
+class ReplayLockHolder:
+    """Another process holding the spool's replay lock, as a running ``walspool replay``
+    does (``tests/_lock_holder.py``), until ``release``."""
+
+    def __init__(self) -> None:
+        import os
+        import subprocess
+
+        self.process = subprocess.Popen(
+            [sys.executable, str(LOCK_HOLDER), "replay", f"{os.environ['HERMES_HOME']}/spool.db"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert self.process.stdout is not None
+        assert self.process.stdout.readline().strip() == "locked"
+
+    def release(self) -> None:
+        assert self.process.stdin is not None and self.process.stdout is not None
+        self.process.stdin.write("\n")
+        self.process.stdin.flush()
+        assert self.process.stdout.readline().strip() == "released"
+        self.process.wait()
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.wait()
+
+
+async def beside_a_held_replay_lock(
+    store: Any, n: int, restarted: bool, holder: ReplayLockHolder | None
+) -> dict[str, Any]:
     """``held-replay``: spooled rows of an outage wait while another process holds the
     spool's replay lock; the live messages sent meanwhile must wait behind them.
-    ``held-start`` (``restarted``): the rows are from the last run, held at this start."""
-    import os
-    import subprocess
-
-    home = os.environ["HERMES_HOME"]
+    ``held-start``, ``locked-start`` (``restarted``): the rows are from the last run,
+    held at this start; ``holder``: the lock held from before the start."""
     db = store._db
     sent: dict[str, list[dict[str, Any]]] = {sid: [] for sid in SESSIONS}
     if not restarted:
@@ -227,27 +260,17 @@ async def beside_a_held_replay_lock(store: Any, n: int, restarted: bool) -> dict
             for sid in SESSIONS:
                 store.append_to_transcript(sid, sent[sid][i])
     # The replay lock is taken before state.db heals: no drain can run in between.
-    holder = subprocess.Popen(
-        [sys.executable, str(LOCK_HOLDER), "replay", f"{home}/spool.db"],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    holder = holder or ReplayLockHolder()
     try:
-        assert holder.stdout is not None and holder.stdin is not None
-        assert holder.stdout.readline().strip() == "locked"
         sql(db, HEAL)
         for sid in SESSIONS:
             live = {"role": "user", "content": f"{sid}-while-held", "timestamp": int(time.time())}
             sent[sid].append(live)
             store.append_to_transcript(sid, live)
         while_held = {sid: len(db.get_messages(sid)) for sid in SESSIONS}
-        holder.stdin.write("\n")
-        holder.stdin.flush()
-        assert holder.stdout.readline().strip() == "released"
+        holder.release()
     finally:
         holder.kill()
-        holder.wait()
     for sid in SESSIONS:
         last = {"role": "user", "content": f"{sid}-last", "timestamp": int(time.time())}
         sent[sid].append(last)

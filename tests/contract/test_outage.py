@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import apsw
+import pytest
 
 import walspool
 from walspool import plugin
@@ -117,16 +118,19 @@ def test_live_messages_wait_behind_spooled_rows_while_another_replay_holds_the_s
         assert result["landed"][session] == sent, session  # each once, in order
 
 
+@pytest.mark.parametrize("locked", ["after the start", "from before the start"])
 def test_rows_held_at_a_start_stay_ahead_of_live_messages_while_another_replay_holds_the_spool(
-    gateway: Gateway, home: Path
+    gateway: Gateway, home: Path, locked: str
 ) -> None:
     """A gateway stopped during an outage starts again on the still-broken state.db (its
-    start-up recovery holds the spooled rows); state.db heals, and another process holds
-    the spool's replay lock while each session gets a message: it waits behind the rows
-    of the last run, then everything lands once, in order."""
+    start-up recovery holds the spooled rows, or finds another replay holding the
+    spool and leaves them to it); state.db heals while that replay lock is held, and
+    each session gets a message: it waits behind the rows of the last run, then
+    everything lands once, in order."""
     configure(gateway, home, gateway.enable)
     before = run_worker(gateway, home, "outage-stop", str(TURNS_AT_STOP))
-    after = run_worker(gateway, home, "held-start", str(TURNS_AT_STOP))
+    mode = "held-start" if locked == "after the start" else "locked-start"
+    after = run_worker(gateway, home, mode, str(TURNS_AT_STOP))
 
     assert after["while_held"] == {"s1": 0, "s2": 0, "s3": 0}
     for session, sent in before["sent"].items():
