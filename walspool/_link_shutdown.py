@@ -79,11 +79,13 @@ class ShutdownFlushes:
         """Spool every session's in-memory queue (``SHUTDOWN``), oldest first; empty it.
 
         For a shutdown while state.db refuses writes: what the released gateway loses
-        with the process. A message being written right now stays queued (it may
-        land). Returns how many were spooled. Waits at most ``bounds.FLUSH_TIMEOUT`` for room
-        in the spool and for the commit; on a spool error the messages go back to the
-        front of their queues, and a message the spool cannot take at all stays queued
-        (both logged at ERROR).
+        with the process. A session whose oldest message is being written right now is
+        left to that write: its whole queue stays, and is spooled in order once the
+        write ends (``spool_if_stopping``: the failed message first, or what follows
+        one that landed). Returns how many were spooled. Waits at most
+        ``bounds.FLUSH_TIMEOUT`` for room in the spool and for the commit; on a spool
+        error the messages go back to the front of their queues, and a message the
+        spool cannot take at all stays queued (both logged at ERROR).
         """
         deadline = self.clock() + bounds.FLUSH_TIMEOUT
         committed = threading.Event()
@@ -204,16 +206,17 @@ class ShutdownFlushes:
     def _queued_rows(
         self,
     ) -> tuple[dict[str, list[dict[str, Any]]], list[Any], list[Callable[[], None]]]:
-        """Every queue's messages but one being written, as spool rows; lock held."""
+        """Every queue's messages, as spool rows, but the queues of sessions whose
+        oldest message is being written (left to that write); lock held."""
         taken: dict[str, list[dict[str, Any]]] = {}
         rows: list[Any] = []
         notes: list[Callable[[], None]] = []
         for session_id, pending in self.store._dirty_transcripts.items():
             state = self._sessions.get(session_id)
-            busy = state is not None and pending and pending[0] is state.inflight
-            if busy:
+            if state is not None and pending and pending[0] is state.inflight:
                 notes.append(partial(_say_writing, session_id))
-            for message in pending[1 if busy else 0 :]:
+                continue
+            for message in pending:
                 try:
                     rows.append(self.spool.prepare(session_id, message, SHUTDOWN))
                 except Exception as exc:  # noqa: BLE001 - the others are spooled all the same
@@ -225,8 +228,8 @@ class ShutdownFlushes:
 
 def _say_writing(session_id: str) -> None:
     log.warning(
-        "A gateway thread is writing the oldest queued message of %s at shutdown; it is "
-        "left to that write, and spooled if the write fails",
+        "A gateway thread is writing the oldest queued message of %s at shutdown; the "
+        "session's queue is left to that write, and spooled, in order, once it ends",
         session_id,
     )
 

@@ -125,6 +125,7 @@ def _register() -> str:
     _bindable_live_writes(SessionStore)
     if how == DROP_IN_DRAINED_FIRST:
         _drain_before_live_writes(SessionStore)
+        _spool_queues_after_writes(SessionStore)
         from .shutdown_flush import queues_before_slots
 
         queues_before_slots(_spool_queues_of_stores)
@@ -495,33 +496,36 @@ def _spool_queues(store: Any) -> int:
     0.20's ``GatewayRunner.stop()`` clears these with the process (0.19.0's link and
     0.22's store spool them). Run before its slots are spooled (see
     ``shutdown_flush.queues_before_slots``). A gateway thread writes a queue's head
-    while holding the store's ``_transcript_drain_lock``: it is waited for at most
-    ``_link_bounds.FLUSH_TIMEOUT`` seconds, then that head is left queued (it may land) and said
-    at ERROR. On a spool error the queues stay as they are (ERROR).
+    while holding the store's ``_transcript_drain_lock`` (one for every session): it is
+    waited for at most ``_link_bounds.FLUSH_TIMEOUT`` seconds; past that, nothing is
+    spooled now and the queues are left to that write: once it ends (a failed write
+    puts its message back at the head), its thread spools them, in order
+    (``_spool_queues_after_writes``). On a spool error the queues stay as they are
+    (ERROR).
     """
     from ._link_bounds import FLUSH_TIMEOUT
     from .records import SHUTDOWN
     from .shutdown_flush import shared_spool
 
-    idle = store._transcript_drain_lock.acquire(timeout=FLUSH_TIMEOUT)
+    _stopping.add(store)
+    if not store._transcript_drain_lock.acquire(timeout=FLUSH_TIMEOUT):
+        log.warning(
+            "a gateway thread was still writing a transcript message after %g s at "
+            "shutdown; the transcript queues are spooled, in order, once its write ends",
+            FLUSH_TIMEOUT,
+        )
+        return 0
     try:
         with store._transcript_retry_lock:
-            skip = 0 if idle else 1
-            taken = {
-                session_id: pending[skip:]
+            items = [
+                (session_id, m)
                 for session_id, pending in store._dirty_transcripts.items()
-                if pending[skip:]
-            }
-            items = [(session_id, m) for session_id, ms in taken.items() for m in ms]
+                for m in pending
+            ]
             if items:
                 spool = shared_spool()
                 spool.append_many(items, reason=SHUTDOWN)
-                for session_id in taken:
-                    pending = store._dirty_transcripts[session_id]
-                    del pending[skip:]
-                    if not pending:
-                        del store._dirty_transcripts[session_id]
-            writing = [sid for sid, pending in store._dirty_transcripts.items() if pending]
+                store._dirty_transcripts.clear()
     except Exception as exc:  # noqa: BLE001 - the gateway is stopping all the same
         log.error(
             "walspool could not spool the transcript queues at shutdown; they are lost "
@@ -530,21 +534,37 @@ def _spool_queues(store: Any) -> int:
         )
         return 0
     finally:
-        if idle:
-            store._transcript_drain_lock.release()
+        store._transcript_drain_lock.release()
     if items:
         log.warning(
             "Spooled %d queued transcript message(s) to %s at shutdown", len(items), spool.path
         )
-    for session_id in writing:
-        log.error(
-            "a gateway thread was still writing the oldest queued message of session %s "
-            "after %g s at shutdown; it is not spooled (it may land) and is lost with the "
-            "process if its write fails",
-            session_id,
-            FLUSH_TIMEOUT,
-        )
     return len(items)
+
+
+#: 0.20's stores whose queues were spooled at shutdown: a write that ends later spools
+#: what its store queues then.
+_stopping: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def _spool_queues_after_writes(store_class: type) -> None:
+    """After each ``append_to_transcript`` of a 0.20 store that has begun its shutdown,
+    spool its queues (``_spool_queues``): a write that was under way then, and failed,
+    put its message back at the head of its queue, and no later flush comes."""
+    append = store_class.append_to_transcript
+    if getattr(append, MARK, False):
+        return
+
+    @wraps(append)
+    def appended(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return append(self, *args, **kwargs)
+        finally:
+            if self in _stopping and getattr(self, "_dirty_transcripts", None):
+                _spool_queues(self)
+
+    setattr(appended, MARK, True)
+    store_class.append_to_transcript = appended
 
 
 def _rebind(theirs: ModuleType, ours: ModuleType) -> None:

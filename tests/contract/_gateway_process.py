@@ -52,6 +52,12 @@ not enable) the plugin the user's way.
                                                  (N: the rows sent a session before)
     python _gateway_process.py OUT locked-start N    the same, the replay lock held by
                                                  another process from before the start
+    python _gateway_process.py OUT in-flight N       a session gets N turns while every insert
+                                                 fails; then another process holds
+                                                 state.db's write lock, one more message
+                                                 is being written by a gateway thread
+                                                 (inside SessionDB's write) when the
+                                                 gateway stops; the lock is let go after
     python _gateway_process.py OUT stop N            a routed chat's session gets N turns
                                                  while every insert fails (they wait in
                                                  the store's queue), then a message for it
@@ -142,6 +148,9 @@ async def run(mode: str, n: int, after: str) -> dict[str, Any]:
     store = runner.session_store
     if mode == "stop":
         result.update(await stop_during_outage(runner, n))
+        return result
+    if mode == "in-flight":
+        result.update(await stop_with_a_write_in_flight(runner, n))
         return result
     if mode == "values":
         result.update(await odd_values(store))
@@ -335,6 +344,68 @@ async def on_a_full_disk(store: Any, n: int) -> dict[str, Any]:
             sid: [(m["role"], m["content"]) for m in db.get_messages(sid)] for sid in SESSIONS
         },
     }
+
+
+#: Holds a SQLite database's write lock (``argv[1]``) from "locked" to a line on stdin.
+WRITE_LOCK_HOLDER = """
+import sqlite3, sys
+conn = sqlite3.connect(sys.argv[1], timeout=60, isolation_level=None)
+conn.execute("BEGIN IMMEDIATE")
+print("locked", flush=True)
+sys.stdin.readline()
+conn.execute("ROLLBACK")
+"""
+
+
+async def stop_with_a_write_in_flight(runner: Any, n: int) -> dict[str, Any]:
+    """``in-flight``: queued turns, then a write a gateway thread is inside of (state.db
+    locked by another process) when the gateway stops gracefully."""
+    import subprocess
+    import threading
+
+    import hermes_state
+
+    store = runner.session_store
+    db = store._db
+    sid = "s1"
+    db.create_session(sid, "telegram")
+    sent = turn_rows(sid, n)
+    sql(db, BREAK)
+    for message in sent:
+        store.append_to_transcript(sid, message)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", WRITE_LOCK_HOLDER, str(db.db_path)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert holder.stdout is not None and holder.stdin is not None
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        # The trigger goes with the lock held elsewhere: from here the outage is the lock.
+        other = sqlite3.connect(db.db_path, timeout=0.1, isolation_level=None)
+        entered = threading.Event()
+        original = hermes_state.SessionDB.append_message
+
+        def append_message(self: Any, *args: Any, **kwargs: Any) -> Any:
+            entered.set()
+            return original(self, *args, **kwargs)
+
+        hermes_state.SessionDB.append_message = append_message
+        in_flight = {"role": "user", "content": "in flight", "timestamp": int(time.time())}
+        sent.append(in_flight)
+        writer = threading.Thread(target=store.append_to_transcript, args=(sid, in_flight))
+        writer.start()
+        assert entered.wait(SETTLE_SECONDS), "no write began"
+        await runner.stop()
+    finally:
+        holder.stdin.write("\n")
+        holder.stdin.flush()
+        holder.wait(SETTLE_SECONDS)
+    writer.join(SETTLE_SECONDS)
+    other.execute(HEAL)  # the outage's trigger, for the next start
+    other.close()
+    return {"session_id": sid, "sent": [(m["role"], m["content"]) for m in sent]}
 
 
 #: The pending slot of ``stop``: a user message that arrived while the agent was busy.

@@ -25,3 +25,17 @@ def test_a_stop_during_an_outage_keeps_queued_turns_before_the_slot_they_precede
     with gateway_running(gateway, home) as process:
         wait_for("recovered", lambda: len(transcript(home, sid)) >= len(expected), process)
     assert transcript(home, sid) == expected
+
+
+def test_a_graceful_stop_with_a_write_in_flight_loses_nothing(gateway: Gateway, home) -> None:
+    """Turns wait in the store's queue during an outage; then another process holds
+    state.db's write lock and a gateway thread is inside its write of one more message
+    when the gateway stops. Once the lock is gone, the next start lands every message
+    once, in order: the one being written included, whether its write failed or not."""
+    configure(gateway, home, gateway.enable)
+    stopped = run_worker(gateway, home, "in-flight", str(TURNS))
+    sid = stopped["session_id"]
+    expected = [tuple(m) for m in stopped["sent"]]
+    with gateway_running(gateway, home) as process:
+        wait_for("recovered", lambda: len(transcript(home, sid)) >= len(expected), process)
+    assert transcript(home, sid) == expected
