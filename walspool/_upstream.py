@@ -63,6 +63,20 @@ def register_store(store: Any) -> None:
         _stores.add(store)
 
 
+def still_queued(session_id: str, message: Any) -> bool | None:
+    """Whether ``message`` (that very object) is in ``session_id``'s in-memory queue
+    of a store ``recover_gateway_pending`` registered; None when none was registered."""
+    stores = list(_stores)
+    if not stores:
+        return None
+    for store in stores:
+        queues = getattr(store, "_dirty_transcripts", None)
+        pending = queues.get(session_id) if isinstance(queues, dict) else None
+        if pending and any(queued is message for queued in list(pending)):
+            return True
+    return False
+
+
 def _is_store(candidate: Any) -> bool:
     """A gateway ``SessionStore``: 0.22's (``_db_for_session_id``) or 0.20's (one
     ``_db`` with ``append_message``)."""

@@ -21,14 +21,14 @@ What differs from upstream, on purpose:
   the live drain: the store behind the gateway's own callback is found on 0.20 and
   0.22; any other callback's rows are set aside while they are written
   (see ``walspool._upstream``).
-* No gateway thread waits on the spool past a bound: on 0.20, which drops what the
-  spool refuses, evictions are handed to its writer and committed in the background;
-  on 0.22, which keeps it in memory, an eviction is answered once committed, within
-  ``HANDOFF_SECONDS`` (else refused with nothing written, and the gateway keeps it:
-  a full disk or a lock held elsewhere never drops it), as upstream answers once its
-  file is written. Drains skip a locked spool or a running
-  replay and are retried at the session's next write; a start finds a running replay
-  before it opens state.db and leaves the rows to it.
+* No gateway thread waits on the spool past a bound. What the caller drops if it is
+  refused (an eviction, a divert; all of 0.20's) is handed to the spool's writer and
+  committed in the background. What the caller keeps if it is refused (0.22's stalled
+  backlog) is answered once committed, within ``HANDOFF_SECONDS`` (else refused with
+  nothing written, and the gateway keeps it: a full disk or a lock held elsewhere
+  never drops it), as upstream answers once its file is written. Drains skip a locked
+  spool or a running replay and are retried at the session's next write; a start
+  finds a running replay before it opens state.db and leaves the rows to it.
 * Without a resolver (0.20's ``recover_pending_to_db()``), session keys are resolved
   from the gateway's routing on disk. A key nobody resolves stays, reported at
   WARNING at each start (0.22's resolver included).
@@ -247,22 +247,24 @@ def spool_dropped_transcript_message(session_id: str, message: dict[str, Any]) -
     take it (the caller then keeps or drops the message, as upstream does when its
     spool fails): closed, a bad value, the writer's queue full, and:
 
-    * on a gateway that keeps in memory what is refused (0.22's stalled backlog and
-      evictions), once it is committed, within ``HANDOFF_SECONDS``: a full disk, a
-      write lock found held elsewhere (now, or past the bound) or a commit not made in
-      time is a refusal with nothing written, so nothing is dropped that the gateway
-      would have kept;
-    * on 0.20, which drops what is refused, at once: the row takes its place in the
-      session's order and is committed in the background, a lock held elsewhere for a
-      moment (another gateway's or a replay's commit) waited for by the writer. A
-      hand-off the writer then fails to commit (the lock held past
-      ``walspool.writer.BUSY_RETRY_SECONDS``, a full disk) is dropped with a WARNING.
+    * when the caller keeps in memory what is refused (0.22 handing over a stalled
+      backlog: the message is still in its queue), once it is committed, within
+      ``HANDOFF_SECONDS``: a full disk, a write lock found held elsewhere (now, or past
+      the bound) or a commit not made in time is a refusal with nothing written, so
+      nothing is dropped that the gateway would have kept;
+    * when the caller drops what is refused (an eviction at the cap, a divert; every
+      call on 0.20), at once: the row takes its place in the session's order and is
+      committed in the background, a lock held elsewhere (another gateway's or a
+      replay's commit, an operator's shell) waited for by the writer. A hand-off the
+      writer then fails to commit (the lock held past
+      ``walspool.writer.BUSY_RETRY_SECONDS``, a full disk) is dropped with a WARNING,
+      as the gateway drops what its own spool fails to take.
 
     A drain of the session counts the message as remaining until it is committed.
     """
     try:
         spool = shared_spool()
-        keeps = _keeps_what_is_refused()
+        keeps = _kept_if_refused(session_id, message)
         if spool.busy() and keeps:
             _probe(spool, wait=0.0)  # a probe that commits ends the busy state
             log.debug(
@@ -294,9 +296,20 @@ def spool_dropped_transcript_message(session_id: str, message: dict[str, Any]) -
     return spool.path
 
 
+def _kept_if_refused(session_id: str, message: Any) -> bool:
+    """Whether the caller keeps ``message`` in memory if this module refuses it: 0.22
+    (the gateway with its own row mapping) handing over a stalled backlog, whose
+    messages are still in its queue while it does (``_upstream.still_queued``). An
+    eviction or a divert has taken the message out of its queue, and 0.20 drops
+    whatever is refused. Not knowing the store (never registered), as 0.22 keeps."""
+    if not _keeps_what_is_refused():
+        return False
+    return _upstream.still_queued(session_id, message) is not False
+
+
 @cache
 def _keeps_what_is_refused() -> bool:
-    """Whether the gateway keeps in memory an eviction this module refuses (0.22, the
+    """Whether the gateway may keep in memory what this module refuses (0.22, the
     gateway with its own row mapping), rather than dropping it (0.20)."""
     return gateway_mapping() is not None
 

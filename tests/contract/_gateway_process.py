@@ -43,6 +43,11 @@ not enable) the plugin the user's way.
                                                  ``walspool replay`` does), state.db
                                                  heals and each session gets a message;
                                                  released, one more to each
+    python _gateway_process.py OUT spool-locked N    an outage as ``outage N message``, during
+                                                 which another process holds the spool's
+                                                 write lock (an operator's ``sqlite3``
+                                                 shell in a transaction) for the first
+                                                 half of the messages
     python _gateway_process.py OUT outage-stop N     N messages to each of 3 sessions while
                                                  every insert fails, then a graceful stop,
                                                  state.db still broken
@@ -178,14 +183,17 @@ async def run(mode: str, n: int, after: str) -> dict[str, Any]:
         await runner.stop()
         result["sent"] = {sid: [(m["role"], m["content"]) for m in sent[sid]] for sid in SESSIONS}
         return result
-    if mode in ("outage", "rewrite", "drop-tickets", "operator", "beside"):
+    if mode in ("outage", "rewrite", "drop-tickets", "operator", "beside", "spool-locked"):
         db = store._db
         for sid in SESSIONS:
             db.create_session(sid, "telegram")
         sent = traffic(n)
         sql(db, BREAK)
         beside = replays_beside(db.db_path) if mode == "beside" else None
+        lock = SpoolWriteLock() if mode == "spool-locked" else None
         for i in range(n):
+            if lock is not None and i == n // 2:
+                lock.release()
             for sid in SESSIONS:
                 store.append_to_transcript(sid, sent[sid][i])
         if beside is not None:
@@ -197,7 +205,13 @@ async def run(mode: str, n: int, after: str) -> dict[str, Any]:
         if mode == "operator":
             result["replay_status"] = operator_replay(db.db_path)
         sql(db, HEAL)
-        if after == "message" or mode in ("rewrite", "drop-tickets", "operator", "beside"):
+        if after == "message" or mode in (
+            "rewrite",
+            "drop-tickets",
+            "operator",
+            "beside",
+            "spool-locked",
+        ):
             for sid in SESSIONS:
                 last = {"role": "user", "content": f"{sid}-last", "timestamp": int(time.time())}
                 sent[sid].append(last)
@@ -220,6 +234,35 @@ async def run(mode: str, n: int, after: str) -> dict[str, Any]:
         }
     await runner.stop()
     return result
+
+
+class SpoolWriteLock:
+    """Another process holding the spool's SQLite write lock (``tests/_lock_holder.py``),
+    until ``release``; the spool is made first if the gateway has not made it yet."""
+
+    def __init__(self) -> None:
+        import os
+        import subprocess
+
+        import walspool
+
+        path = f"{os.environ['HERMES_HOME']}/spool.db"
+        walspool.Spool(path).close()
+        self.process = subprocess.Popen(
+            [sys.executable, str(LOCK_HOLDER), "write", path],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert self.process.stdout is not None
+        assert self.process.stdout.readline().strip() == "locked"
+
+    def release(self) -> None:
+        assert self.process.stdin is not None and self.process.stdout is not None
+        self.process.stdin.write("\n")
+        self.process.stdin.flush()
+        assert self.process.stdout.readline().strip() == "released"
+        self.process.wait()
 
 
 class ReplayLockHolder:

@@ -135,3 +135,17 @@ def test_rows_held_at_a_start_stay_ahead_of_live_messages_while_another_replay_h
     assert after["while_held"] == {"s1": 0, "s2": 0, "s3": 0}
     for session, sent in before["sent"].items():
         assert after["landed"][session] == sent + after["sent"][session], session
+
+
+def test_a_spool_locked_by_another_process_during_an_outage_loses_nothing(
+    gateway: Gateway, home: Path
+) -> None:
+    """An operator's ``sqlite3 spool.db`` holds a transaction open while the first half
+    of an outage's messages arrive (the gateway evicts past its cap meanwhile), then
+    closes it: every message lands once, in order, as without the lock."""
+    configure(gateway, home, gateway.enable)
+    result = run_worker(gateway, home, "spool-locked", str(BURST))
+
+    assert result["during"] == {"s1": 0, "s2": 0, "s3": 0}
+    for session, sent in result["sent"].items():
+        assert result["landed"][session] == sent, session

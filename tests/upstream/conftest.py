@@ -33,7 +33,14 @@ def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
 
 @pytest.fixture
 def store(home: Path) -> Iterator[Any]:
-    """The fork's real ``SessionStore`` and ``SessionDB`` (rollback mode on SQLite 3.40)."""
+    """The fork's real ``SessionStore`` and ``SessionDB`` (rollback mode on SQLite 3.40),
+    started as the gateway starts it: its start-up recovery (``recover_gateway_pending``,
+    which also tells walspool which store is the gateway's) has run."""
+    import types
+
+    import walspool.shutdown_flush as wsf
+
     s = new_store(home)
+    wsf.recover_gateway_pending(types.SimpleNamespace(session_store=s, config=s.config))
     yield s
     close_store(s)
