@@ -70,6 +70,9 @@ not enable) the plugin the user's way.
                                                  runner's pending slot), then the gateway
                                                  stops, state.db still broken
 
+``WALSPOOL_TEST_PREFIX`` (default ``s``) names the three sessions ``PREFIX1`` to
+``PREFIX3``, so two gateways on one home send to sessions of their own.
+
 Nothing here touches walspool: the gateway's own plugin discovery loads it (or not). Writes
 one JSON object to the file OUT (the 0.22 gateway takes stdout over): what the test asserts
 on.
@@ -80,6 +83,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import sqlite3
 import sys
 import time
@@ -88,11 +92,13 @@ from typing import Any
 
 #: A deterministic outage every gateway treats as transient: inserts fail until healed.
 BREAK = (
-    "CREATE TRIGGER walspool_test_broken BEFORE INSERT ON messages "
+    "CREATE TRIGGER IF NOT EXISTS walspool_test_broken BEFORE INSERT ON messages "
     "BEGIN SELECT RAISE(ABORT, 'walspool test outage'); END"
 )
 HEAL = "DROP TRIGGER IF EXISTS walspool_test_broken"
-SESSIONS = ("s1", "s2", "s3")
+#: The sessions a process sends to; ``WALSPOOL_TEST_PREFIX`` names them apart when two
+#: gateways share one home.
+SESSIONS = tuple(f"{os.environ.get('WALSPOOL_TEST_PREFIX', 's')}{i}" for i in (1, 2, 3))
 #: Bound on the wait for a healed state.db to receive everything.
 SETTLE_SECONDS = 60.0
 

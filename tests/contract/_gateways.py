@@ -183,6 +183,35 @@ def run_worker(
     return json.loads(out.read_text())
 
 
+def run_workers_together(
+    gateway: Gateway, home: Path, prefixes: list[str], *args: str
+) -> list[dict[str, Any]]:
+    """``_gateway_process.py ARGS`` in several gateway processes on one home at once, each
+    sending to sessions of its own (``WALSPOOL_TEST_PREFIX``); what each reported."""
+    outs = [home.parent / f"result-{prefix}.json" for prefix in prefixes]
+    processes = [
+        subprocess.Popen(
+            [str(gateway.python()), str(WORKER), str(out), *args],
+            env=env(home, WALSPOOL_TEST_PREFIX=prefix),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for prefix, out in zip(prefixes, outs, strict=True)
+    ]
+    try:
+        errors = [p.communicate(timeout=PROCESS_SECONDS)[1] for p in processes]
+    finally:
+        for p in processes:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for p, error in zip(processes, errors, strict=True):
+        assert p.returncode == 0, error[-4000:]
+    return [json.loads(out.read_text()) for out in outs]
+
+
 def run_walspool(gateway: Gateway, home: Path, *argv: str) -> subprocess.CompletedProcess[str]:
     """The ``walspool`` command installed in the gateway's environment, as its operator
     runs it."""

@@ -11,7 +11,7 @@ import pytest
 import walspool
 from walspool import plugin
 
-from ._gateways import Gateway, configure, linked_lines, run_worker
+from ._gateways import Gateway, configure, linked_lines, run_worker, run_workers_together
 
 #: Messages sent to each of three sessions during the outage: past the 200 cap.
 BURST = 450
@@ -149,3 +149,20 @@ def test_a_spool_locked_by_another_process_during_an_outage_loses_nothing(
     assert result["during"] == {"s1": 0, "s2": 0, "s3": 0}
     for session, sent in result["sent"].items():
         assert result["landed"][session] == sent, session
+
+
+def test_two_gateways_on_one_home_through_an_outage_lose_nothing(
+    gateway: Gateway, home: Path
+) -> None:
+    """Two gateway processes share one home (one state.db, one spool) through an outage
+    past the cap, each with sessions of its own: both evict into the spool at once, each
+    commit holding its write lock for a moment while the other waits; every message of
+    each lands once, in order."""
+    configure(gateway, home, gateway.enable)
+    results = run_workers_together(gateway, home, ["a", "b"], "outage", str(BURST), "message")
+
+    for result in results:
+        for session, sent in result["sent"].items():
+            assert result["landed"][session] == sent, session
+    with walspool.Spool(home / "spool.db") as s:
+        assert s.stats().rows == 0
