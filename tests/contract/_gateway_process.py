@@ -48,6 +48,10 @@ not enable) the plugin the user's way.
                                                  write lock (an operator's ``sqlite3``
                                                  shell in a transaction) for the first
                                                  half of the messages
+    python _gateway_process.py OUT spool-deleted N   an outage as ``outage N message``; after
+                                                 two thirds of the messages, the spool's
+                                                 files are deleted (an operator's rm), the
+                                                 rows each session had in them counted
     python _gateway_process.py OUT outage-stop N     N messages to each of 3 sessions while
                                                  every insert fails, then a graceful stop,
                                                  state.db still broken
@@ -189,7 +193,15 @@ async def run(mode: str, n: int, after: str) -> dict[str, Any]:
         await runner.stop()
         result["sent"] = {sid: [(m["role"], m["content"]) for m in sent[sid]] for sid in SESSIONS}
         return result
-    if mode in ("outage", "rewrite", "drop-tickets", "operator", "beside", "spool-locked"):
+    if mode in (
+        "outage",
+        "rewrite",
+        "drop-tickets",
+        "operator",
+        "beside",
+        "spool-locked",
+        "spool-deleted",
+    ):
         db = store._db
         for sid in SESSIONS:
             db.create_session(sid, "telegram")
@@ -200,6 +212,8 @@ async def run(mode: str, n: int, after: str) -> dict[str, Any]:
         for i in range(n):
             if lock is not None and i == n // 2:
                 lock.release()
+            if mode == "spool-deleted" and i == 2 * n // 3:
+                result["deleted_rows"] = delete_the_spool(runner)
             for sid in SESSIONS:
                 store.append_to_transcript(sid, sent[sid][i])
         if beside is not None:
@@ -217,6 +231,7 @@ async def run(mode: str, n: int, after: str) -> dict[str, Any]:
             "operator",
             "beside",
             "spool-locked",
+            "spool-deleted",
         ):
             for sid in SESSIONS:
                 last = {"role": "user", "content": f"{sid}-last", "timestamp": int(time.time())}
@@ -240,6 +255,33 @@ async def run(mode: str, n: int, after: str) -> dict[str, Any]:
         }
     await runner.stop()
     return result
+
+
+def delete_the_spool(runner: Any) -> dict[str, int]:
+    """``spool-deleted``: once what was handed to the spool is committed, the rows each
+    session has in it; then its files are deleted, as ``rm spool.db*`` would."""
+    home = os.environ["HERMES_HOME"]
+    path = f"{home}/spool.db"
+    plugin = sys.modules["walspool.plugin"]
+    linked = getattr(runner, plugin.MARK, None)  # 0.19.0: (link, the spool it writes)
+    for spool in filter(None, [linked and linked[1], _drop_in_spool()]):
+        spool.flush()  # the hand-offs still in the writer's queue
+    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    try:
+        rows = dict(conn.execute("SELECT session_id, count(*) FROM records GROUP BY 1"))
+    finally:
+        conn.close()
+    for suffix in ("", "-wal", "-shm", "-journal"):
+        if os.path.exists(path + suffix):
+            os.unlink(path + suffix)
+    return {sid: rows.get(sid, 0) for sid in SESSIONS}
+
+
+def _drop_in_spool() -> Any:
+    module = sys.modules.get("gateway.shutdown_flush")
+    if getattr(module, "__name__", None) != "walspool.shutdown_flush":
+        return None
+    return module.shared_spool()
 
 
 class SpoolWriteLock:
