@@ -237,7 +237,10 @@ async def run(mode: str, n: int, after: str) -> dict[str, Any]:
                 last = {"role": "user", "content": f"{sid}-last", "timestamp": int(time.time())}
                 sent[sid].append(last)
                 store.append_to_transcript(sid, last)
-        await settle(db, sent)
+        if mode == "spool-deleted":  # fewer land than were sent: each session's last, then
+            await settle_last(db)
+        else:
+            await settle(db, sent)
         if mode == "drop-tickets":
             # An operator drops the table of replay tickets with the sqlite3 shell.
             other = sqlite3.connect(db.db_path, timeout=30)
@@ -423,11 +426,7 @@ async def on_a_full_disk(store: Any, n: int) -> dict[str, Any]:
         last = {"role": "user", "content": f"{sid}-last", "timestamp": int(time.time())}
         sent[sid].append(last)
         store.append_to_transcript(sid, last)
-    deadline = time.monotonic() + SETTLE_SECONDS
-    while time.monotonic() < deadline and not all(
-        any(m["content"] == f"{sid}-last" for m in db.get_messages(sid)) for sid in SESSIONS
-    ):
-        await asyncio.sleep(0.05)
+    await settle_last(db)
     return {
         "during": during,
         "sent": {sid: [(m["role"], m["content"]) for m in sent[sid]] for sid in SESSIONS},
@@ -639,6 +638,16 @@ async def settle(db: Any, sent: dict[str, list[dict[str, Any]]]) -> None:
     while time.monotonic() < deadline:
         if all(len(db.get_messages(sid)) >= len(sent[sid]) for sid in SESSIONS):
             return
+        await asyncio.sleep(0.05)
+
+
+async def settle_last(db: Any) -> None:
+    """Wait, at most ``SETTLE_SECONDS``, until each session's last message (``PREFIX1-last``
+    and so on, sent after everything else) is in state.db."""
+    deadline = time.monotonic() + SETTLE_SECONDS
+    while time.monotonic() < deadline and not all(
+        any(m["content"] == f"{sid}-last" for m in db.get_messages(sid)) for sid in SESSIONS
+    ):
         await asyncio.sleep(0.05)
 
 
