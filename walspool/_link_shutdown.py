@@ -14,7 +14,7 @@ from typing import Any
 from . import _link_bounds as bounds
 from ._link_state import log
 from .errors import UnsupportedGateway, WalspoolError
-from .records import AGENT_HISTORY, SHUTDOWN
+from .records import AGENT_HISTORY, SHUTDOWN, agent_history_message, slot_message
 from .writer import Request
 
 #: What 0.19.0's GatewayRunner must have for ``install_runner``.
@@ -306,13 +306,3 @@ def _resolve(store: Any, session_key: str) -> str | None:
         return store.peek_session_id(session_key)
     except Exception:  # noqa: BLE001 - an unknown key is resolved again at replay
         return None
-
-
-def slot_message(value: Any) -> Any:
-    """A pending slot's value as spooled: text as ``{"text": ...}``, events as they are."""
-    return {"text": value} if isinstance(value, str) else value
-
-
-def agent_history_message(session_id: str | None, history: list[Any]) -> dict[str, Any]:
-    """The one row an agent's unpersisted history is spooled as (``AGENT_HISTORY``)."""
-    return {"session_id": session_id, "count": len(history), "messages": history}

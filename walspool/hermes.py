@@ -124,14 +124,9 @@ from ._link_bounds import (
 )
 from ._link_evict import REJECTED
 from ._link_shell import RETRY_INTERVAL, Link
-from ._link_shutdown import (
-    RUNNER_ATTRIBUTES,
-    SpoolOnClear,
-    agent_history_message,
-    install_runner,
-    slot_message,
-)
+from ._link_shutdown import RUNNER_ATTRIBUTES, SpoolOnClear, install_runner
 from .errors import UnsupportedGateway
+from .records import agent_history_message, slot_message
 from .spool import Spool
 
 # The public classes are named by the module users import them from (reprs, the

@@ -27,6 +27,16 @@ QUARANTINED = "quarantined"
 SUPERSEDED = "superseded"
 
 
+def slot_message(value: Any) -> Any:
+    """A pending slot's value as spooled: text as ``{"text": ...}``, events as they are."""
+    return {"text": value} if isinstance(value, str) else value
+
+
+def agent_history_message(session_id: str | None, history: list[Any]) -> dict[str, Any]:
+    """The one row an agent's unpersisted history is spooled as (``AGENT_HISTORY``)."""
+    return {"session_id": session_id, "count": len(history), "messages": history}
+
+
 class Receipt(msgspec.Struct, frozen=True):
     """Proof that one message is committed to the spool."""
 

@@ -64,12 +64,12 @@ from pathlib import Path
 from typing import Any
 
 from . import _upstream, text
+from ._link_bounds import BUSY_LOOK_SECONDS, CONFIRM_WAIT
 from .directories import open_directory
 from .errors import InvalidArgument, ReplayBusy, SpoolReplaced, UntrustedSpool, WalspoolError
-from .hermes import agent_history_message, slot_message
 from .jsonspool import FILE_PATTERN, QUARANTINE_PATTERN, import_json_spool
 from .paging import LARGE_PAYLOAD, SMALL_PAYLOAD
-from .records import AGENT_HISTORY, CAP_DROP
+from .records import AGENT_HISTORY, CAP_DROP, agent_history_message, slot_message
 from .replay import Replayer, ReplayReport, replay_lock
 from .sinks import gateway_mapping, is_row_rejection
 from .spool import Spool, check_lookup
@@ -103,11 +103,9 @@ FLUSH_DIR_NAME = "pending_messages"
 #: Key under which an imported file's name is kept in its message (see jsonspool).
 IMPORT_SOURCE_KEY = "_walspool_import"
 
-#: Seconds a drain waits for the spool's writer to commit what was handed to it before
-#: (this session's evictions); none once the spool's write lock is found held elsewhere.
-CONFIRM_WAIT = 0.25
-#: How often that wait looks whether the writer found the write lock held elsewhere.
-BUSY_LOOK_SECONDS = 0.01
+# CONFIRM_WAIT: seconds a drain waits for the spool's writer to commit what was handed
+# to it before (this session's evictions); none once the spool's write lock is found
+# held elsewhere. BUSY_LOOK_SECONDS: how often that wait looks. The link's bounds.
 #: Seconds a gateway that keeps what the spool refuses (0.22) waits for an eviction's
 #: commit; past it nothing is written and the gateway keeps the message.
 HANDOFF_SECONDS = 1.0
