@@ -381,7 +381,7 @@ class Writer:
         (the write lock taken): that commit is waited for.
         """
         if within is not None:
-            return self._call_within(request, within)
+            request.deadline = (time.monotonic() + within, within)
         if not self._pending and self._commit_lock.acquire(blocking=False):
             try:
                 self._check_open(request)
@@ -396,31 +396,12 @@ class Writer:
         else:
             done = _thread.allocate_lock()  # the writer releases it: see ``_wake``
             done.acquire()
-            self._put(request, done)
-            done.acquire()
-        if request.error is not None:
-            raise request.error
-        return request.result
-
-    def _call_within(self, request: Request, within: float) -> Any:
-        request.deadline = (time.monotonic() + within, within)
-        if not self._pending and self._commit_lock.acquire(blocking=False):
-            try:
-                self._check_open(request)
-                with self._cond:
-                    batch = self._take()
-                batch.append((request, None))
-                self._commit_group([r for r, _ in batch])
-            finally:
-                self._commit_lock.release()
-            if len(batch) > 1:
-                _wake(batch[:-1])
-        else:
-            done = _thread.allocate_lock()  # the writer releases it: see ``_wake``
-            done.acquire()
-            if not self._put(request, done, block=False):
+            if within is None:
+                self._put(request, done)
+                done.acquire()
+            elif not self._put(request, done, block=False):
                 raise queue.Full
-            if not done.acquire(timeout=max(within, 0.0)):
+            elif not done.acquire(timeout=max(within, 0.0)):
                 if self._take_back(request, done):
                     request.error = NotInTime(
                         within, path=self._path, session_id=request.session_id

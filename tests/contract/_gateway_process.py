@@ -139,6 +139,35 @@ def traffic(n: int) -> dict[str, list[dict[str, Any]]]:
     return sent
 
 
+#: The modes that run ``during_an_outage`` and then heal it (see the module).
+OUTAGE_MODES = (
+    "outage",
+    "rewrite",
+    "drop-tickets",
+    "operator",
+    "beside",
+    "spool-locked",
+    "spool-deleted",
+)
+
+
+def during_an_outage(store: Any, n: int, before: Any = None) -> dict[str, list[dict[str, Any]]]:
+    """``n`` messages (``traffic``) to each session, made in state.db first, while every
+    insert fails (the outage stays); ``before(i)`` runs before the ``i``-th of each
+    session. What was sent."""
+    db = store._db
+    for sid in SESSIONS:
+        db.create_session(sid, "telegram")
+    sent = traffic(n)
+    sql(db, BREAK)
+    for i in range(n):
+        if before is not None:
+            before(i)
+        for sid in SESSIONS:
+            store.append_to_transcript(sid, sent[sid][i])
+    return sent
+
+
 def linked(runner: Any) -> dict[str, Any]:
     """How walspool is linked into this gateway, as seen from outside it."""
     store = runner.session_store
@@ -156,7 +185,7 @@ async def run(mode: str, n: int, after: str) -> dict[str, Any]:
     from gateway.run import GatewayRunner
 
     # ``locked-start``: another replay holds the spool before the gateway starts.
-    holder = ReplayLockHolder() if mode == "locked-start" else None
+    holder = LockHolder("replay") if mode == "locked-start" else None
     runner = GatewayRunner()
     await runner.start()
     result: dict[str, Any] = {"before": linked(runner)}
@@ -182,40 +211,22 @@ async def run(mode: str, n: int, after: str) -> dict[str, Any]:
         await runner.stop()
         return result
     if mode == "outage-stop":
-        db = store._db
-        for sid in SESSIONS:
-            db.create_session(sid, "telegram")
-        sent = traffic(n)
-        sql(db, BREAK)
-        for i in range(n):
-            for sid in SESSIONS:
-                store.append_to_transcript(sid, sent[sid][i])
+        sent = during_an_outage(store, n)
         await runner.stop()
         result["sent"] = {sid: [(m["role"], m["content"]) for m in sent[sid]] for sid in SESSIONS}
         return result
-    if mode in (
-        "outage",
-        "rewrite",
-        "drop-tickets",
-        "operator",
-        "beside",
-        "spool-locked",
-        "spool-deleted",
-    ):
+    if mode in OUTAGE_MODES:
         db = store._db
-        for sid in SESSIONS:
-            db.create_session(sid, "telegram")
-        sent = traffic(n)
-        sql(db, BREAK)
         beside = replays_beside(db.db_path) if mode == "beside" else None
-        lock = SpoolWriteLock() if mode == "spool-locked" else None
-        for i in range(n):
+        lock = LockHolder("write") if mode == "spool-locked" else None
+
+        def before(i: int) -> None:
             if lock is not None and i == n // 2:
                 lock.release()
             if mode == "spool-deleted" and i == 2 * n // 3:
                 result["deleted_rows"] = delete_the_spool(runner)
-            for sid in SESSIONS:
-                store.append_to_transcript(sid, sent[sid][i])
+
+        sent = during_an_outage(store, n, before)
         if beside is not None:
             result["replays"] = beside()
         result["during"] = {sid: len(db.get_messages(sid)) for sid in SESSIONS}
@@ -225,14 +236,7 @@ async def run(mode: str, n: int, after: str) -> dict[str, Any]:
         if mode == "operator":
             result["replay_status"] = operator_replay(db.db_path)
         sql(db, HEAL)
-        if after == "message" or mode in (
-            "rewrite",
-            "drop-tickets",
-            "operator",
-            "beside",
-            "spool-locked",
-            "spool-deleted",
-        ):
+        if after == "message" or mode != "outage":
             for sid in SESSIONS:
                 last = {"role": "user", "content": f"{sid}-last", "timestamp": int(time.time())}
                 sent[sid].append(last)
@@ -287,45 +291,22 @@ def _drop_in_spool() -> Any:
     return module.shared_spool()
 
 
-class SpoolWriteLock:
-    """Another process holding the spool's SQLite write lock (``tests/_lock_holder.py``),
-    until ``release``; the spool is made first if the gateway has not made it yet."""
+class LockHolder:
+    """Another process holding one of the spool's locks (``tests/_lock_holder.py``:
+    ``write``, its SQLite write lock, as an operator's ``sqlite3`` shell in a
+    transaction; ``replay``, its replay lock, as a running ``walspool replay``) until
+    ``release``. The spool is made first if the gateway has not made it yet."""
 
-    def __init__(self) -> None:
-        import os
+    def __init__(self, kind: str) -> None:
         import subprocess
 
         import walspool
 
         path = f"{os.environ['HERMES_HOME']}/spool.db"
-        walspool.Spool(path).close()
+        if kind == "write":
+            walspool.Spool(path).close()
         self.process = subprocess.Popen(
-            [sys.executable, str(LOCK_HOLDER), "write", path],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        assert self.process.stdout is not None
-        assert self.process.stdout.readline().strip() == "locked"
-
-    def release(self) -> None:
-        assert self.process.stdin is not None and self.process.stdout is not None
-        self.process.stdin.write("\n")
-        self.process.stdin.flush()
-        assert self.process.stdout.readline().strip() == "released"
-        self.process.wait()
-
-
-class ReplayLockHolder:
-    """Another process holding the spool's replay lock, as a running ``walspool replay``
-    does (``tests/_lock_holder.py``), until ``release``."""
-
-    def __init__(self) -> None:
-        import os
-        import subprocess
-
-        self.process = subprocess.Popen(
-            [sys.executable, str(LOCK_HOLDER), "replay", f"{os.environ['HERMES_HOME']}/spool.db"],
+            [sys.executable, str(LOCK_HOLDER), kind, path],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -346,7 +327,7 @@ class ReplayLockHolder:
 
 
 async def beside_a_held_replay_lock(
-    store: Any, n: int, restarted: bool, holder: ReplayLockHolder | None
+    store: Any, n: int, restarted: bool, holder: LockHolder | None
 ) -> dict[str, Any]:
     """``held-replay``: spooled rows of an outage wait while another process holds the
     spool's replay lock; the live messages sent meanwhile must wait behind them.
@@ -355,15 +336,9 @@ async def beside_a_held_replay_lock(
     db = store._db
     sent: dict[str, list[dict[str, Any]]] = {sid: [] for sid in SESSIONS}
     if not restarted:
-        for sid in SESSIONS:
-            db.create_session(sid, "telegram")
-        sent = traffic(n)
-        sql(db, BREAK)
-        for i in range(n):
-            for sid in SESSIONS:
-                store.append_to_transcript(sid, sent[sid][i])
+        sent = during_an_outage(store, n)
     # The replay lock is taken before state.db heals: no drain can run in between.
-    holder = holder or ReplayLockHolder()
+    holder = holder or LockHolder("replay")
     try:
         sql(db, HEAL)
         for sid in SESSIONS:
@@ -559,13 +534,7 @@ async def killed_in_the_drain(store: Any, n: int, commits: int) -> None:
     import hermes_state
 
     db = store._db
-    for sid in SESSIONS:
-        db.create_session(sid, "telegram")
-    sent = traffic(n)
-    sql(db, BREAK)
-    for i in range(n):
-        for sid in SESSIONS:
-            store.append_to_transcript(sid, sent[sid][i])
+    sent = during_an_outage(store, n)
     with open(OUT, "w") as f:
         json.dump({sid: [(m["role"], m["content"]) for m in rows] for sid, rows in sent.items()}, f)
     original = hermes_state.SessionDB.append_message
