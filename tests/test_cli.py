@@ -767,6 +767,31 @@ def test_import_json(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None
     assert rc == 1 and "not a SQLite database" in one_error_line(err)
 
 
+@pytest.mark.parametrize("spool_before", ["missing", "an empty file"])
+@pytest.mark.parametrize("directory", ["missing", "a file", "writable by others"])
+def test_import_json_from_a_directory_it_cannot_use_leaves_the_spool_path_as_it_was(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, spool_before: str, directory: str
+) -> None:
+    """A missing or refused DIR exits 1 naming it, before the spool is opened: no spool
+    is made, and an empty file at the spool's path stays an empty file."""
+    path = tmp_path / "spool.db"
+    if spool_before == "an empty file":
+        path.write_bytes(b"")
+    pending = tmp_path / "pending_messages"
+    if directory == "a file":
+        pending.write_text("not a directory\n")
+    elif directory == "writable by others":
+        pending.mkdir()
+        pending.chmod(0o777)  # anyone could plant a file in it: refused by the checks
+    rc, _, err = run(capsys, "import-json", path, pending)
+    assert rc == 1 and "pending_messages" in one_error_line(err)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["pending_messages"] * (directory != "missing") + ["spool.db"] * (spool_before != "missing")
+    )
+    if spool_before == "an empty file":
+        assert path.read_bytes() == b""
+
+
 def test_demo_runs_run_demo(capsys: pytest.CaptureFixture[str], monkeypatch) -> None:
     import walspool.demo
 

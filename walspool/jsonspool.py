@@ -427,6 +427,12 @@ class _Import:
             self.progress(self.done, self.total)
 
 
+def check_directory(directory: str | os.PathLike[str]) -> None:
+    """Raise the ``WalspoolError`` ``import_json_spool`` would for a directory it cannot
+    use (missing, not a directory, refused by the checks), before a spool is opened."""
+    os.close(_open_directory(Path(directory)))
+
+
 def _open_directory(path: Path) -> int:
     """A descriptor of the import directory, opened through checked directories
     (``walspool.directories``): nobody but its owner and root can plant files in it
