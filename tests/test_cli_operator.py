@@ -180,14 +180,26 @@ def test_ids_that_read_as_one_number_with_thousands_separators_are_refused(
     assert digest(set_aside) == before
     if command == "drop":
         rc, out, err = run(capsys, "drop", set_aside, "--id", "1198,1199,12", "--json")
-        assert rc == 2 and json.loads(out)["missing"] == []
+        assert json.loads(out)["missing"] == []
         assert json.loads(out)["would_drop"] == [1198, 1199]
+        assert rc == 1 and "12 (replayable, not set aside)" in err  # all or none
 
 
-def test_drop_without_yes_shows_what_it_would_drop_and_exits_2(capsys, set_aside):
+def test_drop_without_yes_shows_what_it_would_drop_and_says_what_yes_would_refuse(
+    capsys, set_aside
+):
+    """Without --yes: the rows it would drop, and exit 2 ("pass --yes") when --yes would
+    drop them all; when it would refuse (a row missing, replayable or in flight: all or
+    none), exit 1 with the error --yes would give, never "pass --yes"."""
     before = digest(set_aside)
-    rc, out, err = run(capsys, "drop", set_aside, "--quarantined")
+    rc, out, err = run(capsys, "drop", set_aside, "--id", "1198,1199")
     assert rc == 2 and "pass --yes" in err
+    rc, out, err = run(capsys, "drop", set_aside, "--quarantined")
+    assert rc == 1 and "pass --yes" not in err
+    assert err.count("\n") == 1 and err.endswith(
+        "nothing was changed; drop takes only rows set aside (quarantined or superseded): "
+        "1201 (a replay has it out)\n"
+    )
     lines = out.splitlines()
     assert lines[0] == f"drop would take 3 rows of {set_aside}:"
     assert lines[1].split() == ["ID", "SESSION", "SEQ", "STATUS", "REASON", "LAST", "ERROR"]
@@ -200,8 +212,11 @@ def test_drop_without_yes_shows_what_it_would_drop_and_exits_2(capsys, set_aside
     assert "in flight: refused" in lines[-1]
     rc, out, err = run(capsys, "drop", set_aside, "--id", "5,1000,9999", "--json")
     got = json.loads(out)
-    assert rc == 2 and (got["command"], got["exit"]) == ("drop", 2) and "--yes" in got["error"]
+    assert rc == 1 and (got["command"], got["exit"]) == ("drop", 1)
+    assert got["error"].endswith("9999 (no such row), 5 (replayable, not set aside)")
     assert (got["would_drop"], got["missing"]) == ([1000], [9999])
+    rc, _, err = run(capsys, "drop", set_aside, "--id", "5,1000,9999", "--yes")
+    assert rc == 1 and "9999 (no such row)" in err and "5 (replayable, not set aside)" in err
     assert [(r["id"], r["status"]) for r in got["rows"]] == [(5, None), (1000, "superseded")]
     assert digest(set_aside) == before
 

@@ -109,6 +109,16 @@ def requeue(
     return _change(spool, ids, "requeue", by, wait)
 
 
+def not_set_aside(path: Any, action: str, problems: Sequence[str]) -> NotSetAside:
+    """The error of a ``requeue``/``drop`` naming rows it may not take (``problems``:
+    "ID (why)"): all or none, so nothing was changed."""
+    return NotSetAside(
+        f"spool {path}: nothing was changed; {action} takes only rows set aside "
+        f"(quarantined or superseded): {', '.join(problems)}",
+        path=path,
+    )
+
+
 def drop(
     spool: Spool, ids: Sequence[int], *, by: str | None = None, wait: float = LOCK_WAIT
 ) -> list[int]:
@@ -137,11 +147,7 @@ def _change(
             else:
                 rows[record_id] = row
         if problems:
-            raise NotSetAside(
-                f"spool {spool.path}: nothing was changed; {action} takes only rows set "
-                f"aside (quarantined or superseded): {', '.join(problems)}",
-                path=spool.path,
-            )
+            raise not_set_aside(spool.path, action, problems)
         now = time.time()
         for record_id, row in rows.items():
             conn.execute(

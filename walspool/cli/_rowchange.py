@@ -117,6 +117,10 @@ def preview(args: argparse.Namespace, command: str) -> dict[str, Any]:
         "rows": rows,
         "missing": missing,
     }
+    #: Why the change with --yes would refuse (all or none): "ID (why)" for each row.
+    out["problems"] = [f"{i} (no such row)" for i in missing] + [
+        f"{r['id']} ({_refused_because(r)})" for r in rows if not _set_aside(r)
+    ]
     if args.json:
         return out
     taken = plural(len(out[f"would_{command}"]), "row")
@@ -140,6 +144,11 @@ def preview(args: argparse.Namespace, command: str) -> dict[str, Any]:
 
 def _set_aside(row: dict[str, Any]) -> bool:
     return row["status"] is not None and row["inflight"] is None
+
+
+def _refused_because(row: dict[str, Any]) -> str:
+    """Why ``requeue``/``drop`` refuse a row not set aside, in ``maintenance``'s words."""
+    return "a replay has it out" if row["inflight"] is not None else "replayable, not set aside"
 
 
 def _state(row: dict[str, Any]) -> str:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from ..maintenance import drop
-from ._output import EXIT_USAGE, dump, warn
+from ..maintenance import drop, not_set_aside
+from ._output import EXIT_ERROR, EXIT_USAGE, dump, warn
 from ._rowchange import add_arguments as add_row_arguments
 from ._rowchange import preview, run_change
 
@@ -22,16 +22,22 @@ def run(args: argparse.Namespace) -> int:
     and exits 2. Each row dropped is copied whole (payload, reason, times, last error)
     into the spool's audit table with who dropped it, so a drop can be undone by hand;
     its session never reuses its seq. All the rows named, or none: a row that is
-    missing, replayable or in flight is named and nothing changes (exit 1). Waits for a
+    missing, replayable or in flight is named and nothing changes (exit 1, with or
+    without --yes: the list without --yes shows them as refused). Waits for a
     running replay (--wait SECONDS; exit 4 when it outlasts that).
     """
     if not args.yes:
         would = preview(args, "drop")
-        error = "nothing was dropped: pass --yes to drop these rows (kept in the audit table)"
+        problems = would.pop("problems")
+        if problems:  # --yes would refuse them all: say so now, not "pass --yes"
+            status, error = EXIT_ERROR, str(not_set_aside(args.spool, "drop", problems))
+        else:
+            status = EXIT_USAGE
+            error = "nothing was dropped: pass --yes to drop these rows (kept in the audit table)"
         warn("drop", error)
         if args.json:
-            print(dump({"command": "drop", "error": error, "exit": EXIT_USAGE, **would}))
-        return EXIT_USAGE
+            print(dump({"command": "drop", "error": error, "exit": status, **would}))
+        return status
     return run_change(args, "drop", drop, "dropped")
 
 
