@@ -179,7 +179,7 @@ def test_every_command_has_help_and_a_readme_entry(capsys: pytest.CaptureFixture
 
 def test_bad_usage_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
     # SPOOL may be left out (it defaults to $HERMES_HOME/spool.db); SESSION may not.
-    for argv in ([], ["show"], ["nope"], ["replay", "spool.db"], ["stats", "--nope"]):
+    for argv in ([], ["show"], ["nope"], ["replay", "spool.db", "--into"], ["stats", "--nope"]):
         with pytest.raises(SystemExit) as exit_:
             main(argv)
         assert exit_.value.code == 2

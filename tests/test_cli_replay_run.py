@@ -94,6 +94,28 @@ def test_rows_both_held_and_quarantined_exit_3_for_the_held(tmp_path, capsys):
     assert messages(state, "s1") == ["fine"]
 
 
+@pytest.mark.parametrize("how", ["SPOOL given", "HERMES_HOME alone"])
+def test_replay_goes_into_the_state_db_beside_the_spool_without_into(
+    tmp_path, capsys, monkeypatch, how
+):
+    """No --into: the state.db beside SPOOL, which with the default SPOOL is
+    $HERMES_HOME/state.db (the spool argument and the state.db follow one home)."""
+    home = tmp_path / "home"
+    home.mkdir(mode=0o700)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir(mode=0o700)
+    monkeypatch.setenv("HERMES_HOME", str(home if how == "HERMES_HOME alone" else elsewhere))
+    state = state_db(home / "state.db", "s1")
+    with walspool.Spool(home / "spool.db") as spool:
+        spool.append("s1", {"role": "user", "content": "kept"})
+    argv = ["replay", "--json"] + ([home / "spool.db"] if how == "SPOOL given" else [])
+    rc, out, err = run(capsys, *argv)
+    assert (rc, err) == (0, "")
+    assert json.loads(out)["state_db"] == str(state)
+    assert messages(state, "s1") == ["kept"]
+    assert not (elsewhere / "state.db").exists()
+
+
 # -- another replay running --------------------------------------------------------------
 
 

@@ -40,6 +40,10 @@ from ._output import EXIT_BUSY, EXIT_ERROR, EXIT_USAGE, SpoolBusy, as_path, dump
 from ._owner import run_as, state_db_owner
 from ._reading import spool_error
 
+#: The gateway's state.db, beside its spool in ``HERMES_HOME``: ``replay``'s default
+#: ``--into``.
+STATE_DB_NAME = "state.db"
+
 __all__ = ["COMMANDS", "build_parser", "main"]
 
 DESCRIPTION = """\
@@ -180,6 +184,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             name = next((a for a in argv if not a.startswith("-")), "")
             print(dump({"command": name, "error": str(exc), "exit": EXIT_USAGE}))
         raise SystemExit(EXIT_USAGE) from None
+    if getattr(args, "into", False) is None:  # replay: the state.db beside the spool
+        args.into = args.spool.parent / STATE_DB_NAME
     owner = state_db_owner(args)
     if owner is not None:  # root, on another user's state.db: see _owner
         return run_as(owner, args, lambda: _report(args))

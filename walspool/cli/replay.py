@@ -130,9 +130,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--into",
         type=as_path,
-        required=True,
         metavar="STATE_DB",
-        help="the gateway's state.db (<HERMES_HOME>/state.db); must exist",
+        help="the gateway's state.db; must exist (default: state.db beside SPOOL, so "
+        "$HERMES_HOME/state.db with the default SPOOL)",
     )
     p.add_argument("--session", metavar="S", help="only rows spooled with this session id")
     p.add_argument(
