@@ -647,6 +647,30 @@ def test_watch_says_which_process_has_the_spool_open(tmp_path, capsys):
     )
 
 
+def test_rows_set_aside_alone_are_not_said_to_wait_for_a_drain(tmp_path, capsys):
+    """Only superseded and quarantined rows left, no process: nothing would drain them
+    anyway (they move only when asked for), so neither watch nor stats says "nothing
+    drains" (nor paints it red); one replayable row more, and both say it."""
+    path = tmp_path / "spool.db"
+    with walspool.Spool(path) as spool:
+        spool.append_many([("s1", MSG)] * 2)
+    conn = apsw.Connection(str(path))
+    conn.execute("UPDATE records SET status = 'superseded' WHERE seq = 1")
+    conn.execute("UPDATE records SET status = 'quarantined', attempts = 1 WHERE seq = 2")
+    conn.close()
+    said = "nothing drains its rows until one opens it"
+    for command in (["watch", str(path), "--interval", "0.1"], ["stats", str(path)]):
+        assert main(command) == 0
+        out = capsys.readouterr().out
+        assert "no process (no gateway or replay has the spool open)" in out, command
+        assert said not in out
+    with walspool.Spool(path) as spool:
+        spool.append("s1", MSG)
+    for command in (["watch", str(path), "--interval", "0.1"], ["stats", str(path)]):
+        assert main(command) == 0
+        assert said in capsys.readouterr().out, command
+
+
 def test_each_session_shows_its_latest_error(tmp_path, capsys):
     path = tmp_path / "spool.db"
     with walspool.Spool(path) as spool:

@@ -34,10 +34,12 @@ def render(
         lines = _fitted(head, width, height)
         return [_paint(line, RED, colour) if i == 2 else line for i, line in enumerate(lines)]
     age = duration(max(snap.at - snap.oldest, 0.0)) if snap.oldest is not None else "-"
-    idle = snap.open_by is not None and not snap.open_by and snap.rows > 0
+    # Rows set aside (quarantined, superseded) never drain by themselves: not waiting.
+    waiting = snap.rows - snap.quarantined - snap.superseded
+    idle = snap.open_by is not None and not snap.open_by and waiting > 0
     eta = drain_eta(snap, rate)
     head += [
-        _paint(f"open by      {holders_text(snap.open_by, snap.rows)}", RED, colour and idle),
+        _paint(f"open by      {holders_text(snap.open_by, waiting)}", RED, colour and idle),
         f"rows         {snap.rows:,} in {plural(snap.sessions, 'session')}, "
         f"{size(snap.bytes)}; oldest row {age} old",
         _paint(

@@ -75,12 +75,13 @@ def command_of(pid: int) -> str | None:
     return text if len(text) <= COMMAND_WIDTH else text[: COMMAND_WIDTH - 1] + "…"
 
 
-def holders_text(found: Sequence[Holder] | None, rows: int) -> str:
-    """The ``open by`` line of ``watch`` and ``stats``: who, or what none means."""
+def holders_text(found: Sequence[Holder] | None, waiting: int) -> str:
+    """The ``open by`` line of ``watch`` and ``stats``: who, or what none means.
+    ``waiting``: the rows a gateway or replay would drain (not those set aside)."""
     if found is None:
         return "unknown (this system has no /proc/locks)"
     if not found:
-        idle = "; nothing drains its rows until one opens it" if rows else ""
+        idle = "; nothing drains its rows until one opens it" if waiting else ""
         return f"no process (no gateway or replay has the spool open{idle})"
     return "; ".join(
         f"pid {h.pid}" + (f" ({printable(h.command)})" if h.command else "") for h in found

@@ -68,10 +68,12 @@ def run(args: argparse.Namespace) -> int:
         print(dump(stats))
         return EXIT_OK
     colour = _colour(sys.stdout)
+    # Rows set aside (quarantined, superseded) never drain by themselves: not waiting.
+    waiting = stats["rows"] - stats["quarantined"] - stats["superseded"]
     reasons = [f"{n:,} {printable(reason)}" for reason, n in stats["by_reason"].items()] or ["-"]
     lines = [
         ("spool", printable(stats["spool"])),
-        ("open by", holders_text(found, stats["rows"])),
+        ("open by", holders_text(found, waiting)),
         ("rows", f"{stats['rows']:,} in {plural(stats['sessions'], 'session')}"),
         ("payload", size(stats["bytes"])),
         ("oldest", _when(stats["oldest"], stats["oldest_age"])),
@@ -91,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
             ("rates", _rates_text(rate, args.sample)),
             ("drain ETA", _eta_text(eta, stats["rows"], rate)),
         ]
-    idle = found is not None and not found and stats["rows"] > 0
+    idle = found is not None and not found and waiting > 0
     for key, value, *paint in lines:
         line = f"{key:<12}{value}"
         counted = key in ("with errors", "quarantined") and stats[_KEYS[key]] > 0
