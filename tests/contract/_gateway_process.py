@@ -374,7 +374,6 @@ async def on_a_full_disk(store: Any, n: int) -> dict[str, Any]:
     each once there is room; what was sent and what state.db holds once every
     session's last message landed."""
     import errno
-    import os
 
     home = os.environ["HERMES_HOME"]
     db = store._db
@@ -585,7 +584,6 @@ def operator_replay(state_db: Any) -> int:
     """``operator``: the operator's ``walspool replay`` into the broken state.db, from
     beside the running gateway, waiting its turn while a drain of the gateway's holds
     the replay lock (``--wait``); its exit status."""
-    import os
     import subprocess
 
     home = os.environ["HERMES_HOME"]
