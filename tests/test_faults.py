@@ -24,6 +24,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import gc
+import os
 import threading
 import traceback
 import zlib
@@ -615,6 +616,26 @@ def test_an_io_error_while_opening_is_a_walspool_error(fault_vfs, tmp_path):
         finally:
             fault_vfs.disarm()
     check_spool_healthy(path)
+
+
+def test_an_open_right_after_a_python_vfs_failure_opens_the_real_file(fault_vfs, tmp_path):
+    """A Python VFS method that raised leaves its exception pending in apsw when SQLite
+    next opens a file (here: a busy file-size check, then the WAL index). The open guard
+    must take it out before calling C: otherwise that open fails (or, were the guard's
+    call unguarded, SQLite got descriptor 0, stdin, for the file)."""
+    path = tmp_path / "spool.db"
+    with walspool.Spool(path) as spool:
+        spool.append("s", {"a": 1})
+    stdin = os.fstat(0)
+    with installed(fault_vfs):
+        fault_vfs.arm(Fault("filesize", 1, "busy"))
+        try:
+            with walspool.Spool(path) as again:
+                assert [r.message for r in again.records()] == [{"a": 1}]
+        finally:
+            fault_vfs.disarm()
+    assert fault_vfs.injected == [Fault("filesize", 1, "busy")]
+    assert (os.fstat(0).st_dev, os.fstat(0).st_ino) == (stdin.st_dev, stdin.st_ino)
 
 
 def test_close_reports_io_errors_as_walspool_errors_and_closes_everything(fault_vfs, tmp_path):
