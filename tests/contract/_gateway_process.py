@@ -76,6 +76,8 @@ not enable) the plugin the user's way.
 
 ``WALSPOOL_TEST_PREFIX`` (default ``s``) names the three sessions ``PREFIX1`` to
 ``PREFIX3``, so two gateways on one home send to sessions of their own.
+``WALSPOOL_TEST_TOGETHER=DIR:N`` makes N such processes meet in DIR before an outage
+begins and before the heal: their outages are one, their evictions overlap.
 
 Nothing here touches walspool: the gateway's own plugin discovery loads it (or not). Writes
 one JSON object to the file OUT (the 0.22 gateway takes stdout over): what the test asserts
@@ -105,6 +107,8 @@ HEAL = "DROP TRIGGER IF EXISTS walspool_test_broken"
 SESSIONS = tuple(f"{os.environ.get('WALSPOOL_TEST_PREFIX', 's')}{i}" for i in (1, 2, 3))
 #: Bound on the wait for a healed state.db to receive everything.
 SETTLE_SECONDS = 60.0
+#: Bound on the wait for the other processes at a meeting point (``together``).
+MEET_SECONDS = 120.0
 
 
 class Lines(logging.Handler):
@@ -116,6 +120,21 @@ class Lines(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         self.lines.append(f"{record.levelname} {record.getMessage()}")
+
+
+def messages(db: Any, session_id: str) -> list[dict[str, Any]]:
+    """A session's rows in state.db, read through the gateway's ``SessionDB``. Another
+    process writing state.db (a second gateway, its drain) may hold its lock past the
+    read's busy timeout (0.20 runs state.db in rollback-journal mode on this SQLite,
+    where a write keeps readers out): the read is tried again, for ``SETTLE_SECONDS``."""
+    deadline = time.monotonic() + SETTLE_SECONDS
+    while True:
+        try:
+            return db.get_messages(session_id)
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
 
 
 def sql(db: Any, statement: str) -> None:
@@ -151,10 +170,31 @@ OUTAGE_MODES = (
 )
 
 
-def during_an_outage(store: Any, n: int, before: Any = None) -> dict[str, list[dict[str, Any]]]:
+async def together(stage: str) -> None:
+    """Wait until every process named by ``WALSPOOL_TEST_TOGETHER`` reached ``stage``
+    (nothing to wait for without it); the gateway's loop runs meanwhile."""
+    meeting = os.environ.get("WALSPOOL_TEST_TOGETHER")
+    if not meeting:
+        return
+    where, count = meeting.rsplit(":", 1)
+    here = Path(where) / stage
+    here.mkdir(parents=True, exist_ok=True)
+    (here / SESSIONS[0]).touch()
+    deadline = time.monotonic() + MEET_SECONDS
+    while len(list(here.iterdir())) < int(count):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the other processes never reached {stage}")
+        await asyncio.sleep(0.01)
+
+
+async def during_an_outage(
+    store: Any, n: int, before: Any = None
+) -> dict[str, list[dict[str, Any]]]:
     """``n`` messages (``traffic``) to each session, made in state.db first, while every
     insert fails (the outage stays); ``before(i)`` runs before the ``i``-th of each
-    session. What was sent."""
+    session. What was sent. Each is appended on a worker thread, as the gateway's own
+    handlers do (``AsyncSessionStore``): its loop runs meanwhile, and its liveness
+    watchdog ends a process whose loop stalls behind a write waiting for state.db."""
     db = store._db
     for sid in SESSIONS:
         db.create_session(sid, "telegram")
@@ -164,7 +204,7 @@ def during_an_outage(store: Any, n: int, before: Any = None) -> dict[str, list[d
         if before is not None:
             before(i)
         for sid in SESSIONS:
-            store.append_to_transcript(sid, sent[sid][i])
+            await asyncio.to_thread(store.append_to_transcript, sid, sent[sid][i])
     return sent
 
 
@@ -211,7 +251,7 @@ async def run(mode: str, n: int, after: str) -> dict[str, Any]:
         await runner.stop()
         return result
     if mode == "outage-stop":
-        sent = during_an_outage(store, n)
+        sent = await during_an_outage(store, n)
         await runner.stop()
         result["sent"] = {sid: [(m["role"], m["content"]) for m in sent[sid]] for sid in SESSIONS}
         return result
@@ -226,15 +266,17 @@ async def run(mode: str, n: int, after: str) -> dict[str, Any]:
             if mode == "spool-deleted" and i == 2 * n // 3:
                 result["deleted_rows"] = delete_the_spool(runner)
 
-        sent = during_an_outage(store, n, before)
+        await together("outage")
+        sent = await during_an_outage(store, n, before)
         if beside is not None:
             result["replays"] = beside()
-        result["during"] = {sid: len(db.get_messages(sid)) for sid in SESSIONS}
+        result["during"] = {sid: len(messages(db, sid)) for sid in SESSIONS}
         if mode == "rewrite":
             result["rewritten"] = store.rewrite_transcript("s1", [])
             sent["s1"] = []
         if mode == "operator":
             result["replay_status"] = operator_replay(db.db_path)
+        await together("heal")
         sql(db, HEAL)
         if after == "message" or mode != "outage":
             for sid in SESSIONS:
@@ -258,7 +300,7 @@ async def run(mode: str, n: int, after: str) -> dict[str, Any]:
             await settle(db, sent)
         result["sent"] = {sid: [(m["role"], m["content"]) for m in sent[sid]] for sid in SESSIONS}
         result["landed"] = {
-            sid: [(m["role"], m["content"]) for m in db.get_messages(sid)] for sid in SESSIONS
+            sid: [(m["role"], m["content"]) for m in messages(db, sid)] for sid in SESSIONS
         }
     await runner.stop()
     return result
@@ -336,7 +378,7 @@ async def beside_a_held_replay_lock(
     db = store._db
     sent: dict[str, list[dict[str, Any]]] = {sid: [] for sid in SESSIONS}
     if not restarted:
-        sent = during_an_outage(store, n)
+        sent = await during_an_outage(store, n)
     # The replay lock is taken before state.db heals: no drain can run in between.
     holder = holder or LockHolder("replay")
     try:
@@ -345,7 +387,7 @@ async def beside_a_held_replay_lock(
             live = {"role": "user", "content": f"{sid}-while-held", "timestamp": int(time.time())}
             sent[sid].append(live)
             store.append_to_transcript(sid, live)
-        while_held = {sid: len(db.get_messages(sid)) for sid in SESSIONS}
+        while_held = {sid: len(messages(db, sid)) for sid in SESSIONS}
         holder.release()
     finally:
         holder.kill()
@@ -359,9 +401,7 @@ async def beside_a_held_replay_lock(
     return {
         "while_held": while_held,
         "sent": {sid: [(m["role"], m["content"]) for m in sent[sid]] for sid in SESSIONS},
-        "landed": {
-            sid: [(m["role"], m["content"]) for m in db.get_messages(sid)] for sid in SESSIONS
-        },
+        "landed": {sid: [(m["role"], m["content"]) for m in messages(db, sid)] for sid in SESSIONS},
     }
 
 
@@ -394,7 +434,7 @@ async def on_a_full_disk(store: Any, n: int) -> dict[str, Any]:
     for i in range(n):
         for sid in SESSIONS:
             store.append_to_transcript(sid, sent[sid][i])
-    during = {sid: len(db.get_messages(sid)) for sid in SESSIONS}
+    during = {sid: len(messages(db, sid)) for sid in SESSIONS}
     os.unlink(filler)
     for sid in SESSIONS:
         last = {"role": "user", "content": f"{sid}-last", "timestamp": int(time.time())}
@@ -404,9 +444,7 @@ async def on_a_full_disk(store: Any, n: int) -> dict[str, Any]:
     return {
         "during": during,
         "sent": {sid: [(m["role"], m["content"]) for m in sent[sid]] for sid in SESSIONS},
-        "landed": {
-            sid: [(m["role"], m["content"]) for m in db.get_messages(sid)] for sid in SESSIONS
-        },
+        "landed": {sid: [(m["role"], m["content"]) for m in messages(db, sid)] for sid in SESSIONS},
     }
 
 
@@ -508,7 +546,7 @@ async def odd_values(store: Any) -> dict[str, Any]:
     for message in ODD_VALUES:
         store.append_to_transcript("s1", dict(message))
     await settle(store._db, {"s1": ODD_VALUES, "s2": [], "s3": []})
-    return {"landed": [(m["role"], m["content"]) for m in store._db.get_messages("s1")]}
+    return {"landed": [(m["role"], m["content"]) for m in messages(store._db, "s1")]}
 
 
 def turn_rows(sid: str, n: int) -> list[dict[str, Any]]:
@@ -533,7 +571,7 @@ async def killed_in_the_drain(store: Any, n: int, commits: int) -> None:
     import hermes_state
 
     db = store._db
-    sent = during_an_outage(store, n)
+    sent = await during_an_outage(store, n)
     with open(OUT, "w") as f:
         json.dump({sid: [(m["role"], m["content"]) for m in rows] for sid, rows in sent.items()}, f)
     original = hermes_state.SessionDB.append_message
@@ -603,7 +641,7 @@ async def settle(db: Any, sent: dict[str, list[dict[str, Any]]]) -> None:
     to each session (the test then compares them)."""
     deadline = time.monotonic() + SETTLE_SECONDS
     while time.monotonic() < deadline:
-        if all(len(db.get_messages(sid)) >= len(sent[sid]) for sid in SESSIONS):
+        if all(len(messages(db, sid)) >= len(sent[sid]) for sid in SESSIONS):
             return
         await asyncio.sleep(0.05)
 
@@ -613,7 +651,7 @@ async def settle_last(db: Any) -> None:
     and so on, sent after everything else) is in state.db."""
     deadline = time.monotonic() + SETTLE_SECONDS
     while time.monotonic() < deadline and not all(
-        any(m["content"] == f"{sid}-last" for m in db.get_messages(sid)) for sid in SESSIONS
+        any(m["content"] == f"{sid}-last" for m in messages(db, sid)) for sid in SESSIONS
     ):
         await asyncio.sleep(0.05)
 

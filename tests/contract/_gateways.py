@@ -187,28 +187,39 @@ def run_workers_together(
     gateway: Gateway, home: Path, prefixes: list[str], *args: str
 ) -> list[dict[str, Any]]:
     """``_gateway_process.py ARGS`` in several gateway processes on one home at once, each
-    sending to sessions of its own (``WALSPOOL_TEST_PREFIX``); what each reported."""
+    sending to sessions of its own (``WALSPOOL_TEST_PREFIX``), their outages met
+    (``WALSPOOL_TEST_TOGETHER``); what each reported."""
     outs = [home.parent / f"result-{prefix}.json" for prefix in prefixes]
-    processes = [
-        subprocess.Popen(
-            [str(gateway.python()), str(WORKER), str(out), *args],
-            env=env(home, WALSPOOL_TEST_PREFIX=prefix),
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for prefix, out in zip(prefixes, outs, strict=True)
-    ]
+    meeting = f"{home.parent / 'meeting'}:{len(prefixes)}"
+    # Each process's stderr goes to a file: a pipe read only once the one before it
+    # ended would fill and stop its writer short of the meeting.
+    logs = [home.parent / f"stderr-{prefix}.txt" for prefix in prefixes]
+    processes = []
+    for prefix, out, log in zip(prefixes, outs, logs, strict=True):
+        with open(log, "w") as stderr:
+            processes.append(
+                subprocess.Popen(
+                    [str(gateway.python()), str(WORKER), str(out), *args],
+                    env=env(home, WALSPOOL_TEST_PREFIX=prefix, WALSPOOL_TEST_TOGETHER=meeting),
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.DEVNULL,
+                    stderr=stderr,
+                )
+            )
+    deadline = time.monotonic() + PROCESS_SECONDS
     try:
-        errors = [p.communicate(timeout=PROCESS_SECONDS)[1] for p in processes]
+        for p in processes:
+            p.wait(timeout=max(deadline - time.monotonic(), 0.0))
     finally:
         for p in processes:
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    for p, error in zip(processes, errors, strict=True):
-        assert p.returncode == 0, error[-4000:]
+    said = "\n=====\n".join(
+        f"exit {p.returncode}: {log.read_text()[-4000:]}"
+        for p, log in zip(processes, logs, strict=True)
+    )
+    assert all(p.returncode == 0 for p in processes), said
     return [json.loads(out.read_text()) for out in outs]
 
 

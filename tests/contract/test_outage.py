@@ -11,7 +11,15 @@ import pytest
 import walspool
 from walspool import plugin
 
-from ._gateways import Gateway, configure, linked_lines, run_worker, run_workers_together
+from ._gateways import (
+    Gateway,
+    configure,
+    linked_lines,
+    run_walspool,
+    run_worker,
+    run_workers_together,
+    transcript,
+)
 
 #: Messages sent to each of three sessions during the outage: past the 200 cap.
 BURST = 450
@@ -154,16 +162,30 @@ def test_a_spool_locked_by_another_process_during_an_outage_loses_nothing(
 def test_two_gateways_on_one_home_through_an_outage_lose_nothing(
     gateway: Gateway, home: Path
 ) -> None:
-    """Two gateway processes share one home (one state.db, one spool) through an outage
+    """Two gateway processes share one home (one state.db, one spool) through one outage
     past the cap, each with sessions of its own: both evict into the spool at once, each
-    commit holding its write lock for a moment while the other waits; every message of
-    each lands once, in order."""
+    commit holding its write lock for a moment while the other waits. Both heal at once,
+    so each session's last message meets the other gateway's drain (the spool's replay
+    lock held).
+
+    0.19.0's link retries on its own: everything lands during the run. 0.20 and 0.22
+    retry a queue only at the session's next write: a drain that met the other's skips,
+    and leaves that session's queue and last message in memory until then; with no next
+    write they are spooled at the stop and land at the runbook's replay (README's "Known
+    limits"). Either way every message of each lands once, in order."""
     configure(gateway, home, gateway.enable)
     results = run_workers_together(gateway, home, ["a", "b"], "outage", str(BURST), "message")
 
+    if gateway.how == plugin.LINK:
+        for result in results:
+            for session, sent in result["sent"].items():
+                assert result["landed"][session] == sent, session
+    spool, state_db = str(home / "spool.db"), str(home / "state.db")
+    done = run_walspool(gateway, home, "replay", spool, "--into", state_db, "--json")
+    assert done.returncode == 0, done.stdout + done.stderr
     for result in results:
         for session, sent in result["sent"].items():
-            assert result["landed"][session] == sent, session
+            assert transcript(home, session) == [tuple(m) for m in sent], session
     with walspool.Spool(home / "spool.db") as s:
         assert s.stats().rows == 0
 
