@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 import shlex
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -154,6 +155,31 @@ def test_drop_takes_comma_separated_ids_and_a_selector(capsys, set_aside):
     assert rc == 2 and "not both" in err
     for bad in ("1,04x", "0", ","):
         assert usage(capsys, "drop", set_aside, "--id", bad)[0] == 2
+
+
+@pytest.mark.parametrize("command", ["drop", "requeue"])
+def test_a_session_with_no_rows_is_named_as_such_not_as_having_none_set_aside(
+    capsys, set_aside, command
+):
+    """A mistyped session is "no rows for session", as show, export and replay say; a
+    session that has rows but none set aside is told apart, and nothing changes."""
+    sure = ["--yes"] if command == "drop" else []
+    before = snapshot(set_aside)
+    rc, out, err = run(capsys, command, set_aside, "--session", "TYPO", *sure)
+    assert (rc, out) == (1, "") and f"no rows for session 'TYPO' in {set_aside}" in err
+    rc, out, err = run(capsys, command, set_aside, "--session", "TYPO", *sure, "--json")
+    assert rc == 1 and json.loads(out)["error"] == f"no rows for session 'TYPO' in {set_aside}"
+    rc, out, err = run(capsys, "export", set_aside, "--session", "TYPO")
+    assert rc == 1 and f"no rows for session 'TYPO' in {set_aside}" in err
+    assert snapshot(set_aside) == before
+
+
+def snapshot(path: Path) -> list[tuple[Any, ...]]:
+    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    try:
+        return conn.execute("SELECT id, status, inflight, attempts FROM records").fetchall()
+    finally:
+        conn.close()
 
 
 @pytest.mark.parametrize("command", ["drop", "requeue"])

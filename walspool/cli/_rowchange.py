@@ -12,7 +12,7 @@ from ..maintenance import LOCK_WAIT, actor
 from ..records import QUARANTINED, SUPERSEDED
 from ..spool import Spool
 from ..text import printable
-from ._filters import UsageError, row_ids, which_stream
+from ._filters import UsageError, has_stream, row_ids, which_stream
 from ._output import EXIT_OK, SpoolBusy, clip, dump, plural, stream_name, table
 from ._reading import reading
 from ._readonly import SpoolReader
@@ -74,6 +74,8 @@ def selected(reader: SpoolReader, args: argparse.Namespace) -> list[dict[str, An
         rows = reader.read(lambda c: c.execute(BY_ID_SQL, params).fetchall())
         return [dict(zip(KEYS, row, strict=True)) for row in rows]
     name, kind = (None, None) if args.session is None else which_stream(reader, args.session)
+    if name is not None and not has_stream(reader, name, kind):
+        raise WalspoolError(f"no rows for session {args.session!r} in {args.spool}")
     chosen = ((QUARANTINED, args.quarantined), (SUPERSEDED, args.superseded))
     statuses = [s for s, on in chosen if on] or [QUARANTINED, SUPERSEDED]
     params = {"statuses": dump(statuses), "session": name, "kind": kind}
