@@ -214,12 +214,12 @@ def test_ids_that_read_as_one_number_with_thousands_separators_are_refused(
 def test_drop_without_yes_shows_what_it_would_drop_and_says_what_yes_would_refuse(
     capsys, set_aside
 ):
-    """Without --yes: the rows it would drop, and exit 2 ("pass --yes") when --yes would
+    """Without --yes: the rows it would drop, and exit 3 ("pass --yes") when --yes would
     drop them all; when it would refuse (a row missing, replayable or in flight: all or
     none), exit 1 with the error --yes would give, never "pass --yes"."""
     before = digest(set_aside)
     rc, out, err = run(capsys, "drop", set_aside, "--id", "1198,1199")
-    assert rc == 2 and "pass --yes" in err
+    assert rc == 3 and "pass --yes" in err
     rc, out, err = run(capsys, "drop", set_aside, "--quarantined")
     assert rc == 1 and "pass --yes" not in err
     assert err.count("\n") == 1 and err.endswith(

@@ -104,7 +104,7 @@ def test_a_row_a_replay_has_out_is_neither_requeued_nor_dropped(quarantined):
 def test_drop_needs_yes_then_keeps_the_row_whole_in_the_audit_table(quarantined):
     path, _, ids = quarantined
     rc, out, err = cli("drop", path, "--id", ids[0])
-    assert rc == 2 and "pass --yes" in err
+    assert rc == 3 and "pass --yes" in err
     assert out.startswith(f"drop would take 1 row of {path}:\n")  # listed, not dropped
     assert len(raw(path, "SELECT id FROM records")) == 2
     rc, out, err = cli("drop", path, "--id", ids[0], "--yes")
