@@ -119,14 +119,32 @@ def test_drop_needs_yes_then_keeps_the_row_whole_in_the_audit_table(quarantined)
         assert spool.append("s", msg("later")).seq == 6  # 2 and 4 stay used
 
 
-def test_requeue_and_drop_wait_for_a_running_replay(quarantined):
+def test_requeue_and_drop_wait_for_a_running_replay_as_replay_does(quarantined):
+    """By default not at all (exit 4 at once, "not waiting"); with --wait a line says
+    whom they wait for, then that it still holds the lock: replay's words and exit."""
     path, _, ids = quarantined
     with replay_lock_held(path) as holder:
+        pid, lock = holder.proc.pid, f"{path}.replay-lock"
         rc, out, err = cli("drop", path, "--id", ids[0], "--yes", "--wait", "0.2")
         assert (rc, out) == (4, "")
-        assert f"(process {holder.proc.pid})" in err and "nothing was changed" in err
-        rc, _, _ = cli("requeue", path, "--id", ids[0], "--wait", "0")
-        assert rc == 4
+        assert err.splitlines() == [
+            f"walspool drop: waiting for another replay of {path} (process {pid} holds "
+            f"{lock}), at most 0.2 s",
+            f"walspool drop: nothing was changed: another replay of {path} (process {pid}) "
+            f"still holds {lock} after 0.2 s; run again when it ends",
+        ]
+        for command, *sure in (["requeue"], ["drop", "--yes"]):
+            rc, out, err = cli(command, path, "--id", ids[0], *sure)
+            assert (rc, out) == (4, "")
+            assert err == (
+                f"walspool {command}: nothing was changed: another replay of {path} is "
+                f"running (process {pid} holds {lock}); not waiting; run again when it "
+                "ends, or give --wait SECONDS\n"
+            )
+        for bad in ("-1", "inf", "soon"):
+            with pytest.raises(SystemExit) as usage:
+                cli("requeue", path, "--id", ids[0], "--wait", bad)
+            assert usage.value.code == 2
         # --json: the error object on stdout, as for every other error.
         rc, out, err = cli("requeue", path, "--id", ids[0], "--wait", "0", "--json")
         assert rc == 4 and "nothing was changed" in err

@@ -13,12 +13,13 @@ from urllib.parse import quote
 
 from ..errors import ReplayBusy, WalspoolError
 from ..records import Record
-from ..replay import LOCK_SUFFIX, Replayer, ReplayReport
+from ..replay import Replayer, ReplayReport
 from ..sinks import Sink, Ticket
 from ..spool import UID_SQL
 from ._dryrun import landed
 from ._interrupt import raise_kept
-from ._output import Progress, warn
+from ._lockwait import say_waiting
+from ._output import Progress
 from ._reading import reading
 from ._statedb import (
     CheckedStateDB,
@@ -81,12 +82,7 @@ def replay_into(
             except ReplayBusy as busy:
                 if not args.wait:
                     raise
-                holder = f"process {busy.pid}" if busy.pid is not None else "it"
-            warn(
-                "replay",
-                f"waiting for another replay of {args.spool} ({holder} holds "
-                f"{lock_of(args.spool)}), at most {args.wait:g} s",
-            )
+                say_waiting("replay", args, busy.pid)
             return replayer.replay(**options, wait=args.wait)
     finally:
         db.close()
@@ -166,37 +162,6 @@ def in_flight(spool: Path, state_db: Path) -> InFlight:
     finally:
         state.close()
     return InFlight(len(tickets), len(found & tickets), tickets)
-
-
-def lock_of(spool: Path) -> str:
-    return f"{spool}{LOCK_SUFFIX}"
-
-
-def busy_message(args: argparse.Namespace, pid: int | None) -> str:
-    """Why the replay did not run: another (process ``pid``, if known) holds the lock."""
-    lock = lock_of(args.spool)
-    holder = f"process {pid}" if pid is not None else "it"
-    spool = args.spool
-    if args.wait:
-        first = f"another replay of {spool} ({holder}) still holds {lock} after {args.wait:g} s"
-        then = "run again when it ends"
-    else:
-        first = f"another replay of {spool} is running ({holder} holds {lock}); not waiting"
-        then = "run again when it ends, or give --wait SECONDS"
-    if pid is None:
-        then += f" (`fuser {lock}` names its process)"
-    return f"{first}; {then}"
-
-
-def seconds(text: str) -> float:
-    """A ``--wait`` argument: seconds, not negative."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value >= 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds")
-    return value
 
 
 class ProgressSink:

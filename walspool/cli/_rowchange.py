@@ -8,11 +8,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..errors import ReplayBusy, WalspoolError
-from ..maintenance import LOCK_WAIT, actor
+from ..maintenance import actor
 from ..records import QUARANTINED, SUPERSEDED
 from ..spool import Spool
 from ..text import printable
 from ._filters import UsageError, has_stream, row_ids, which_stream
+from ._lockwait import add_wait_argument, busy_message, say_waiting
 from ._output import EXIT_OK, SpoolBusy, clip, dump, plural, stream_name, table
 from ._reading import reading
 from ._readonly import SpoolReader
@@ -51,13 +52,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--quarantined", action="store_true", help="instead of ids: quarantined rows")
     p.add_argument("--superseded", action="store_true", help="instead of ids: superseded rows")
-    p.add_argument(
-        "--wait",
-        type=float,
-        default=LOCK_WAIT,
-        metavar="SECONDS",
-        help="wait this long for a running replay to end (default %(default)g)",
-    )
+    add_wait_argument(p)
 
 
 def selected(reader: SpoolReader, args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -95,13 +90,15 @@ def run_change(args: argparse.Namespace, command: str, change: Change, done: str
     by = actor()
     try:
         with Spool(args.spool) as spool:
-            ids = change(spool, ids, by=by, wait=args.wait)
+            try:
+                ids = change(spool, ids, by=by, wait=False)
+            except ReplayBusy as busy:
+                if not args.wait:
+                    raise
+                say_waiting(command, args, busy.pid)
+                ids = change(spool, ids, by=by, wait=args.wait)
     except ReplayBusy as busy:
-        holder = f" (process {busy.pid})" if busy.pid is not None else ""
-        raise SpoolBusy(
-            f"a replay of {args.spool}{holder} kept its lock for {args.wait:g} s; "
-            "nothing was changed: run again when it ends, or give --wait SECONDS"
-        ) from busy
+        raise SpoolBusy(f"nothing was changed: {busy_message(args, busy.pid)}") from busy
     report(args, ids, by, done)
     return EXIT_OK
 

@@ -23,8 +23,8 @@ def run(args: argparse.Namespace) -> int:
     audit table with who dropped it, so a drop can be undone by hand;
     its session never reuses its seq. All the rows named, or none: a row that is
     missing, replayable or in flight is named and nothing changes (exit 1, with or
-    without --yes: the list without --yes shows them as refused). Waits for a
-    running replay (--wait SECONDS; exit 4 when it outlasts that).
+    without --yes: the list without --yes shows them as refused). While a replay
+    runs it exits 4 at once, as replay does, or waits --wait SECONDS for it first.
     """
     if not args.yes:
         would = preview(args, "drop")

@@ -16,6 +16,7 @@ from ..text import printable
 from ._dryrun import dry_run_report, fetch_record, plan, replay_streams
 from ._filters import check_reasons, check_session
 from ._interrupt import Interrupted, interruptible
+from ._lockwait import add_wait_argument, busy_message
 from ._output import (
     EXIT_HELD,
     EXIT_OK,
@@ -32,7 +33,7 @@ from ._output import (
     warn,
 )
 from ._reading import reading
-from ._replaying import InFlight, busy_message, in_flight, replay_into, seconds
+from ._replaying import InFlight, in_flight, replay_into
 from ._statedb import StateDBError, open_state_db, state_db_message
 
 
@@ -161,14 +162,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="also replay rows a transcript rewrite superseded",
     )
-    p.add_argument(
-        "--wait",
-        type=seconds,
-        default=0.0,
-        metavar="SECONDS",
-        help="wait this long for another replay of the spool to end (default: do not "
-        "wait; exit 4 at once)",
-    )
+    add_wait_argument(p)
     add_progress_argument(p)
 
 

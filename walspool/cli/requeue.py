@@ -17,8 +17,8 @@ def run(args: argparse.Namespace) -> int:
     comma-separated), or chosen: --session S with --quarantined or --superseded
     (either alone: every such row of the spool). All the rows named, or none: a row that is
     missing, replayable already or in flight is named and nothing changes (exit 1).
-    Each change is recorded in the spool's audit table with who made it. Waits for a
-    running replay (--wait SECONDS; exit 4 when it outlasts that).
+    Each change is recorded in the spool's audit table with who made it. While a
+    replay runs it exits 4 at once, as replay does, or waits --wait SECONDS for it first.
     """
     return run_change(args, "requeue", requeue, "requeued")
 

@@ -208,7 +208,7 @@ def _latest_per_session(recent: list[Any], now: float) -> list[dict[str, Any]]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from ._replaying import seconds
+    from ._lockwait import seconds
 
     p.add_argument(
         "--sample",
