@@ -294,6 +294,9 @@ def test_replay_that_quarantined_rows_exits_5(capsys, tmp_path):
 
 
 def test_ls_tells_quarantined_rows_from_rows_waiting_to_retry(capsys, set_aside):
+    """RETRYING counts every row a failed write holds: the failed rows and each
+    replayable row behind them (a session moves in order), not only the rows that
+    carry an error; rows set aside or in flight are not retrying."""
     patch(
         set_aside,
         "UPDATE records SET attempts = 2, last_error = 'database is locked' "
@@ -307,13 +310,14 @@ def test_ls_tells_quarantined_rows_from_rows_waiting_to_retry(capsys, set_aside)
         "SESSION", "ROWS", "RETRYING", "QUARANTINED", "SUPERSEDED", "IN", "FLIGHT",
     ]  # fmt: skip
     s, t = (line.split() for line in lines[1:])
-    # s: 2 retrying, 3 quarantined, 1 superseded; t: its one row quarantined, in flight.
-    assert s[:6] == ["s", "1,200", "2", "3", "1", "0"]
+    # s: seq 1 and 2 failed, 1,196 retrying (all but 3 quarantined and 1 superseded);
+    # t: its one row quarantined, in flight.
+    assert s[:6] == ["s", "1,200", "1,196", "3", "1", "0"]
     assert t[:6] == ["t", "1", "0", "1", "0", "1"]
     assert s[6:10] == ["37.6", "KiB", "2h00m", "2h00m"]  # bytes as stats prints them; ages
     rc, out, _ = run(capsys, "ls", set_aside, "--json")
     by = {b["session_id"]: b for b in json.loads(out)}
-    assert (by["s"]["retrying"], by["s"]["quarantined"], by["s"]["inflight"]) == (2, 3, 0)
+    assert (by["s"]["retrying"], by["s"]["quarantined"], by["s"]["inflight"]) == (1196, 3, 0)
     assert (by["t"]["retrying"], by["t"]["quarantined"], by["t"]["inflight"]) == (0, 1, 1)
     assert 7200 <= by["s"]["oldest_age"] < 7200 + 3600  # a bound, not a timing
 

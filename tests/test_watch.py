@@ -296,7 +296,8 @@ def test_json_streams_are_what_ls_gives_with_failing_and_the_latest_error(tmp_pa
         }
         assert all(w[k] >= ls[k] for k in ages)
     s1 = next(w for w in watched if w["session_id"] == "s1")
-    assert (s1["failing"], s1["quarantined"], s1["retrying"]) == (2, 1, 1)
+    # Retrying: seq 1 failed, so it and seq 3 behind it wait; seq 2 is set aside.
+    assert (s1["failing"], s1["quarantined"], s1["retrying"]) == (2, 1, 2)
     # ls's last_error is the first failing row's; latest_error the most recent attempt's.
     assert (s1["last_error"], s1["latest_error"]) == ("old: locked", "new: refused")
     assert [(w["session_key"], w["failing"], w["latest_error"]) for w in watched[1:]] == [
@@ -743,7 +744,8 @@ def test_streams_named_past_what_watch_holds_show_as_any_other(tmp_path, capsys)
     assert streams[long_key]["session_id"] is None
     times = {"oldest", "newest", "oldest_age", "newest_age", "session_id", "session_key"}
     short = {k: v for k, v in streams["short"].items() if k not in times}
-    assert short["failing"] == 3 and short["max_attempts"] == 3 and short["retrying"] == 2
+    # Retrying: every row but the quarantined one, seq 4 (never attempted) too.
+    assert short["failing"] == 3 and short["max_attempts"] == 3 and short["retrying"] == 3
     assert (short["last_error"], short["latest_error"]) == ("first", late)
     for name in (long_id, long_key):
         assert {k: v for k, v in streams[name].items() if k not in times} == short

@@ -55,8 +55,11 @@ SET_ASIDE_SQL = f"""
 SELECT session_id, CASE WHEN session_id IS NULL THEN session_key END, status, count(*)
 FROM records INDEXED BY records_status_idx WHERE status IS NOT NULL AND {_SHORT} GROUP BY 1, 2, 3
 """
+#: In-flight rows per stream, and of them the replayable ones (a page read per row in
+#: flight: a replay's batch at most).
 INFLIGHT_BY_STREAM_SQL = f"""
-SELECT session_id, CASE WHEN session_id IS NULL THEN session_key END, count(*)
+SELECT session_id, CASE WHEN session_id IS NULL THEN session_key END, count(*),
+    count(*) FILTER (WHERE status IS NULL)
 FROM records INDEXED BY records_inflight_idx WHERE inflight IS NOT NULL AND {_SHORT}
 GROUP BY 1, 2
 """
@@ -74,6 +77,7 @@ _LONG_COLUMNS = """min(id), count(*), sum(size), min(created_at), max(created_at
     min(format('%020d %d', seq, id)) FILTER (WHERE last_error IS NOT NULL),
     count(*) FILTER (WHERE status = 'quarantined'), count(*) FILTER (WHERE status = 'superseded'),
     count(inflight), count(*) FILTER (WHERE last_error IS NOT NULL AND status IS NULL),
+    count(*) FILTER (WHERE status IS NULL AND inflight IS NULL),
     count(*) FILTER (WHERE last_error IS NOT NULL)"""
 #: Streams named longer than ``CHARS``, by id and by key: walked in their unique
 #: index's order, so a stream's rows come together and nothing is sorted.
@@ -121,13 +125,21 @@ BACKLOG_KEYS = (
 MORE_KEYS = ("inflight", "retrying", "oldest_age", "newest_age")
 
 
+def held(failed: int, waiting: int) -> int:
+    """A stream's RETRYING rows: with a replayable row whose write failed (``failed``),
+    every replayable row not in flight (``waiting``) waits for the next replay, the
+    rows behind it too (a stream moves in order); without one, none."""
+    return waiting if failed else 0
+
+
 class Line(msgspec.Struct, frozen=True):
     """One stream as ``ls`` and ``watch`` read it: its name, first error (the lowest
     seq's) and latest error (the most recent failed attempt's; a row never attempted
     dated by its arrival) at most ``CHARS`` characters long. ``name_chars``,
     ``error_chars`` and ``latest_chars`` are their whole lengths; a longer one is read
     whole from row ``name_row`` (one of the stream's, set only then), ``error_row`` or
-    ``latest_row``. ``failing``: its rows with an error. Times are epoch seconds."""
+    ``latest_row``. ``failing``: its rows with an error; ``retrying``: the rows a failed
+    write holds (``held``). Times are epoch seconds."""
 
     session_id: str | None
     session_key: str | None
@@ -159,14 +171,17 @@ def read_lines(conn: apsw.Connection) -> list[Line]:
     with conn:
         for session_id, key, rows, size, oldest, newest in conn.execute(STREAMS_SQL, params):
             # rows, bytes, oldest, newest, max attempts, first error (seq, row, text,
-            # length), quarantined, superseded, in flight, retrying, failing, latest
-            # error (time, row, text, length)
-            streams[session_id, key] = [rows, size, oldest, newest, 0, None, 0, 0, 0, 0, 0, None]
+            # length), quarantined, superseded, in flight, replayable rows that failed,
+            # failing, latest error (time, row, text, length), replayable in flight
+            streams[session_id, key] = [
+                rows, size, oldest, newest, 0, None, 0, 0, 0, 0, 0, None, 0,
+            ]  # fmt: skip
         long_names = streams.pop((None, None), None) is not None
         for session_id, key, status, n in conn.execute(SET_ASIDE_SQL, params):
             streams[session_id, key][6 if status == "quarantined" else 7] += n
-        for session_id, key, n in conn.execute(INFLIGHT_BY_STREAM_SQL, params):
+        for session_id, key, n, replayable in conn.execute(INFLIGHT_BY_STREAM_SQL, params):
             streams[session_id, key][8] = n
+            streams[session_id, key][12] = replayable
         for session_id, key, seq, attempts, status, row, *error, at in conn.execute(
             ERRORS_SQL, params
         ):
@@ -180,12 +195,14 @@ def read_lines(conn: apsw.Connection) -> list[Line]:
                 s[11] = (at, row, *error)
         lines = [
             Line(sid, key, rows, size, oldest, newest, attempts, first and first[2], quarantined,
-                 superseded, inflight, retrying, len(sid if sid is not None else key),
+                 superseded, inflight,
+                 held(failed, rows - quarantined - superseded - replayable_inflight),
+                 len(sid if sid is not None else key),
                  error_chars=first[3] if first else 0, error_row=first and first[1],
                  failing=failing, latest_error=latest and latest[2],
                  latest_chars=latest[3] if latest else 0, latest_row=latest and latest[1])
             for (sid, key), (rows, size, oldest, newest, attempts, first, quarantined, superseded,
-                             inflight, retrying, failing, latest)
+                             inflight, failed, failing, latest, replayable_inflight)
             in streams.items()
         ]  # fmt: skip
         if long_names:
@@ -201,7 +218,12 @@ def read_lines(conn: apsw.Connection) -> list[Line]:
 
 def _long_line(conn: apsw.Connection, row: tuple[Any, ...]) -> Line:
     sid, key, chars, first, rows, size, oldest, newest, attempts, error_at, *counts, failing = row
-    line = Line(sid, key, rows, size, oldest, newest, attempts, None, *counts, chars, first)
+    quarantined, superseded, inflight, failed, waiting = counts
+    retrying = held(failed, waiting)
+    line = Line(
+        sid, key, rows, size, oldest, newest, attempts, None, quarantined, superseded, inflight,
+        retrying, chars, first,
+    )  # fmt: skip
     if error_at is None:
         return line
     error_row = int(error_at.split()[1])
