@@ -4,6 +4,7 @@ SIGINT and SIGTERM, and progress with rate and ETA."""
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import re
@@ -23,6 +24,7 @@ from _lock_holder import replay_lock_held
 
 import walspool
 from walspool.cli import main
+from walspool.cli._output import Progress
 
 hermes_state = pytest.importorskip("hermes_state")
 
@@ -132,6 +134,9 @@ def test_a_second_replay_does_not_wait_by_default(tmp_path, capsys):
             f"{holder.proc.pid} holds {lock}); not waiting; run again when it ends, or give "
             "--wait SECONDS\n"
         )
+        # It never ran: no progress line ("replay: 0 rows, took 0s") before the refusal.
+        again = run(capsys, "replay", path, "--into", state, "--progress")
+        assert again == (rc, out, err)
         assert digest(path) == before
         # --json: the error object on stdout, as for every other error.
         rc, out, err = run(capsys, "replay", path, "--into", state, "--json")
@@ -326,9 +331,11 @@ def test_a_sigterm_during_a_rows_insert_stops_the_replay_after_that_row(tmp_path
     assert messages(state, "s1") == ["m0", "m1", "m2"]
 
 
-def test_after_a_signal_the_progress_line_and_the_summary_agree(tmp_path):
+def test_after_a_signal_the_progress_line_and_the_summary_agree(tmp_path, capsys):
     """The signal cuts the 2nd write short after its commit: the progress line had
-    counted 1, the summary says 2 are in state.db; the line ends on that 2 as well."""
+    counted 1, the summary says 2 are in state.db; the line ends on that 2 as well.
+    The rerun finds those 2 in state.db (recovered, not written again) and writes the
+    other 3: its line ends on all 5, not 3 of 5."""
     path = spool_of(tmp_path / "spool.db", 5)
     state = state_db(tmp_path / "state.db", "s1")
     proc = child("replay", path, "--into", state, "--progress", code=STOPPING_CHILD)
@@ -346,6 +353,25 @@ def test_after_a_signal_the_progress_line_and_the_summary_agree(tmp_path):
     assert re.fullmatch(r"replay: 2/5 \(40%\), [\d,]+ rows/s, took \d+s", last), err
     assert out.splitlines()[0].startswith("interrupted by SIGINT after writing 2 rows into ")
     assert messages(state, "s1") == ["m0", "m1"]
+
+    rc, out, err = run(capsys, "replay", path, "--into", state, "--progress")
+    assert rc == 0, err
+    last = err.split("\r")[-1].splitlines()[0].rstrip()
+    assert re.fullmatch(r"replay: 5/5 \(100%\), [\d,]+ rows/s, took \d+s", last), err
+    assert messages(state, "s1") == ["m0", "m1", "m2", "m3", "m4"]
+
+
+def test_the_line_drawn_after_a_ctrl_c_covers_the_echoed_c():
+    """A terminal echoes ^C where the cursor is, at the end of the progress line; the
+    final line covers those two characters too, so it never reads "took 22s ^C"."""
+    stream = io.StringIO()
+    progress = Progress("replay", stream, enabled=True)
+    progress(1, 10)
+    first = stream.getvalue()  # "\r" and the line
+    progress.close(interrupted=True)
+    final = stream.getvalue()[len(first) :]  # "\r", the line, spaces, "\n"
+    assert final.startswith("\rreplay: 1/10 (10%)") and final.endswith("\n")
+    assert len(final) - 2 >= len(first) - 1 + 2
 
 
 def test_a_signal_with_json_prints_the_partial_report(tmp_path):

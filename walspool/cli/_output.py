@@ -179,7 +179,8 @@ class Progress:
     Drawn when ``enabled`` (by default, when ``stream`` is a terminal), at most every
     ``PROGRESS_INTERVAL`` seconds; the rate is the average since the report was made,
     so the ETA assumes the rest goes as fast. ``close`` draws the final count and the
-    time taken, and ends the line.
+    time taken, and ends the line; ``drop`` only ends a line already drawn (a command
+    that never started its work has no count to give).
     """
 
     def __init__(
@@ -206,7 +207,7 @@ class Progress:
             self.last = now
             self._draw(final=False)
 
-    def _draw(self, final: bool) -> None:
+    def _draw(self, final: bool, echoed: int = 0) -> None:
         done, total = self.state
         elapsed = time.monotonic() - self.started
         text = (
@@ -221,15 +222,23 @@ class Progress:
             text += f", took {duration(elapsed)}"
         elif rate and total > done:
             text += f", ETA {duration((total - done) / rate)}"
-        # Spaces over what a longer previous line left (no terminal codes: stderr may
-        # be a file when --progress is forced).
-        self.stream.write(f"\r{text}{' ' * max(self.drawn - len(text), 0)}")
+        # Spaces over what a longer previous line left, and over ``echoed`` characters
+        # the terminal echoed after it (no terminal codes: stderr may be a file when
+        # --progress is forced).
+        self.stream.write(f"\r{text}{' ' * max(self.drawn + echoed - len(text), 0)}")
         self.stream.flush()
         self.drawn = len(text)
 
-    def close(self) -> None:
+    def close(self, *, interrupted: bool = False) -> None:
+        """Draw the final count and time taken; after a Ctrl-C (``interrupted``) over
+        the ``^C`` the terminal echoed at the end of the line too."""
         if self.enabled:
-            self._draw(final=True)
+            self._draw(final=True, echoed=2 if interrupted else 0)
+            self.stream.write("\n")
+            self.stream.flush()
+
+    def drop(self) -> None:
+        if self.enabled and self.drawn:
             self.stream.write("\n")
             self.stream.flush()
 

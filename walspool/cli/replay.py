@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
             with interruptible():
                 report = replay_into(args, progress, total, written)
         except ReplayBusy as busy:
-            progress.close()
+            progress.drop()  # it never ran: no "0 rows, took 0s"
             raise SpoolBusy(busy_message(args, busy.pid)) from busy
         except Interrupted as stop:
             # Moved: rows this run wrote that left the spool. The rows it had out stay
@@ -98,13 +98,16 @@ def run(args: argparse.Namespace) -> int:
             inflight = in_flight(args.spool, args.into)
             moved = sum((ticket, rid) not in inflight.tickets for _, ticket, rid in written)
             progress.state = (moved + inflight.landed, total)
-            progress.close()
+            progress.close(interrupted=stop.name == "SIGINT")
             _print_replay(args, ReplayReport(moved, 0), inflight, stop)
             warn("replay", f"interrupted by {stop.name}; run the replay again to finish")
             return stop.status
         except BaseException:
             progress.close()
             raise
+        # Rows a rerun found already in state.db (recovered) left the spool unwritten:
+        # counted, so a finished replay ends on every row it took.
+        progress.state = (progress.done + report.recovered, total)
         progress.close()
         inflight = in_flight(args.spool, args.into)
     _print_replay(args, report, inflight)
