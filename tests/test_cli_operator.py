@@ -174,6 +174,36 @@ def test_a_session_with_no_rows_is_named_as_such_not_as_having_none_set_aside(
     assert snapshot(set_aside) == before
 
 
+def test_a_mistyped_session_or_spool_gets_the_names_near_it(capsys, tmp_path):
+    """Every command that names a session says which of the spool's sessions (ids, and
+    keys as ls prints them) are close to a typo; every command given a missing spool
+    says which files beside it are close to its name."""
+    path = tmp_path / "spool.db"
+    with walspool.Spool(path) as spool:
+        spool.append("telegram:12345", MSG)
+        spool.append(None, MSG, session_key="agent:main:telegram:dm:1")
+        spool.append("other", MSG)
+    for command, *rest in (
+        ["show", "telegram:12354"],
+        ["export", "--session", "telegram:12354"],
+        ["requeue", "--session", "telegram:12354"],
+        ["drop", "--session", "telegram:12354", "--yes"],
+    ):
+        rc, out, err = run(capsys, command, path, *rest)
+        assert (rc, out) == (1, "")
+        assert err == (
+            f"walspool {command}: no rows for session 'telegram:12354' in {path}; "
+            "did you mean: telegram:12345?\n"
+        )
+    rc, _, err = run(capsys, "show", path, "key:agent:main:telegram:dm:2")
+    assert rc == 1 and err.endswith("; did you mean: key:agent:main:telegram:dm:1?\n")
+    rc, _, err = run(capsys, "show", path, "zzzzzz")  # nothing near: no hint
+    assert rc == 1 and err == f"walspool show: no rows for session 'zzzzzz' in {path}\n"
+    for command in ("ls", "stats", "check"):
+        rc, _, err = run(capsys, command, tmp_path / "spool.bd")
+        assert rc == 1 and "(no such file; near that name: spool.db)" in err, command
+
+
 def snapshot(path: Path) -> list[tuple[Any, ...]]:
     conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
     try:

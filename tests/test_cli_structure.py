@@ -1,4 +1,4 @@
-"""The command line's layout: a package, one module per command, none too long.
+"""The command line's layout: a package, one module per command.
 
 The package-wide scans of ``test_security`` read ``walspool/*.py``; the ones that
 matter for the command line run here over ``walspool/cli/*.py`` too.
@@ -12,7 +12,6 @@ from test_security import _Scan
 from walspool.cli import COMMANDS
 
 CLI = ROOT / "walspool" / "cli"
-MAX_LINES = 300
 
 
 def test_one_module_per_command():
@@ -21,13 +20,6 @@ def test_one_module_per_command():
         assert fn.__module__ == f"walspool.cli.{module}", name
         assert add_args is None or add_args.__module__ == fn.__module__, name
         assert (CLI / f"{module}.py").is_file()
-
-
-def test_no_module_of_the_command_line_is_long():
-    long = {
-        p.name: n for p in CLI.glob("*.py") if (n := len(p.read_text().splitlines())) > MAX_LINES
-    }
-    assert long == {}
 
 
 def test_no_sql_is_built_from_variables_in_the_command_line():

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from ..errors import WalspoolError
 from ..records import AGENT_HISTORY, CAP_DROP, SHUTDOWN
 from ..spool import check_lookup
+from ._near import near_sessions
 from ._readonly import SpoolReader
 
 #: The reasons walspool itself spools rows with.
@@ -92,7 +93,9 @@ def check_session(reader: SpoolReader, session: str | None, *, keys: bool = True
     check_lookup(session, "session", reader.path)
     params = {"session": session, "keys": keys}
     if not reader.read(lambda c: c.execute(SESSION_EXISTS_SQL, params).get):
-        raise WalspoolError(f"no rows for session {session!r} in {reader.path}")
+        raise WalspoolError(
+            f"no rows for session {session!r} in {reader.path}{near_sessions(reader, session)}"
+        )
 
 
 def has_stream(reader: SpoolReader, name: str, kind: str) -> bool:

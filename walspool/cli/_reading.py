@@ -23,6 +23,7 @@ from ..spool import RECORD_COLUMNS, check_lookup, reasons_filter
 from ..text import json_safe
 from ._damage import quick_check as _quick_check
 from ._damage import walk_check
+from ._near import near_files
 from ._output import EXIT_OK, dump, plural
 from ._readonly import SpoolReader
 
@@ -46,7 +47,7 @@ def reading(
     """
     if not path.exists() and not path.is_symlink():
         raise WalspoolError(
-            f"no spool at {path} (no such file); give the path of a spool "
+            f"no spool at {path} (no such file{near_files(path)}); give the path of a spool "
             "(the gateway's is <HERMES_HOME>/spool.db)",
             path=path,
         )

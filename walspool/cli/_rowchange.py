@@ -14,6 +14,7 @@ from ..spool import Spool
 from ..text import printable
 from ._filters import UsageError, has_stream, row_ids, which_stream
 from ._lockwait import add_wait_argument, busy_message, say_waiting
+from ._near import near_sessions
 from ._output import EXIT_OK, SpoolBusy, clip, dump, plural, stream_name, table
 from ._reading import reading
 from ._readonly import SpoolReader
@@ -70,7 +71,8 @@ def selected(reader: SpoolReader, args: argparse.Namespace) -> list[dict[str, An
         return [dict(zip(KEYS, row, strict=True)) for row in rows]
     name, kind = (None, None) if args.session is None else which_stream(reader, args.session)
     if name is not None and not has_stream(reader, name, kind):
-        raise WalspoolError(f"no rows for session {args.session!r} in {args.spool}")
+        near = near_sessions(reader, args.session)
+        raise WalspoolError(f"no rows for session {args.session!r} in {args.spool}{near}")
     chosen = ((QUARANTINED, args.quarantined), (SUPERSEDED, args.superseded))
     statuses = [s for s, on in chosen if on] or [QUARANTINED, SUPERSEDED]
     params = {"statuses": dump(statuses), "session": name, "kind": kind}

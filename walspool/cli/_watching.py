@@ -7,8 +7,6 @@ creating no file, holding nothing between readings.
 
 from __future__ import annotations
 
-import difflib
-import itertools
 import os
 import time
 from collections.abc import Callable
@@ -28,8 +26,6 @@ from .stats import STATUS_COUNT_SQL
 
 #: Streams read per snapshot, oldest first: more than any terminal shows.
 MAX_STREAMS = 500
-#: Names looked at in a missing spool's directory for one close to its name.
-NEAR_NAMES = 10_000
 #: SQLite steps between two calls of a reading's ``stop`` (a few ms of work): a long
 #: reading (a million rows take seconds) still notices q or Ctrl-C at once.
 STOP_STEPS = 10_000
@@ -150,18 +146,6 @@ def try_snapshot(path: Path, stop: Callable[[], bool] | None = None) -> Snapshot
         return read_snapshot(path, stop)
     except (WalspoolError, OSError) as exc:
         return Snapshot(str(path), taken, at, time.monotonic() - taken, error=str(exc))
-
-
-def near_names(path: Path) -> str:
-    """``; near that name: NAME, ...``: files beside a missing spool at ``path`` whose
-    name is close to its name (a typo's likely target), or nothing."""
-    try:
-        with os.scandir(path.parent) as entries:
-            names = [e.name for e in itertools.islice(entries, NEAR_NAMES)]
-    except OSError:
-        return ""
-    near = difflib.get_close_matches(path.name, names, n=3)
-    return f"; near that name: {', '.join(near)}" if near else ""
 
 
 def _read(

@@ -16,6 +16,7 @@ from ..records import QUARANTINED, SUPERSEDED, Record
 from ..text import printable
 from . import _narrow
 from ._filters import has_stream, stream_rows, which_stream
+from ._near import near_sessions
 from ._output import (
     cli_terms,
     clip,
@@ -57,7 +58,8 @@ def run(args: argparse.Namespace) -> int:
                 raise WalspoolError(f"no rows of session {args.session!r} match the filters")
         if first is None:
             what = "session key" if args.key else "session"
-            raise WalspoolError(f"no rows for {what} {args.session!r} in {args.spool}")
+            near = near_sessions(reader, args.session)
+            raise WalspoolError(f"no rows for {what} {args.session!r} in {args.spool}{near}")
         rows = itertools.chain([first], rows)
         # The stream as ls names it, a shell word: pasted into show, it names these rows.
         shown = stream_name(name, None) if kind == "id" else stream_name(None, name)

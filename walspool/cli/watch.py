@@ -22,9 +22,10 @@ import msgspec
 from ..errors import WalspoolError
 from ._frame import drain_eta, render, render_reading
 from ._interrupt import Interrupted, interruptible
+from ._near import near_files
 from ._output import EXIT_OK, dump, iso
 from ._streams import json_text
-from ._watching import Rates, Snapshot, near_names, rates, read_snapshot, try_snapshot
+from ._watching import Rates, Snapshot, rates, read_snapshot, try_snapshot
 
 #: Shortest --interval, in seconds: each reading opens the spool and counts its rows.
 MIN_INTERVAL = 0.1
@@ -84,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
         )
     if not args.wait_for_spool and not os.path.lexists(args.spool):
         raise WalspoolError(
-            f"no spool at {args.spool} (no such file{near_names(args.spool)}): mistyped? "
+            f"no spool at {args.spool} (no such file{near_files(args.spool)}): mistyped? "
             "--wait-for-spool watches for it to be created"
         )
     if args.json or not _isatty(sys.stdout):
