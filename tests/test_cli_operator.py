@@ -21,6 +21,7 @@ from _helpers import ROOT
 
 import walspool
 from walspool.cli import main
+from walspool.cli._filters import MAX_RANGE
 
 MSG = {"role": "user", "content": "hello"}
 
@@ -144,8 +145,9 @@ def test_show_prints_ids_and_seqs_as_drop_takes_them(capsys, set_aside):
 
 
 def test_drop_takes_comma_separated_ids_and_a_selector(capsys, set_aside):
+    """Ids go in as drop prints them: comma-separated, runs of three or more as ranges."""
     rc, out, err = run(capsys, "drop", set_aside, "--id", "1198,1199", "--id", "1200", "--yes")
-    assert (rc, err) == (0, "") and "dropped 3 rows" in out and ": 1198, 1199, 1200\n" in out
+    assert (rc, err) == (0, "") and "dropped 3 rows" in out and ": 1198-1200\n" in out
     rc, out, err = run(capsys, "requeue", set_aside, "--session", "s", "--superseded", "--json")
     assert (rc, err) == (0, "") and json.loads(out)["requeued"] == [1000]
     # No set-aside row left in s: an error, not "0 rows dropped".
@@ -153,8 +155,24 @@ def test_drop_takes_comma_separated_ids_and_a_selector(capsys, set_aside):
     assert (rc, out) == (1, "") and "no quarantined rows of session 's'" in err
     rc, _, err = run(capsys, "drop", set_aside, "--id", "7", "--quarantined", "--yes")
     assert rc == 2 and "not both" in err
-    for bad in ("1,04x", "0", ","):
-        assert usage(capsys, "drop", set_aside, "--id", bad)[0] == 2
+    for bad in ("1,04x", "0", ",", "5-3", "0-2", "1-", "-4", f"1-{MAX_RANGE + 1}"):
+        assert usage(capsys, "drop", set_aside, "--id", bad)[0] == 2, bad
+
+
+def test_ids_print_as_ranges_and_ranges_name_the_same_rows(capsys, tmp_path):
+    """requeue prints the ids it changed with runs as ranges; pasted back into --id,
+    the ranges name those rows again (drop takes the same)."""
+    path = tmp_path / "spool.db"
+    with walspool.Spool(path) as spool:
+        spool.append_many([("s", MSG)] * 9)
+    patch(path, "UPDATE records SET status = 'quarantined' WHERE id NOT IN (4, 8)")
+    rc, out, err = run(capsys, "requeue", path, "--quarantined")
+    assert (rc, err) == (0, "")
+    listed = out.splitlines()[0].split(": ", 1)[1]
+    assert listed == "1-3, 5-7, 9"
+    patch(path, "UPDATE records SET status = 'quarantined'")
+    rc, out, err = run(capsys, "drop", path, "--id", listed.replace(" ", ""), "--yes", "--json")
+    assert (rc, err) == (0, "") and json.loads(out)["dropped"] == [1, 2, 3, 5, 6, 7, 9]
 
 
 @pytest.mark.parametrize("command", ["drop", "requeue"])

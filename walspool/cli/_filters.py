@@ -47,20 +47,37 @@ class UsageError(WalspoolError):
     """An argument that cannot be right (exit status 2)."""
 
 
+#: The most ids one ``A-B`` range of --id may name.
+MAX_RANGE = 1_000_000
+
+
 def row_ids(text: str) -> list[int]:
-    """An --id argument: one row id or several, comma-separated (``7``, ``7,9``).
+    """An --id argument: one row id or several, comma-separated, each a range ``A-B``
+    if need be (``7``, ``7,9``, ``7-9,12``), as ``drop`` and ``requeue`` print them.
 
     A list that reads as one number written with thousands separators too (``1,041``:
     row 1041, or rows 1 and 41?) is refused, naming both readings: walspool prints ids
     without separators, but counts and sizes with them, and either reading is a guess.
     """
-    try:
-        ids = [int(part) for part in text.split(",")]
-    except ValueError:
-        ids = []
-    if not ids or any(i < 1 for i in ids):
+    ids: list[int] = []
+    for part in text.split(","):
+        first, dash, last = part.partition("-")
+        try:
+            low, high = int(first), int(last if dash else first)
+        except ValueError:
+            ids = []
+            break
+        if not 1 <= low <= high:
+            ids = []
+            break
+        if high - low >= MAX_RANGE:
+            raise argparse.ArgumentTypeError(
+                f"{part!r} names more than {MAX_RANGE:,} rows; give smaller ranges"
+            )
+        ids.extend(range(low, high + 1))
+    if not ids:
         raise argparse.ArgumentTypeError(
-            f"{text!r} is not a row id (a positive integer, or several: 7,9)"
+            f"{text!r} is not a row id (a positive integer, or several: 7,9 or 7-9)"
         )
     if THOUSANDS.fullmatch(text):
         whole = int(text.replace(",", ""))
@@ -71,6 +88,23 @@ def row_ids(text: str) -> list[int]:
             f"rows {rows}? ids print without separators: give --id {whole}, or {each}"
         )
     return ids
+
+
+def id_ranges(ids: Sequence[int]) -> str:
+    """``ids`` as --id takes them back: runs of three or more consecutive ids as
+    ``A-B`` (``1198-1200, 5``), in the order given."""
+    parts: list[str] = []
+    run: list[int] = []
+    for i in [*ids, None]:
+        if run and i == run[-1] + 1:
+            run.append(i)
+            continue
+        if len(run) >= 3:
+            parts.append(f"{run[0]}-{run[-1]}")
+        else:
+            parts.extend(map(str, run))
+        run = [] if i is None else [i]
+    return ", ".join(parts)
 
 
 def check_reasons(reader: SpoolReader, reasons: Sequence[str] | None) -> None:

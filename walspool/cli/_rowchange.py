@@ -12,7 +12,7 @@ from ..maintenance import actor
 from ..records import QUARANTINED, SUPERSEDED
 from ..spool import Spool
 from ..text import printable
-from ._filters import UsageError, has_stream, row_ids, which_stream
+from ._filters import UsageError, has_stream, id_ranges, row_ids, which_stream
 from ._lockwait import add_wait_argument, busy_message, say_waiting
 from ._near import near_sessions
 from ._output import EXIT_OK, SpoolBusy, clip, dump, plural, stream_name, table
@@ -43,7 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="extend",
         metavar="ID[,ID...]",
         help="rows by id, as `walspool show` and the failures view print them "
-        "(repeatable, or comma-separated: --id 7,9)",
+        "(repeatable, or comma-separated, with ranges: --id 7,9 or --id 7-9)",
     )
     p.add_argument(
         "--session",
@@ -160,6 +160,6 @@ def report(args: argparse.Namespace, ids: Sequence[int], by: str, done: str) -> 
     if args.json:
         print(dump({"spool": str(args.spool), done: list(ids), "by": by}))
     else:
-        listed = ", ".join(str(i) for i in ids)
+        listed = id_ranges(ids)
         print(f"{done} {plural(len(ids), 'row')} of {printable(args.spool)}: {listed}")
         print(f"recorded in its audit table as done by {printable(by)}")

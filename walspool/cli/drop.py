@@ -13,18 +13,18 @@ from ._rowchange import preview, run_change
 def run(args: argparse.Namespace) -> int:
     """Delete quarantined or superseded rows the gateway should never get (needs --yes).
 
-    Rows by --id (repeatable, or comma-separated; a list that reads as one number with
-    thousands separators, such as 1,041, is refused as ambiguous: ids print without
-    them), or chosen: --session S with --quarantined or --superseded (either alone:
-    every such row of the spool). Without --yes it changes nothing: it lists the rows
-    it would drop (with --json, an object with "would_drop", "rows", "missing" and the
-    error's "command", "error" and "exit") and exits 3 (ran, left them behind). Each
-    row dropped is copied whole (payload, reason, times, last error) into the spool's
-    audit table with who dropped it, so a drop can be undone by hand;
-    its session never reuses its seq. All the rows named, or none: a row that is
+    Rows by --id (repeatable, or comma-separated, with ranges: 7-9; a list that reads
+    as one number with thousands separators, such as 1,041, is refused as ambiguous:
+    ids print without them), or chosen: --session S with --quarantined or
+    --superseded (either alone: every such row of the spool). Without --yes it changes
+    nothing: it lists the rows it would drop (with --json, an object with "would_drop",
+    "rows", "missing" and the error's "command", "error" and "exit") and exits 3 (ran,
+    left them behind). Each row dropped is copied whole (payload, reason, times, last
+    error) into the spool's audit table with who dropped it, so a drop can be undone by
+    hand; its session never reuses its seq. All the rows named, or none: a row that is
     missing, replayable or in flight is named and nothing changes (exit 1, with or
-    without --yes: the list without --yes shows them as refused). While a replay
-    runs it exits 4 at once, as replay does, or waits --wait SECONDS for it first.
+    without --yes: the list without --yes shows them as refused). While a replay runs
+    it exits 4 at once, as replay does, or waits --wait SECONDS for it first.
     """
     if not args.yes:
         would = preview(args, "drop")

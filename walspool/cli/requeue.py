@@ -14,7 +14,7 @@ def run(args: argparse.Namespace) -> int:
 
     For a row set aside that should move after all: state.db was fixed, or it was
     checked and the message is not there. Rows by --id (repeatable, or
-    comma-separated), or chosen: --session S with --quarantined or --superseded
+    comma-separated, with ranges: 7-9), or chosen: --session S with --quarantined or --superseded
     (either alone: every such row of the spool). All the rows named, or none: a row that is
     missing, replayable already or in flight is named and nothing changes (exit 1).
     Each change is recorded in the spool's audit table with who made it. While a
