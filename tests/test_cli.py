@@ -13,6 +13,7 @@ import io
 import json
 import os
 import re
+import shlex
 import shutil
 import sqlite3
 import subprocess
@@ -27,7 +28,7 @@ from _helpers import ROOT, child_deadline, doc_section
 
 import walspool
 from walspool import AGENT_HISTORY, CAP_DROP, SHUTDOWN
-from walspool.cli import COMMANDS, _statedb, main
+from walspool.cli import COMMANDS, EXAMPLES, _statedb, build_parser, main
 from walspool.cli.ls import BACKLOG_KEYS
 from walspool.replay import Replayer
 from walspool.schema import SCHEMA_VERSION
@@ -175,6 +176,27 @@ def test_every_command_has_help_and_a_readme_entry(capsys: pytest.CaptureFixture
     assert exit_.value.code == 0
     overview = capsys.readouterr().out
     assert all(name in overview for name, *_ in COMMANDS)
+
+
+def test_every_command_help_ends_with_examples_that_parse(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Each --help ends with examples; each is a command line walspool accepts as
+    typed (the shell's redirection left to the shell): its command and arguments."""
+    parser = build_parser()
+    for name, *_ in COMMANDS:
+        examples = EXAMPLES[name]
+        with pytest.raises(SystemExit):
+            main([name, "--help"])
+        out = capsys.readouterr().out
+        assert out.endswith("examples:\n" + "".join(f"  {e}\n" for e in examples)), name
+        for example in examples:
+            words = shlex.split(example)
+            words = words[: words.index(">")] if ">" in words else words
+            assert words[0] == "walspool", example
+            args = parser.parse_args(words[1:])
+            assert args.command == name, example
+    assert set(EXAMPLES) == {name for name, *_ in COMMANDS}
 
 
 def test_bad_usage_exits_2(capsys: pytest.CaptureFixture[str]) -> None:

@@ -44,7 +44,7 @@ from ._reading import spool_error
 #: ``--into``.
 STATE_DB_NAME = "state.db"
 
-__all__ = ["COMMANDS", "build_parser", "main"]
+__all__ = ["COMMANDS", "EXAMPLES", "build_parser", "main"]
 
 DESCRIPTION = """\
 Inspect the gateway's overflow spool, replay it into state.db, export it.
@@ -62,15 +62,48 @@ reasons (--reason), besides any other a caller chose:
   {"":<40} only when asked for with --reason
 
 exit status: 0 done; 1 error (one line on stderr, `walspool COMMAND: ...`), a
-damaged spool included, whatever the command; 2 bad usage (and drop without --yes,
-after listing what it would drop); 3 done, but rows were held back (replay) or files
-left in place (import-json); 4 another replay of the spool is running (replay,
+damaged spool included, whatever the command; 2 bad usage; 3 done, but rows were held
+back (replay), files left in place (import-json), or the rows drop would take only
+listed (no --yes); 4 another replay of the spool is running (replay,
 requeue, drop; --wait SECONDS waits for it); 5 done, but rows were quarantined
 (replay: kept, not replayed; see `walspool ls`); 130 interrupted (SIGINT); 143
 stopped by SIGTERM (replay); 141 stdout closed early (`walspool export | head`).
 
 --json errors: with --json, an error also prints one JSON object on stdout,
 {{"command": "...", "error": "...", "exit": N}}, N the exit status above."""
+
+#: What each command's --help ends with: its common uses, as an operator types them
+#: (SPOOL left to its default, $HERMES_HOME/spool.db). Each parses (tests/test_cli.py).
+EXAMPLES: dict[str, tuple[str, ...]] = {
+    "stats": ("walspool stats", "walspool stats --sample 5", "walspool stats /srv/spool.db --json"),
+    "ls": ("walspool ls", "walspool ls --json"),
+    "show": (
+        "walspool show telegram:12345 --failing",
+        "walspool show telegram:12345 --tail 20 --full",
+        "walspool show key:agent:main:telegram:dm:1",
+    ),
+    "replay": (
+        "walspool replay --dry-run",
+        "walspool replay",
+        "walspool replay --session telegram:12345 --wait 30",
+        "walspool replay /srv/spool.db --into /srv/state.db --json",
+    ),
+    "export": (
+        "walspool export --session telegram:12345 > session.jsonl",
+        "walspool export --failing --since 2h",
+    ),
+    "import-json": ("walspool import-json ~/.hermes/pending_messages",),
+    "check": ("walspool check", "walspool check /srv/spool.db --json"),
+    "requeue": ("walspool requeue --id 7-9,12", "walspool requeue --session telegram:12345"),
+    "drop": (
+        "walspool drop --id 1198-1200",
+        "walspool drop --id 1198-1200 --yes",
+        "walspool drop --session telegram:12345 --superseded --yes",
+    ),
+    "vacuum": ("walspool vacuum",),
+    "watch": ("walspool watch", "walspool watch --interval 5", "walspool watch --wait-for-spool"),
+    "demo": ("walspool demo",),
+}
 
 Command = Callable[[argparse.Namespace], int]
 #: name, function (its docstring is its help), and the function that adds its own arguments
@@ -108,6 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
             name,
             help=doc.split("\n")[0],
             description=doc,
+            epilog="examples:\n" + "\n".join(f"  {line}" for line in EXAMPLES[name]),
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
         if name != "demo":
