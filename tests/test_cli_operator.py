@@ -222,6 +222,60 @@ def test_a_mistyped_session_or_spool_gets_the_names_near_it(capsys, tmp_path):
         assert rc == 1 and "(no such file; near that name: spool.db)" in err, command
 
 
+#: ``sh -c SCRIPT sh DIR COMMAND...``: COMMAND run with DIR mounted read-only over itself,
+#: in a private mount namespace (``unshare -m``, as root).
+READ_ONLY = """
+set -e
+mount --bind "$1" "$1"; mount -o remount,bind,ro "$1"
+shift
+exec "$@"
+"""
+
+
+def test_a_spool_on_a_read_only_file_system_is_said_to_be_so(tmp_path):
+    """Every command that writes the spool (replay's dry run too: a replay would fail)
+    says the spool's file system is read-only, exit 1, rather than naming a lock file it
+    must be or a /proc path; the read commands read it."""
+    probe = subprocess.run(["unshare", "-m", "true"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        pytest.skip(f"no private mount namespace here: {probe.stderr.strip()}")
+    spool_dir = tmp_path / "ro"
+    spool_dir.mkdir()
+    path = spool_dir / "spool.db"
+    with walspool.Spool(path) as spool:
+        spool.append("s", MSG)
+        spool.append("s", MSG)
+    patch(path, "UPDATE records SET status = 'quarantined' WHERE seq = 1")
+    state = state_db(tmp_path / "state.db", "s")
+    before = snapshot(path)
+    said = "is on a read-only file system: walspool cannot write to it"
+    for command in (
+        ["replay", "--into", state, "--dry-run"],
+        ["replay", "--into", state],
+        ["requeue", "--id", "1"],
+        ["drop", "--id", "1", "--yes"],
+        ["vacuum"],
+        ["import-json", str(tmp_path)],
+        ["ls"],
+    ):
+        done = subprocess.run(
+            ["unshare", "-m", "sh", "-c", READ_ONLY, "sh", str(spool_dir),
+             sys.executable, "-m", "walspool", command[0], str(path), *command[1:]],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        if command == ["ls"]:
+            assert (done.returncode, done.stderr) == (0, ""), done.stderr
+            assert done.stdout.splitlines()[1].split()[:4] == ["s", "2", "0", "1"]
+        else:
+            assert done.returncode == 1, (command, done.stdout, done.stderr)
+            assert (
+                done.stderr == f"walspool {command[0]}: {path} {said} (stats, ls, show, "
+                "export and check read it; to replay or change it, copy it with its -wal "
+                "to a writable place)\n"
+            ), command
+    assert snapshot(path) == before
+
+
 def snapshot(path: Path) -> list[tuple[Any, ...]]:
     conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
     try:

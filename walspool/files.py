@@ -64,6 +64,24 @@ def refuse_symlink(path: Path) -> None:
         )
 
 
+def refuse_read_only(path: Path) -> None:
+    """Raise ``SpoolIOError`` if the file system of the spool at ``path`` (its
+    directory's) is mounted read-only: nothing can be written there, neither the spool
+    nor the lock files beside it. Where that cannot be told, the open that follows
+    names whatever fails."""
+    try:
+        flags = os.statvfs(path.parent).f_flag
+    except OSError:
+        return
+    if flags & os.ST_RDONLY:
+        raise SpoolIOError(
+            f"{path} is on a read-only file system: walspool cannot write to it (stats, "
+            "ls, show, export and check read it; to replay or change it, copy it with "
+            "its -wal to a writable place)",
+            path=path,
+        )
+
+
 def prepare(path: Path) -> int:
     """Make the spool's directory and database file if missing; check every file.
 

@@ -340,6 +340,7 @@ def open_writer(
     spool open (its appends would otherwise go on into the renamed file); if one
     has, this raises ``SpoolCorrupt`` and changes nothing.
     """
+    files.refuse_read_only(path)
     owner = files.prepare(path)
     # Someone else's file is refused before a lock file is made beside it.
     files.refuse_non_sqlite(path)

@@ -8,6 +8,7 @@ import sys
 
 import msgspec
 
+from .. import files
 from ..errors import ReplayBusy
 from ..records import AGENT_HISTORY, Record
 from ..replay import ReplayReport, StreamReport, statuses_filter
@@ -62,6 +63,9 @@ def run(args: argparse.Namespace) -> int:
     # A dry run opens it for writing too, to try rows in transactions it rolls back.
     state = open_state_db(args.into, write=True, precheck=not args.dry_run)
     try:
+        # A replay writes the spool (each row leaves it once written): a dry run says
+        # so too, rather than what would move, when it cannot.
+        files.refuse_read_only(args.spool)
         statuses = statuses_filter(args.quarantined, args.superseded)
         with reading(args.spool) as reader:
             check_reasons(reader, args.reason)
