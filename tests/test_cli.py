@@ -160,7 +160,7 @@ def test_every_command_has_help_and_a_readme_entry(capsys: pytest.CaptureFixture
     commands = section("Command line")
     assert {name for name, *_ in COMMANDS} == {
         "stats", "ls", "show", "replay", "export", "import-json", "check", "requeue",
-        "drop", "vacuum", "watch", "demo",
+        "drop", "vacuum", "watch", "metrics", "demo",
     }  # fmt: skip
     for name, fn, *_ in COMMANDS:
         assert fn.__doc__ and fn.__doc__.strip(), name

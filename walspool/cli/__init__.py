@@ -27,6 +27,7 @@ from . import (
     export,
     import_json,
     ls,
+    metrics,
     replay,
     requeue,
     show,
@@ -102,6 +103,10 @@ EXAMPLES: dict[str, tuple[str, ...]] = {
     ),
     "vacuum": ("walspool vacuum",),
     "watch": ("walspool watch", "walspool watch --interval 5", "walspool watch --wait-for-spool"),
+    "metrics": (
+        "walspool metrics > /var/lib/node_exporter/textfile/walspool.prom",
+        "walspool metrics --listen 127.0.0.1:9464",
+    ),
     "demo": ("walspool demo",),
 }
 
@@ -119,6 +124,7 @@ COMMANDS: tuple[tuple[str, Command, Callable[[argparse.ArgumentParser], None] | 
     ("drop", drop.run, drop.add_arguments),
     ("vacuum", vacuum.run, vacuum.add_arguments),
     ("watch", watch.run, watch.add_arguments),
+    ("metrics", metrics.run, metrics.add_arguments),
     ("demo", demo.run, None),
 )
 
