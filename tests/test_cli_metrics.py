@@ -126,8 +126,12 @@ def test_listen_serves_them_at_metrics_until_stopped(spool):
     assert proc.returncode == 143, err
 
 
-def test_listen_refuses_what_is_not_host_and_port(spool):
+def test_listen_refuses_what_is_not_host_and_port(spool, capsys):
     for bad in ("9464", "host:port", "127.0.0.1:70000"):
         with pytest.raises(SystemExit) as usage:
             main(["metrics", str(spool), "--listen", bad])
         assert usage.value.code == 2
+    capsys.readouterr()
+    # An address this host does not have: one line saying so, exit 1.
+    assert main(["metrics", str(spool), "--listen", "192.0.2.1:0"]) == 1
+    assert capsys.readouterr().err.startswith("walspool metrics: cannot listen on 192.0.2.1:0: ")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import http.server
+import socket
 import sys
 import time
 from pathlib import Path
@@ -147,9 +148,16 @@ def _serve(spool: Path, listen: tuple[str, int]) -> int:
         def log_message(self, format: str, *args: object) -> None:  # noqa: A002
             pass  # a scrape every few seconds is not news
 
-    server = http.server.ThreadingHTTPServer(listen, Handler)
+    class Server(http.server.ThreadingHTTPServer):
+        address_family = socket.AF_INET6 if ":" in listen[0] else socket.AF_INET
+
+    try:
+        server = Server(listen, Handler)
+    except OSError as exc:
+        raise WalspoolError(f"cannot listen on {listen[0]}:{listen[1]}: {exc.strerror}") from exc
     host, port = server.server_address[:2]
-    print(f"serving http://{host}:{port}/metrics", flush=True)
+    shown = f"[{host}]" if ":" in host else host
+    print(f"serving http://{shown}:{port}/metrics", flush=True)
     try:
         with interruptible():
             server.serve_forever()
@@ -159,7 +167,8 @@ def _serve(spool: Path, listen: tuple[str, int]) -> int:
 
 
 def address(text: str) -> tuple[str, int]:
-    """A --listen argument: HOST:PORT (PORT 0: any free port)."""
+    """A --listen argument: HOST:PORT, an IPv6 host in brackets (PORT 0: any free
+    port)."""
     host, colon, port = text.rpartition(":")
     if not colon or not port.isdigit() or int(port) > 65535:
         raise argparse.ArgumentTypeError(f"{text!r} is not HOST:PORT (such as 127.0.0.1:9464)")
