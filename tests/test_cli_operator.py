@@ -18,10 +18,12 @@ import apsw
 import pytest
 from _gateway import state_db
 from _helpers import ROOT
+from _old_schemas import make_v3_spool
 
 import walspool
 from walspool.cli import main
 from walspool.cli._filters import MAX_RANGE
+from walspool.schema import SCHEMA_VERSION
 
 MSG = {"role": "user", "content": "hello"}
 
@@ -274,6 +276,42 @@ def test_a_spool_on_a_read_only_file_system_is_said_to_be_so(tmp_path):
                 "to a writable place)\n"
             ), command
     assert snapshot(path) == before
+
+
+def test_a_spool_of_an_older_schema_is_upgraded_by_the_commands_that_write_it(capsys, tmp_path):
+    """With the gateway stopped, an operator can still replay (or change) a schema 3
+    spool: each command that writes upgrades it first, as the gateway's start would,
+    and says so; the read commands and a dry run (which write nothing) refuse it and
+    say which commands upgrade it."""
+    rows = [("s", i + 1, f'{{"role":"user","content":"m{i}"}}', None) for i in range(3)]
+    state = state_db(tmp_path / "state.db", "s")
+    for n, (command, *rest) in enumerate(
+        (["ls"], ["replay", "--into", state, "--dry-run"], ["vacuum"],
+         ["requeue", "--id", "1"], ["replay", "--into", state])
+    ):  # fmt: skip
+        path = tmp_path / f"v3-{n}.db"
+        make_v3_spool(path, rows)
+        rc, out, err = run(capsys, command, path, *rest)
+        if command == "ls" or "--dry-run" in rest:
+            assert (rc, out) == (1, "")
+            assert err == (
+                f"walspool {command}: {path} has spool schema 3; a read-only open cannot "
+                f"upgrade it to {SCHEMA_VERSION}: a command that writes it (walspool replay, "
+                "requeue, drop, vacuum, import-json), the gateway's next start or "
+                "walspool.Spool(path) does\n"
+            )
+            continue
+        assert err.splitlines()[0] == (
+            f"walspool {command}: {path} has spool schema 3: upgraded to schema {SCHEMA_VERSION}"
+        )
+        assert rc == (1 if command == "requeue" else 0), err  # row 1 was not set aside
+        assert run(capsys, "ls", path)[0] == 0
+    conn = sqlite3.connect(f"file:{state}?mode=ro", uri=True)
+    try:
+        moved = [c for (c,) in conn.execute("SELECT content FROM messages ORDER BY id")]
+    finally:
+        conn.close()
+    assert moved == ["m0", "m1", "m2"]
 
 
 def snapshot(path: Path) -> list[tuple[Any, ...]]:

@@ -248,7 +248,7 @@ def test_schema_3_spool_is_upgraded_in_place_and_keeps_every_next_seq(spool_path
     leave. The upgrade adds the triggers and the audit table and keeps `sequences`: a
     stream drained under schema 3 goes on above its old seqs."""
     make_v3_spool(spool_path, [("s", i + 1, f'{{"n":{i}}}', None) for i in range(3)], {"gone": 8})
-    with pytest.raises(walspool.NotASpool, match="open it once for writing"):
+    with pytest.raises(walspool.NotASpool, match="a read-only open cannot upgrade it"):
         open_reader(spool_path)
     with caplog.at_level(logging.WARNING, logger="walspool.schema"):
         spool = walspool.Spool(spool_path)
@@ -306,7 +306,7 @@ def test_schema_1_spool_is_upgraded_in_place(spool_path):
     conn = apsw.Connection(str(spool_path))  # rewrite the file as schema 1 had it
     conn.execute(DOWNGRADE_TO_V1_SQL)
     conn.close()
-    with pytest.raises(walspool.NotASpool, match="open it once for writing"):
+    with pytest.raises(walspool.NotASpool, match="a read-only open cannot upgrade it"):
         open_reader(spool_path)
     with walspool.Spool(spool_path) as spool:
         assert [r.message["n"] for r in spool.records()] == [0, 1, 2]

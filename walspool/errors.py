@@ -67,6 +67,11 @@ class NotASpool(WalspoolError):
     """The file exists but is not a walspool spool; it was left unchanged."""
 
 
+class SchemaTooOld(NotASpool):
+    """A spool of an older schema, refused by a read-only open (which cannot upgrade
+    it); a write open (``walspool.Spool``) upgrades it."""
+
+
 class SchemaTooNew(NotASpool):
     """The spool was written by a newer walspool; it was left unchanged."""
 

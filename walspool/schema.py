@@ -24,6 +24,7 @@ from .errors import (
     DiskFull,
     NotASpool,
     SchemaTooNew,
+    SchemaTooOld,
     SpoolCorrupt,
     SpoolIOError,
     UntrustedSpool,
@@ -491,9 +492,10 @@ def verify_read_only(conn: apsw.Connection, path: Path) -> None:
     _check_identity(conn, path, allow_empty=False)
     version = conn.execute("PRAGMA user_version").get
     if version < SCHEMA_VERSION:
-        raise NotASpool(
+        raise SchemaTooOld(
             f"{path} has spool schema {version}; a read-only open cannot upgrade it to "
-            f"{SCHEMA_VERSION}: open it once for writing (walspool.Spool) first",
+            f"{SCHEMA_VERSION}: a command that writes it (walspool replay, requeue, drop, "
+            "vacuum, import-json), the gateway's next start or walspool.Spool(path) does",
             path=path,
         )
     problems = schema_problems(conn)

@@ -14,7 +14,7 @@ from typing import Any
 import apsw
 
 from .. import files, schema
-from ..errors import NotASpool, SpoolCorrupt, WalspoolError
+from ..errors import NotASpool, SchemaTooOld, SpoolCorrupt, WalspoolError
 from ..files import SQLITE_MAGIC
 from ..paging import PAGE_ROWS, ROW_BYTES_SQL, read_page, record_from_row
 from ..records import Record
@@ -24,8 +24,25 @@ from ..text import json_safe
 from ._damage import quick_check as _quick_check
 from ._damage import walk_check
 from ._near import near_files
-from ._output import EXIT_OK, dump, plural
+from ._output import EXIT_OK, dump, plural, warn
 from ._readonly import SpoolReader
+
+
+def upgraded(command: str, path: Path) -> None:
+    """For a command about to write the spool: one of an older schema, which a
+    read-only open refuses, is upgraded first, as the gateway's next start would
+    (``walspool.Spool``, every check of a write open made), and a line says so.
+    Anything else a read-only open raises is left to the command's own reading."""
+    from ..spool import Spool
+
+    try:
+        SpoolReader(path).close()
+    except SchemaTooOld as old:
+        with Spool(path):
+            pass
+        warn(command, f"{str(old).split(';')[0]}: upgraded to schema {schema.SCHEMA_VERSION}")
+    except (WalspoolError, apsw.Error, OSError):
+        pass
 
 
 @contextlib.contextmanager

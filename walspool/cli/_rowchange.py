@@ -16,7 +16,7 @@ from ._filters import UsageError, has_stream, id_ranges, row_ids, which_stream
 from ._lockwait import add_wait_argument, busy_message, say_waiting
 from ._near import near_sessions
 from ._output import EXIT_OK, SpoolBusy, clip, dump, plural, stream_name, table
-from ._reading import reading
+from ._reading import reading, upgraded
 from ._readonly import SpoolReader
 
 Change = Callable[..., list[int]]
@@ -86,6 +86,7 @@ def selected(reader: SpoolReader, args: argparse.Namespace) -> list[dict[str, An
 def run_change(args: argparse.Namespace, command: str, change: Change, done: str) -> int:
     """Open the spool for writing (after the read path has reported any damage), make
     the change under the replay lock, and report it."""
+    upgraded(command, args.spool)
     with reading(args.spool) as reader:  # a damaged spool is reported, never moved aside
         rows = selected(reader, args)
     ids = args.ids or [row["id"] for row in rows]

@@ -18,7 +18,7 @@ from ._output import (
     plural,
     warn,
 )
-from ._reading import reading
+from ._reading import reading, upgraded
 
 
 def run(args: argparse.Namespace) -> int:
@@ -34,6 +34,7 @@ def run(args: argparse.Namespace) -> int:
     check_directory(args.directory)  # before the spool is made, or an empty file taken
     if args.spool.is_file() and args.spool.stat().st_size:
         # A damaged spool is reported, as every command reports it, not moved aside.
+        upgraded("import-json", args.spool)
         with reading(args.spool):
             pass
     progress = Progress("import", sys.stderr, enabled=args.progress, unit="files")

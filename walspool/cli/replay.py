@@ -33,7 +33,7 @@ from ._output import (
     table,
     warn,
 )
-from ._reading import reading
+from ._reading import reading, upgraded
 from ._replaying import InFlight, in_flight, replay_into
 from ._statedb import StateDBError, open_state_db, state_db_message
 
@@ -66,6 +66,8 @@ def run(args: argparse.Namespace) -> int:
         # A replay writes the spool (each row leaves it once written): a dry run says
         # so too, rather than what would move, when it cannot.
         files.refuse_read_only(args.spool)
+        if not args.dry_run:
+            upgraded("replay", args.spool)
         statuses = statuses_filter(args.quarantined, args.superseded)
         with reading(args.spool) as reader:
             check_reasons(reader, args.reason)

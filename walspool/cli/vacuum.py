@@ -10,7 +10,7 @@ from ..maintenance import VACUUM_MAX_LIVE_BYTES, vacuum
 from ..spool import Spool
 from ..text import printable
 from ._output import EXIT_OK, dump, size
-from ._reading import reading
+from ._reading import reading, upgraded
 
 
 def run(args: argparse.Namespace) -> int:
@@ -23,6 +23,7 @@ def run(args: argparse.Namespace) -> int:
     64 MiB of rows is refused unless --force (stop the gateway first). Safe while the
     gateway runs otherwise.
     """
+    upgraded("vacuum", args.spool)
     with reading(args.spool):  # a damaged spool is reported, never moved aside
         pass
     with Spool(args.spool) as spool:
