@@ -21,6 +21,8 @@ SQLite), so it does not grow with the number of rows or files.
   ``sum(NOT json_valid(payload))`` in a ``GROUP BY`` (``cli/_dryrun.py``
   ``STREAMS_SQL``), whose temp b-tree carried every row's payload; the payloads are
   now kept out of it.
+  ``show`` also on rows whose 60 MiB are words in ``content`` (its preview): a prefix
+  is previewed, never the whole text split into words (before: 1.7 GiB for 80 MiB).
 * 6, ``walspool import-json``: a 2 GiB sparse ``pending-*.json`` (refused from its
   ``fstat`` size, left in place, reported; before: 2.6 GiB) and 16 files of ~60 MiB
   (batches end at ``BATCH_BYTES``; before: one batch held all 16).
@@ -58,7 +60,7 @@ from _rss import peak_rss, reset_peak_rss
 from report import record
 
 import walspool
-from walspool import codec, jsonspool, spool, writer
+from walspool import codec, jsonspool, paging, spool, writer
 
 MIB = 2**20
 GIB = 2**30
@@ -323,7 +325,7 @@ def read_case(
     out: dict[str, Any] = {}
     benchmark.pedantic(lambda: out.update(big=command(*fill("big"), stdout=stdout)), rounds=1)
     measured = growth(out["big"], small)
-    page = spool.PAGE_BYTES + BIG + 128
+    page = paging.PAGE_BYTES + BIG + 128
     copies = READ_COPIES[argv[0]]
     bound = copies * page
     report(
@@ -345,6 +347,32 @@ def test_show_pages_by_bytes(benchmark: Any, big_spool: dict[str, Path]) -> None
     name, argv = "test_show_pages_by_bytes", ["show", "{spool}", "s"]
     _, measured, bound = read_case(benchmark, name, big_spool, argv, "2.9 GiB")
     within("walspool show", measured, bound)
+
+
+@pytest.fixture(scope="module")
+def wordy_spool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Path]]:
+    """``big_spool``'s shape, but each row's 60 MiB in its ``content``, as words: what
+    ``show`` previews (issue 43: it split the whole text, 1.7 GiB for 80 MiB)."""
+    root = tmp_path_factory.mktemp("wordy")
+    paths = {"big": root / "big" / "spool.db", "small": root / "small" / "spool.db"}
+    words = "w " * (BIG // 2)
+    with walspool.Spool(paths["big"], durability="normal") as s:
+        for i in range(4):
+            s.append("s", {"role": "user", "content": f"{i} {words}"})
+    with walspool.Spool(paths["small"], durability="normal") as s:
+        s.append("s", {"role": "user", "content": "w " * 512})
+    paths["big_state"] = paths["small_state"] = root / "unused"
+    yield paths
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.mark.benchmark(group=GROUP)
+def test_show_previews_a_prefix_of_each_message(
+    benchmark: Any, wordy_spool: dict[str, Path]
+) -> None:
+    name, argv = "test_show_previews_a_prefix_of_each_message", ["show", "{spool}", "s"]
+    _, measured, bound = read_case(benchmark, name, wordy_spool, argv, "1.7 GiB (80 MiB)")
+    within("walspool show (60 MiB of words a row)", measured, bound)
 
 
 @pytest.mark.benchmark(group=GROUP)

@@ -162,8 +162,7 @@ def preview(message: Any, width: int = 60) -> str:
         text = message
     else:
         text = _json(message)
-    text = printable(" ".join(text.split()))
-    return text if len(text) <= width else text[: width - 1] + "…"
+    return clip(text, width) or ""  # a prefix of it: never the whole message split
 
 
 def pretty(value: Any) -> str:
