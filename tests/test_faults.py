@@ -627,6 +627,7 @@ def test_an_open_right_after_a_python_vfs_failure_opens_the_real_file(fault_vfs,
     with walspool.Spool(path) as spool:
         spool.append("s", {"a": 1})
     stdin = os.fstat(0)
+    seen = len(fault_vfs.injected)  # the module's shim: earlier tests' faults are there
     with installed(fault_vfs):
         fault_vfs.arm(Fault("filesize", 1, "busy"))
         try:
@@ -634,7 +635,7 @@ def test_an_open_right_after_a_python_vfs_failure_opens_the_real_file(fault_vfs,
                 assert [r.message for r in again.records()] == [{"a": 1}]
         finally:
             fault_vfs.disarm()
-    assert fault_vfs.injected == [Fault("filesize", 1, "busy")]
+    assert fault_vfs.injected[seen:] == [Fault("filesize", 1, "busy")]
     assert (os.fstat(0).st_dev, os.fstat(0).st_ino) == (stdin.st_dev, stdin.st_ino)
 
 
