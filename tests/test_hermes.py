@@ -8,6 +8,7 @@ import json
 import logging
 import re
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -1308,7 +1309,8 @@ def test_rows_spooled_before_the_spool_file_was_replaced_are_still_drained(store
 
 @pytest.mark.parametrize("how", ["deleted", "moved"])
 def test_evictions_into_a_replaced_spool_are_dropped_and_say_why(store, spool, caplog, how):
-    """The spool's path no longer names its file: an eviction is not handed to the old
+    """The spool's path no longer names its file, and the link has no background thread
+    to open a fresh one (``retry_interval=0``): an eviction is not handed to the old
     file (where the next start would never find it) nor reported as spooled; it takes
     the drop-and-warn path, and the WARNING says why."""
     store._db.create_session("s", "telegram")
@@ -1334,9 +1336,12 @@ def test_evictions_into_a_replaced_spool_are_dropped_and_say_why(store, spool, c
 
 
 @pytest.mark.parametrize("how", ["deleted", "moved"])
-def test_a_shutdown_flush_into_a_replaced_spool_keeps_the_queue_and_says_why(
+def test_a_shutdown_flush_after_the_spool_was_replaced_goes_to_a_fresh_spool(
     store, spool, caplog, how
 ):
+    """The spool's path no longer names its file when the gateway stops: the queue is
+    spooled into a fresh spool opened at the path (as the next start would open it),
+    with a WARNING, not into the old file; ``link.spool`` is that fresh spool."""
     store._db.create_session("s", "telegram")
     link = install(store, spool, retry_interval=0)
     sql(store, BREAK)
@@ -1344,15 +1349,35 @@ def test_a_shutdown_flush_into_a_replaced_spool_keeps_the_queue_and_says_why(
         store.append_to_transcript("s", _m(f"m{i}"))
     _replace(spool.path, how)
     caplog.set_level(logging.WARNING, logger="walspool.hermes")
+    assert link.flush_queues() == 3
+    assert link.spool is not spool and spool.closed
+    try:
+        assert [r.message["content"] for r in link.spool.records()] == ["m0", "m1", "m2"]
+        fresh = [m for m in _lines(caplog, logging.WARNING) if "a fresh one is open at" in m]
+        assert len(fresh) == 1
+        assert not store._dirty_transcripts.get("s")
+    finally:
+        link.spool.close()
+
+
+def test_a_shutdown_flush_keeps_the_queue_when_no_fresh_spool_can_be_opened(store, spool, caplog):
+    """The spool file was deleted and a directory stands at its path: no fresh spool
+    can be opened there, so the queue stays in memory (as in the released store) and
+    the ERROR says why."""
+    store._db.create_session("s", "telegram")
+    link = install(store, spool, retry_interval=0)
+    sql(store, BREAK)
+    for i in range(3):
+        store.append_to_transcript("s", _m(f"m{i}"))
+    spool.path.unlink()
+    spool.path.mkdir()
+    caplog.set_level(logging.WARNING, logger="walspool.hermes")
     assert link.flush_queues() == 0
-    assert _lines(caplog, logging.ERROR) == [
-        "could not spool 3 queued transcript message(s) at shutdown; they stay queued: "
-        f"spool {spool.path} no longer names the file this Spool opened (it was moved, "
-        "replaced or deleted); nothing more is appended to it: open the spool again, and "
-        "look for the old file beside it"
-    ]
+    (error,) = _lines(caplog, logging.ERROR)
+    assert error.startswith("could not spool 3 queued transcript message(s) at shutdown; ")
+    assert "no longer names the file this Spool opened" in error
     assert [m["content"] for m in store._dirty_transcripts["s"]] == ["m0", "m1", "m2"]
-    assert spool.stats().rows == 0
+    assert link.spool is spool
 
 
 class _SdkObject:
@@ -1562,3 +1587,34 @@ def test_an_outage_of_a_thousand_evictions_is_told_in_a_few_lines(store, spool, 
     assert re.fullmatch(r"walspool: outage over: 1000 spooled, 1000 replayed in \d+\.\d s", over)
     assert sum(str(spool.path) in line for line in rest) == 1  # a held retry names it too
     assert not [r for r in caplog.records if " object at 0x" in r.getMessage()]
+
+
+@pytest.mark.parametrize("how", ["deleted", "moved"])
+def test_evictions_into_a_replaced_spool_go_to_a_fresh_spool_in_order(store, spool, caplog, how):
+    """The spool's path no longer names its file during an outage, and the link's
+    background thread runs: the eviction the old spool returns, and every later one,
+    go to a fresh spool opened at the path (one WARNING says so), and once state.db
+    heals the whole transcript lands once, in order."""
+    store._db.create_session("s", "telegram")
+    link = install(store, spool, retry_interval=0.1)
+    _replace(spool.path, how)
+    sql(store, BREAK)
+    caplog.set_level(logging.WARNING, logger="walspool.hermes")
+    for i in range(205):
+        store.append_to_transcript("s", _m(f"m{i}"))
+    deadline = time.monotonic() + STEP
+    while link.spool is spool or link.spool.stats().rows < 5:
+        assert time.monotonic() < deadline, "no fresh spool took the evictions"
+        time.sleep(0.01)
+    assert spool.closed
+    fresh = link.spool
+    assert [r.message["content"] for r in fresh.records()] == [f"m{i}" for i in range(5)]
+    sql(store, HEAL)
+    store.append_to_transcript("s", _m("fin"))
+    assert link.wait_idle(STEP)
+    assert contents(store, "s") == [f"m{i}" for i in range(205)] + ["fin"]
+    lines = _lines(caplog, logging.WARNING)
+    assert len([line for line in lines if "a fresh one is open at that path" in line]) == 1
+    assert not [line for line in lines if "dropping oldest" in line]
+    link.close()
+    fresh.close()

@@ -502,3 +502,31 @@ class SessionRecord(RuleBasedStateMachine):
 
 SessionRecord.TestCase.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)
 TestSessionRecord = SessionRecord.TestCase
+
+
+@pytest.mark.parametrize(
+    "before, after, superseded",
+    [
+        # (evictions handed over before the rewrite, after it) -> the settles, in
+        # order, that find the eviction superseded
+        (0, 2, [False, False]),
+        (3, 0, [True, True, True]),
+        (2, 2, [True, True, False, False]),
+    ],
+)
+def test_the_evictions_a_rewrite_supersedes_are_the_first_to_settle(before, after, superseded):
+    """The spool's writer settles a session's evictions in the order they were handed
+    over: those handed over before a rewrite settle first, and only they read as
+    superseded (a replaced spool's return of them is not kept for a fresh spool)."""
+    state = LinkSession(spooled=0)
+    for _ in range(before):
+        state.evicted()
+    state.rewritten()
+    for _ in range(after):
+        state.evicted()
+    seen = []
+    for _ in range(before + after):
+        seen.append(state.superseded > 0)
+        state.settled()
+    assert seen == superseded
+    assert (state.unconfirmed, state.superseded) == (0, 0)

@@ -14,7 +14,7 @@ from typing import Any
 from . import budget
 from ._link_repeats import Kind, Said
 from ._link_state import Session, log
-from .errors import InvalidArgument, PayloadTooLarge, WalspoolError
+from .errors import InvalidArgument, PayloadTooLarge, SpoolReplaced, WalspoolError
 from .outage import Line
 from .records import CAP_DROP
 from .sinks import is_row_rejection, rejects_content
@@ -67,6 +67,11 @@ class Evictions:
                 notes += self._dropped(session_id, "oldest being written")
                 continue
             try:
+                if self._replaced or self._returned:
+                    # The spool's path names another file: until the background thread
+                    # has a fresh spool there with the evictions the old one returned,
+                    # the message stays queued behind them, as for a writer with no room.
+                    raise queue.Full
                 row = self.spool.prepare(session_id, pending[0], CAP_DROP)
                 refused = budget.refusal(
                     self.max_bytes,
@@ -280,25 +285,26 @@ class Evictions:
                 self._unconfirmed_bytes -= nbytes
                 committed = None if request.error is not None else request.result.id
                 self._shares.settled(session_id, nbytes, committed)
-                state = self._sessions.get(session_id)
                 said: list[Callable[[], None]] = []
                 lines.append(said)
-                if request.error is not None:
+                if self._returns(request, state := self._sessions.get(session_id)):
+                    # Still the session's unconfirmed eviction: it goes to the fresh
+                    # spool ahead of anything evicted later (``follow_path``).
+                    self._returned.extend(request.rows)
+                    self._replaced = True
+                    continue
+                if request.error is not None and not _superseded(request, state):
                     said += self._dropped(session_id, str(request.error))
                 if state is None:  # never: ``unconfirmed`` keeps it there
                     continue
                 if request.error is None and state.spooled:
                     state.episode, said[:] = self._outage.evicted(session_id, state.episode, 1, now)
-                state.settled()
-                if not state.unconfirmed:
-                    settled = True
-                    if state.writer is None:
-                        if self._has_work(session_id, state):
-                            self._schedule(state.retry_at)
-                        else:
-                            self._forget_if_idle(session_id, state)
+                settled = self._eviction_settled(session_id, state) or settled
             if settled:
                 self._settled.notify_all()
+            if self._replaced and not self._unconfirmed_bytes:
+                self._settled.notify_all()  # a stop's flush waits for this
+                self._due.notify()  # the background thread opens the fresh spool
         for request, said in zip(requests, lines, strict=True):
             self._run(said)
             if request.error is not None:
@@ -313,6 +319,31 @@ class Evictions:
                 self.spool.path,
                 request.result.seq,
             )
+
+    def _returns(self, request: Request, state: Session | None) -> bool:
+        """Whether a failed eviction goes to a fresh spool rather than being dropped:
+        it failed because the spool's path names another file now (deleted, moved),
+        the background thread is there to open one, the last try did not fail, and
+        no rewrite of its session came after it (then it is superseded)."""
+        return (
+            isinstance(request.error, SpoolReplaced)
+            and not _superseded(request, state)
+            and self._background_on()
+            and self.clock() >= self._reopen_after
+        )
+
+    def _eviction_settled(self, session_id: str, state: Session) -> bool:
+        """One of the session's evictions committed or failed for good: the session
+        goes on once none is left; whether none is. The lock is held."""
+        state.settled()
+        if state.unconfirmed:
+            return False
+        if state.writer is None:
+            if self._has_work(session_id, state):
+                self._schedule(state.retry_at)
+            else:
+                self._forget_if_idle(session_id, state)
+        return True
 
     def _report_drop(self, session_id: str, why: str) -> None:
         log.warning(
@@ -365,6 +396,8 @@ class Evictions:
         )
         why = f"{what}: {type(error).__name__}: {error}"
         try:
+            if self._replaced or self._returned:
+                raise queue.Full  # as an eviction would wait for the fresh spool
             row = self.spool.prepare(session_id, message, REJECTED)
             self.spool.put_nowait((row,), partial(self._set_aside_done, why), quarantine=why)
         except queue.Full:
@@ -400,6 +433,12 @@ class Evictions:
             exc,
             why,
         )
+
+
+def _superseded(request: Request, state: Session | None) -> bool:
+    """A failed eviction the session's transcript rewrite came after: it would have been
+    superseded in the spool, so it is neither kept nor reported as lost."""
+    return request.error is not None and state is not None and state.superseded > 0
 
 
 def _payload_bytes(request: Any) -> int:

@@ -245,12 +245,17 @@ def background(link_ref: weakref.ref[Any], due: threading.Condition) -> None:
         link = link_ref()
         if link is None:
             return
+        if link._replaced:
+            link.follow_path()
         with due:
             if link._closed or link.spool.closed:
                 return  # a closed spool can take and give back nothing any more
             claimed, soonest = link._due_sessions()
             link._wake_at = soonest
             if not claimed:
+                if link._replaced and not link._unconfirmed_bytes:
+                    del link
+                    continue  # its old spool's evictions all settled: follow the path
                 timeout = bounds.IDLE_WAKE_SECONDS
                 if soonest is not None:
                     timeout = min(max(soonest - link.clock(), 0.0), bounds.IDLE_WAKE_SECONDS)

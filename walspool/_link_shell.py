@@ -28,7 +28,7 @@ from .errors import ReplayBusy
 from .replay import Replayer, ReplayReport, replay_lock
 from .sinks import SessionDBSink
 from .spool import Spool
-from .writer import Batched
+from .writer import Batched, Row
 
 #: Seconds: the cap of a failing session's retry delay (see ``walspool.hermes``).
 RETRY_INTERVAL = 1.0
@@ -93,6 +93,16 @@ class Link(SessionWriter, Evictions, Retries, ShutdownFlushes):
         #: When the background thread will look next (None: only when notified).
         self._wake_at: float | None = None
         self._thread: threading.Thread | None = None
+        #: Set once an eviction failed because the spool's path names another file
+        #: (deleted, moved): the background thread opens a fresh spool there
+        #: (``follow_path``) once no eviction is left in the old one's writer.
+        self._replaced = False
+        #: Rows of the evictions the old spool returned so, in their order: the fresh
+        #: spool takes them before any later eviction.
+        self._returned: list[Row] = []
+        #: Clock time before which a failed eviction is dropped, not returned: a fresh
+        #: spool could not be opened at the path (tried again after that).
+        self._reopen_after = 0.0
 
     def append_to_transcript(
         self, session_id: str, message: dict[str, Any], skip_db: bool = False
@@ -168,6 +178,11 @@ class Link(SessionWriter, Evictions, Retries, ShutdownFlushes):
             if state is not None:
                 # An event: a writer that wrote or drained meanwhile re-reads it and
                 # stops. Its share of the cap stays: the superseded rows stay in the spool.
+                # Its evictions a replaced spool returned would land after the rewrite.
+                kept = [row for row in self._returned if row[0] != session_id]
+                for _ in range(len(self._returned) - len(kept)):
+                    state.settled()
+                self._returned = kept
                 state.rewritten()
                 ended += self._outage.ended(
                     session_id, state.episode, self.clock(), superseded=True
@@ -197,6 +212,95 @@ class Link(SessionWriter, Evictions, Retries, ShutdownFlushes):
                 superseded,
                 self.spool.path,
             )
+
+    def follow_path(self) -> bool:
+        """Open a fresh spool at the path of one that names another file now, as the
+        next start would, once the old spool's writer holds no eviction of this link;
+        hand it the evictions the old one returned, in their order, then close the
+        old one (its rows stay in its file: a moved one can be replayed by hand). True
+        if the link writes to a fresh spool now. Runs on the background thread, or
+        at shutdown; never on a gateway thread (it opens files)."""
+        with self._draining:  # no drain has a chunk of the old spool out
+            with self._lock:
+                if not self._replaced or self._unconfirmed_bytes:
+                    return False
+                old = self.spool
+            try:
+                fresh = Spool(
+                    old.path,
+                    durability=old.durability,
+                    max_payload_bytes=old.max_payload_bytes,
+                    max_bytes=old.max_bytes,
+                )
+            except Exception as exc:  # noqa: BLE001 - the evictions it returned drop
+                self._not_followed(exc)
+                return False
+            if self.max_bytes is not None:
+                fresh.track_footprint()
+            with self._lock:
+                self.spool = fresh
+                self._shares = budget.Shares()  # the fresh file holds no session's rows
+                self._moving = Moving(SessionDBSink(self.store._db), fresh, self._shares)
+                self.replayer = Replayer(
+                    fresh,
+                    self._moving,
+                    resolver=self.store.peek_session_id,
+                    wait_for_bookkeeping=False,
+                )
+                self._replaced = False
+                returned, self._returned = self._returned, []
+                lost = self._hand_over(returned)
+                self._settled.notify_all()
+        log.warning(
+            "The transcript spool %s was moved or deleted while the gateway ran; a fresh "
+            "one is open at that path. Rows of the old file stay in it (if it was moved, "
+            "`walspool replay OLD_PATH --into STATE_DB` writes them)",
+            old.path,
+        )
+        self._run(lost)
+        old.close()
+        return True
+
+    def _hand_over(self, rows: list[Row]) -> list[Callable[[], None]]:
+        """Queue the returned evictions' ``rows`` in the (fresh) spool, in order;
+        what finds no room is dropped with a WARNING. The lock is held."""
+        lines: list[Callable[[], None]] = []
+        for row in rows:
+            session_id = row[0]
+            try:
+                self.spool.put_nowait((row,), self._evicted)
+            except Exception as exc:  # noqa: BLE001 - no room, closed: it cannot be kept
+                lines += self._dropped(session_id, f"a fresh spool could not take it: {exc!r}")
+                state = self._sessions.get(session_id)
+                if state is not None:
+                    self._eviction_settled(session_id, state)
+                continue
+            self._shares.accepted(session_id, row[5])
+            self._unconfirmed_bytes += row[5]
+        return lines
+
+    def _not_followed(self, exc: Exception) -> None:
+        """No fresh spool could be opened at the path: the returned evictions are
+        dropped, and later ones too until ``retry_interval`` has passed."""
+        with self._lock:
+            self._replaced = False
+            self._reopen_after = self.clock() + max(self.retry_interval, RETRY_INTERVAL)
+            returned, self._returned = self._returned, []
+            lines: list[Callable[[], None]] = []
+            for row in returned:
+                lines += self._dropped(row[0], f"no fresh spool could be opened: {exc}")
+                state = self._sessions.get(row[0])
+                if state is not None:
+                    self._eviction_settled(row[0], state)
+            self._settled.notify_all()
+        log.warning(
+            "The transcript spool %s was moved or deleted while the gateway ran, and no "
+            "fresh one can be opened at that path (tried again in %g s): %s",
+            self.spool.path,
+            max(self.retry_interval, RETRY_INTERVAL),
+            exc,
+        )
+        self._run(lines)
 
     def _supersede(self, session_id: str) -> int:
         """Supersede the session's replayable rows, those a failed drain left in flight too.

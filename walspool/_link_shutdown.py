@@ -13,7 +13,7 @@ from typing import Any
 
 from . import _link_bounds as bounds
 from ._link_state import log
-from .errors import UnsupportedGateway, WalspoolError
+from .errors import SpoolReplaced, UnsupportedGateway, WalspoolError
 from .records import AGENT_HISTORY, SHUTDOWN, agent_history_message, slot_message
 from .writer import Request
 
@@ -92,6 +92,7 @@ class ShutdownFlushes:
         #: The spool's request, once committed or failed (``_flushed`` adds it).
         requests: list[Request] = []
         self._stopping = True
+        self._follow_before_flush(deadline)
         while True:
             with self._lock:
                 taken, rows, notes = self._queued_rows()
@@ -168,6 +169,30 @@ class ShutdownFlushes:
             "Spooled %d queued transcript message(s) to %s at shutdown", len(rows), self.spool.path
         )
         return len(rows)
+
+    def _follow_before_flush(self, deadline: float) -> None:
+        """If the spool's path names another file now (deleted, moved): wait (until
+        ``deadline``) for the evictions in the old spool's writer to come back, then open
+        a fresh spool there (``follow_path``), so the queues follow them into it."""
+        try:
+            self.spool.check_path()
+        except SpoolReplaced:
+            pass
+        except WalspoolError:
+            return  # closed: the flush says so
+        else:
+            if not self._replaced:
+                return
+        with self._lock:
+            if self.clock() < self._reopen_after:
+                return  # a fresh spool could not be opened a moment ago
+            self._replaced = True
+            while self._unconfirmed_bytes:
+                left = deadline - self.clock()
+                if left <= 0:
+                    return
+                self._settled.wait(min(left, bounds.BUSY_LOOK_SECONDS))
+        self.follow_path()
 
     def spool_if_stopping(self) -> None:
         """After a failed write: once the shutdown has flushed the queues, spool what

@@ -64,6 +64,7 @@ class Session:
         "writer",
         "spooled",
         "unconfirmed",
+        "superseded",
         "generation",
         "waiters",
         "episode",
@@ -85,6 +86,10 @@ class Session:
         self.spooled = spooled
         #: Evictions handed to the spool's writer and not yet committed (or failed).
         self.unconfirmed = 0
+        #: How many of those came before the last rewrite: the next ones to settle
+        #: (the writer settles in order). Superseded: one the spool returns is not
+        #: handed to a fresh spool (``Link.follow_path``).
+        self.superseded = 0
         #: Bumped by a transcript rewrite: what a writer learned before it is stale.
         self.generation = 0
         #: Threads waiting on this object (a gateway thread taking over, a writer
@@ -214,6 +219,7 @@ class Session:
     def settled(self) -> None:
         """A row handed to the spool's writer committed or failed."""
         self.unconfirmed -= 1
+        self.superseded = max(self.superseded - 1, 0)
 
     def may_hold(self) -> None:
         """The spool may hold rows of the session (a recovery held them)."""
@@ -224,6 +230,7 @@ class Session:
         learned before is stale, and the backoff is reset."""
         self.generation += 1
         self.spooled = 0
+        self.superseded = self.unconfirmed
         self._resets += 1
 
     def recovered(self) -> None:

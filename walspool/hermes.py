@@ -40,9 +40,10 @@ Waits a gateway thread can meet because of walspool, with their bounds:
   writer with ``Spool.put_nowait``; when its queue is full, or the oldest message is
   being written right now, the message stays in memory over the cap (WARNING when the
   spool is the reason). An eviction gets the checks ``Spool.append`` gets: a closed
-  spool refuses it at once, and one whose path no longer names its file (deleted,
-  moved) fails it when its group commits (the writer's check, once per group); either
-  takes the drop-and-warn path;
+  spool refuses it at once (the drop-and-warn path), and one whose path no longer names
+  its file (deleted, moved) fails it when its group commits (the writer's check, once
+  per group): the background thread then opens a fresh spool at the path and hands it
+  those evictions first (``Link.follow_path``), later ones staying queued meanwhile;
 * past twice the cap only (messages arriving faster than the spool or one state.db
   write takes them): at most ``HANDOFF_WAIT`` for room in the spool writer's queue or
   for that write to end, and no wait at all while another process holds the spool's

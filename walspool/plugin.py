@@ -258,6 +258,7 @@ def unlink_runner(runner: Any) -> None:
     try:
         link.close()
         spool.close()
+        link.spool.close()  # a fresh one the link opened at the path (``follow_path``)
     except Exception:  # noqa: BLE001 - the gateway is stopping all the same
         log.exception("walspool could not close the spool %s", spool.path)
 

@@ -55,6 +55,8 @@ not enable) the plugin the user's way.
     python _gateway_process.py OUT outage-stop N     N messages to each of 3 sessions while
                                                  every insert fails, then a graceful stop,
                                                  state.db still broken
+    python _gateway_process.py OUT deleted-stop N    the same, the spool's files deleted (as
+                                                 ``spool-deleted``) just before the stop
     python _gateway_process.py OUT held-start N      a start on that broken state.db (the
                                                  spooled rows are held), then heal and
                                                  ``held-replay``'s two messages a session
@@ -250,8 +252,10 @@ async def run(mode: str, n: int, after: str) -> dict[str, Any]:
         result.update(await beside_a_held_replay_lock(store, n, mode != "held-replay", holder))
         await runner.stop()
         return result
-    if mode == "outage-stop":
+    if mode in ("outage-stop", "deleted-stop"):
         sent = await during_an_outage(store, n)
+        if mode == "deleted-stop":
+            result["deleted_rows"] = delete_the_spool(runner)
         await runner.stop()
         result["sent"] = {sid: [(m["role"], m["content"]) for m in sent[sid]] for sid in SESSIONS}
         return result

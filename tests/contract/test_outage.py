@@ -196,24 +196,13 @@ def test_a_spool_deleted_while_the_gateway_runs_costs_only_its_rows(
     """An operator deletes spool.db (and its -wal, -shm) two thirds into an outage past
     the cap. The rows in it are gone with it; everything evicted afterwards goes to a
     fresh spool at that path and lands, with the queue and the last message, once and
-    in order.
-
-    0.19.0 cannot: its link keeps the spool it opened at the start (its rows, read
-    through the open file, still land), and drops what it evicts afterwards, each with
-    a WARNING naming why (the spool "no longer names the file"); README's "Known
-    limits" says so. It loses nothing else, and nothing lands twice or out of order."""
+    in order, and the gateway says once that it opened a fresh spool."""
     configure(gateway, home, gateway.enable)
     result = run_worker(gateway, home, "spool-deleted", str(BURST))
 
     for session, sent in result["sent"].items():
-        landed = result["landed"][session]
-        if gateway.how == plugin.LINK:
-            rest = iter(sent)
-            assert all(m in rest for m in landed), session  # once each, in order
-            assert landed[-200:] == sent[-200:], session  # the queue: the cap's newest
-        else:
-            # The deleted rows were the oldest; the rest lands, once, in order.
-            assert landed == sent[result["deleted_rows"][session] :], session
-    if gateway.how == plugin.LINK:
-        dropped = [line for line in result["log"] if "no longer names" in line]
-        assert dropped and all(line.startswith("WARNING") for line in dropped)
+        # The deleted rows were the oldest; the rest lands, once, in order.
+        assert result["landed"][session] == sent[result["deleted_rows"][session] :], session
+    fresh = [line for line in result["log"] if "a fresh one is open" in line]
+    assert len(fresh) == 1 and fresh[0].startswith("WARNING"), fresh
+    assert not [line for line in result["log"] if "no longer names" in line]

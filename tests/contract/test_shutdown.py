@@ -7,6 +7,8 @@ from ._gateways import Gateway, configure, gateway_running, heal, run_worker, tr
 
 #: Rows of agent turns queued in the store while state.db refuses them (under the cap).
 TURNS = 6
+#: Messages a session gets in an outage before a stop: past the cap, so some are spooled.
+STOP_BURST = 230
 
 
 def test_a_stop_during_an_outage_keeps_queued_turns_before_the_slot_they_preceded(
@@ -39,3 +41,25 @@ def test_a_graceful_stop_with_a_write_in_flight_loses_nothing(gateway: Gateway, 
     with gateway_running(gateway, home) as process:
         wait_for("recovered", lambda: len(transcript(home, sid)) >= len(expected), process)
     assert transcript(home, sid) == expected
+
+
+def test_a_stop_after_the_spool_was_deleted_spools_the_queues_into_a_fresh_one(
+    gateway: Gateway, home
+) -> None:
+    """An outage past the cap; the operator deletes spool.db (and its -wal, -shm), and
+    the gateway stops before it evicts again, state.db still broken. The stop opens a
+    fresh spool at the path for the queues (nothing evicted since told it that the file
+    was gone); at the next start, once state.db works, every session's transcript is
+    what was sent after the deleted rows, each once, in order."""
+    configure(gateway, home, gateway.enable)
+    stopped = run_worker(gateway, home, "deleted-stop", str(STOP_BURST))
+    heal(home)
+    with gateway_running(gateway, home) as process:
+        for session, sent in stopped["sent"].items():
+            expected = [tuple(m) for m in sent[stopped["deleted_rows"][session] :]]
+
+            def landed(session: str = session, count: int = len(expected)) -> bool:
+                return len(transcript(home, session)) >= count
+
+            wait_for("recovered", landed, process)
+            assert transcript(home, session) == expected, session
