@@ -127,6 +127,7 @@ class ShutdownFlushes:
                         state = self._session(session_id)
                         state.evicted()
                         generations[session_id] = state.generation
+                    self._settled.notify_all()  # the queues changed: for whoever waits on them
                     break
             if self.clock() >= deadline:
                 log.error(
