@@ -20,7 +20,7 @@ import walspool
 import walspool._link_bounds as bounds
 import walspool.hermes as hermes
 import walspool.outage as outage
-from walspool._link_state import Writer
+from walspool._link_state import Claim
 from walspool.hermes import Link, install, install_runner
 
 hermes_state = pytest.importorskip("hermes_state")
@@ -945,7 +945,7 @@ def test_the_background_thread_claims_only_the_session_longest_due_with_nothing_
             state.spooled = 0
             if session_id != "idle":
                 store._dirty_transcripts[session_id] = [{"role": "user", "content": "q"}]
-        states["writing"].writer = Writer(background=False)
+        states["writing"].writer = Claim(background=False)
         states["waited"].waiters = 1
         states["unconfirmed"].unconfirmed = 1
         for session_id, at in (("later", 100), ("sooner", 50), ("due", -1), ("first", -2)):

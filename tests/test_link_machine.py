@@ -27,7 +27,7 @@ from walspool._link_machine import (
     pick_due,
     retry_delay,
 )
-from walspool._link_state import NotTheHolder, Writer
+from walspool._link_state import Claim, NotTheHolder
 from walspool._link_state import Session as LinkSession
 
 G, B = Owner.GATEWAY, Owner.BACKGROUND
@@ -373,7 +373,7 @@ def test_only_the_claims_holder_changes_its_fields(change, holder):
         state.writing(mine, {"role": "user", "content": "x"})
     before = holder_record(state)
     with pytest.raises(NotTheHolder) as refused:
-        getattr(state, change)(Writer(background=True), *HOLDER_CHANGES[change])
+        getattr(state, change)(Claim(background=True), *HOLDER_CHANGES[change])
     assert str(refused.value) == "only the holder of the session's claim changes it"
     assert holder_record(state) == before
 
@@ -417,7 +417,7 @@ class SessionRecord(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.state = LinkSession(spooled=0)
-        self.claim: Writer | None = None
+        self.claim: Claim | None = None
         self.model = (0, 0.0, 0.0)  # failures, retry_at, hold_until as read
         self.spooled = 0
 
@@ -473,7 +473,7 @@ class SessionRecord(RuleBasedStateMachine):
     def a_non_holder_asks(self, change):
         before = holder_record(self.state)
         with pytest.raises(NotTheHolder):
-            getattr(self.state, change)(Writer(background=False), *HOLDER_CHANGES[change])
+            getattr(self.state, change)(Claim(background=False), *HOLDER_CHANGES[change])
         assert holder_record(self.state) == before
 
     @rule()

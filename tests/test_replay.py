@@ -1151,7 +1151,7 @@ def test_a_replay_asked_for_what_it_cannot_do_refuses_word_for_word(spool, sink,
 
 def test_a_replay_waits_for_the_lock_by_default(spool, sink, monkeypatch):
     """Without ``wait``, a replay finding another one running waits for it (at most
-    ``LOCK_WAIT``) instead of giving up at once."""
+    ``REPLAY_WAIT``) instead of giving up at once."""
     import contextlib
     import time
 

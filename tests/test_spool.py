@@ -286,13 +286,13 @@ def test_a_spool_opened_without_a_path_is_spool_db_in_hermes_home(monkeypatch, t
 def test_public_api_is_pinned():
     assert sorted(walspool.__all__) == sorted([
         "AGENT_HISTORY", "CAP_DROP", "QUARANTINED", "SHUTDOWN", "SUPERSEDED", "DiskFull",
-        "ImportReport", "InvalidArgument", "NotAMessage", "NotASpool", "PayloadTooLarge",
+        "ForgetsTickets", "ImportReport", "InvalidArgument", "NotAMessage", "NotASpool", "PayloadTooLarge",
         "Receipt", "Record", "ReplayBusy", "ReplayReport", "Replayer", "SchemaTooNew",
         "SessionDBSink", "SessionMissing", "Sink",
         "Spool", "SpoolClosed", "SpoolCorrupt", "SpoolFull", "SpoolIOError", "SpoolReplaced",
         "Stats",
         "StreamReport", "SymlinkRefused", "UnsupportedGateway", "UntrustedSpool", "WalspoolError",
-        "import_json_spool",
+        "WritesMany", "import_json_spool",
     ])  # fmt: skip
     for name in walspool.__all__:
         assert getattr(walspool, name) is not None

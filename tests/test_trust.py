@@ -507,7 +507,7 @@ def test_a_symlinked_home_is_followed(tmp_path, capsys):
                      "spool.db.replay-lock"}  # fmt: skip
 
 
-@pytest.mark.parametrize("step", ["open_directory", "prepare", "open_private"])
+@pytest.mark.parametrize("step", ["open_directory", "make_and_check", "open_private"])
 def test_a_spool_directory_removed_during_the_open_is_a_walspool_error(tmp_path, monkeypatch, step):
     """The directory goes away between two steps of ``Spool()`` (another process
     cleaning up): a ``WalspoolError`` that names the spool, never a raw OSError."""

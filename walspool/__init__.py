@@ -36,7 +36,7 @@ from .records import (
     Stats,
 )
 from .replay import Replayer, ReplayReport, StreamReport
-from .sinks import SessionDBSink, Sink
+from .sinks import ForgetsTickets, SessionDBSink, Sink, WritesMany
 from .spool import Spool
 
 __all__ = [
@@ -46,6 +46,7 @@ __all__ = [
     "SHUTDOWN",
     "SUPERSEDED",
     "DiskFull",
+    "ForgetsTickets",
     "ImportReport",
     "InvalidArgument",
     "NotAMessage",
@@ -72,5 +73,6 @@ __all__ = [
     "UnsupportedGateway",
     "UntrustedSpool",
     "WalspoolError",
+    "WritesMany",
     "import_json_spool",
 ]

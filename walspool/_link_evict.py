@@ -6,6 +6,7 @@ lines of a session's repeated conditions, counted by ``walspool._link_repeats``.
 
 from __future__ import annotations
 
+import logging
 import queue
 from collections.abc import Callable
 from functools import partial
@@ -27,6 +28,49 @@ REJECTED = "transcript_rejected"
 #: a few lines: its spool busy (the oldest message stays in memory), its evictions
 #: dropped, its oldest message not spoolable, its spooled rows replayed.
 KEPT, DROPPED, UNSPOOLABLE, REPLAYED = "kept", "dropped", "unspoolable", "replayed"
+#: The summary lines of a session's repeated conditions (but replays), by condition and
+#: whether it goes on (a summary of the occurrences since the last line) or has ended:
+#: their level and text. Fields: the session, the cap and twice it (``limit``), the
+#: spool's ``path``, the occurrences since the last line (``count``) and since the
+#: condition began (``total``) in ``seconds``, and the latest one's ``detail``.
+REPEAT_LINES: dict[tuple[str, bool], tuple[int, str]] = {
+    (DROPPED, True): (
+        logging.WARNING,
+        "Session DB transcript pending queue full for %(session)s (cap=%(cap)d); dropped "
+        "%(count)d more oldest message(s) (%(total)d in %(seconds).0f s; on-disk spool "
+        "unavailable: %(detail)s)",
+    ),
+    (DROPPED, False): (
+        logging.WARNING,
+        "Session DB transcript of %(session)s: the spool %(path)s takes its evictions again; "
+        "%(total)d oldest message(s) were dropped in %(seconds).1f s (%(count)d not said "
+        "before)",
+    ),
+    (KEPT, True): (
+        logging.WARNING,
+        "Session DB transcript pending queue full for %(session)s (cap=%(cap)d); the spool "
+        "%(path)s is still busy: the oldest message was kept in memory %(count)d more "
+        "time(s) (%(total)d in %(seconds).0f s; the oldest is dropped past %(limit)d)",
+    ),
+    (KEPT, False): (
+        logging.WARNING,
+        "Session DB transcript pending queue of %(session)s is back within its cap "
+        "(%(cap)d): the oldest message was kept in memory %(total)d time(s) in "
+        "%(seconds).1f s while the spool %(path)s was busy (%(count)d not said before)",
+    ),
+    (UNSPOOLABLE, True): (
+        logging.ERROR,
+        "walspool still could not spool the oldest queued message of session %(session)s; "
+        "it stays in memory (%(count)d more time(s), %(total)d in %(seconds).0f s): "
+        "%(detail)s",
+    ),
+    (UNSPOOLABLE, False): (
+        logging.WARNING,
+        "The queue of session %(session)s no longer holds a message walspool could not "
+        "spool over the cap: its oldest could not be spooled %(total)d time(s) in "
+        "%(seconds).1f s (%(count)d not said before)",
+    ),
+}
 #: Drops for the message itself (its session id, its size), not the spool's state:
 #: each is said in full, as the one message it lost.
 OWN_FAULT = (InvalidArgument, PayloadTooLarge)
@@ -172,72 +216,18 @@ class Evictions:
         return partial(self._report_repeat, condition, session_id, said)
 
     def _report_repeat(self, condition: str, session_id: str, said: Said) -> None:
-        if condition == DROPPED and said.kind is Kind.AGAIN:
-            log.warning(
-                "Session DB transcript pending queue full for %s (cap=%d); dropped %d more "
-                "oldest message(s) (%d in %.0f s; on-disk spool unavailable: %s)",
-                session_id,
-                self.cap,
-                said.count,
-                said.total,
-                said.seconds,
-                said.detail,
-            )
-        elif condition == DROPPED:
-            log.warning(
-                "Session DB transcript of %s: the spool %s takes its evictions again; %d "
-                "oldest message(s) were dropped in %.1f s (%d not said before)",
-                session_id,
-                self.spool.path,
-                said.total,
-                said.seconds,
-                said.count,
-            )
-        elif condition == KEPT and said.kind is Kind.AGAIN:
-            log.warning(
-                "Session DB transcript pending queue full for %s (cap=%d); the spool %s is "
-                "still busy: the oldest message was kept in memory %d more time(s) (%d in "
-                "%.0f s; the oldest is dropped past %d)",
-                session_id,
-                self.cap,
-                self.spool.path,
-                said.count,
-                said.total,
-                said.seconds,
-                2 * self.cap,
-            )
-        elif condition == KEPT:
-            log.warning(
-                "Session DB transcript pending queue of %s is back within its cap (%d): the "
-                "oldest message was kept in memory %d time(s) in %.1f s while the spool %s "
-                "was busy (%d not said before)",
-                session_id,
-                self.cap,
-                said.total,
-                said.seconds,
-                self.spool.path,
-                said.count,
-            )
-        elif said.kind is Kind.AGAIN:
-            log.error(
-                "walspool still could not spool the oldest queued message of session %s; it "
-                "stays in memory (%d more time(s), %d in %.0f s): %s",
-                session_id,
-                said.count,
-                said.total,
-                said.seconds,
-                said.detail,
-            )
-        else:
-            log.warning(
-                "The queue of session %s no longer holds a message walspool could not spool "
-                "over the cap: its oldest could not be spooled %d time(s) in %.1f s (%d not "
-                "said before)",
-                session_id,
-                said.total,
-                said.seconds,
-                said.count,
-            )
+        level, line = REPEAT_LINES[condition, said.kind is Kind.AGAIN]
+        fields = {
+            "session": session_id,
+            "cap": self.cap,
+            "path": self.spool.path,
+            "count": said.count,
+            "total": said.total,
+            "seconds": said.seconds,
+            "detail": said.detail,
+            "limit": 2 * self.cap,
+        }
+        log.log(level, line, fields)
 
     def _report_replayed(self, session_id: str, said: Said) -> None:
         if said.kind is Kind.FIRST:

@@ -47,7 +47,7 @@ class Said(NamedTuple):
     detail: str | None
 
 
-class _Tally:
+class _Condition:
     __slots__ = ("began", "said_at", "unsaid", "total", "on", "ended_at", "detail")
 
     def __init__(self, now: float, count: int, detail: str | None) -> None:
@@ -65,7 +65,7 @@ class Repeats:
 
     def __init__(self, interval: float = REPEAT_SECONDS) -> None:
         self.interval = interval
-        self._tallies: dict[Hashable, _Tally] = {}
+        self._tallies: dict[Hashable, _Condition] = {}
         #: The soonest time a held line is due (None: none is held).
         self._due_at: float | None = None
 
@@ -77,7 +77,7 @@ class Repeats:
         are counted for the next line)."""
         tally = self._tallies.get(key)
         if tally is None:
-            self._tallies[key] = _Tally(now, count, detail)
+            self._tallies[key] = _Condition(now, count, detail)
             return Said(Kind.FIRST, count, count, 0.0, detail)
         # Back on before its heal was said: the heal is not said, the count goes on.
         tally.on = True
@@ -160,12 +160,12 @@ class Repeats:
         if self._due_at is None or at < self._due_at:
             self._due_at = at
 
-    def _say(self, tally: _Tally, kind: Kind, now: float) -> Said:
+    def _say(self, tally: _Condition, kind: Kind, now: float) -> Said:
         said = self._said(tally, kind, now)
         tally.said_at = now
         tally.unsaid = 0
         return said
 
     @staticmethod
-    def _said(tally: _Tally, kind: Kind, at: float) -> Said:
+    def _said(tally: _Condition, kind: Kind, at: float) -> Said:
         return Said(kind, tally.unsaid, tally.total, at - tally.began, tally.detail)

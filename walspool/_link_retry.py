@@ -12,7 +12,7 @@ from typing import Any
 from . import _link_bounds as bounds
 from . import _link_machine as machine
 from . import _link_shares as shares
-from ._link_state import Session, Writer, log, owner_of
+from ._link_state import Claim, Session, log, owner_of
 from .errors import SpoolClosed
 from .replay import ReplayReport
 
@@ -57,7 +57,7 @@ class Retries:
         )
         self._thread.start()
 
-    def _due_sessions(self) -> tuple[list[tuple[str, Session, Writer]], float | None]:
+    def _due_sessions(self) -> tuple[list[tuple[str, Session, Claim]], float | None]:
         """Claim the session longest due (its retry time passed first); when to look
         next. One at a time: a claim held while the thread works on another session
         would make a gateway thread wait for that one too. A session given a slice
@@ -169,7 +169,7 @@ class Retries:
                 self._end_recovery()
             raise
         held = {s.session_id for s in report.sessions.values() if s.error}
-        ready: list[tuple[str, Session, Writer]] = []
+        ready: list[tuple[str, Session, Claim]] = []
         background = threading.current_thread() is self._thread
         moved = {s.session_id: s.moved for s in report.sessions.values() if s.session_key is None}
         ended: list[Callable[[], None]] = []

@@ -88,8 +88,11 @@ class Moving:
             self._note([ticket[2] for ticket in found])  # (spool uid, ticket, row id)
         return found
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.sink, name)
+    def batchable(self, record: Any) -> bool:
+        return self.sink.batchable(record)
+
+    def forget(self, spool: str, below: int, keep: Any) -> None:
+        self.sink.forget(spool, below, keep)
 
     def __str__(self) -> str:
         return str(self.sink)

@@ -22,12 +22,12 @@ from ._link_repeats import Repeats
 from ._link_retry import Retries
 from ._link_shares import Moving
 from ._link_shutdown import ShutdownFlushes
-from ._link_state import Session, Writer, log, owner_of
+from ._link_state import Claim, Session, log, owner_of
 from ._link_writer import SessionWriter
 from .errors import ReplayBusy
 from .replay import Replayer, ReplayReport, replay_lock
 from .sinks import SessionDBSink
-from .spool import Spool
+from .spool import REOPENED, Spool
 from .writer import Batched, Row
 
 #: Seconds: the cap of a failing session's retry delay (see ``walspool.hermes``).
@@ -127,7 +127,7 @@ class Link(SessionWriter, Evictions, Retries, ShutdownFlushes):
     def _append(self, session_id: str, message: dict[str, Any]) -> None:
         copy = dict(message)
         notes: list[Callable[[], None]] = []
-        claim: Writer | None = None
+        claim: Claim | None = None
         queued = False
         # Past twice the cap (messages arriving faster than the spool or one state.db
         # write takes them), wait at most this long, then drop the oldest with a WARNING.
@@ -226,12 +226,7 @@ class Link(SessionWriter, Evictions, Retries, ShutdownFlushes):
                     return False
                 old = self.spool
             try:
-                fresh = Spool(
-                    old.path,
-                    durability=old.durability,
-                    max_payload_bytes=old.max_payload_bytes,
-                    max_bytes=old.max_bytes,
-                )
+                fresh = old.reopened()
             except Exception as exc:  # noqa: BLE001 - the evictions it returned drop
                 self._not_followed(exc)
                 return False
@@ -251,12 +246,7 @@ class Link(SessionWriter, Evictions, Retries, ShutdownFlushes):
                 returned, self._returned = self._returned, []
                 lost = self._hand_over(returned)
                 self._settled.notify_all()
-        log.warning(
-            "The transcript spool %s was moved or deleted while the gateway ran; a fresh "
-            "one is open at that path. Rows of the old file stay in it (if it was moved, "
-            "`walspool replay OLD_PATH --into STATE_DB` writes them)",
-            old.path,
-        )
+        log.warning(REOPENED, old.path)
         self._run(lost)
         old.close()
         return True
@@ -332,7 +322,7 @@ class Link(SessionWriter, Evictions, Retries, ShutdownFlushes):
                     with self._lock:
                         self._shares.removed(gone, noted.epoch)
 
-    def _enter(self, state: Session) -> Writer | None:
+    def _enter(self, state: Session) -> Claim | None:
         """After queueing a message: claim the session, take it over, or leave the
         message queued, as the machine says (``Entry``); the lock is held."""
         owner = owner_of(state)
@@ -348,7 +338,7 @@ class Link(SessionWriter, Evictions, Retries, ShutdownFlushes):
             return self._take_over(state)
         return None
 
-    def _claim(self, state: Session, *, background: bool = False) -> Writer | None:
+    def _claim(self, state: Session, *, background: bool = False) -> Claim | None:
         """Become the session's writer if it has none; the lock is held."""
         return state.claim(background)
 
@@ -369,7 +359,7 @@ class Link(SessionWriter, Evictions, Retries, ShutdownFlushes):
         """Whether the background thread retries failing sessions."""
         return self.retry_interval > 0 and not self._closed
 
-    def _take_over(self, state: Session) -> Writer | None:
+    def _take_over(self, state: Session) -> Claim | None:
         """Wait (at most ``bounds.HANDOFF_WAIT``) for the background writer to hand the session
         to this gateway thread, then claim it; the lock is held."""
         if state.writer is None or not state.writer.background or self._closed:
@@ -389,7 +379,7 @@ class Link(SessionWriter, Evictions, Retries, ShutdownFlushes):
             # claimed the session meanwhile; then this message is queued for it.
             return self._claim(state)
 
-    def _release(self, session_id: str, state: Session, claim: Writer) -> None:
+    def _release(self, session_id: str, state: Session, claim: Claim) -> None:
         """Give the writer role up, if ``claim`` still holds it; the lock is held."""
         if state.writer is not claim:
             return
@@ -421,7 +411,7 @@ class Link(SessionWriter, Evictions, Retries, ShutdownFlushes):
             state = self._sessions[session_id] = Session(0 if self._recovered else 1)
         return state
 
-    def _failed(self, state: Session, claim: Writer, *, drain: bool, count: bool = True) -> None:
+    def _failed(self, state: Session, claim: Claim, *, drain: bool, count: bool = True) -> None:
         """Schedule the next attempt after a failure, as the holder of ``claim``; the
         lock is held."""
         failures = state.failures + (1 if count else 0)

@@ -21,7 +21,7 @@ class NotTheHolder(RuntimeError):
     """A change only the holder of the session's claim may make, asked by another."""
 
 
-class Writer:
+class Claim:
     """A claim on a session's writer role: only the holder of this object may write
     the session or give the role up (so a stale thread can never release a newer
     writer's claim)."""
@@ -80,7 +80,7 @@ class Session:
 
     def __init__(self, spooled: int) -> None:
         #: The current writer's claim, or None: the session has no writer.
-        self.writer: Writer | None = None
+        self.writer: Claim | None = None
         #: Evictions (and shutdown flushes) since the session's spooled rows were last
         #: all written: while not 0 they go to state.db before its in-memory rows.
         self.spooled = spooled
@@ -137,31 +137,31 @@ class Session:
 
     # -- the holder's changes --------------------------------------------------
 
-    def claim(self, background: bool) -> Writer | None:
+    def claim(self, background: bool) -> Claim | None:
         """Become the session's writer if it has none (None if it has one)."""
         if self.writer is not None:
             return None
-        self.writer = Writer(background)
+        self.writer = Claim(background)
         return self.writer
 
-    def release(self, claim: Writer) -> None:
+    def release(self, claim: Claim) -> None:
         """Give the writer role up."""
         self._check(claim)
         self.writer = None
         self._inflight = None
 
-    def writing(self, claim: Writer, message: dict[str, Any]) -> None:
+    def writing(self, claim: Claim, message: dict[str, Any]) -> None:
         """The holder writes ``message`` (the queue's head) to state.db now."""
         self._check(claim)
         self._inflight = message
 
-    def written(self, claim: Writer) -> None:
+    def written(self, claim: Claim) -> None:
         """The holder's write of ``inflight`` ended."""
         self._check(claim)
         self._inflight = None
 
     def backed_off(
-        self, claim: Writer, failures: int, retry_at: float, hold_until: float | None
+        self, claim: Claim, failures: int, retry_at: float, hold_until: float | None
     ) -> None:
         """After a failure: the failures in a row, the retry time and, after a failed
         drain, the time until which no writer drains (None: as it was)."""
@@ -170,36 +170,36 @@ class Session:
         if hold_until is not None:
             self._hold_until = hold_until
 
-    def due_at(self, claim: Writer, retry_at: float) -> None:
+    def due_at(self, claim: Claim, retry_at: float) -> None:
         """The background thread goes on with the session at ``retry_at``."""
         self._backoff(claim)
         self._retry_at = retry_at
 
-    def healthy(self, claim: Writer) -> None:
+    def healthy(self, claim: Claim) -> None:
         """A write or drain succeeded: no failures in a row."""
         self._backoff(claim)
         self._failures = 0
 
-    def idle(self, claim: Writer) -> None:
+    def idle(self, claim: Claim) -> None:
         """Nothing is left: the backoff is cleared."""
         self._backoff(claim)
         self._failures, self._retry_at, self._hold_until = 0, 0.0, 0.0
 
-    def said(self, claim: Writer, now: float) -> None:
+    def said(self, claim: Claim, now: float) -> None:
         """A failed retry was logged at ``now``."""
         self._check(claim)
         self._said_at = now
 
-    def drained(self, claim: Writer) -> None:
+    def drained(self, claim: Claim) -> None:
         """Every row the session had spooled is written."""
         self._check(claim)
         self.spooled = 0
 
-    def _check(self, claim: Writer) -> None:
+    def _check(self, claim: Claim) -> None:
         if claim is None or self.writer is not claim:
             raise NotTheHolder("only the holder of the session's claim changes it")
 
-    def _backoff(self, claim: Writer) -> None:
+    def _backoff(self, claim: Claim) -> None:
         """Before the holder changes its backoff: the events since it was set apply."""
         self._check(claim)
         self._failures, self._retry_at, self._hold_until = (

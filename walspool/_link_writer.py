@@ -13,7 +13,7 @@ from . import _link_machine as machine
 from . import outage
 from ._link_evict import REPLAYED
 from ._link_machine import Facts, Spooled, Step
-from ._link_state import Session, Writer, log
+from ._link_state import Claim, Session, log
 from .errors import ReplayBusy
 from .sinks import rejects_live_row, write_bindable
 
@@ -22,7 +22,7 @@ class SessionWriter:
     """The writing half of ``Link`` (a mixin: it shares the link's state)."""
 
     def _write_session(
-        self, session_id: str, state: Session, claim: Writer, *, budget: int | None
+        self, session_id: str, state: Session, claim: Claim, *, budget: int | None
     ) -> None:
         """Write the session's spooled rows, then its queue, as its writer.
 
@@ -58,7 +58,7 @@ class SessionWriter:
                 self._release(session_id, state, claim)
 
     def _next_step(
-        self, session_id: str, state: Session, claim: Writer, moved: int, budget: int | None
+        self, session_id: str, state: Session, claim: Claim, moved: int, budget: int | None
     ) -> tuple[Step | None, list[Callable[[], None]]]:
         """What the writer does next (``Step.DRAIN``, ``Step.WRITE``), or None after
         giving the role up; and the WARNINGs to log. The machine decides
@@ -93,7 +93,7 @@ class SessionWriter:
         self,
         session_id: str,
         state: Session,
-        claim: Writer,
+        claim: Claim,
         moved: int,
         budget: int | None,
         confirm_waited: bool,
@@ -133,7 +133,7 @@ class SessionWriter:
                 # A commit notifies; a busy write lock does not, so look again soon.
                 self._settled.wait(min(left, bounds.BUSY_LOOK_SECONDS))
 
-    def _drain_step(self, session_id: str, state: Session, claim: Writer) -> int | None:
+    def _drain_step(self, session_id: str, state: Session, claim: Claim) -> int | None:
         """Replay one chunk of the session's spooled rows; rows moved, or None when the
         writer gave its role up."""
         with self._lock:
@@ -219,7 +219,7 @@ class SessionWriter:
             return None
         return report.moved
 
-    def _say_again(self, state: Session, claim: Writer, now: float) -> bool:
+    def _say_again(self, state: Session, claim: Claim, now: float) -> bool:
         """Whether to log the session's latest failed retry (rate-limited, see
         ``walspool.outage.repeat_due``); the lock is held, ``_failed`` has counted it."""
         if not outage.repeat_due(state.failures, state.said_at, now):
@@ -228,7 +228,7 @@ class SessionWriter:
             state.said(claim, now)  # the next is said no sooner than REPORT_SECONDS after
         return True
 
-    def _busy(self, session_id: str, state: Session, claim: Writer) -> None:
+    def _busy(self, session_id: str, state: Session, claim: Claim) -> None:
         """Give a drain up for now (another replay runs); the background thread tries
         again after the first retry delay, and a new message may try at once."""
         with self._lock:
@@ -236,7 +236,7 @@ class SessionWriter:
             self._release(session_id, state, claim)
         return None
 
-    def _write_head(self, session_id: str, state: Session, claim: Writer) -> bool:
+    def _write_head(self, session_id: str, state: Session, claim: Claim) -> bool:
         """Write the head of the session's queue; True to go on, False when stopped."""
         with self._lock:
             pending = self.store._dirty_transcripts.get(session_id)

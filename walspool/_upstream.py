@@ -38,7 +38,7 @@ from .records import Record
 from .replay import UNKNOWN_LANDING
 from .sinks import SessionDBSink, Ticket, as_rejection, transcript_message, write_bindable
 
-log = text.logger("walspool.shutdown_flush")
+log = text.logger("walspool._upstream")
 
 #: Stores ``recover_gateway_pending`` saw: a drain callback of theirs is tracked.
 _stores: weakref.WeakSet[Any] = weakref.WeakSet()

@@ -23,6 +23,8 @@ the path it was opened by afterwards (a rename of a directory the owner controls
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import grp
 import os
 import pwd
@@ -61,8 +63,6 @@ class Directory:
 
     def sync(self) -> None:
         """fsync this directory (see ``files.sync_directory``)."""
-        from .files import sync_fd
-
         fd = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=self.fd)
         try:
             sync_fd(fd)
@@ -224,3 +224,26 @@ def changed(name: Path, about: Path) -> UntrustedSpool:
         "directory, try again",
         path=about,
     )
+
+
+def sync_fd(fd: int) -> None:
+    """fsync an open directory (``sync_directory``)."""
+    try:
+        if _full_fsync(fd):
+            return
+        os.fsync(fd)
+    except OSError as exc:
+        if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
+            raise
+
+
+def _full_fsync(fd: int) -> bool:
+    """``fcntl(F_FULLFSYNC)`` where the system has it (macOS); False if not done."""
+    full = getattr(fcntl, "F_FULLFSYNC", None)
+    if full is None:
+        return False
+    try:
+        fcntl.fcntl(fd, full)
+    except OSError:
+        return False  # not supported by this file system: a plain fsync then
+    return True

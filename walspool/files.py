@@ -40,15 +40,13 @@ import time
 from pathlib import Path
 
 from . import open_guard
-from .directories import Directory, changed, open_directory
+from .directories import Directory, changed, open_directory, sync_fd
 from .errors import DiskFull, NotASpool, SpoolIOError, SymlinkRefused, UntrustedSpool
 
 #: Beside the spool; every open ``Spool`` holds a shared ``flock`` on it.
 OPEN_LOCK_SUFFIX = ".open-lock"
 #: Beside the spool; an exclusive ``flock`` on it makes replays take turns.
 REPLAY_LOCK_SUFFIX = ".replay-lock"
-#: The files of a spool besides the database itself.
-SUFFIXES = ("-wal", "-shm", OPEN_LOCK_SUFFIX, REPLAY_LOCK_SUFFIX)
 SQLITE_MAGIC = b"SQLite format 3\x00"
 
 _NOFOLLOW = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
@@ -82,7 +80,7 @@ def refuse_read_only(path: Path) -> None:
         )
 
 
-def prepare(path: Path) -> int:
+def make_and_check(path: Path) -> int:
     """Make the spool's directory and database file if missing; check every file.
 
     Returns the uid of the spool's owner. Raises ``UntrustedSpool`` for a directory
@@ -106,14 +104,6 @@ def trusted_directory(path: Path) -> int:
     or any directory on the way to it (``walspool.directories``)."""
     with open_directory(path.parent, path, own=True) as directory:
         return directory.owner
-
-
-def check_files(path: Path, owner: int) -> None:
-    """Check each existing spool file (type, owner, links) and make it 0600."""
-    with open_directory(path.parent, path) as directory:
-        if directory.owner != owner:
-            raise changed(path.parent, path)
-        _check_files(directory, path)
 
 
 def _check_files(directory: Directory, path: Path) -> None:
@@ -494,29 +484,6 @@ def sync_directory(directory: Path) -> None:
         sync_fd(fd)
     finally:
         os.close(fd)
-
-
-def sync_fd(fd: int) -> None:
-    """fsync an open directory (``sync_directory``)."""
-    try:
-        if _full_fsync(fd):
-            return
-        os.fsync(fd)
-    except OSError as exc:
-        if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
-            raise
-
-
-def _full_fsync(fd: int) -> bool:
-    """``fcntl(F_FULLFSYNC)`` where the system has it (macOS); False if not done."""
-    full = getattr(fcntl, "F_FULLFSYNC", None)
-    if full is None:
-        return False
-    try:
-        fcntl.fcntl(fd, full)
-    except OSError:
-        return False  # not supported by this file system: a plain fsync then
-    return True
 
 
 def _give(fd: int, owner: int) -> None:

@@ -52,7 +52,7 @@ VACUUM_MAX_LIVE_BYTES = 64 * 1024 * 1024
 #: How long vacuum's TRUNCATE checkpoint waits for readers (and keeps writers out).
 CHECKPOINT_WAIT_MS = 250
 #: Seconds ``requeue`` and ``drop`` wait for a running replay's lock by default.
-LOCK_WAIT = 30.0
+CHANGE_WAIT = 30.0
 
 ROW_SQL = """
 SELECT id, session_id, session_key, seq, reason, created_at, payload, attempts,
@@ -69,7 +69,6 @@ INSERT INTO audit (at, actor, action, record_id, session_id, session_key, seq, d
 VALUES (?, ?, ?, ?, ?, ?, ?, ?)
 """
 FREELIST_SQL = "PRAGMA freelist_count"
-PAGE_SIZE_SQL = "PRAGMA page_size"
 
 
 class NotSetAside(WalspoolError):
@@ -100,7 +99,7 @@ def actor() -> str:
 
 
 def requeue(
-    spool: Spool, ids: Sequence[int], *, by: str | None = None, wait: float = LOCK_WAIT
+    spool: Spool, ids: Sequence[int], *, by: str | None = None, wait: float = CHANGE_WAIT
 ) -> list[int]:
     """Make the set-aside rows ``ids`` replayable again (attempts and error cleared);
     all or none. Returns the ids. Raises ``NotSetAside`` naming every id that is
@@ -120,7 +119,7 @@ def not_set_aside(path: Any, action: str, problems: Sequence[str]) -> NotSetAsid
 
 
 def drop(
-    spool: Spool, ids: Sequence[int], *, by: str | None = None, wait: float = LOCK_WAIT
+    spool: Spool, ids: Sequence[int], *, by: str | None = None, wait: float = CHANGE_WAIT
 ) -> list[int]:
     """Delete the set-aside rows ``ids``, each copied whole into its audit record; all
     or none. Their streams never reuse their seqs. Raises as ``requeue`` does."""

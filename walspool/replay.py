@@ -43,7 +43,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import apsw
 import msgspec
@@ -58,7 +58,7 @@ from .errors import (
 )
 from .paging import ROW_BYTES_SQL, read_page, record_from_row
 from .records import AGENT_HISTORY, QUARANTINED, SUPERSEDED, Record
-from .sinks import Sink, rejects_content
+from .sinks import ForgetsTickets, Sink, WritesMany, rejects_content
 from .spool import RECORD_COLUMNS, Spool, check_lookup, reasons_filter
 
 log = text.logger("walspool.replay")
@@ -68,7 +68,7 @@ DEFAULT_BATCH_ROWS = 512
 #: Beside the spool; an exclusive ``flock`` on it makes replays take turns.
 LOCK_SUFFIX = files.REPLAY_LOCK_SUFFIX
 #: Seconds a replay waits for another replay of the same spool before ``ReplayBusy``.
-LOCK_WAIT = 600.0
+REPLAY_WAIT = 600.0
 _MAX_SEQ = 2**63 - 1
 
 #: Which rows a replay takes: the asked-for reasons, or every reason but agent history;
@@ -277,7 +277,7 @@ class Replayer:
         old rows after all), in seq order with the rest. ``limit`` caps the rows
         written by this call.
 
-        Waits while another replay of the same spool runs: at most ``LOCK_WAIT``
+        Waits while another replay of the same spool runs: at most ``REPLAY_WAIT``
         seconds (``wait=True``), ``wait`` seconds (a number), or not at all
         (``wait=False``), then raises ``ReplayBusy``; call it off the event loop.
         Errors of the spool propagate; rows then left in flight are looked up by
@@ -317,7 +317,7 @@ class Replayer:
         return f"Replayer({self.spool!r}, {self.sink!r})"
 
 
-class _Tally:
+class _StreamOutcome:
     __slots__ = ("session_id", "moved", "held", "error", "quarantined")
 
     def __init__(self, session_id: str | None) -> None:
@@ -363,7 +363,7 @@ class _Run:
         self.session_key = session_key
         self.filter = {"reasons": reasons, "agent_history": AGENT_HISTORY, "statuses": statuses}
         self.uid = self.spool.uid
-        self.tallies: dict[Stream, _Tally] = {}
+        self.tallies: dict[Stream, _StreamOutcome] = {}
         self.targets: dict[Stream, str | None] = {}
         self.recovered = 0
         self.taken = 0
@@ -540,9 +540,8 @@ class _Run:
         settled, so tickets under this batch's first are done with, but for the
         rows still in flight (``keep``). A record left behind costs a little room,
         never a wrong answer: its ticket is never given out again."""
-        forget = getattr(self.sink, "forget", None)
-        if forget is not None:
-            forget(self.uid, below, keep)
+        if isinstance(self.sink, ForgetsTickets):
+            self.sink.forget(self.uid, below, keep)
 
     def _write_stream(self, stream: Stream, taken: list[Taken], done: _Settlement) -> None:
         """Write one stream's rows of a batch in order, stopping at the first held row.
@@ -600,9 +599,9 @@ class _Run:
 
     def _batchable_run(self, taken: list[Taken], start: int) -> list[Taken]:
         """The rows from ``start`` on that the sink can write as one batch."""
-        batchable = getattr(self.sink, "batchable", None)
-        if batchable is None or not hasattr(self.sink, "write_many"):
+        if not isinstance(self.sink, WritesMany):
             return []
+        batchable = self.sink.batchable
         end = start
         while (
             end < len(taken)
@@ -620,7 +619,7 @@ class _Run:
         items = [(rec, (self.uid, ticket, rec.id)) for rec, ticket in run]
         tickets = [t for _, t in items]
         try:
-            self.sink.write_many(target, items)
+            cast(WritesMany, self.sink).write_many(target, items)  # ``_batchable_run`` saw it
         except Exception as exc:  # noqa: BLE001 - the rows are tried one by one next
             unknown = False
             try:
@@ -723,10 +722,10 @@ class _Run:
         tally = self.tallies.get(stream)
         return tally is not None and tally.error is not None
 
-    def _tally(self, stream: Stream) -> _Tally:
+    def _tally(self, stream: Stream) -> _StreamOutcome:
         tally = self.tallies.get(stream)
         if tally is None:
-            tally = self.tallies[stream] = _Tally(self._target(stream)[0])
+            tally = self.tallies[stream] = _StreamOutcome(self._target(stream)[0])
         return tally
 
     def _target(self, stream: Stream) -> tuple[str | None, str | None]:
@@ -848,7 +847,7 @@ def replay_lock(spool: Spool, wait: bool | float = True) -> contextlib.AbstractC
     """Hold ``spool``'s replay lock for the block: no replay, drain or change of rows
     out in flight runs meanwhile, in this process or another.
 
-    ``wait``: True waits at most ``LOCK_WAIT`` seconds, a number that many, False not
+    ``wait``: True waits at most ``REPLAY_WAIT`` seconds, a number that many, False not
     at all; then ``ReplayBusy``.
     """
     return _exclusive(Path(f"{spool.path}{LOCK_SUFFIX}"), wait, owner=spool.owner)
@@ -861,7 +860,7 @@ def _exclusive(path: Path, wait: bool | float = True, owner: int | None = None) 
 
     flock locks belong to an open file description, so two replays in one process
     exclude each other too; the kernel drops the lock when the process dies.
-    ``wait``: True waits at most ``LOCK_WAIT`` seconds, a number that many, False
+    ``wait``: True waits at most ``REPLAY_WAIT`` seconds, a number that many, False
     not at all; then ``ReplayBusy``. ``owner``: the spool owner's uid (default: the
     owner of the spool's directory, checked as ``walspool.files`` does).
     """
@@ -872,7 +871,7 @@ def _exclusive(path: Path, wait: bool | float = True, owner: int | None = None) 
         except OSError as exc:
             raise SpoolIOError(f"cannot check {path.parent}: {exc}", path=path) from exc
     fd = files.open_private(path, owner, spool_path, "the replay lock")
-    budget = LOCK_WAIT if wait is True else float(wait or 0)
+    budget = REPLAY_WAIT if wait is True else float(wait or 0)
     held = False
     try:
         _lock_within(fd, budget, spool_path)

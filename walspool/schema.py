@@ -342,7 +342,7 @@ def open_writer(
     has, this raises ``SpoolCorrupt`` and changes nothing.
     """
     files.refuse_read_only(path)
-    owner = files.prepare(path)
+    owner = files.make_and_check(path)
     # Someone else's file is refused before a lock file is made beside it.
     files.refuse_non_sqlite(path)
     lock = hold_open_lock(path, owner)
@@ -381,7 +381,7 @@ def _open_locked(
                 exc.__cause__ or exc,
                 moved,
             )
-            files.prepare(path)
+            files.make_and_check(path)
             return _open_checked(path, owner, durability, max_bytes)
         finally:
             fcntl.flock(lock, fcntl.LOCK_SH)  # back to sharing it with later openers

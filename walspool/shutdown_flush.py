@@ -71,8 +71,8 @@ from .jsonspool import FILE_PATTERN, QUARANTINE_PATTERN, import_json_spool
 from .paging import LARGE_PAYLOAD, SMALL_PAYLOAD
 from .records import AGENT_HISTORY, CAP_DROP, agent_history_message, slot_message
 from .replay import Replayer, ReplayReport, replay_lock
-from .sinks import gateway_mapping, is_row_rejection
-from .spool import Spool, check_lookup
+from .sinks import gateway_mapping, is_row_rejection, session_db_connection
+from .spool import REOPENED, Spool, check_lookup
 
 __all__ = [
     "AGENT_HISTORY_REASON",
@@ -198,16 +198,12 @@ def shared_spool() -> Spool:
             try:
                 spool.check_path()
             except SpoolReplaced:
-                stale, spool = spool, None
+                stale = spool
+                spool = _spools[path] = spool.reopened()
         if spool is None:
             spool = _spools[path] = Spool(path)
     if stale is not None:
-        log.warning(
-            "The transcript spool %s was moved or deleted while the gateway ran; a fresh "
-            "one is open at that path. Rows of the old file stay in it (if it was moved, "
-            "`walspool replay OLD_PATH --into STATE_DB` writes them)",
-            path,
-        )
+        log.warning(REOPENED, path)
         _close_quietly(stale)
     return spool
 
@@ -858,11 +854,9 @@ def routed_session_id(
     ``HERMES_HOME``); ``mirror`` gives the decoded ``sessions.json`` (a recovery reads
     it once for all its keys); without it the file is read here.
     """
-    from .sinks import _private_connection
-
     home_dir = home() if home_dir is None else home_dir
     scope = str((home_dir / SESSIONS_DIR_NAME).resolve())
-    conn, lock = _private_connection(session_db)
+    conn, lock = session_db_connection(session_db)
     if conn is not None:
         try:
             with lock:

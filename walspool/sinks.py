@@ -156,14 +156,35 @@ class Sink(Protocol):
     raises, ``landed`` tells whether it committed all the same. ``landed`` returns
     exactly the given tickets whose writes committed, or None when the sink cannot
     tell (then a raise must mean nothing was written); asked of no tickets, None
-    says it can never tell, and the replayer hands it one row per batch. A sink may also offer
-    ``forget(spool, below, keep)``: the replayer no longer needs the records of
-    that spool's tickets under ``below``, except those in ``keep``.
+    says it can never tell, and the replayer hands it one row per batch.
+
+    Those two are all a sink needs. What else the replayer calls, if a sink has it,
+    is stated by ``WritesMany`` and ``ForgetsTickets``, the protocols it checks for.
     """
 
     def write(self, session_id: str, record: Record, ticket: Ticket) -> None: ...
 
     def landed(self, tickets: Sequence[Ticket]) -> Collection[Ticket] | None: ...
+
+
+@runtime_checkable
+class WritesMany(Protocol):
+    """A sink that can write a run of one session's rows as one commit: ``batchable``
+    says whether a record may join such a run, ``write_many`` writes the run (every
+    row or none, each with its ticket, as ``write`` would one by one)."""
+
+    def batchable(self, record: Record) -> bool: ...
+
+    def write_many(self, session_id: str, items: Sequence[tuple[Record, Ticket]]) -> None: ...
+
+
+@runtime_checkable
+class ForgetsTickets(Protocol):
+    """A sink that keeps records of tickets: ``forget(spool, below, keep)`` says the
+    replayer no longer needs those of the spool's tickets under ``below``, except
+    those in ``keep``."""
+
+    def forget(self, spool: str, below: int, keep: Sequence[int]) -> None: ...
 
 
 class RowRejected(ValueError):
@@ -472,7 +493,7 @@ class SessionDBSink:
 
     def landed(self, tickets: Sequence[Ticket]) -> set[Ticket] | None:
         """The given tickets whose messages are committed in state.db (exact)."""
-        conn, lock = _private_connection(self.session_db)
+        conn, lock = session_db_connection(self.session_db)
         if conn is None or lock is None:
             if _is_closed_session_db(self.session_db):
                 raise SessionDBClosed(
@@ -522,7 +543,7 @@ class SessionDBSink:
         return self._prepare()
 
     def _prepare(self) -> bool:
-        conn, lock = _private_connection(self.session_db)
+        conn, lock = session_db_connection(self.session_db)
         if conn is None and _is_closed_session_db(self.session_db):
             # Writing now would land untracked: let SessionDB reopen its writer first
             # (0.22 does so in ``_execute_write``), or hold the row.
@@ -530,7 +551,7 @@ class SessionDBSink:
                 self.session_db._execute_write(lambda c: None)
             except Exception as exc:  # noqa: BLE001 - named below: nothing was written
                 raise SessionDBClosed(f"{self.session_db!r} is closed: {exc}") from exc
-            conn, lock = _private_connection(self.session_db)
+            conn, lock = session_db_connection(self.session_db)
             if conn is None:
                 raise SessionDBClosed(f"{self.session_db!r} is closed")
         if conn is None or lock is None:
@@ -814,7 +835,7 @@ def _restore_landings_on_write(session_db: Any) -> None:
         setattr(session_db, name, restoring)
 
 
-def _private_connection(session_db: Any) -> tuple[Any, Any]:
+def session_db_connection(session_db: Any) -> tuple[Any, Any]:
     """``SessionDB``'s own connection and lock, for a cheap read; (None, None) if absent."""
     conn = getattr(session_db, "_conn", None)
     lock = getattr(session_db, "_lock", None)

@@ -66,6 +66,15 @@ WHERE session_id = ? AND status IS NULL AND reason != ?
 ANY_REPLAYABLE_SQL = "SELECT 1 FROM records WHERE reason != ? LIMIT 1"
 
 
+#: What a gateway logs (WARNING, with the path) once it has opened a fresh spool at the
+#: path of one that was moved or deleted while it ran (``Spool.reopened``).
+REOPENED = (
+    "The transcript spool %s was moved or deleted while the gateway ran; a fresh one is "
+    "open at that path. Rows of the old file stay in it (if it was moved, `walspool "
+    "replay OLD_PATH --into STATE_DB` writes them)"
+)
+
+
 def default_path() -> Path:
     """``<HERMES_HOME>/spool.db``; ``HERMES_HOME`` defaults to ``~/.hermes``."""
     home = os.environ.get("HERMES_HOME") or os.path.join(os.path.expanduser("~"), ".hermes")
@@ -296,6 +305,18 @@ class Spool:
         the spool cannot take (see ``Writer.call``).
         """
         return self._writer.call(Append((row,), single=True), within=seconds)
+
+    def reopened(self) -> Spool:
+        """A new ``Spool`` at this one's path, with its settings: what the path names
+        now, opened as the next start would open it, for a caller whose spool's path
+        names another file (``SpoolReplaced``). This one stays open: close it once
+        nothing of the caller's is left in its writer."""
+        return Spool(
+            self.path,
+            durability=self.durability,
+            max_payload_bytes=self.max_payload_bytes,
+            max_bytes=self.max_bytes,
+        )
 
     def check_path(self) -> None:
         """Raise ``SpoolReplaced`` now if the spool's path names another file (or none):

@@ -84,7 +84,9 @@ class StreamCount(NamedTuple):
     bad: int
 
 
-class InFlight(NamedTuple):
+class InFlightRow(NamedTuple):
+    """A row a replay has out: its ticket, its id, whether its payload decodes."""
+
     ticket: int
     id: int
     decodable: bool  # False: its payload is not JSON, or too costly to decode
@@ -95,7 +97,7 @@ class Plan(NamedTuple):
 
     uid: str
     streams: list[StreamCount]
-    inflight: dict[str, list[InFlight]]
+    inflight: dict[str, list[InFlightRow]]
     first: dict[str, Record]
 
 
@@ -143,10 +145,10 @@ def plan(
     """Read what a dry run needs from the spool, in one read transaction."""
     params = _params(session, reasons, statuses)
     streams = replay_streams(conn, session, reasons, statuses, bad=True)
-    inflight: dict[str, list[InFlight]] = {}
+    inflight: dict[str, list[InFlightRow]] = {}
     for row_id, session_id, ticket in conn.execute(INFLIGHT_ROWS_SQL, params):
         decodable = fetch_record(conn, row_id) is not None  # one row in memory at a time
-        inflight.setdefault(session_id, []).append(InFlight(ticket, row_id, decodable))
+        inflight.setdefault(session_id, []).append(InFlightRow(ticket, row_id, decodable))
     first = {}
     for stream in streams:
         if stream.session_id is not None:

@@ -123,6 +123,7 @@ def spool_error(exc: apsw.Error, path: Path) -> WalspoolError:
 # -- records in drop order ------------------------------------------------------
 
 INFLIGHT_SQL = "SELECT count(*) FROM records WHERE inflight IS NOT NULL"
+STATUS_COUNT_SQL = "SELECT status, count(*) FROM records WHERE status IS NOT NULL GROUP BY status"
 #: Each row's columns, whether its payload is JSON (as SQLite reads it, in C: no Python
 #: object per value) and what it costs to hold (``paging``): never the ``size`` column.
 _ROW = f"SELECT {RECORD_COLUMNS}, inflight, json_valid(payload), {ROW_BYTES_SQL} FROM records"

@@ -14,7 +14,7 @@ from urllib.parse import quote
 from ..errors import ReplayBusy, WalspoolError
 from ..records import Record
 from ..replay import Replayer, ReplayReport
-from ..sinks import Sink, Ticket
+from ..sinks import ForgetsTickets, Sink, Ticket
 from ..spool import UID_SQL
 from ._dryrun import landed
 from ._interrupt import raise_kept
@@ -138,7 +138,7 @@ def connecting_checked(
         hermes_state.sqlite3 = original
 
 
-class InFlight(NamedTuple):
+class InFlightNow(NamedTuple):
     """Rows a replay has out now, and how many of them state.db already holds."""
 
     rows: int
@@ -146,7 +146,7 @@ class InFlight(NamedTuple):
     tickets: frozenset[tuple[int, int]] = frozenset()  # (ticket, record id)
 
 
-def in_flight(spool: Path, state_db: Path) -> InFlight:
+def in_flight(spool: Path, state_db: Path) -> InFlightNow:
     """The spool's rows in flight now (read-only, after the replay closed the spool),
     and those whose ticket state.db holds (read-only)."""
     with reading(spool, quick_check=False) as reader:  # checked before the replay
@@ -155,13 +155,13 @@ def in_flight(spool: Path, state_db: Path) -> InFlight:
         )
     tickets = frozenset((ticket, rid) for rid, ticket in rows)
     if not tickets:
-        return InFlight(0, 0)
+        return InFlightNow(0, 0)
     state = open_state_db(state_db, write=False)
     try:
         found = landed(state, str(uid), sorted({ticket for ticket, _ in tickets}))
     finally:
         state.close()
-    return InFlight(len(tickets), len(found & tickets), tickets)
+    return InFlightNow(len(tickets), len(found & tickets), tickets)
 
 
 class ProgressSink:
@@ -189,9 +189,8 @@ class ProgressSink:
         return self.sink.landed(tickets)
 
     def forget(self, spool: str, below: int, keep: Sequence[int]) -> None:
-        forget = getattr(self.sink, "forget", None)
-        if forget is not None:
-            forget(spool, below, keep)
+        if isinstance(self.sink, ForgetsTickets):
+            self.sink.forget(spool, below, keep)
 
     def __repr__(self) -> str:
         return repr(self.sink)

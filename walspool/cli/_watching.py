@@ -20,9 +20,8 @@ from ..errors import WalspoolError
 from ..records import QUARANTINED, SUPERSEDED
 from ..spool import STATS_BY_REASON_SQL, STATS_FAILING_SQL, UID_SQL, stats_from
 from ._holders import Holder, holders
-from ._reading import INFLIGHT_SQL, reading
+from ._reading import INFLIGHT_SQL, STATUS_COUNT_SQL, reading
 from ._streams import Line, backlog_object, latest_error, read_lines, write_array
-from .stats import STATUS_COUNT_SQL
 
 #: Streams read per snapshot, oldest first: more than any terminal shows.
 MAX_STREAMS = 500

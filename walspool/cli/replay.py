@@ -34,7 +34,7 @@ from ._output import (
     warn,
 )
 from ._reading import reading, upgraded
-from ._replaying import InFlight, in_flight, replay_into
+from ._replaying import InFlightNow, in_flight, replay_into
 from ._statedb import StateDBError, open_state_db, state_db_message
 
 
@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
                     report = dry_run_report(found, state, args.into, args.create_missing, fetch)
                 except sqlite3.Error as exc:
                     raise StateDBError(state_db_message(exc, args.into), path=args.into) from exc
-                inflight = InFlight(sum(s.inflight for s in found.streams), report.recovered)
+                inflight = InFlightNow(sum(s.inflight for s in found.streams), report.recovered)
     finally:
         state.close()
     if not args.dry_run:
@@ -178,7 +178,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _print_replay(
     args: argparse.Namespace,
     report: ReplayReport,
-    inflight: InFlight,
+    inflight: InFlightNow,
     stop: Interrupted | None = None,
 ) -> None:
     if args.json:

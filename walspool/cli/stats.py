@@ -7,7 +7,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import Any, TextIO
 
 import apsw
 import msgspec
@@ -15,14 +15,13 @@ import msgspec
 from ..records import QUARANTINED, SUPERSEDED
 from ..spool import STATS_BY_REASON_SQL, STATS_FAILING_SQL, STATS_SESSIONS_SQL, stats_from
 from ..text import printable
+from ._frame import drain_eta
 from ._holders import holders, holders_text
+from ._lockwait import seconds as seconds_argument
 from ._output import EXIT_OK, cli_terms, clip, dump, duration, iso, plural, size, stream_name
-from ._reading import INFLIGHT_SQL, reading
+from ._reading import INFLIGHT_SQL, STATUS_COUNT_SQL, reading
+from ._watching import Rates, rates, read_snapshot
 
-if TYPE_CHECKING:
-    from ._watching import Rates
-
-STATUS_COUNT_SQL = "SELECT status, count(*) FROM records WHERE status IS NOT NULL GROUP BY status"
 #: Sessions whose latest error ``stats`` shows, the most recent first.
 LAST_ERRORS = 5
 #: Characters of a session's name and of its error read per row (a session id may be
@@ -125,9 +124,6 @@ def _error_line(error: dict[str, Any]) -> str:
 def sample(path: Path, seconds: float) -> tuple[Rates | None, float | None]:
     """Two readings ``seconds`` apart (as watch takes them): the rates between them
     and the drain's ETA at those rates (None: not draining, or no rates)."""
-    from ._frame import drain_eta
-    from ._watching import rates, read_snapshot
-
     before = read_snapshot(path)
     time.sleep(seconds)
     after = read_snapshot(path)
@@ -208,11 +204,9 @@ def _latest_per_session(recent: list[Any], now: float) -> list[dict[str, Any]]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from ._lockwait import seconds
-
     p.add_argument(
         "--sample",
-        type=seconds,
+        type=seconds_argument,
         default=0.0,
         metavar="SECONDS",
         help="read the spool again after this many seconds, for the rates and the "
