@@ -286,7 +286,8 @@ def test_a_spool_opened_without_a_path_is_spool_db_in_hermes_home(monkeypatch, t
 def test_public_api_is_pinned():
     assert sorted(walspool.__all__) == sorted([
         "AGENT_HISTORY", "CAP_DROP", "QUARANTINED", "SHUTDOWN", "SUPERSEDED", "DiskFull",
-        "ForgetsTickets", "ImportReport", "InvalidArgument", "NotAMessage", "NotASpool", "PayloadTooLarge",
+        "ForgetsTickets", "ImportReport", "InvalidArgument", "NotAMessage", "NotASpool",
+        "PayloadTooLarge",
         "Receipt", "Record", "ReplayBusy", "ReplayReport", "Replayer", "SchemaTooNew",
         "SessionDBSink", "SessionMissing", "Sink",
         "Spool", "SpoolClosed", "SpoolCorrupt", "SpoolFull", "SpoolIOError", "SpoolReplaced",

