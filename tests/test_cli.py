@@ -403,13 +403,13 @@ def test_export_pages_through_many_rows(capsys: pytest.CaptureFixture[str], tmp_
 def test_check_healthy(capsys: pytest.CaptureFixture[str], spool_file: Path) -> None:
     rc, out, err = run(capsys, "check", spool_file)
     assert (rc, err) == (0, "")
-    assert out.rstrip().endswith("ok") and "schema version 4" in out
+    assert out.rstrip().endswith("ok") and "schema version 5" in out
     rc, out, err = run(capsys, "check", spool_file, "--json")
     result = json.loads(out)
     assert set(result) == CHECK_KEYS
     assert result["ok"] is True and result["problems"] == []
     assert result["application_id"] == 0x5753504C
-    assert result["schema_version"] == SCHEMA_VERSION == 4
+    assert result["schema_version"] == SCHEMA_VERSION == 5
     assert result["rows"] == 7
 
 
@@ -982,7 +982,7 @@ def test_readme_queries_run_in_the_sqlite3_shell(tmp_path: Path) -> None:
     assert "session-1" in text and "session-2" in text and KEY in text
     assert "RuntimeError: state.db is locked" in text  # the failures view
     assert "I want a refund" in text  # json_extract on payloads
-    assert "1465077836\n4\n" in text  # application_id, user_version
+    assert "1465077836\n5\n" in text  # application_id, user_version
     exported = (tmp_path / "session-1.jsonl").read_text().splitlines()
     assert [json.loads(line).get("content") for line in exported] == [
         "hello", "hi, how can I help?", "I want a refund\nplease", None,

@@ -21,6 +21,7 @@ from _helpers import ROOT, STEP, MemorySink, child_deadline, descriptors_on, run
 from _old_schemas import DOWNGRADE_TO_V1_SQL, make_v2_spool, make_v3_spool
 
 import walspool
+from walspool import maintenance
 from walspool.schema import APPLICATION_ID, SCHEMA_VERSION, open_reader, schema_problems
 
 MSG = {"role": "user", "content": "hello 世界", "n": 1}
@@ -34,7 +35,7 @@ def test_file_identity_wal_and_strict_tables(spool, spool_path):
     spool.append("s", MSG)
     conn = apsw.Connection(str(spool_path), flags=apsw.SQLITE_OPEN_READONLY)
     assert conn.execute("PRAGMA application_id").get == APPLICATION_ID
-    assert conn.execute("PRAGMA user_version").get == SCHEMA_VERSION == 4
+    assert conn.execute("PRAGMA user_version").get == SCHEMA_VERSION == 5
     assert conn.execute("PRAGMA journal_mode").get == "wal"
     strict = {
         name: s
@@ -47,15 +48,22 @@ def test_file_identity_wal_and_strict_tables(spool, spool_path):
     uid = conn.execute("SELECT value FROM spool_meta WHERE name = 'uid'").get
     assert len(uid) == 32 and int(uid, 16) >= 0
     assert not any("fts" in n.lower() for n in names)
-    # No trigger on the append path: the two that keep next seqs fire on delete and
-    # on an update of a row's stream or seq.
+    # No trigger on the append path: the two that keep next seqs and the two that keep
+    # the next id fire on delete and on an update of a row's stream, seq or id.
     triggers = dict(conn.execute("SELECT name, sql FROM sqlite_schema WHERE type='trigger'"))
-    assert set(triggers) == {"records_keep_next_seq_on_delete", "records_keep_next_seq_on_update"}
+    assert set(triggers) == {
+        "records_keep_next_seq_on_delete",
+        "records_keep_next_seq_on_update",
+        "records_keep_next_id_on_delete",
+        "records_keep_next_id_on_update",
+    }
     assert "AFTER DELETE ON records" in triggers["records_keep_next_seq_on_delete"]
     assert (
         "AFTER UPDATE OF session_id, session_key, seq"
         in triggers["records_keep_next_seq_on_update"]
     )
+    assert "AFTER DELETE ON records" in triggers["records_keep_next_id_on_delete"]
+    assert "AFTER UPDATE OF id ON records" in triggers["records_keep_next_id_on_update"]
     conn.close()
 
 
@@ -264,7 +272,7 @@ def test_schema_3_spool_is_upgraded_in_place_and_keeps_every_next_seq(spool_path
         assert [spool.append(name, {}).seq for name in ("gone", "s", "new")] == [9, 5, 2]
     conn = open_reader(spool_path)
     try:
-        assert conn.execute("PRAGMA user_version").get == SCHEMA_VERSION == 4
+        assert conn.execute("PRAGMA user_version").get == SCHEMA_VERSION == 5
         assert schema_problems(conn) == []
     finally:
         conn.close()
@@ -301,6 +309,59 @@ def test_a_key_only_stream_drained_never_reuses_a_seq(spool):
     assert spool.append("k", "by id").seq == 1  # a session id equal to the key: its own
 
 
+@pytest.mark.parametrize("how", ["replayed", "dropped", "deleted by hand"])
+def test_a_row_id_is_never_given_again_once_the_spool_was_emptied(spool_path, how):
+    """Rows leave (a replay, an operator's drop, a DELETE in the ``sqlite3`` shell), the
+    file is vacuumed empty: the next append's id is above every id given before, so an
+    id noted during an incident (or kept in ``audit``) names one row for good."""
+    with walspool.Spool(spool_path) as spool:
+        given = [spool.append("s", {"n": i}).id for i in range(3)]
+        if how == "replayed":
+            walspool.Replayer(spool, MemorySink()).replay()
+        elif how == "dropped":
+            assert spool.supersede("s") == 3  # set aside: what an operator may drop
+            assert sorted(maintenance.drop(spool, given)) == given
+    if how == "deleted by hand":
+        conn = apsw.Connection(str(spool_path))
+        conn.execute("DELETE FROM records")
+        conn.close()
+    conn = apsw.Connection(str(spool_path))
+    conn.execute("VACUUM")
+    assert conn.execute("SELECT count(*) FROM records").get == 0
+    conn.close()
+    with walspool.Spool(spool_path) as spool:
+        assert spool.append("t", {"n": 0}).id == max(given) + 1
+
+
+def test_schema_4_spool_is_upgraded_and_keeps_ids_from_then_on(spool_path, caplog):
+    """A schema 4 spool (no kept next id) is upgraded by the first open for writing;
+    from then on, ids of rows that leave are not given again."""
+    with walspool.Spool(spool_path) as spool:
+        spool.append("s", {"n": 0})
+    conn = apsw.Connection(str(spool_path))  # the file as schema 4 made it
+    conn.execute(
+        "DROP TRIGGER records_keep_next_id_on_delete; DROP TRIGGER records_keep_next_id_on_update;"
+        "PRAGMA user_version = 4"
+    )
+    conn.close()
+    with pytest.raises(walspool.NotASpool, match="a read-only open cannot upgrade it"):
+        open_reader(spool_path)
+    with caplog.at_level(logging.WARNING, logger="walspool.schema"):
+        spool = walspool.Spool(spool_path)
+    assert [r.getMessage() for r in caplog.records if r.name == "walspool.schema"] == [
+        f"upgraded spool {spool_path} from schema 4 to {SCHEMA_VERSION}"
+    ]
+    with spool:
+        last = spool.append("s", {"n": 1}).id
+        walspool.Replayer(spool, MemorySink()).replay()
+        assert spool.append("s", {"n": 2}).id == last + 1
+    conn = open_reader(spool_path)
+    try:
+        assert schema_problems(conn) == []
+    finally:
+        conn.close()
+
+
 def test_schema_1_spool_is_upgraded_in_place(spool_path):
     make_v2_spool(spool_path, [("s", i + 1, f'{{"n":{i}}}', None) for i in range(3)])
     conn = apsw.Connection(str(spool_path))  # rewrite the file as schema 1 had it
@@ -313,7 +374,7 @@ def test_schema_1_spool_is_upgraded_in_place(spool_path):
         assert spool.stats().bytes == 3 * len('{"n":0}')
         assert spool.append("s", {"n": 3}).seq == 4
     conn = apsw.Connection(str(spool_path), flags=apsw.SQLITE_OPEN_READONLY)
-    assert conn.execute("PRAGMA user_version").get == SCHEMA_VERSION == 4
+    assert conn.execute("PRAGMA user_version").get == SCHEMA_VERSION == 5
     assert conn.execute("SELECT rows, bytes FROM backlog").fetchall() == [(4, 4 * 7)]
     conn.close()
     assert not [p for p in spool_path.parent.iterdir() if ".damaged-" in p.name]

@@ -39,7 +39,7 @@ open_guard.install()
 #: ``PRAGMA application_id`` of a spool: "WSPL".
 APPLICATION_ID = 0x5753504C
 #: ``PRAGMA user_version`` of the schema this module creates.
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 DURABILITY_SYNCHRONOUS = {"full": "FULL", "normal": "NORMAL"}
 #: ``PRAGMA fullfsync`` and ``checkpoint_fullfsync`` per durability (macOS's F_FULLFSYNC).
@@ -165,6 +165,19 @@ CREATE TRIGGER records_keep_next_seq_on_delete AFTER DELETE ON records{_KEEP_NEX
 CREATE TRIGGER records_keep_next_seq_on_update
     AFTER UPDATE OF session_id, session_key, seq ON records{_KEEP_NEXT_SEQ_BODY}
 """
+#: The spool's next row id, kept in ``spool_meta`` (``next_id``) when rows leave, as
+#: the next seq is in ``sequences``: an append takes the larger of the highest id still
+#: in ``records`` plus one and this number, so an id once given (noted by an operator,
+#: kept in ``audit``) never names another row, even once the spool was emptied.
+_KEEP_NEXT_ID_BODY = f"""
+BEGIN
+    INSERT INTO spool_meta (name, value) VALUES ('next_id', min(old.id, {MAX_KEPT_SEQ}) + 1)
+    ON CONFLICT (name) DO UPDATE SET value = max(value, excluded.value);
+END;"""
+KEEP_NEXT_ID_SQL = f"""
+CREATE TRIGGER records_keep_next_id_on_delete AFTER DELETE ON records{_KEEP_NEXT_ID_BODY}
+CREATE TRIGGER records_keep_next_id_on_update AFTER UPDATE OF id ON records{_KEEP_NEXT_ID_BODY}
+"""
 AUDIT_SQL = """
 -- What operators did to rows through the command line (walspool drop, requeue):
 -- when, who (user, uid, host, pid), the row, and for a dropped row its whole
@@ -191,6 +204,12 @@ MIGRATE_V3_SQL = f"""
 DROP INDEX IF EXISTS records_reason_created_at_size_idx;
 {INDEXES_SQL}
 PRAGMA user_version = 4;
+"""
+#: Schema 4 -> 5: the next row id kept when rows leave (triggers). Ids a schema 4
+#: spool gave to rows already gone are not known, and may be given again.
+MIGRATE_V4_SQL = f"""
+{KEEP_NEXT_ID_SQL}
+PRAGMA user_version = 5;
 """
 
 SCHEMA_SQL = f"""
@@ -239,6 +258,7 @@ CREATE TABLE sequences (
 
 {KEEP_NEXT_SEQ_SQL}
 {SPOOL_META_SQL}
+{KEEP_NEXT_ID_SQL}
 {AUDIT_SQL}
 {BACKLOG_VIEW_SQL}
 {FAILURES_VIEW_SQL}
@@ -251,6 +271,8 @@ EXPECTED_OBJECTS = {
     ("table", "audit"),
     ("trigger", "records_keep_next_seq_on_delete"),
     ("trigger", "records_keep_next_seq_on_update"),
+    ("trigger", "records_keep_next_id_on_delete"),
+    ("trigger", "records_keep_next_id_on_update"),
     ("view", "backlog"),
     ("view", "failures"),
     ("index", "records_session_key_seq_idx"),
@@ -647,6 +669,9 @@ def _migrate(conn: apsw.Connection, path: Path) -> None:
             version = 3
         if version == 3:
             conn.execute(MIGRATE_V3_SQL)
+            version = 4
+        if version == 4:
+            conn.execute(MIGRATE_V4_SQL)
     log.warning("upgraded spool %s from schema %d to %d", path, found, SCHEMA_VERSION)
 
 

@@ -92,7 +92,12 @@ SELECT max(
     coalesce((SELECT next_seq FROM sequences WHERE stream = 'session_key' AND name = ?1), 1),
     coalesce((SELECT max(seq) + 1 FROM records WHERE session_id IS NULL AND session_key = ?1), 1))
 """
-MAX_ID_SQL = "SELECT coalesce(max(id), 0) FROM records"
+#: The highest row id given so far: in ``records``, or kept in ``spool_meta`` once its
+#: row left (``schema.KEEP_NEXT_ID_SQL``).
+MAX_ID_SQL = """
+SELECT max(coalesce((SELECT max(id) FROM records), 0),
+           coalesce((SELECT value FROM spool_meta WHERE name = 'next_id'), 1) - 1)
+"""
 INSERT_RECORD_SQL = """
 INSERT INTO records (id, session_id, seq, reason, session_key, created_at, payload, size)
 VALUES (?, ?, ?, ?, ?, ?, ?, ?)
