@@ -18,6 +18,7 @@ import shutil
 import signal
 import sqlite3
 import stat
+import struct
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -139,6 +140,47 @@ def test_a_home_writable_by_a_group_that_holds_others_is_refused(shared_tmp, own
     assert done.stdout.startswith("UntrustedSpool") and "chmod go-w" in done.stdout
     assert f"its group {grp.getgrgid(group).gr_name} is not its owner's alone" in done.stdout
     assert not (home / "spool.db").exists()
+
+
+def set_acl(path: Path, entries: list[tuple[int, int, int]]) -> None:
+    """Give ``path`` the POSIX ACL of (tag, permissions, id) ``entries``, as ``setfacl``
+    stores it (``system.posix_acl_access``); skips where the file system keeps none."""
+    ordered = sorted(entries, key=lambda entry: (entry[0], entry[2]))  # as the kernel wants
+    raw = struct.pack("<I", 2) + b"".join(struct.pack("<HHI", *entry) for entry in ordered)
+    try:
+        os.setxattr(path, "system.posix_acl_access", raw)
+    except OSError as exc:
+        pytest.skip(f"no POSIX ACL on this file system: {exc}")
+
+
+#: ACL tags and "no id" (the owner's, the group's, the mask's and others' entries).
+USER_OBJ, USER, GROUP_OBJ, GROUP, MASK, OTHER, NO_ID = 0x01, 0x02, 0x04, 0x08, 0x10, 0x20, 2**32 - 1
+
+
+@as_root
+@needs_private_group
+@pytest.mark.parametrize("entry", ["user", "group"])
+def test_a_home_others_may_write_through_its_acl_is_refused(shared_tmp, entry):
+    """``setfacl -m u:nobody:rwx`` (or ``g:nogroup:rwx``) on daemon's 0700 home: the mode
+    reads 0770 (the group bits are the ACL's mask) and the group is daemon's own, but
+    nobody may write it. The owner's open is refused, naming the entry, and nothing is
+    made there; the owner's own entries do not count."""
+    owner = NEIGHBOUR  # daemon, whose group is its own: the mode alone looks private
+    home = owned_dir(shared_tmp / "hermes", owner, 0o700)
+    named = (USER, 7, GATEWAY_USER) if entry == "user" else (GROUP, 7, GATEWAY_USER)
+    rest = [(GROUP_OBJ, 0, NO_ID), (MASK, 7, NO_ID), (OTHER, 0, NO_ID)]
+    set_acl(home, [(USER_OBJ, 7, NO_ID), named, *rest])
+    assert stat.S_IMODE(home.stat().st_mode) == 0o770
+    done = as_user(owner, OPEN_AND_APPEND, str(home / "spool.db"))
+    assert done.returncode == 3, done.stderr
+    name = "nobody" if entry == "user" else grp.getgrgid(GATEWAY_USER).gr_name
+    assert done.stdout.startswith("UntrustedSpool"), done.stdout
+    assert f"through its ACL ({entry}:{name}:rwx)" in done.stdout and "setfacl -b" in done.stdout
+    assert not (home / "spool.db").exists()
+    # The owner's own entry, and read-only entries for others, are no reason.
+    set_acl(home, [(USER_OBJ, 7, NO_ID), (USER, 7, owner), (USER, 5, GATEWAY_USER), *rest])
+    done = as_user(owner, OPEN_AND_APPEND, str(home / "spool.db"))
+    assert (done.returncode, done.stdout) == (0, "ok\n"), done.stdout + done.stderr
 
 
 @pytest.mark.parametrize("planted", ["spool.db", "spool.db-wal", "spool.db-shm"])

@@ -15,6 +15,11 @@ own and a umask of 002 make (``_private_group``). Such a directory is trusted. W
 makes a group private is read from the user and group databases at each open: an
 administrator who adds a member later makes the next open refuse, not the ones before.
 
+A POSIX ACL (``system.posix_acl_access``) counts as the mode does: an entry that lets
+a named user other than the owner, or a named group that is not the owner's private
+one, write a directory makes it writable by others, whatever the mask (which is what
+the mode's group bits show once there is an ACL) lets through today.
+
 Symlinks in the directory's own path are resolved once, before the walk (a symlinked
 ``HERMES_HOME`` is common); a component that turns into a link during the walk makes
 the open fail rather than be followed. Not guaranteed: that the directory still has
@@ -29,8 +34,10 @@ import grp
 import os
 import pwd
 import stat
+import struct
 from pathlib import Path
 from types import TracebackType
+from typing import NamedTuple
 
 from .errors import UntrustedSpool
 
@@ -99,15 +106,15 @@ def open_directory(
     """
     real = Path(os.path.realpath(directory))
     fd = os.open("/", _WALK)
-    walked: list[tuple[Path, os.stat_result]] = [(Path("/"), os.fstat(fd))]
     try:
+        walked = [_looked_at(fd, Path("/"))]
         here = Path("/")
         for name in real.parts[1:]:
             here = here / name
             nfd = _step(fd, name, here, create)
             os.close(fd)
             fd = nfd
-            walked.append((here, os.fstat(fd)))
+            walked.append(_looked_at(fd, here))
         owner = _check_walk(walked, about, own)
     except BaseException:
         os.close(fd)
@@ -134,9 +141,73 @@ def _step(fd: int, name: str, here: Path, create: bool) -> int:
     return os.open(name, _WALK, dir_fd=fd)
 
 
-def _check_walk(walked: list[tuple[Path, os.stat_result]], about: Path, own: bool) -> int:
+class _Looked(NamedTuple):
+    """A directory of the walk, as its descriptor shows it."""
+
+    path: Path
+    st: os.stat_result
+    #: Its ACL entries that let someone but its owner write it, as ``getfacl`` prints them.
+    acl_writers: list[str]
+
+
+def _looked_at(fd: int, path: Path) -> _Looked:
+    st = os.fstat(fd)
+    return _Looked(path, st, _acl_writers(fd, st.st_uid))
+
+
+#: ``system.posix_acl_access``: a version, then (tag, permissions, id) entries.
+_ACL_VERSION = 2
+_ACL_ENTRY = struct.Struct("<HHI")
+_ACL_USER, _ACL_GROUP = 0x02, 0x08
+_ACL_WRITE = 0x02
+
+
+def _acl_writers(fd: int, owner: int) -> list[str]:
+    """The ACL entries of the directory open as ``fd`` that let a named user other than
+    ``owner``, or a named group that is not ``owner``'s private group, write it. Read
+    through the descriptor (``/proc/self/fd``: an ``O_PATH`` descriptor has no xattr
+    calls of its own); none where the file system keeps no ACL."""
+    try:
+        raw = os.getxattr(f"/proc/self/fd/{fd}", "system.posix_acl_access")
+    except OSError as exc:
+        if exc.errno in (errno.ENODATA, errno.ENOTSUP, errno.ENOENT):
+            return []
+        raise
+    if len(raw) < 4 or int.from_bytes(raw[:4], "little") != _ACL_VERSION:
+        return [f"an ACL walspool cannot read ({len(raw)} bytes)"]
+    writers = []
+    for offset in range(4, len(raw) - _ACL_ENTRY.size + 1, _ACL_ENTRY.size):
+        tag, perm, who = _ACL_ENTRY.unpack_from(raw, offset)
+        if not perm & _ACL_WRITE:
+            continue
+        if tag == _ACL_USER and who not in (owner, 0):
+            writers.append(f"user:{_user_name(who)}:{_perm_text(perm)}")
+        elif tag == _ACL_GROUP and not _private_group(who, owner):
+            writers.append(f"group:{_group_name(who)}:{_perm_text(perm)}")
+    return writers
+
+
+def _perm_text(perm: int) -> str:
+    return "".join(c if perm & bit else "-" for c, bit in (("r", 4), ("w", 2), ("x", 1)))
+
+
+def _user_name(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
+
+
+def _group_name(gid: int) -> str:
+    try:
+        return grp.getgrgid(gid).gr_name
+    except KeyError:
+        return str(gid)
+
+
+def _check_walk(walked: list[_Looked], about: Path, own: bool) -> int:
     """The final directory's owner, once every directory on the way is trusted."""
-    directory, st = walked[-1]
+    directory, st, acl = walked[-1]
     euid = os.geteuid()
     if own and euid != 0 and st.st_uid != euid:
         raise UntrustedSpool(
@@ -151,8 +222,15 @@ def _check_walk(walked: list[tuple[Path, os.stat_result]], about: Path, own: boo
             f"the files in it; run `chmod go-w {directory}`",
             path=about,
         )
+    if acl:
+        raise UntrustedSpool(
+            f"the directory {directory} of {about.name} may be written by others through "
+            f"its ACL ({', '.join(acl)}), so they could replace the files in it; run "
+            f"`setfacl -b {directory}` (or remove those entries)",
+            path=about,
+        )
     owner = st.st_uid
-    for above, ast in walked[:-1]:
+    for above, ast, above_acl in walked[:-1]:
         if ast.st_uid not in (0, owner):
             raise UntrustedSpool(
                 f"{above}, on the way to {about}, belongs to uid {ast.st_uid}, neither root "
@@ -166,6 +244,13 @@ def _check_walk(walked: list[tuple[Path, os.stat_result]], about: Path, own: boo
                 f"{stat.S_IMODE(ast.st_mode):o}{_group_note(ast)}) and not sticky, so anyone "
                 f"could swap what the path names; run `chmod go-w {above}` or "
                 f"`chmod +t {above}`",
+                path=about,
+            )
+        if above_acl and not ast.st_mode & stat.S_ISVTX:
+            raise UntrustedSpool(
+                f"{above}, on the way to {about}, may be written by others through its ACL "
+                f"({', '.join(above_acl)}) and is not sticky, so they could swap what the "
+                f"path names; run `setfacl -b {above}` (or remove those entries)",
                 path=about,
             )
     return owner
