@@ -566,3 +566,70 @@ def test_a_spool_directory_removed_during_the_open_is_a_walspool_error(tmp_path,
     monkeypatch.setattr(files, step, then_remove)
     with pytest.raises(walspool.WalspoolError, match=str(spool_dir / "spool.db")):
         walspool.Spool(spool_dir / "spool.db")
+
+
+#: The owner's crafted statistics table: ``sqlite_stat1`` redefined (``writable_schema``)
+#: with a generated ``stat`` column computing ``argv[2]`` characters; SQLite reads the
+#: table while it loads the schema, before any statement of walspool's.
+CRAFT_STAT1 = """
+import sys, apsw
+conn = apsw.Connection(sys.argv[1])
+conn.execute("ANALYZE")
+conn.execute("PRAGMA writable_schema = ON")
+conn.execute(
+    "UPDATE sqlite_schema SET sql = 'CREATE TABLE sqlite_stat1(tbl,idx,st,"
+    f" stat GENERATED ALWAYS AS (printf(''%.*c'', {int(sys.argv[2])}, ''x'')) VIRTUAL)'"
+    " WHERE name = 'sqlite_stat1'"
+)
+conn.close()
+"""
+
+
+def crafted_spool(home: Path, chars: int) -> Path:
+    """The owner's spool holding one row, its ``sqlite_stat1`` crafted (``CRAFT_STAT1``)."""
+    path = home / "spool.db"
+    done = as_user(GATEWAY_USER, OPEN_AND_APPEND, str(path))
+    assert (done.returncode, done.stdout) == (0, "ok\n"), done.stdout + done.stderr
+    done = as_user(GATEWAY_USER, CRAFT_STAT1, str(path), str(chars))
+    assert done.returncode == 0, done.stderr
+    return path
+
+
+@as_root
+def test_a_statistics_table_made_to_compute_a_huge_value_never_runs_in_roots_commands(
+    shared_tmp, capsys, caplog
+):
+    """The owner's sqlite_stat1 computes a 200 MB value whenever SQLite loads the
+    schema (root's `walspool check` peaked near 1 GB before): root's commands stop at
+    walspool's bound on values before any check and say what to do; the owner's own
+    open moves the file aside, as a damaged spool, saying why."""
+    path = crafted_spool(owned_dir(shared_tmp / "hermes", GATEWAY_USER), 200_000_000)
+    assert main(["check", str(path), "--json"]) == 1
+    (problem,) = json.loads(capsys.readouterr().out)["problems"]
+    assert "loading its schema made a value too long for walspool's bounds" in problem
+    assert "DROP TABLE sqlite_stat1" in problem
+    assert main(["stats", str(path)]) == 1
+    assert "loading its schema made a value too long" in capsys.readouterr().err
+    done = as_user(GATEWAY_USER, OPEN_AND_APPEND, str(path))
+    assert (done.returncode, done.stdout) == (0, "ok\n"), done.stdout + done.stderr
+    assert "loading its schema made a value too long" in done.stderr  # the moved-aside line
+    moved = path.parent.glob("spool.db.damaged-*")
+    assert [p for p in moved if not p.name.endswith(("-wal", "-shm"))]
+
+
+@as_root
+def test_a_statistics_table_sqlite_would_not_make_is_named_by_check(shared_tmp, capsys):
+    """A crafted sqlite_stat1 whose value stays small loads within the bounds: check
+    names it, and no command reads the spool; a plain ANALYZE's is no problem."""
+    path = crafted_spool(owned_dir(shared_tmp / "hermes", GATEWAY_USER), 10)
+    assert main(["check", str(path), "--json"]) == 1
+    assert json.loads(capsys.readouterr().out)["problems"] == [
+        "the table `sqlite_stat1` is not SQLite's definition"
+    ]
+    plain = owned_dir(shared_tmp / "plain", GATEWAY_USER) / "spool.db"
+    done = as_user(GATEWAY_USER, OPEN_AND_APPEND, str(plain))
+    assert done.returncode == 0, done.stderr
+    analyze = "import apsw, sys; apsw.Connection(sys.argv[1]).execute('ANALYZE')"
+    assert as_user(GATEWAY_USER, analyze, str(plain)).returncode == 0
+    assert main(["check", str(plain), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["problems"] == []

@@ -260,6 +260,7 @@ def _connect(spool: Spool) -> apsw.Connection:
         if _identity(opened) != _identity(held):
             raise changed(path, path)
         files.check_opened(path, opened)
+        schema.schema_verified(conn)  # the file the spool opened, its schema checked then
         conn.config(apsw.SQLITE_DBCONFIG_NO_CKPT_ON_CLOSE, 0)
     except apsw.Error as exc:
         schema.close_quietly(conn)

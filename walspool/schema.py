@@ -385,11 +385,12 @@ def _open_locked(
         # No other walspool process has it open (the open lock), and no other program
         # either (SQLite's own locks): Litestream, say, would go on reading the renamed
         # file's successor's -wal as its own.
+        why = exc if isinstance(exc, SchemaOverBudget) else exc.__cause__ or exc
         other = files.sqlite_user(path) if _lock_alone(lock) else 0
         if other is not None:
             who = f" (pid {other})" if other else ""
             raise SpoolCorrupt(
-                f"spool {path} is damaged ({exc.__cause__ or exc}) and another process has "
+                f"spool {path} is damaged ({why}) and another process has "
                 f"it open{who}, so it cannot be moved aside now; stop the other users of it "
                 "(the gateway, a replay, Litestream) and open it again, or run `walspool "
                 f"check {path}`",
@@ -400,7 +401,7 @@ def _open_locked(
             log.error(
                 "spool %s is damaged (%s); moved it aside to %s and opened a fresh spool",
                 path,
-                exc.__cause__ or exc,
+                why,
                 moved,
             )
             files.make_and_check(path)
@@ -458,11 +459,23 @@ def open_reader(path: Path) -> apsw.Connection:
         verify_read_only(conn, path)
     except apsw.Error as exc:
         close_quietly(conn)
+        if _over_budget(exc):
+            raise SchemaOverBudget(path, exc) from exc
         raise sqlite_error(exc, path) from exc
     except BaseException:
         close_quietly(conn)
         raise
     return conn
+
+
+#: Until a connection's schema is known to be walspool's (``schema_verified``): the
+#: longest string or blob SQLite may make for it, and how many thousand virtual machine
+#: steps its statements may take in all. SQLite reads the file's statistics tables
+#: while it loads the schema, before walspool's first statement: a crafted
+#: ``sqlite_stat1`` (a generated column computing a huge value, or many rows) would
+#: otherwise run with SQLite's own bounds (1 GB strings, no time limit).
+UNVERIFIED_LENGTH = 1 << 20
+UNVERIFIED_KILOSTEPS = 20_000
 
 
 def connect(path: Path, owner: int, flags: int, query: str = "") -> apsw.Connection:
@@ -472,13 +485,56 @@ def connect(path: Path, owner: int, flags: int, query: str = "") -> apsw.Connect
     The name is handed to SQLite by URI (``query`` its parameters, ``mode=ro``), no
     link followed; every file SQLite opens for it (the database, ``-journal``, ``-wal``,
     ``-shm``) is checked on the descriptor SQLite keeps (``open_guard``): a regular file
-    of ``owner`` with one link, or one SQLite's call just created.
+    of ``owner`` with one link, or one SQLite's call just created. It runs within
+    ``UNVERIFIED_LENGTH`` and ``UNVERIFIED_KILOSTEPS`` until ``schema_verified``: a
+    file that needs more to load its schema fails with ``SchemaOverBudget``.
     """
     name = _sqlite_name(path)
     open_guard.watch(name, owner)
     open_guard.refused()  # one left from an earlier failure is not this open's
     uri = f"file:{quote(name)}" + (f"?{query}" if query else "")
-    return apsw.Connection(uri, flags=flags | apsw.SQLITE_OPEN_URI | apsw.SQLITE_OPEN_NOFOLLOW)
+    conn = apsw.Connection(uri, flags=flags | apsw.SQLITE_OPEN_URI | apsw.SQLITE_OPEN_NOFOLLOW)
+    conn.limit(apsw.SQLITE_LIMIT_LENGTH, UNVERIFIED_LENGTH)
+    left = [UNVERIFIED_KILOSTEPS]
+
+    def budget() -> bool:
+        left[0] -= 1
+        return left[0] < 0  # True interrupts the statement
+
+    conn.set_progress_handler(budget, 1000)
+    return conn
+
+
+def schema_verified(conn: apsw.Connection) -> None:
+    """Lift ``connect``'s bounds: the file's schema is walspool's (or the file is new)."""
+    conn.limit(apsw.SQLITE_LIMIT_LENGTH, 2**31 - 1)  # SQLite keeps its compiled maximum
+    conn.set_progress_handler(None)
+
+
+class SchemaOverBudget(SpoolCorrupt):
+    """A spool whose schema SQLite could not load within ``connect``'s bounds."""
+
+    def __init__(self, path: Path, exc: apsw.Error) -> None:
+        what = "made a value too long" if isinstance(exc, apsw.TooBigError) else "took too long"
+        super().__init__(
+            f"{path}: loading its schema {what} for walspool's bounds before any check "
+            f"({UNVERIFIED_LENGTH} bytes, {UNVERIFIED_KILOSTEPS} thousand steps): "
+            + _OVER_BUDGET_ADVICE,
+            path=path,
+        )
+
+
+#: What ``SchemaOverBudget`` tells the operator to do.
+_OVER_BUDGET_ADVICE = (
+    "a table SQLite reads on its own (sqlite_stat1, sqlite_stat4) was made to compute "
+    "something; nothing of it was used. Drop those tables with the sqlite3 shell "
+    "(`DROP TABLE sqlite_stat1`), or move the file aside"
+)
+
+
+def _over_budget(exc: apsw.Error) -> bool:
+    """Whether ``exc`` is ``connect``'s bounds stopping a statement."""
+    return isinstance(exc, (apsw.TooBigError, apsw.InterruptError))
 
 
 def refused_open(path: Path) -> WalspoolError | None:
@@ -523,6 +579,7 @@ def verify_read_only(conn: apsw.Connection, path: Path) -> None:
     problems = schema_problems(conn)
     if problems:
         raise ForeignSchema(path, problems)
+    schema_verified(conn)
 
 
 class ForeignSchema(SpoolCorrupt):
@@ -578,6 +635,7 @@ def _open_checked(
         # Before the schema's first commit or an upgrade's: those are synced as asked.
         set_synchronous(conn, durability)
         if _check_identity(conn, path, allow_empty=True):
+            schema_verified(conn)  # a new file: the schema made next is walspool's
             set_wal(conn, path)
             _create_schema(conn)
         else:
@@ -586,6 +644,7 @@ def _open_checked(
             problems = schema_problems(conn)
             if problems:
                 raise apsw.CorruptError(f"spool schema: {'; '.join(problems)}")
+            schema_verified(conn)
             set_wal(conn, path)
             _migrate(conn, path)
         cheap_check(conn)
@@ -594,6 +653,8 @@ def _open_checked(
         set_max_bytes(conn, max_bytes)
     except apsw.Error as exc:
         close_quietly(conn)
+        if _over_budget(exc):
+            raise SchemaOverBudget(path, exc) from exc
         raise sqlite_error(exc, path) from exc
     except BaseException:
         close_quietly(conn)
@@ -722,6 +783,8 @@ def schema_problems(conn: apsw.Connection) -> list[str]:
         ]
     for (kind, name), sql in sorted(found.items()):
         if kind == "table" and name in _SQLITE_OWN_TABLES:
+            if _words(sql) != _SQLITE_OWN_TABLES[name]:
+                problems.append(f"the table `{name}` is not SQLite's definition")
             continue
         if kind == "table" and _words(sql) == _LITESTREAM_TABLES.get(name):
             continue  # Litestream's, as it makes them: walspool never reads them
@@ -742,8 +805,13 @@ TABLE_COLUMNS_SQL = (
     'SELECT name, type, "notnull", dflt_value, pk, hidden FROM pragma_table_xinfo(?)'
 )
 TABLE_OPTIONS_SQL = "SELECT strict, wr FROM pragma_table_list(?) WHERE schema = 'main'"
-#: Tables SQLite itself makes (``ANALYZE``): statistics, no SQL of anyone's.
-_SQLITE_OWN_TABLES = {"sqlite_stat1", "sqlite_stat4"}
+#: Tables SQLite itself makes (``ANALYZE``): statistics, as SQLite defines them. SQLite
+#: reads them while it loads the schema, so one defined otherwise (a generated column,
+#: by ``writable_schema``) runs SQL of whoever made it.
+_SQLITE_OWN_TABLES = {
+    "sqlite_stat1": "CREATE TABLE sqlite_stat1(tbl,idx,stat)",
+    "sqlite_stat4": "CREATE TABLE sqlite_stat4(tbl,idx,neq,nlt,ndlt,sample)",
+}
 #: The tables Litestream (0.5) makes in a database it replicates, as it makes them:
 #: plain tables, no SQL of theirs runs when walspool reads or writes the spool.
 _LITESTREAM_TABLES = {

@@ -79,7 +79,7 @@ def reading(
     except apsw.Error as exc:
         raise spool_error(exc, path) from exc
     except SpoolCorrupt as exc:
-        if isinstance(exc.__cause__, apsw.Error):
+        if isinstance(exc.__cause__, apsw.Error) and not isinstance(exc, schema.SchemaOverBudget):
             raise spool_error(exc.__cause__, path) from exc.__cause__
         raise
     try:

@@ -145,6 +145,8 @@ def _open_immutable(path: Path) -> apsw.Connection:
         refused = schema.refused_open(path)  # a file swapped in after the check
         if refused is not None:
             raise refused from exc
+        if isinstance(exc, (apsw.TooBigError, apsw.InterruptError)):
+            raise schema.SchemaOverBudget(path, exc) from exc
         raise
     except BaseException:
         schema.close_quietly(conn)
