@@ -605,6 +605,54 @@ def test_a_signal_to_roots_replay_stops_the_replay_running_as_the_owner(shared_t
         assert sum(1 for _ in spool.records()) == 1
 
 
+@as_root
+def test_roots_replay_ends_a_child_its_owner_stopped(shared_tmp):
+    """State.db's owner stops (SIGSTOP) the child replaying as them while root waits
+    for it: root notices, ends the child and fails saying so, rather than waiting (and
+    holding Ctrl-C and kill) until someone sends SIGKILL. The row stays spooled."""
+    home = owned_dir(shared_tmp / "hermes", OWNER)
+    spool_path = gateway_spool(home)
+    state_db = hermes_state_db(home / "state.db", OWNER)
+    lock = home / "spool.db.replay-lock"
+    lock.touch(0o600)
+    os.chown(lock, OWNER, OWNER)
+    argv = ["replay", spool_path, "--into", state_db, "--wait", str(BOUND)]
+    with replay_lock_held(spool_path):
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "walspool", *map(str, argv)],
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
+        pids = [proc.pid]
+
+        def kill_all() -> None:  # a hang fails the test; a stopped child holds stderr
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+
+        killer = threading.Timer(BOUND * 2, kill_all)
+        killer.start()
+        try:
+            assert proc.stderr is not None
+            waiting = proc.stderr.readline()  # the child, as the owner, waits for the lock
+            assert "waiting for another replay" in waiting, waiting
+            children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+            (child,) = map(int, children)
+            pids.append(child)
+            stopped = as_user(OWNER, f"import os, signal; os.kill({child}, signal.SIGSTOP)")
+            assert stopped.returncode == 0, stopped.stderr
+            rest = proc.stderr.read()
+            assert proc.wait(BOUND) == 1, rest
+        finally:
+            killer.cancel()
+    assert f"(pid {child}) was stopped (SIGSTOP) while root waited for it" in rest
+    assert not Path(f"/proc/{child}").exists()
+    assert messages(state_db) == 0
+    with walspool.Spool(spool_path) as spool:
+        assert sum(1 for _ in spool.records()) == 1
+
+
 # -- every directory on the way --------------------------------------------------------
 
 

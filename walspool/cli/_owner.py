@@ -145,7 +145,15 @@ def become(owner: int) -> None:
 
 def _wait(pid: int) -> int:
     """Wait for the child, passing on the signals root gets; its exit status (128 +
-    the signal's number when a signal ended it, as a shell reports it)."""
+    the signal's number when a signal ended it, as a shell reports it).
+
+    The child runs as the owner, who may stop it (SIGSTOP): root would then wait for
+    ever, and the signals it passes on would wait with the child. A child found
+    stopped while root waits is ended (SIGKILL: what it had committed stays, its rows
+    in flight are looked up by the next replay), and root says so and fails. A stop
+    that ended before root looked (a terminal's Ctrl-Z then ``fg``, which stopped and
+    continued root too) is no reason.
+    """
 
     def forward(signum: int, frame: FrameType | None) -> None:
         try:
@@ -155,10 +163,34 @@ def _wait(pid: int) -> int:
 
     previous = {s: signal.signal(s, forward) for s in FORWARDED}
     try:
-        _, status = os.waitpid(pid, 0)
+        while True:
+            _, status = os.waitpid(pid, os.WUNTRACED)
+            if not os.WIFSTOPPED(status):
+                break
+            if _stopped(pid):
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                print(
+                    f"walspool: the replay running as state.db's owner (pid {pid}) was stopped "
+                    f"({signal.Signals(os.WSTOPSIG(status)).name}) while root waited for it "
+                    "(its owner may stop it); root ended it. What it committed stays; run "
+                    "the replay again (rows it had out are looked up first)",
+                    file=sys.stderr,
+                )
+                return 1
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
     if os.WIFSIGNALED(status):
         return 128 + os.WTERMSIG(status)
     return os.WEXITSTATUS(status)
+
+
+def _stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped now (``/proc``: state T or t)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            fields = stat.read().rsplit(b")", 1)[1].split()
+    except OSError:
+        return False
+    return bool(fields) and fields[0] in (b"T", b"t")
