@@ -1089,3 +1089,28 @@ def test_tracking_the_footprint_never_waits_for_a_running_commit(spool, tmp_path
     spool.append("s", {"i": 0})
     assert writer.footprint > 0
     assert walspool_writer._size(str(tmp_path / "no-such-wal")) == 0
+
+
+def test_the_writer_keeps_no_more_than_a_bound_of_stream_names_after_its_commits(tmp_path):
+    """Sessions named with 4 MiB ids (a name may be as long as a payload): once the
+    appends are committed, what the writer keeps of their names is bounded by
+    ``_Numbers.NAME_CHARS`` (about 8 MiB), not by how many streams it saw (100,000 of
+    these would be 400 GiB). Measured with tracemalloc, which sees the names' str."""
+    import gc
+    import tracemalloc
+
+    names = [chr(ord("a") + i) * (4 * 1024 * 1024) for i in range(12)]
+    with walspool.Spool(tmp_path / "spool.db") as spool:
+        spool.append("warm", {"n": 0})
+        gc.collect()
+        tracemalloc.start()
+        try:
+            base = tracemalloc.get_traced_memory()[0]
+            for i, name in enumerate(names):
+                spool.append(name, {"n": i})
+            names.clear()
+            gc.collect()
+            kept = tracemalloc.get_traced_memory()[0] - base
+        finally:
+            tracemalloc.stop()
+    assert kept < 16 * 1024 * 1024, kept  # twice the bound: 8 Mi characters of names

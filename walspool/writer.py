@@ -133,6 +133,9 @@ class _Numbers:
     """
 
     LIMIT = 100_000  # streams remembered before the cache starts afresh
+    #: Characters of stream names remembered before it starts afresh: a name may be as
+    #: long as a payload, so a count alone would let a few huge names stay for good.
+    NAME_CHARS = 8 * 1024 * 1024
 
     def __init__(self) -> None:
         self.version: int | None = None
@@ -141,10 +144,16 @@ class _Numbers:
         #: session key alone.
         self.by_id: dict[str, int] = {}
         self.by_key: dict[str, int] = {}
+        #: Characters of the names in ``by_id`` and ``by_key``.
+        self.name_chars = 0
 
     def check(self, conn: apsw.Connection) -> None:
         version = conn.execute("PRAGMA data_version").get
-        if version != self.version or len(self.by_id) + len(self.by_key) > self.LIMIT:
+        if (
+            version != self.version
+            or len(self.by_id) + len(self.by_key) > self.LIMIT
+            or self.name_chars > self.NAME_CHARS
+        ):
             self.forget()
             self.version = version
 
@@ -152,6 +161,7 @@ class _Numbers:
         self.version = self.next_id = None
         self.by_id = {}
         self.by_key = {}
+        self.name_chars = 0
 
 
 class _Group:
@@ -181,6 +191,7 @@ class _Group:
             seq = known.get(name)
             if seq is None:
                 seq = conn.execute(sql, (name,)).get
+                self.numbers.name_chars += len(name)
             known[name] = seq + 1
             inserts.append(
                 (row_id, session_id, seq, reason, session_key, created_at, payload, size)
@@ -200,8 +211,9 @@ class _Group:
         self.flush()
 
     def committed(self) -> None:
-        """Keep what this group handed out for the next one, unless it ran other SQL."""
-        if self.operations:
+        """Keep what this group handed out for the next one, unless it ran other SQL or
+        its names took the cache past ``_Numbers.NAME_CHARS``."""
+        if self.operations or self.numbers.name_chars > self.numbers.NAME_CHARS:
             self.numbers.forget()
             return
         self.numbers.next_id = self.next_id
