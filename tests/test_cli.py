@@ -946,11 +946,12 @@ def test_read_commands_while_another_process_appends(
     assert json.loads(run(capsys, "stats", path, "--json")[1])["rows"] == summary["appended"]
 
 
-# -- README: forensics with the sqlite3 shell ---------------------------------------------
+# -- docs/forensics.md: forensics with the sqlite3 shell -----------------------------------
 
 
 def readme_queries() -> list[str]:
-    blocks = re.findall(r"```sh\n(.*?)```", section("Forensics with sqlite3"), re.S)
+    page = (ROOT / "docs" / "forensics.md").read_text(encoding="utf-8")
+    blocks = re.findall(r"```sh\n(.*?)```", page, re.S)
     return [
         line
         for block in blocks
@@ -968,6 +969,7 @@ def test_readme_queries_run_in_the_sqlite3_shell(tmp_path: Path) -> None:
     assert all(" spool.db " in q for q in queries)
     build_spool(tmp_path / "spool.db")
     patch(tmp_path / "spool.db", "UPDATE records SET inflight = 3 WHERE id = 3")
+    (tmp_path / "session.txt").write_text("session-1\n")  # as an editor saves it
     before = digest(tmp_path / "spool.db")
     outputs = {}
     for query in queries:
@@ -983,7 +985,33 @@ def test_readme_queries_run_in_the_sqlite3_shell(tmp_path: Path) -> None:
     assert "RuntimeError: state.db is locked" in text  # the failures view
     assert "I want a refund" in text  # json_extract on payloads
     assert "1465077836\n5\n" in text  # application_id, user_version
-    exported = (tmp_path / "session-1.jsonl").read_text().splitlines()
+    exported = (tmp_path / "session.jsonl").read_text().splitlines()
     assert [json.loads(line).get("content") for line in exported] == [
         "hello", "hi, how can I help?", "I want a refund\nplease", None,
     ]  # fmt: skip
+
+
+def test_a_session_id_that_is_shell_and_sql_code_is_only_data_in_the_recipes(tmp_path: Path):
+    """A chat platform's id holding a quote, ``$(...)`` and a backtick, put in
+    session.txt as the page says (walspool ls --json, then the python3 line): the
+    per-session recipes find its rows, and nothing in it runs."""
+    shell = shutil.which("sqlite3")
+    if shell is None:
+        pytest.skip("the sqlite3 shell is not installed (scripts/test installs it)")
+    hostile = 'it\'s $(touch pwned) `touch pwned2` "x"; DROP TABLE records; --'
+    with walspool.Spool(tmp_path / "spool.db") as spool:
+        spool.append(hostile, {"role": "user", "content": "from the hostile id"})
+    page = (ROOT / "docs" / "forensics.md").read_text(encoding="utf-8")
+    (to_file,) = [line for line in page.splitlines() if line.startswith("walspool ls ")]
+    argv = to_file.replace("walspool ls ", f"{sys.executable} -m walspool ls ", 1)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(["bash", "-c", argv], cwd=tmp_path, env=env, capture_output=True)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "session.txt").read_text() == hostile
+    per_session = [q for q in readme_queries() if "session.txt" in q]
+    assert len(per_session) == 2
+    for query in per_session:
+        done = subprocess.run(["bash", "-c", query], cwd=tmp_path, capture_output=True, text=True)
+        assert (done.returncode, done.stderr) == (0, ""), query
+    assert "from the hostile id" in (tmp_path / "session.jsonl").read_text()
+    assert not (tmp_path / "pwned").exists() and not (tmp_path / "pwned2").exists()
