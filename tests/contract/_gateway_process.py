@@ -220,6 +220,8 @@ def linked(runner: Any) -> dict[str, Any]:
         "shutdown_flush": getattr(module, "__name__", None),
         # What walspool's register did here (None: never called).
         "registered": getattr(sys.modules.get("walspool.plugin"), "_registered", None),
+        # Where the walspool the gateway loaded comes from (a clone, an installed wheel).
+        "walspool_file": getattr(sys.modules.get("walspool"), "__file__", None),
     }
 
 
