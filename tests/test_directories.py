@@ -569,11 +569,14 @@ def test_roots_replay_of_its_own_spool_into_another_users_state_db_says_why_it_c
         assert sum(1 for _ in spool.records()) == 1
 
 
-@as_root
-def test_a_signal_to_roots_replay_stops_the_replay_running_as_the_owner(shared_tmp):
-    """SIGTERM sent to root's process (the one an operator or a service manager knows)
-    reaches the child replaying as the owner: it stops as a replay stops (143, the row
-    still spooled), rather than root's process going on waiting or leaving it behind."""
+@contextlib.contextmanager
+def roots_replay_waiting(
+    shared_tmp: Path,
+) -> Iterator[tuple[subprocess.Popen[str], int, Path, Path]]:
+    """Root's replay into the owner's state.db, its child (running as the owner) waiting
+    for the spool's replay lock, which another process holds throughout: (root's
+    process, the child's pid, the spool, state.db). Both are killed if the block has not
+    ended them within ``BOUND * 2`` (a stopped child would hold stderr open)."""
     home = owned_dir(shared_tmp / "hermes", OWNER)
     spool_path = gateway_spool(home)
     state_db = hermes_state_db(home / "state.db", OWNER)
@@ -588,45 +591,9 @@ def test_a_signal_to_roots_replay_stops_the_replay_running_as_the_owner(shared_t
             text=True,
             env={**os.environ, "PYTHONPATH": str(ROOT)},
         )
-        killer = threading.Timer(BOUND * 2, proc.kill)  # a hang fails the test
-        killer.start()
-        try:
-            assert proc.stderr is not None
-            waiting = proc.stderr.readline()  # the child, as the owner, waits for the lock
-            assert "waiting for another replay" in waiting, waiting
-            proc.send_signal(signal.SIGTERM)
-            rest = proc.stderr.read()
-            assert proc.wait(BOUND) == 143, rest
-        finally:
-            killer.cancel()
-    assert "interrupted by SIGTERM" in rest
-    assert messages(state_db) == 0
-    with walspool.Spool(spool_path) as spool:
-        assert sum(1 for _ in spool.records()) == 1
-
-
-@as_root
-def test_roots_replay_ends_a_child_its_owner_stopped(shared_tmp):
-    """State.db's owner stops (SIGSTOP) the child replaying as them while root waits
-    for it: root notices, ends the child and fails saying so, rather than waiting (and
-    holding Ctrl-C and kill) until someone sends SIGKILL. The row stays spooled."""
-    home = owned_dir(shared_tmp / "hermes", OWNER)
-    spool_path = gateway_spool(home)
-    state_db = hermes_state_db(home / "state.db", OWNER)
-    lock = home / "spool.db.replay-lock"
-    lock.touch(0o600)
-    os.chown(lock, OWNER, OWNER)
-    argv = ["replay", spool_path, "--into", state_db, "--wait", str(BOUND)]
-    with replay_lock_held(spool_path):
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "walspool", *map(str, argv)],
-            stderr=subprocess.PIPE,
-            text=True,
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
-        )
         pids = [proc.pid]
 
-        def kill_all() -> None:  # a hang fails the test; a stopped child holds stderr
+        def kill_all() -> None:
             for pid in pids:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
@@ -640,12 +607,38 @@ def test_roots_replay_ends_a_child_its_owner_stopped(shared_tmp):
             children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
             (child,) = map(int, children)
             pids.append(child)
-            stopped = as_user(OWNER, f"import os, signal; os.kill({child}, signal.SIGSTOP)")
-            assert stopped.returncode == 0, stopped.stderr
-            rest = proc.stderr.read()
-            assert proc.wait(BOUND) == 1, rest
+            yield proc, child, spool_path, state_db
         finally:
             killer.cancel()
+
+
+@as_root
+def test_a_signal_to_roots_replay_stops_the_replay_running_as_the_owner(shared_tmp):
+    """SIGTERM sent to root's process (the one an operator or a service manager knows)
+    reaches the child replaying as the owner: it stops as a replay stops (143, the row
+    still spooled), rather than root's process going on waiting or leaving it behind."""
+    with roots_replay_waiting(shared_tmp) as (proc, _, spool_path, state_db):
+        proc.send_signal(signal.SIGTERM)
+        assert proc.stderr is not None
+        rest = proc.stderr.read()
+        assert proc.wait(BOUND) == 143, rest
+    assert "interrupted by SIGTERM" in rest
+    assert messages(state_db) == 0
+    with walspool.Spool(spool_path) as spool:
+        assert sum(1 for _ in spool.records()) == 1
+
+
+@as_root
+def test_roots_replay_ends_a_child_its_owner_stopped(shared_tmp):
+    """State.db's owner stops (SIGSTOP) the child replaying as them while root waits
+    for it: root notices, ends the child and fails saying so, rather than waiting (and
+    holding Ctrl-C and kill) until someone sends SIGKILL. The row stays spooled."""
+    with roots_replay_waiting(shared_tmp) as (proc, child, spool_path, state_db):
+        stopped = as_user(OWNER, f"import os, signal; os.kill({child}, signal.SIGSTOP)")
+        assert stopped.returncode == 0, stopped.stderr
+        assert proc.stderr is not None
+        rest = proc.stderr.read()
+        assert proc.wait(BOUND) == 1, rest
     assert f"(pid {child}) was stopped (SIGSTOP) while root waited for it" in rest
     assert not Path(f"/proc/{child}").exists()
     assert messages(state_db) == 0
