@@ -46,6 +46,7 @@ def assert_released(result: dict[str, Any]) -> None:
         "store_linked": False,
         "shutdown_flush": result["before"]["shutdown_flush"],
         "registered": None,
+        "walspool_file": result["before"]["walspool_file"],  # imported or not, see above
     }
     assert result["before"]["shutdown_flush"] in (None, "gateway.shutdown_flush")
     assert result["log"] == []
