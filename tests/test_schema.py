@@ -251,19 +251,26 @@ def test_stdlib_sqlite3_in_another_process_reads_the_spool(spool, spool_path):
     assert [r.seq for r in spool.records(session_id="s")] == [1, 2]
 
 
+def upgraded(spool_path: Path, caplog: pytest.LogCaptureFixture, found: int) -> walspool.Spool:
+    """The spool of schema ``found`` at ``spool_path``, which a read-only open refuses
+    (``SchemaTooOld``), opened for writing: upgraded, with its one line."""
+    with pytest.raises(walspool.NotASpool, match="a read-only open cannot upgrade it") as old:
+        open_reader(spool_path)
+    assert (old.value.found, old.value.current) == (found, SCHEMA_VERSION)
+    with caplog.at_level(logging.WARNING, logger="walspool.schema"):
+        spool = walspool.Spool(spool_path)
+    assert [r.getMessage() for r in caplog.records if r.name == "walspool.schema"] == [
+        f"upgraded spool {spool_path} from schema {found} to {SCHEMA_VERSION}"
+    ]
+    return spool
+
+
 def test_schema_3_spool_is_upgraded_in_place_and_keeps_every_next_seq(spool_path, caplog):
     """Schema 3 kept every stream's next seq on append; schema 4 keeps it when rows
     leave. The upgrade adds the triggers and the audit table and keeps `sequences`: a
     stream drained under schema 3 goes on above its old seqs."""
     make_v3_spool(spool_path, [("s", i + 1, f'{{"n":{i}}}', None) for i in range(3)], {"gone": 8})
-    with pytest.raises(walspool.NotASpool, match="a read-only open cannot upgrade it"):
-        open_reader(spool_path)
-    with caplog.at_level(logging.WARNING, logger="walspool.schema"):
-        spool = walspool.Spool(spool_path)
-    assert [r.getMessage() for r in caplog.records if r.name == "walspool.schema"] == [
-        f"upgraded spool {spool_path} from schema 3 to {SCHEMA_VERSION}"
-    ]
-    with spool:
+    with upgraded(spool_path, caplog, 3) as spool:
         assert spool.append("gone", {"n": 0}).seq == 8
         assert spool.append("s", {"n": 3}).seq == 4
         assert spool.append("new", {"n": 0}).seq == 1
@@ -344,14 +351,7 @@ def test_schema_4_spool_is_upgraded_and_keeps_ids_from_then_on(spool_path, caplo
         "PRAGMA user_version = 4"
     )
     conn.close()
-    with pytest.raises(walspool.NotASpool, match="a read-only open cannot upgrade it"):
-        open_reader(spool_path)
-    with caplog.at_level(logging.WARNING, logger="walspool.schema"):
-        spool = walspool.Spool(spool_path)
-    assert [r.getMessage() for r in caplog.records if r.name == "walspool.schema"] == [
-        f"upgraded spool {spool_path} from schema 4 to {SCHEMA_VERSION}"
-    ]
-    with spool:
+    with upgraded(spool_path, caplog, 4) as spool:
         last = spool.append("s", {"n": 1}).id
         walspool.Replayer(spool, MemorySink()).replay()
         assert spool.append("s", {"n": 2}).id == last + 1

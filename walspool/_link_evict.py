@@ -111,7 +111,7 @@ class Evictions:
                 notes += self._dropped(session_id, "oldest being written")
                 continue
             try:
-                if self._replaced or self._returned:
+                if self._replaced:
                     # The spool's path names another file: until the background thread
                     # has a fresh spool there with the evictions the old one returned,
                     # the message stays queued behind them, as for a writer with no room.
@@ -386,7 +386,7 @@ class Evictions:
         )
         why = f"{what}: {type(error).__name__}: {error}"
         try:
-            if self._replaced or self._returned:
+            if self._replaced:
                 raise queue.Full  # as an eviction would wait for the fresh spool
             row = self.spool.prepare(session_id, message, REJECTED)
             self.spool.put_nowait((row,), partial(self._set_aside_done, why), quarantine=why)

@@ -98,7 +98,7 @@ class Link(SessionWriter, Evictions, Retries, ShutdownFlushes):
         #: (``follow_path``) once no eviction is left in the old one's writer.
         self._replaced = False
         #: Rows of the evictions the old spool returned so, in their order: the fresh
-        #: spool takes them before any later eviction.
+        #: spool takes them before any later eviction. Never any unless ``_replaced``.
         self._returned: list[Row] = []
         #: Clock time before which a failed eviction is dropped, not returned: a fresh
         #: spool could not be opened at the path (tried again after that).

@@ -71,6 +71,16 @@ class SchemaTooOld(NotASpool):
     """A spool of an older schema, refused by a read-only open (which cannot upgrade
     it); a write open (``walspool.Spool``) upgrades it."""
 
+    def __init__(self, found: int, current: int, *, path: str | os.PathLike[str]) -> None:
+        super().__init__(
+            f"{path} has spool schema {found}; a read-only open cannot upgrade it to "
+            f"{current}: a command that writes it (walspool replay, requeue, drop, vacuum, "
+            "import-json), the gateway's next start or walspool.Spool(path) does",
+            path=path,
+        )
+        self.found = found
+        self.current = current
+
 
 class SchemaTooNew(NotASpool):
     """The spool was written by a newer walspool; it was left unchanged."""

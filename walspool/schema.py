@@ -459,7 +459,7 @@ def open_reader(path: Path) -> apsw.Connection:
         verify_read_only(conn, path)
     except apsw.Error as exc:
         close_quietly(conn)
-        if _over_budget(exc):
+        if over_budget(exc):
             raise SchemaOverBudget(path, exc) from exc
         raise sqlite_error(exc, path) from exc
     except BaseException:
@@ -532,7 +532,7 @@ _OVER_BUDGET_ADVICE = (
 )
 
 
-def _over_budget(exc: apsw.Error) -> bool:
+def over_budget(exc: apsw.Error) -> bool:
     """Whether ``exc`` is ``connect``'s bounds stopping a statement."""
     return isinstance(exc, (apsw.TooBigError, apsw.InterruptError))
 
@@ -570,12 +570,7 @@ def verify_read_only(conn: apsw.Connection, path: Path) -> None:
     _check_identity(conn, path, allow_empty=False)
     version = conn.execute("PRAGMA user_version").get
     if version < SCHEMA_VERSION:
-        raise SchemaTooOld(
-            f"{path} has spool schema {version}; a read-only open cannot upgrade it to "
-            f"{SCHEMA_VERSION}: a command that writes it (walspool replay, requeue, drop, "
-            "vacuum, import-json), the gateway's next start or walspool.Spool(path) does",
-            path=path,
-        )
+        raise SchemaTooOld(version, SCHEMA_VERSION, path=path)
     problems = schema_problems(conn)
     if problems:
         raise ForeignSchema(path, problems)
@@ -653,7 +648,7 @@ def _open_checked(
         set_max_bytes(conn, max_bytes)
     except apsw.Error as exc:
         close_quietly(conn)
-        if _over_budget(exc):
+        if over_budget(exc):
             raise SchemaOverBudget(path, exc) from exc
         raise sqlite_error(exc, path) from exc
     except BaseException:

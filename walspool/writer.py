@@ -133,8 +133,9 @@ class _Numbers:
     """
 
     LIMIT = 100_000  # streams remembered before the cache starts afresh
-    #: Characters of stream names remembered before it starts afresh: a name may be as
-    #: long as a payload, so a count alone would let a few huge names stay for good.
+    #: Characters of stream names remembered past which it starts afresh, once the group
+    #: that added them has committed (``_Group.committed``): a name may be as long as a
+    #: payload, so a count alone would let a few huge names stay for good.
     NAME_CHARS = 8 * 1024 * 1024
 
     def __init__(self) -> None:
@@ -149,11 +150,7 @@ class _Numbers:
 
     def check(self, conn: apsw.Connection) -> None:
         version = conn.execute("PRAGMA data_version").get
-        if (
-            version != self.version
-            or len(self.by_id) + len(self.by_key) > self.LIMIT
-            or self.name_chars > self.NAME_CHARS
-        ):
+        if version != self.version or len(self.by_id) + len(self.by_key) > self.LIMIT:
             self.forget()
             self.version = version
 

@@ -19,7 +19,7 @@ from ..files import SQLITE_MAGIC
 from ..paging import PAGE_ROWS, ROW_BYTES_SQL, read_page, record_from_row
 from ..records import Record
 from ..schema import sqlite_error
-from ..spool import RECORD_COLUMNS, check_lookup, reasons_filter
+from ..spool import RECORD_COLUMNS, Spool, check_lookup, reasons_filter
 from ..text import json_safe
 from ._damage import quick_check as _quick_check
 from ._damage import walk_check
@@ -33,14 +33,12 @@ def upgraded(command: str, path: Path) -> None:
     read-only open refuses, is upgraded first, as the gateway's next start would
     (``walspool.Spool``, every check of a write open made), and a line says so.
     Anything else a read-only open raises is left to the command's own reading."""
-    from ..spool import Spool
-
     try:
         SpoolReader(path).close()
     except SchemaTooOld as old:
         with Spool(path):
             pass
-        warn(command, f"{str(old).split(';')[0]}: upgraded to schema {schema.SCHEMA_VERSION}")
+        warn(command, f"{path} has spool schema {old.found}: upgraded to schema {old.current}")
     except (WalspoolError, apsw.Error, OSError):
         pass
 

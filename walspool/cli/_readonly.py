@@ -145,7 +145,7 @@ def _open_immutable(path: Path) -> apsw.Connection:
         refused = schema.refused_open(path)  # a file swapped in after the check
         if refused is not None:
             raise refused from exc
-        if isinstance(exc, (apsw.TooBigError, apsw.InterruptError)):
+        if schema.over_budget(exc):
             raise schema.SchemaOverBudget(path, exc) from exc
         raise
     except BaseException:
