@@ -42,8 +42,8 @@ from _jsonfile import JsonFileSpool
 from report import record
 
 import walspool
-from walspool import schema
-from walspool.writer import INSERT_RECORD_SQL
+from walspool.store import schema
+from walspool.store.writer import INSERT_RECORD_SQL
 
 #: About 500 bytes of JSON, shaped like a transcript message.
 MESSAGE = {

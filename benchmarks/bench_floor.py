@@ -35,8 +35,8 @@ import apsw
 from report import record
 
 import walspool
-from walspool import schema
-from walspool.writer import INSERT_RECORD_SQL
+from walspool.store import schema
+from walspool.store.writer import INSERT_RECORD_SQL
 
 GROUP = "floor, 64 sessions"
 SESSIONS = 64

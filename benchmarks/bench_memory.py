@@ -60,7 +60,8 @@ from _rss import peak_rss, reset_peak_rss
 from report import record
 
 import walspool
-from walspool import codec, jsonspool, paging, spool, writer
+from walspool.replay import jsonspool
+from walspool.store import codec, paging, spool, writer
 
 MIB = 2**20
 GIB = 2**30

@@ -38,9 +38,9 @@ import pytest
 from report import RESULTS, record
 
 import walspool
-from walspool.records import Record
-from walspool.replay import DEFAULT_BATCH_ROWS, Replayer
-from walspool.sinks import SessionDBSink, append_kwargs
+from walspool.replay.replayer import DEFAULT_BATCH_ROWS, Replayer
+from walspool.replay.sinks import SessionDBSink, append_kwargs
+from walspool.store.records import Record
 
 hermes_state = pytest.importorskip("hermes_state")
 

@@ -221,8 +221,8 @@ def main_replay(
     per_thread: str,
 ) -> None:
     import walspool
-    from walspool.replay import Replayer
-    from walspool.sinks import SessionDBSink
+    from walspool.replay.replayer import Replayer
+    from walspool.replay.sinks import SessionDBSink
 
     db = open_state_db(Path(state_db))
     spool = walspool.Spool(spool_path, durability="normal")
@@ -281,7 +281,7 @@ def report_evictions(spool: Any) -> None:
     """
     import msgspec
 
-    from walspool.writer import Batched
+    from walspool.store.writer import Batched
 
     writer = spool._writer
     wrapped: dict[Any, Batched] = {}
@@ -390,7 +390,7 @@ def main_finish(home: str) -> None:
 
 def main_import(spool_path: str, directory: str, batch_files: str) -> None:
     import walspool
-    from walspool.jsonspool import import_json_spool
+    from walspool.replay.jsonspool import import_json_spool
 
     spool = walspool.Spool(spool_path)
     append_many = spool.append_many

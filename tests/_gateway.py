@@ -15,7 +15,7 @@ import pytest
 from _helpers import STEP
 
 import walspool
-import walspool.writer as writer
+import walspool.store.writer as writer
 
 #: The outage: SessionDB reads the error as FTS corruption, rebuilds, and fails again.
 BREAK = (
@@ -61,7 +61,7 @@ def found_locked(spool: Any) -> bool:
 
 def told_drops(caplog: pytest.LogCaptureFixture, session_id: str) -> int:
     """How many messages of the session the link's lines tell it dropped: one for the
-    first line, the count of each summary and of the heal (``walspool._link_repeats``).
+    first line, the count of each summary and of the heal (``walspool.link.repeats``).
     Lines held back are said when the link closes: close it first."""
     told = 0
     for r in caplog.records:

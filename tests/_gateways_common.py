@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 from _lock_holder import write_lock_held
 
-from walspool.files import REPLAY_LOCK_SUFFIX
+from walspool.store.files import REPLAY_LOCK_SUFFIX
 
 
 def installed(distribution: str) -> bool:
@@ -153,14 +153,14 @@ class DropInWaits:
 
     The places: a spool transaction on the caller's thread (``Writer.call``), a blocking
     put (``notify``, ``submit``), a wait for room, the drain's wait for earlier
-    hand-offs (``shutdown_flush._probe``) and the replay lock (``replay._exclusive``).
+    hand-offs (``shutdown_flush._probe``) and the replay lock (``replay_lock._exclusive``).
     """
 
     def __init__(self, spool: object, monkeypatch: object) -> None:
         import threading
 
-        import walspool.replay as replay
         import walspool.shutdown_flush as wsf
+        import walspool.store.replay_lock as replay_lock
 
         self.seen: list[tuple[str, float | None, bool]] = []
         self._thread = threading.current_thread()
@@ -175,7 +175,7 @@ class DropInWaits:
         self._wrap(monkeypatch, wsf, "_probe", lambda spool, *, wait: wait)
         self._wrap(
             monkeypatch,
-            replay,
+            replay_lock,
             "_exclusive",
             lambda path, wait=True, owner=None: 0.0 if wait is False else float(wait),
         )

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from walspool.records import Record
+from walspool.store.records import Record
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -76,8 +76,8 @@ def main_append(spool_path: str, p: str, threads: str, per_thread: str, sessions
 def main_replay(spool_path: str, state_db: str) -> int:
     from hermes_state import SessionDB
 
-    from walspool.replay import Replayer
-    from walspool.sinks import SessionDBSink
+    from walspool.replay.replayer import Replayer
+    from walspool.replay.sinks import SessionDBSink
 
     db = SessionDB(db_path=Path(state_db))
     # state.db's own durability is not under test; NORMAL (WAL) halves its fsyncs.

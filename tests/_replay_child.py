@@ -23,9 +23,9 @@ import msgspec
 from hermes_state import SessionDB
 
 import walspool
-from walspool.records import Record
-from walspool.replay import Replayer
-from walspool.sinks import SessionDBSink
+from walspool.replay.replayer import Replayer
+from walspool.replay.sinks import SessionDBSink
+from walspool.store.records import Record
 
 POINT, _, COUNT = os.environ.get("WALSPOOL_CRASH", "none:0").partition(":")
 N = int(COUNT)

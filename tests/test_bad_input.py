@@ -29,8 +29,8 @@ import walspool
 from walspool import AGENT_HISTORY, CAP_DROP, SHUTDOWN
 from walspool import shutdown_flush as sf
 from walspool.cli import main
-from walspool.replay import NEXT_TICKET_SQL, Replayer
-from walspool.sinks import SessionDBSink
+from walspool.replay.replayer import NEXT_TICKET_SQL, Replayer
+from walspool.replay.sinks import SessionDBSink
 
 hermes_state = pytest.importorskip("hermes_state")
 

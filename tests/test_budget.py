@@ -1,10 +1,10 @@
-"""The gateway link's cap (walspool.budget): ``refusal`` from a table, at its bounds."""
+"""The gateway link's cap (walspool.link.budget): ``refusal`` from a table, at its bounds."""
 
 from __future__ import annotations
 
 import pytest
 
-from walspool.budget import ON_DISK, RESERVE, SMALL, refusal
+from walspool.link.budget import ON_DISK, RESERVE, SMALL, refusal
 
 CAP = 1_000_000
 #: Where the reserve begins, and the largest share that still counts as small.

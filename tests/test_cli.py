@@ -30,8 +30,8 @@ import walspool
 from walspool import AGENT_HISTORY, CAP_DROP, SHUTDOWN
 from walspool.cli import COMMANDS, EXAMPLES, _statedb, build_parser, main
 from walspool.cli.ls import BACKLOG_KEYS
-from walspool.replay import Replayer
-from walspool.schema import SCHEMA_VERSION
+from walspool.replay.replayer import Replayer
+from walspool.store.schema import SCHEMA_VERSION
 
 KEY = "agent:main:telegram:dm:42"
 

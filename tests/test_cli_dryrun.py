@@ -20,8 +20,8 @@ from test_operators import KILLED_READER, NOBODY, as_root, shared_tmp, spool_of,
 
 import walspool
 from walspool.cli import _statedb, main
-from walspool.replay import Replayer
-from walspool.sinks import SessionDBSink
+from walspool.replay.replayer import Replayer
+from walspool.replay.sinks import SessionDBSink
 
 __all__ = ["shared_tmp"]  # a fixture, used by name
 

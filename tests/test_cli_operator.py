@@ -23,7 +23,7 @@ from _old_schemas import make_v3_spool
 import walspool
 from walspool.cli import main
 from walspool.cli._filters import MAX_RANGE
-from walspool.schema import SCHEMA_VERSION
+from walspool.store.schema import SCHEMA_VERSION
 
 MSG = {"role": "user", "content": "hello"}
 

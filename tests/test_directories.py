@@ -1,5 +1,5 @@
-"""Files trusted by descriptor (walspool.directories, walspool.files, walspool.open_guard),
-against a real attacker.
+"""Files trusted by descriptor (``directories``, ``files`` and ``open_guard`` of
+``walspool.store``), against a real attacker.
 
 The tests run as root; the attacker is a real second process switched with
 ``setpriv`` to ``nobody``, the owner of the spool's directory (a gateway user that
@@ -35,9 +35,9 @@ from _users import NOBODY, SETPRIV, as_root, shared_directory
 from _users import python_as as as_user
 
 import walspool
-from walspool import open_guard, schema
 from walspool.cli import main
-from walspool.replay import Replayer
+from walspool.replay.replayer import Replayer
+from walspool.store import open_guard, schema
 
 OWNER = NOBODY
 NEIGHBOUR = 1  # daemon

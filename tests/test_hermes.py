@@ -17,11 +17,11 @@ from _gateway import BREAK, HEAL, contents, sql
 from _helpers import STEP, naming_threads, run_python
 
 import walspool
-import walspool._link_bounds as bounds
 import walspool.hermes as hermes
-import walspool.outage as outage
-from walspool._link_state import Claim
+import walspool.link.bounds as bounds
+import walspool.link.outage as outage
 from walspool.hermes import Link, install, install_runner
+from walspool.link.state import Claim
 
 hermes_state = pytest.importorskip("hermes_state")
 
@@ -589,7 +589,7 @@ def test_a_rewrite_whose_supersede_fails_says_so_word_for_word(store, spool, cap
 def test_a_rewrite_never_waits_for_a_replay_elsewhere_and_supersedes_all_it_can(
     store, spool, monkeypatch
 ):
-    from walspool import replay as replay_module
+    from walspool.store import replay_lock as lock_module
 
     store._db.create_session("s", "telegram")
     install(store, spool, retry_interval=3600)  # no drain, no row in flight
@@ -599,15 +599,15 @@ def test_a_rewrite_never_waits_for_a_replay_elsewhere_and_supersedes_all_it_can(
     spool.flush()
     sql(store, HEAL)
     budgets: list[float] = []
-    real = replay_module._lock_within
+    real = lock_module._lock_within
 
     def no_wait(fd, seconds, spool_path):
         budgets.append(seconds)
         return real(fd, 0, spool_path)
 
-    lock = Path(f"{spool.path}{replay_module.LOCK_SUFFIX}")
-    with replay_module._exclusive(lock, wait=False):
-        monkeypatch.setattr(replay_module, "_lock_within", no_wait)
+    lock = Path(f"{spool.path}{lock_module.LOCK_SUFFIX}")
+    with lock_module._exclusive(lock, wait=False):
+        monkeypatch.setattr(lock_module, "_lock_within", no_wait)
         assert store.rewrite_transcript("s", [_m("r")])
     assert budgets == [0]
     assert [(r.message["content"], r.status) for r in spool.records()] == [
@@ -814,11 +814,11 @@ def replay_lock(spool):
     """Take and release the spool's replay lock, as a replay elsewhere holds it."""
     import contextlib
 
-    from walspool import replay as replay_module
+    from walspool.store import replay_lock as lock_module
 
-    lock = Path(f"{spool.path}{replay_module.LOCK_SUFFIX}")
+    lock = Path(f"{spool.path}{lock_module.LOCK_SUFFIX}")
     stack = contextlib.ExitStack()
-    yield lambda: stack.enter_context(replay_module._exclusive(lock, wait=False)), stack.close
+    yield lambda: stack.enter_context(lock_module._exclusive(lock, wait=False)), stack.close
     stack.close()
 
 
@@ -1017,7 +1017,7 @@ def test_a_start_recovery_that_fails_says_so_and_each_session_drains_its_own(
     def broken(self: Any, *args: Any, **kw: Any) -> Any:
         raise RuntimeError("replay broke")
 
-    monkeypatch.setattr(walspool.replay.Replayer, "replay", broken)
+    monkeypatch.setattr(walspool.replay.replayer.Replayer, "replay", broken)
     with caplog.at_level(logging.ERROR, logger="walspool.hermes"):
         link = install(store, spool, retry_interval=0)
         link._thread.join(STEP)  # with no retries, the thread ends after the recovery

@@ -1,4 +1,4 @@
-"""The gateway link's cap on the spool (``walspool.budget``), on the real 0.19.0 store.
+"""The gateway link's cap on the spool (``walspool.link.budget``), on the real 0.19.0 store.
 
 A chatty session cannot take the room the others need; the cap counts the ``-wal``
 file that a reader's snapshot lets grow; a refused eviction takes the released
@@ -18,8 +18,8 @@ from _gateway import BREAK, HEAL, sql, told_drops
 from _lock_holder import read_snapshot_held
 
 import walspool
-from walspool import budget
 from walspool.hermes import install
+from walspool.link import budget
 
 pytest.importorskip("hermes_state")
 
@@ -45,7 +45,7 @@ def on_disk(path: Path) -> int:
 
 def refusals(caplog: pytest.LogCaptureFixture, session_id: str) -> list[str]:
     """The link's lines saying it dropped messages of the session: the first in full, then
-    a summary at most once a minute (``walspool._link_repeats``)."""
+    a summary at most once a minute (``walspool.link.repeats``)."""
     return [
         r.getMessage()
         for r in caplog.records

@@ -25,11 +25,11 @@ from _helpers import ROOT, STEP
 from _lock_holder import replay_lock_held, write_lock_held
 
 import walspool
-import walspool._link_bounds as bounds
-import walspool.writer as writer
-from walspool._link_repeats import REPEAT_SECONDS
+import walspool.link.bounds as bounds
+import walspool.store.writer as writer
 from walspool.errors import ReplayBusy
 from walspool.hermes import Link, install
+from walspool.link.repeats import REPEAT_SECONDS
 
 pytest.importorskip("hermes_state")
 

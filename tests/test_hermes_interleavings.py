@@ -34,9 +34,9 @@ from _helpers import STEP, naming_threads
 from _lock_holder import write_lock_held
 
 import walspool
-import walspool._link_bounds as bounds
-import walspool._link_shutdown as link_shutdown
-import walspool.writer as writer
+import walspool.link.bounds as bounds
+import walspool.link.shutdown as link_shutdown
+import walspool.store.writer as writer
 from walspool.errors import ReplayBusy
 from walspool.hermes import Link, install
 

@@ -20,7 +20,7 @@ from _helpers import ROOT, child_deadline, run_python
 
 import walspool
 from walspool import AGENT_HISTORY, CAP_DROP, SHUTDOWN
-from walspool.jsonspool import DEFAULT_BATCH_FILES, ImportReport, import_json_spool
+from walspool.replay.jsonspool import DEFAULT_BATCH_FILES, ImportReport, import_json_spool
 
 TS = 1_760_000_000
 
@@ -457,7 +457,7 @@ def test_a_second_concurrent_import_is_refused(spool, pending):
 
 CRASH_CHILD = r"""
 import sys, walspool
-from walspool.jsonspool import import_json_spool
+from walspool.replay.jsonspool import import_json_spool
 spool = walspool.Spool(sys.argv[1])
 import_json_spool(spool, sys.argv[2], progress=lambda done, total: print(done, flush=True))
 print("finished", flush=True)
@@ -538,7 +538,7 @@ def test_sigkill_mid_import_loses_nothing_and_duplicates_at_most_a_batch_per_kil
 
 WINDOW_CHILD = r"""
 import os, signal, sys, walspool
-from walspool.jsonspool import import_json_spool
+from walspool.replay.jsonspool import import_json_spool
 spool_path, directory = sys.argv[1], sys.argv[2]
 die_at, batch_files = int(sys.argv[3]), int(sys.argv[4])
 real_unlink, unlinks = os.unlink, 0
@@ -623,7 +623,7 @@ def test_files_an_interrupted_import_committed_are_removed_not_imported_again(sp
 #: imported and the process's peak RSS (``VmHWM``) once it is done.
 IMPORT_CHILD = r"""
 import sys, walspool
-from walspool.jsonspool import import_json_spool
+from walspool.replay.jsonspool import import_json_spool
 with walspool.Spool(sys.argv[1]) as spool:
     report = import_json_spool(spool, sys.argv[2], source_key=sys.argv[3])
 with open("/proc/self/status") as f:

@@ -1,4 +1,4 @@
-"""The link's evictions and set-asides (``walspool._link_evict``) on the real hermes-agent
+"""The link's evictions and set-asides (``walspool.link.evict``) on the real hermes-agent
 0.19.0 store, where the other link tests leave them unchecked:
 
 * a live message state.db refuses for its content: the WARNING that says it was
@@ -33,9 +33,9 @@ from _gateway import (
 from _helpers import STEP
 
 import walspool
-import walspool.writer as writer
-from walspool._link_repeats import REPEAT_SECONDS
+import walspool.store.writer as writer
 from walspool.hermes import REJECTED, install
+from walspool.link.repeats import REPEAT_SECONDS
 
 pytest.importorskip("hermes_state")
 

@@ -1,7 +1,7 @@
-"""The link's per-session state machine (``walspool._link_machine``), without threads:
+"""The link's per-session state machine (``walspool.link.machine``), without threads:
 from a table (state x facts -> step) and by a Hypothesis state machine that plays a
 session's writer, its spool and state.db against the pure transition function; and the
-session record (``walspool._link_state.Session``): only its claim's holder changes its
+session record (``walspool.link.state.Session``): only its claim's holder changes its
 fields, events recorded by others only change what the holder reads."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from walspool._link_machine import (
+from walspool.link.machine import (
     Backoff,
     Candidate,
     Decision,
@@ -27,8 +27,8 @@ from walspool._link_machine import (
     pick_due,
     retry_delay,
 )
-from walspool._link_state import Claim, NotTheHolder
-from walspool._link_state import Session as LinkSession
+from walspool.link.state import Claim, NotTheHolder
+from walspool.link.state import Session as LinkSession
 
 G, B = Owner.GATEWAY, Owner.BACKGROUND
 NONE, HOLD = Spooled.NONE, Spooled.MAY_HOLD
@@ -334,7 +334,7 @@ Session.TestCase.settings = settings(max_examples=200, stateful_step_count=40, d
 TestSession = Session.TestCase
 
 
-# -- who changes a session: the holder's fields and events (walspool._link_state) --
+# -- who changes a session: the holder's fields and events (walspool.link.state) --
 
 HOLDER_CHANGES = {
     "release": (),

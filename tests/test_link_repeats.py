@@ -1,4 +1,4 @@
-"""The link's repeated conditions (``walspool._link_repeats``): said at first, then at most
+"""The link's repeated conditions (``walspool.link.repeats``): said at first, then at most
 once per interval with the count since, and once when over, every occurrence counted in
 exactly one line; from tables and a Hypothesis model with no threads. Then on the real
 hermes-agent 0.19.0 store with the link's clock moved by the test: a burst of drops, of
@@ -27,10 +27,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import walspool
-import walspool.writer as writer
-from walspool import outage
-from walspool._link_repeats import REPEAT_SECONDS, Kind, Repeats, Said
+import walspool.store.writer as writer
 from walspool.hermes import install
+from walspool.link import outage
+from walspool.link.repeats import REPEAT_SECONDS, Kind, Repeats, Said
 
 T = 1000.0
 INTERVAL = REPEAT_SECONDS

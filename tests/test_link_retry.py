@@ -1,4 +1,4 @@
-"""The link's background work (``walspool._link_retry``) on the real hermes-agent 0.19.0
+"""The link's background work (``walspool.link.retry``) on the real hermes-agent 0.19.0
 store, where the other link tests leave it unchecked: the start's count of each session's
 share when it fails or the spool closes first, what a recovery tells of each session's
 outage (the rows it moved, session by session) and the outage's end, and the sessions
@@ -18,7 +18,7 @@ from _gateway import BREAK, HEAL, contents, link_lines, msg, sql
 from _helpers import STEP
 
 import walspool
-import walspool._link_retry as link_retry
+import walspool.link.retry as link_retry
 from walspool.hermes import Link, install
 
 pytest.importorskip("hermes_state")

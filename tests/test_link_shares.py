@@ -1,4 +1,4 @@
-"""The link's count of each session's bytes in the spool (``walspool._link_shares``):
+"""The link's count of each session's bytes in the spool (``walspool.link.shares``):
 the start's count, and the rows a drain's sink notes and later finds gone."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 
 import walspool
-from walspool import _link_shares
-from walspool._link_shares import Moving, count
-from walspool.budget import Shares
+from walspool.link import shares
+from walspool.link.budget import Shares
+from walspool.link.shares import Moving, count
 
 
 class Recording:
@@ -98,7 +98,7 @@ def test_rows_written_in_a_counted_replay_that_left_are_told_by_session(spool):
 def test_the_noted_rows_stay_within_their_bound(spool, monkeypatch):
     """Past ``NOTED_ROWS``, the rows that left are told, and of those still there only
     the latest are kept; up to the bound, every row is kept."""
-    monkeypatch.setattr(_link_shares, "NOTED_ROWS", 8)
+    monkeypatch.setattr(shares, "NOTED_ROWS", 8)
     moving = Moving(Recording(), spool, Shares())
     held = rows(spool, "held", 8)
     with moving.counting() as noted:
@@ -117,7 +117,7 @@ def test_past_the_bound_only_the_latest_half_still_there_is_kept(spool, monkeypa
     """Past ``NOTED_ROWS`` (8 here) the rows still in the spool but the latest 4 are
     forgotten before a new row is noted; a batch that alone takes the count past the
     bound forgets none of the fewer than 4 noted before it."""
-    monkeypatch.setattr(_link_shares, "NOTED_ROWS", 8)
+    monkeypatch.setattr(shares, "NOTED_ROWS", 8)
     moving = Moving(Recording(), spool, Shares())
     held, more = rows(spool, "held", 8), rows(spool, "more", 1)
     with moving.counting() as noted:
@@ -140,6 +140,6 @@ def test_a_spool_that_cannot_be_probed_is_not_taken_for_empty(spool, monkeypatch
     def fails(sql: str, params: Any) -> Any:
         raise walspool.SpoolIOError("disk I/O error", path=spool.path)
 
-    assert _link_shares.empty(spool)
+    assert shares.empty(spool)
     monkeypatch.setattr(spool, "query", fails)
-    assert _link_shares.empty(spool) is False
+    assert shares.empty(spool) is False

@@ -1,4 +1,4 @@
-"""The link's shell (``walspool._link_shell``) on the real hermes-agent 0.19.0 store, where
+"""The link's shell (``walspool.link.link``) on the real hermes-agent 0.19.0 store, where
 the other link tests leave it unchecked: a transcript rewrite (/retry, /undo, /compress)
 ends the session's repeated conditions and says so, with their counts: a drain under
 way (the rows it replayed), a busy spool that kept the oldest message in memory.
@@ -26,9 +26,9 @@ from _gateway import (
 from _helpers import STEP
 
 import walspool
-import walspool.writer as writer
-from walspool._link_repeats import REPEAT_SECONDS
+import walspool.store.writer as writer
 from walspool.hermes import install
+from walspool.link.repeats import REPEAT_SECONDS
 
 pytest.importorskip("hermes_state")
 

@@ -44,11 +44,11 @@ from _litestream import WAIT, GatewayHost, Replication, Row, binary, missing_rea
 from _old_schemas import DOWNGRADE_TO_V1_SQL, make_v2_spool
 
 import walspool
-import walspool.schema as schema
+import walspool.store.schema as schema
 from walspool.cli import main as cli_main
 from walspool.errors import SpoolCorrupt
-from walspool.maintenance import vacuum
-from walspool.replay import Replayer
+from walspool.replay.replayer import Replayer
+from walspool.store.maintenance import vacuum
 
 LITESTREAM = binary()
 pytestmark = [

@@ -1,4 +1,4 @@
-"""walspool.maintenance and its commands: requeue, drop, vacuum, as an operator uses them."""
+"""walspool.store.maintenance and its commands: requeue, drop, vacuum, as an operator uses them."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ from _lock_holder import read_snapshot_held, replay_lock_held
 from _users import NOBODY, as_root, python_as, shared_directory, walspool_as
 
 import walspool
-from walspool import maintenance
 from walspool.cli import main
-from walspool.sinks import RowRejected
+from walspool.replay.sinks import RowRejected
+from walspool.store import maintenance
 
 
 def cli(*argv: object) -> tuple[int, str, str]:

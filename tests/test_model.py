@@ -38,8 +38,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 import walspool
 from walspool import AGENT_HISTORY, CAP_DROP, SHUTDOWN
 from walspool.cli import main as cli_main
-from walspool.records import Record
-from walspool.replay import Replayer
+from walspool.replay.replayer import Replayer
+from walspool.store.records import Record
 
 #: Streams as the spool keys them: ("session_id" | "session_key", name).
 ID_STREAMS = [

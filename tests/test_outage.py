@@ -1,4 +1,4 @@
-"""The link's outage lines (``walspool.outage``): a few per outage, with its counts and
+"""The link's outage lines (``walspool.link.outage``): a few per outage, with its counts and
 durations, driven by the times passed in (no clock, no threads)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from walspool.outage import QUIET_AFTER, REPORT_SECONDS, OutageLog, repeat_due
+from walspool.link.outage import QUIET_AFTER, REPORT_SECONDS, OutageLog, repeat_due
 
 SPOOL = Path("/home/h/spool.db")
 

@@ -21,11 +21,11 @@ from _gateway import state_db
 from _helpers import ROOT, MemorySink
 
 import walspool
-from walspool import codec, paging
 from walspool.cli import ls, main
 from walspool.cli._output import CELL_WIDTH
-from walspool.replay import Replayer
-from walspool.spool import RECORD_COLUMNS
+from walspool.replay.replayer import Replayer
+from walspool.store import codec, paging
+from walspool.store.spool import RECORD_COLUMNS
 
 MiB = 1024 * 1024
 #: A generous bound on the peak RSS of a command here. Measured on these spools: the

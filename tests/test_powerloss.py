@@ -49,8 +49,8 @@ from _old_schemas import DOWNGRADE_TO_V1_SQL, make_v2_spool
 from _powervfs import CrashState, PowerVFS, recording
 
 import walspool
-import walspool.files
-from walspool.replay import Replayer
+import walspool.store.files
+from walspool.replay.replayer import Replayer
 
 Key = tuple[str, int]  # (session_id, seq)
 
@@ -651,11 +651,11 @@ def test_a_new_entry_needs_its_directory_synced(tmp_path):
     assert (state.dirs, state.files) == (set(), {})
     assert vfs.crash_state(len(vfs.ops), 1).files == {"d/x": b""}
     with recording(vfs):
-        walspool.files.sync_directory(root)
+        walspool.store.files.sync_directory(root)
     state = vfs.crash_state(len(vfs.ops), 0)
     assert (state.dirs, state.files) == ({"d"}, {})
     with recording(vfs):
-        walspool.files.sync_directory(root / "d")
+        walspool.store.files.sync_directory(root / "d")
     state = vfs.crash_state(len(vfs.ops), 0)
     assert (state.dirs, state.files) == ({"d"}, {"d/x": b""})
 

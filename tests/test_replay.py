@@ -21,9 +21,9 @@ from hypothesis import strategies as st
 
 import walspool
 from walspool import AGENT_HISTORY, CAP_DROP, SHUTDOWN
-from walspool.records import Record
-from walspool.replay import Replayer, ReplayReport, StreamReport
-from walspool.sinks import SessionDBSink
+from walspool.replay.replayer import Replayer, ReplayReport, StreamReport
+from walspool.replay.sinks import SessionDBSink
+from walspool.store.records import Record
 
 hermes_state = pytest.importorskip("hermes_state")
 
@@ -698,13 +698,13 @@ def test_a_crash_leaves_in_doubt_only_the_row_an_untracked_sink_was_handed(spool
     assert (kept.status, kept.attempts, kept.last_error) == (
         "quarantined",
         1,
-        walspool.replay.UNKNOWN_LANDING,
+        walspool.replay.replayer.UNKNOWN_LANDING,
     )
     assert query(spool, "SELECT count(*) FROM records WHERE inflight IS NOT NULL") == [(0,)]
     warnings = [text for level, text in messages_logged(caplog) if level == "WARNING"]
     assert warnings == [
         f"{spool.path}: quarantined row {kept.id} (session_id s, seq 1), its stream goes "
-        f"on: {walspool.replay.UNKNOWN_LANDING}"
+        f"on: {walspool.replay.replayer.UNKNOWN_LANDING}"
     ]
 
 
@@ -790,7 +790,7 @@ def test_a_failed_write_to_a_sink_that_cannot_look_it_up_is_freed(spool):
 
 
 def test_each_quarantined_row_is_counted_and_logged(spool, sink, caplog):
-    from walspool.sinks import RowRejected
+    from walspool.replay.sinks import RowRejected
 
     spool.append_many([("s", msg("s", i)) for i in range(4)])
     sink.refuse = lambda sid, rec: RowRejected("bad row") if rec.seq in (1, 3) else None
@@ -875,7 +875,7 @@ def test_by_default_a_failed_attempt_is_committed_before_replay_returns(spool, s
 
 
 def test_quarantined_and_superseded_rows_move_only_when_asked_for(spool, sink):
-    from walspool.sinks import RowRejected
+    from walspool.replay.sinks import RowRejected
 
     spool.append_many([("q", msg("q", 0)), ("r", msg("r", 0))])
     sink.refuse = lambda sid, rec: RowRejected("bad row") if sid == "q" else None
@@ -894,7 +894,7 @@ def test_quarantined_and_superseded_rows_move_only_when_asked_for(spool, sink):
 def test_a_resumed_row_reaches_the_sink_as_it_did_the_first_time(spool, sink):
     """A quarantined row replayed on request, interrupted, then resumed: the sink gets
     the same record (its status included) both times."""
-    from walspool.sinks import RowRejected
+    from walspool.replay.sinks import RowRejected
 
     spool.append("s", msg("s", 0))
     sink.refuse = lambda sid, rec: RowRejected("bad row")
@@ -1012,7 +1012,7 @@ def test_rows_freed_by_two_failing_streams_in_one_batch_are_all_freed(spool, sin
 
 
 def test_a_replay_finding_the_lock_held_says_by_whom_and_how_long_it_waited(spool, sink):
-    from walspool.replay import LOCK_SUFFIX, _exclusive
+    from walspool.store.replay_lock import LOCK_SUFFIX, _exclusive
 
     spool.append("s", msg("s", 0))
     lock = Path(f"{spool.path}{LOCK_SUFFIX}")
@@ -1034,7 +1034,7 @@ def test_a_replay_waits_for_the_lock_within_its_bound(spool, sink, monkeypatch):
     import contextlib
     import time
 
-    from walspool.replay import LOCK_SUFFIX, _exclusive
+    from walspool.store.replay_lock import LOCK_SUFFIX, _exclusive
 
     spool.append("s", msg("s", 0))
     other = contextlib.ExitStack()
@@ -1155,7 +1155,7 @@ def test_a_replay_waits_for_the_lock_by_default(spool, sink, monkeypatch):
     import contextlib
     import time
 
-    from walspool.replay import LOCK_SUFFIX, _exclusive
+    from walspool.store.replay_lock import LOCK_SUFFIX, _exclusive
 
     spool.append("s", msg("s", 0))
     other = contextlib.ExitStack()
@@ -1177,7 +1177,7 @@ def test_a_replay_lock_held_without_a_pid_says_how_to_find_the_holder(spool, sin
     refusal names the lock and how to find its holder, and knows no pid."""
     import fcntl
 
-    from walspool.replay import LOCK_SUFFIX
+    from walspool.store.replay_lock import LOCK_SUFFIX
 
     spool.append("s", msg("s", 0))
     lock = Path(f"{spool.path}{LOCK_SUFFIX}")

@@ -27,8 +27,8 @@ from _lock_holder import write_lock_held
 
 import walspool
 from walspool.cli import main
-from walspool.replay import Replayer
-from walspool.sinks import SessionDBSink, rejects_content
+from walspool.replay.replayer import Replayer
+from walspool.replay.sinks import SessionDBSink, rejects_content
 
 hermes_state = pytest.importorskip("hermes_state")
 

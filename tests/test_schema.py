@@ -21,8 +21,8 @@ from _helpers import ROOT, STEP, MemorySink, child_deadline, descriptors_on, run
 from _old_schemas import DOWNGRADE_TO_V1_SQL, make_v2_spool, make_v3_spool
 
 import walspool
-from walspool import maintenance
-from walspool.schema import APPLICATION_ID, SCHEMA_VERSION, open_reader, schema_problems
+from walspool.store import maintenance
+from walspool.store.schema import APPLICATION_ID, SCHEMA_VERSION, open_reader, schema_problems
 
 MSG = {"role": "user", "content": "hello 世界", "n": 1}
 
@@ -602,7 +602,7 @@ class FailedConnection:
     ],
 )  # fmt: skip
 def test_sqlite_errors_are_named_for_their_condition(tmp_path, exc, os_errno, kind, text):
-    from walspool.schema import sqlite_error
+    from walspool.store.schema import sqlite_error
 
     path = tmp_path / "spool.db"
     error = sqlite_error(exc, path, "s-1", FailedConnection(os_errno))
@@ -693,7 +693,7 @@ def test_a_damaged_spool_a_process_is_opening_is_not_moved_aside(spool_path):
 
 
 class _SteppedTime:
-    """``time`` for ``walspool.schema``: the real clock, and a ``sleep`` that records each
+    """``time`` for ``walspool.store.schema``: the real clock, and a ``sleep`` that records each
     pause and sets ``stepped`` at the first."""
 
     def __init__(self) -> None:
@@ -712,7 +712,7 @@ def test_an_opener_waits_for_a_spool_being_moved_aside_then_opens_it(spool_path,
     opener waits (polling often) instead of failing, and opens the spool once it is free."""
     walspool.Spool(spool_path).close()
     clock = _SteppedTime()
-    monkeypatch.setattr(walspool.schema, "time", clock)
+    monkeypatch.setattr(walspool.store.schema, "time", clock)
     mover = os.open(f"{spool_path}.open-lock", os.O_RDWR)
     fcntl.flock(mover, fcntl.LOCK_EX)
     outcome: list[object] = []
@@ -739,7 +739,7 @@ def test_an_opener_waits_for_a_spool_being_moved_aside_then_opens_it(spool_path,
 
 def test_an_open_lock_held_past_its_bound_is_a_named_error(spool_path, monkeypatch):
     walspool.Spool(spool_path).close()
-    monkeypatch.setattr(walspool.schema, "OPEN_LOCK_WAIT", 0.2)
+    monkeypatch.setattr(walspool.store.schema, "OPEN_LOCK_WAIT", 0.2)
     mover = os.open(f"{spool_path}.open-lock", os.O_RDWR)
     fcntl.flock(mover, fcntl.LOCK_EX)
     try:
@@ -777,7 +777,7 @@ def test_a_symlink_swapped_in_after_the_check_is_refused_by_sqlite(spool_path, m
     walspool.Spool(spool_path).close()
     victim = spool_path.with_name("victim")
     victim.write_bytes(b"")
-    real_check = walspool.files.refuse_non_sqlite
+    real_check = walspool.store.files.refuse_non_sqlite
 
     def check_then_swap(path: Path) -> None:
         real_check(path)
@@ -785,7 +785,7 @@ def test_a_symlink_swapped_in_after_the_check_is_refused_by_sqlite(spool_path, m
             os.rename(spool_path, spool_path.with_name("real.db"))
             os.symlink(victim, spool_path)
 
-    monkeypatch.setattr(walspool.files, "refuse_non_sqlite", check_then_swap)
+    monkeypatch.setattr(walspool.store.files, "refuse_non_sqlite", check_then_swap)
     with pytest.raises(walspool.WalspoolError) as info:
         if opener == "writer":
             walspool.Spool(spool_path)
@@ -883,7 +883,7 @@ def test_each_schema_problem_is_named_when_the_spool_is_moved_aside(
     )
     conn.close()
     # Walspool's own definitions are read afresh here, not remembered from another test.
-    monkeypatch.setattr(walspool.schema, "_definitions", {})
+    monkeypatch.setattr(walspool.store.schema, "_definitions", {})
     with caplog.at_level(logging.ERROR, logger="walspool"):
         walspool.Spool(spool_path).close()
     (aside,) = [p for p in spool_path.parent.iterdir() if p.name.endswith(tuple("0123456789"))]

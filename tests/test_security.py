@@ -30,8 +30,8 @@ import walspool
 from walspool import CAP_DROP, SHUTDOWN
 from walspool import shutdown_flush as sf
 from walspool.cli import main
-from walspool.replay import Replayer
-from walspool.sinks import SessionDBSink
+from walspool.replay.replayer import Replayer
+from walspool.replay.sinks import SessionDBSink
 
 hermes_state = pytest.importorskip("hermes_state")
 
@@ -543,17 +543,21 @@ class _Scan:
         return False
 
 
+def _named(source: Path) -> str:
+    return str(Path("walspool") / source.relative_to(PACKAGE))
+
+
 def scan_package() -> list[str]:
     problems = []
-    for source in sorted(PACKAGE.glob("*.py")):
-        problems += _Scan(source.read_text(), f"walspool/{source.name}").run()
+    for source in sorted(PACKAGE.rglob("*.py")):
+        problems += _Scan(source.read_text(), _named(source)).run()
     return problems
 
 
 def _constants_are_constant() -> list[str]:
     """UPPER_CASE names are what the scan trusts: set only in a module or class body."""
     problems = []
-    for source in sorted(PACKAGE.glob("*.py")):
+    for source in sorted(PACKAGE.rglob("*.py")):
         tree = ast.parse(source.read_text())
         bodies = [tree.body] + [c.body for c in ast.walk(tree) if isinstance(c, ast.ClassDef)]
         top = {id(n) for body in bodies for n in body}
@@ -563,7 +567,7 @@ def _constants_are_constant() -> list[str]:
                 targets = [node.target]
             for t in targets:
                 if isinstance(t, ast.Name) and CONSTANT_NAME.match(t.id) and id(node) not in top:
-                    problems.append(f"walspool/{source.name}:{node.lineno} reassigns {t.id}")
+                    problems.append(f"{_named(source)}:{node.lineno} reassigns {t.id}")
     return problems
 
 

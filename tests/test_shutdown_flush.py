@@ -318,19 +318,19 @@ def logged(caplog, level: int = logging.DEBUG) -> list[str]:
 def lock_held(home):
     """The spool's replay lock held (as by a replay elsewhere); yields the wait budgets
     each replay of the spool then asks for, and never lets one wait."""
-    from walspool import replay as replay_module
+    from walspool.store import replay_lock as lock_module
 
     budgets: list[float] = []
-    real = replay_module._lock_within
+    real = lock_module._lock_within
 
     def no_wait(fd, seconds, spool_path):
         budgets.append(seconds)
         return real(fd, 0, spool_path)
 
     sf.shared_spool()  # the home and its spool exist before the lock file does
-    lock = Path(f"{home / 'spool.db'}{replay_module.LOCK_SUFFIX}")
-    with replay_module._exclusive(lock, wait=False), pytest.MonkeyPatch.context() as patch:
-        patch.setattr(replay_module, "_lock_within", no_wait)
+    lock = Path(f"{home / 'spool.db'}{lock_module.LOCK_SUFFIX}")
+    with lock_module._exclusive(lock, wait=False), pytest.MonkeyPatch.context() as patch:
+        patch.setattr(lock_module, "_lock_within", no_wait)
         yield budgets
 
 

@@ -12,9 +12,8 @@ from typing import Any
 import pytest
 
 import walspool
-from walspool.records import Record
-from walspool.replay import Replayer
-from walspool.sinks import (
+from walspool.replay.replayer import Replayer
+from walspool.replay.sinks import (
     NotAMessage,
     RowRejected,
     SessionDBClosed,
@@ -28,6 +27,7 @@ from walspool.sinks import (
     rejects_content,
     rejects_live_row,
 )
+from walspool.store.records import Record
 
 hermes_state = pytest.importorskip("hermes_state")
 gateway_session = pytest.importorskip("gateway.session")
@@ -473,14 +473,14 @@ def test_newer_fields_travel_only_where_the_message_has_them():
 
 
 def test_on_0_19_the_installed_gateway_has_no_mapping_of_its_own(state_db):
-    from walspool.sinks import gateway_mapping
+    from walspool.replay.sinks import gateway_mapping
 
     assert gateway_mapping() is None
     assert SessionDBSink(state_db).mapping is None
 
 
 def test_a_row_the_newer_gateway_blames_is_a_content_rejection(state_db):
-    from walspool.sinks import RowRejected, rejects_content
+    from walspool.replay.sinks import RowRejected, rejects_content
 
     state_db.create_session("s", "telegram")
 

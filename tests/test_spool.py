@@ -356,7 +356,7 @@ def test_stats_counts_the_wal_while_the_spool_is_open(spool, spool_path):
 
 
 def test_the_default_path_is_spool_db_in_hermes_home(monkeypatch, tmp_path):
-    from walspool.spool import default_path
+    from walspool.store.spool import default_path
 
     monkeypatch.setenv("HERMES_HOME", str(tmp_path / "home"))
     assert default_path() == tmp_path / "home" / "spool.db"
@@ -573,7 +573,7 @@ def test_a_page_ends_once_its_rows_cost_page_bytes():
     """A page holds rows until what they cost reaches ``PAGE_BYTES`` (the row that
     reaches it included), and at least one row however big. (Rows here have no payload
     to decode: their cost is the last column alone.)"""
-    from walspool.paging import PAGE_BYTES, read_page
+    from walspool.store.paging import PAGE_BYTES, read_page
 
     conn = apsw.Connection(":memory:")
     sql = (
@@ -599,7 +599,7 @@ def test_a_spool_whose_writer_cannot_start_closes_what_its_open_took(spool_path,
     def no_thread(*args: object, **kwargs: object) -> None:
         raise RuntimeError("can't start new thread")
 
-    monkeypatch.setattr(walspool.spool, "Writer", no_thread)
+    monkeypatch.setattr(walspool.store.spool, "Writer", no_thread)
     with pytest.raises(RuntimeError, match="can't start new thread") as info:
         walspool.Spool(spool_path)
     assert descriptors_on(spool_path) == []  # while the error still holds its frames

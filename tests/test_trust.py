@@ -1,4 +1,4 @@
-"""Trust only what the spool's owner made (walspool.files), with real second users.
+"""Trust only what the spool's owner made (walspool.store.files), with real second users.
 
 The tests run as root in CI; the users are real: a child process switched with
 ``setpriv`` to ``nobody`` (the gateway's user here) or ``daemon`` (a careless or
@@ -31,12 +31,12 @@ from _users import NOBODY, as_root, shared_directory
 from _users import python_as as as_user
 
 import walspool
-import walspool.codec
-import walspool.jsonspool
-import walspool.paging
-import walspool.spool
+import walspool.replay.jsonspool
+import walspool.store.codec
+import walspool.store.paging
+import walspool.store.spool
 from walspool.cli import main
-from walspool.replay import Replayer
+from walspool.replay.replayer import Replayer
 
 GATEWAY_USER = NOBODY
 NEIGHBOUR = 1  # daemon
@@ -427,10 +427,10 @@ def test_pages_and_replay_batches_are_bounded_by_bytes(tmp_path, monkeypatch, ca
         spool.append_many([("s", {"role": "user", "content": t}) for t in text])
         # What one row costs a page: its stored bytes and what decoding makes of it.
         (row,) = list(spool.records(session_id="s"))[:1]
-        payload = walspool.codec.encode(row.message)
+        payload = walspool.store.codec.encode(row.message)
         cost = len(b"s") + len(row.reason.encode()) + len(payload)
-        cost += walspool.codec.decoded_bytes(payload)
-        monkeypatch.setattr(walspool.paging, "PAGE_BYTES", 2 * cost - 1)
+        cost += walspool.store.codec.decoded_bytes(payload)
+        monkeypatch.setattr(walspool.store.paging, "PAGE_BYTES", 2 * cost - 1)
         assert [r.message["content"] for r in spool.records()] == text
         assert [r.message["content"] for r in spool.records(session_id="s")] == text
         assert main(["show", str(path), "s", "--json", "--full"]) == 0
@@ -514,9 +514,9 @@ def test_import_batches_are_bounded_by_bytes(tmp_path, monkeypatch):
     directory.mkdir()
     paths = [pending(directory, n, "y" * 700) for n in range(6)]
     raw = paths[0].read_bytes()
-    cost = len(raw) + walspool.codec.decoded_bytes(raw)
+    cost = len(raw) + walspool.store.codec.decoded_bytes(raw)
     assert all(len(p.read_bytes()) == len(raw) for p in paths)
-    monkeypatch.setattr(walspool.jsonspool, "BATCH_BYTES", 3 * cost - 1)
+    monkeypatch.setattr(walspool.replay.jsonspool, "BATCH_BYTES", 3 * cost - 1)
     with walspool.Spool(tmp_path / "spool" / "spool.db") as spool:
         batches: list[int] = []
         append_many = spool.append_many
@@ -553,7 +553,7 @@ def test_a_symlinked_home_is_followed(tmp_path, capsys):
 def test_a_spool_directory_removed_during_the_open_is_a_walspool_error(tmp_path, monkeypatch, step):
     """The directory goes away between two steps of ``Spool()`` (another process
     cleaning up): a ``WalspoolError`` that names the spool, never a raw OSError."""
-    import walspool.files as files
+    import walspool.store.files as files
 
     spool_dir = tmp_path / "sub"
     real = getattr(files, step)

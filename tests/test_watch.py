@@ -38,7 +38,7 @@ from walspool.cli._watching import (
     read_snapshot,
     try_snapshot,
 )
-from walspool.replay import Replayer
+from walspool.replay.replayer import Replayer
 
 MSG = {"role": "user", "content": "hello"}
 TMUX = shutil.which("tmux")

@@ -21,8 +21,8 @@ from _helpers import ROOT, child_deadline, run_python
 from _lock_holder import write_lock_held
 
 import walspool
-import walspool.writer as walspool_writer
-from walspool.writer import Append, Batched, NotInTime, Operation, SpoolBusy
+import walspool.store.writer as walspool_writer
+from walspool.store.writer import Append, Batched, NotInTime, Operation, SpoolBusy
 
 WRITER_CHILD = r"""
 import sys, threading, walspool

@@ -24,8 +24,10 @@ from .errors import (
     UntrustedSpool,
     WalspoolError,
 )
-from .jsonspool import ImportReport, import_json_spool
-from .records import (
+from .replay.jsonspool import ImportReport, import_json_spool
+from .replay.replayer import Replayer, ReplayReport, StreamReport
+from .replay.sinks import ForgetsTickets, SessionDBSink, Sink, WritesMany
+from .store.records import (
     AGENT_HISTORY,
     CAP_DROP,
     QUARANTINED,
@@ -35,9 +37,7 @@ from .records import (
     Record,
     Stats,
 )
-from .replay import Replayer, ReplayReport, StreamReport
-from .sinks import ForgetsTickets, SessionDBSink, Sink, WritesMany
-from .spool import Spool
+from .store.spool import Spool
 
 __all__ = [
     "AGENT_HISTORY",

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from .spool import Spool
+from .store.spool import Spool
 
 BREAK_SQL = (
     "CREATE TRIGGER walspool_demo_outage BEFORE INSERT ON messages BEGIN "

@@ -27,7 +27,7 @@ writes the session or gives the claim up, and it makes every decision on the sta
 reads under the lock after each write or wait. By construction, only the holder changes
 the session's decision state (its message in flight and its backoff); evictions,
 commits, rewrites and recoveries are recorded as events it reads, which never write
-what the holder set (``walspool._link_state.Session``). A session's state object is never
+what the holder set (``walspool.link.state.Session``). A session's state object is never
 replaced, and is dropped only when nobody refers to it (no writer, no waiter, no
 uncommitted eviction, no work); a thread that waited without a claim looks its
 session up again, so every thread wakes to the current state.
@@ -55,7 +55,7 @@ Waits a gateway thread can meet because of walspool, with their bounds:
   another session to finish its batch; a drain never waits for a replay lock held
   elsewhere (``ReplayBusy``: retried later) and is left to the background thread
   while another process holds the spool's write lock. A spool transaction of a
-  drain waits at most ``walspool.writer.BUSY_RETRY_SECONDS`` for that lock;
+  drain waits at most ``walspool.store.writer.BUSY_RETRY_SECONDS`` for that lock;
 * taking a session over from the background thread: at most ``HANDOFF_WAIT``, in
   practice the rest of one ``state.db`` write or one drain batch of
   ``DRAIN_CHUNK_ROWS`` rows; none while another process holds the spool's write lock;
@@ -75,13 +75,13 @@ outage costs no failing write, and no wait, per message. ``retry_interval=0`` tu
 the background thread off (as does ``Link.close``): each message retries at once, as
 in the released store.
 
-The cap on the spool (``max_bytes``, ``walspool.budget``) keeps room for quiet sessions
+The cap on the spool (``max_bytes``, ``walspool.link.budget``) keeps room for quiet sessions
 by each session's share: the bytes its rows hold in the spool, superseded ones and those
 of earlier runs included. When the spool holds rows at ``install``, the background thread
 first counts them (one walk of an index, 0.6 to 0.8 s for a million rows);
 ``wait_idle`` waits for it, no gateway thread does.
 
-Logs (``walspool.outage``): one WARNING when a session starts spooling (naming the
+Logs (``walspool.link.outage``): one WARNING when a session starts spooling (naming the
 spool), one when its spooled rows are all written back and one when the outage is over,
 with counts and durations; a progress line at most once a minute; the released store's
 retry WARNING for the first ``outage.QUIET_AFTER`` failures in a row, then at most once a
@@ -89,7 +89,7 @@ minute. A session's repeated condition (its spool busy, so the oldest message st
 memory; its oldest dropped or not spoolable; its spooled rows replayed, chunk by chunk)
 is said in full at its first occurrence, then at most once per ``REPEAT_SECONDS`` (60 s)
 with the count since its last line, and once when it ends; every occurrence is counted
-in one line, and ``close`` says what is held back (``walspool._link_repeats``). A drop
+in one line, and ``close`` says what is held back (``walspool.link.repeats``). A drop
 for the message's own fault (a session id or a size the spool refuses) is said each
 time, with its detail. The line per eviction is DEBUG.
 
@@ -100,10 +100,10 @@ the released store. An eviction or a quarantined message the spool accepted but 
 failed to commit (disk full, its write lock held elsewhere past the bound, closed) is
 dropped with a WARNING; so is a refused message the spool cannot take at all.
 
-The link is built as a pure per-session state machine (``walspool._link_machine``)
-inside a thin shell (``walspool._link_shell.Link``) that holds the store's lock,
+The link is built as a pure per-session state machine (``walspool.link.machine``)
+inside a thin shell (``walspool.link.link.Link``) that holds the store's lock,
 performs the machine's steps and logs after unlocking; evictions, the session writer,
-the background thread and shutdown each have their module (``walspool._link_*``).
+the background thread and shutdown each have their module in ``walspool.link``.
 This module is the link's public face.
 """
 
@@ -111,8 +111,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import _link_shares, budget
-from ._link_bounds import (
+from .errors import UnsupportedGateway
+from .link import budget, shares
+from .link.bounds import (
     BUSY_LOOK_SECONDS,
     CONFIRM_WAIT,
     DRAIN_CHUNK_ROWS,
@@ -123,16 +124,11 @@ from ._link_bounds import (
     MIN_RETRY_SECONDS,
     RETRY_STEPS,
 )
-from ._link_evict import REJECTED
-from ._link_shell import RETRY_INTERVAL, Link
-from ._link_shutdown import RUNNER_ATTRIBUTES, SpoolOnClear, install_runner
-from .errors import UnsupportedGateway
-from .records import agent_history_message, slot_message
-from .spool import Spool
-
-# The public classes are named by the module users import them from (reprs, the
-# plugin's and operators' checks of what a store's methods are bound to).
-Link.__module__ = SpoolOnClear.__module__ = __name__
+from .link.evict import REJECTED
+from .link.link import RETRY_INTERVAL, Link
+from .link.shutdown import RUNNER_ATTRIBUTES, SpoolOnClear, install_runner
+from .store.records import agent_history_message, slot_message
+from .store.spool import Spool
 
 __all__ = [
     "BUSY_LOOK_SECONDS",
@@ -187,7 +183,7 @@ def install(
     its live ones. ``retry_interval`` caps a failing session's retry delay (see the
     module docstring); 0 retries on every message and starts no background retries.
     ``max_bytes`` caps what evictions may fill, with room kept for quiet sessions
-    (``walspool.budget``; default 4 GiB, None for no cap). ``link.wait_idle(timeout)``
+    (``walspool.link.budget``; default 4 GiB, None for no cap). ``link.wait_idle(timeout)``
     waits for the recovery and every session's work.
 
     Raises ``UnsupportedGateway`` at once if the store is not what the link was
@@ -212,7 +208,7 @@ def install(
     recovery = recover and not _nothing_to_replay(spool)
     # Each session's share of the cap counts its rows from earlier runs: the background
     # thread counts them (``Link.count_shares``), unless there are none.
-    count = max_bytes is not None and not _link_shares.empty(spool)
+    count = max_bytes is not None and not shares.empty(spool)
     store.append_to_transcript = link.append_to_transcript
     store._clear_dirty_transcript = link._clear_dirty_transcript
     link.start(recover=recover, recovery=recovery, count=count)

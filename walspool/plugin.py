@@ -224,7 +224,7 @@ def link_runner(runner: Any) -> Any:
     if linked is not None:
         return linked[0]
     from .hermes import install, install_runner
-    from .spool import Spool
+    from .store.spool import Spool
 
     path = _spool_path()
     try:
@@ -341,7 +341,7 @@ def _supersede_on_rewrite(store_class: type) -> None:
     ``rewind_session``) forgets the session's queue; wrapped here, it then marks the
     session's replayable rows superseded: kept in the spool for operators, never
     replayed unless asked for. The rewrite waits at most for one spool transaction
-    (``walspool.writer.BUSY_RETRY_SECONDS`` while another process holds the write lock).
+    (``walspool.store.writer.BUSY_RETRY_SECONDS`` while another process holds the write lock).
     """
     clear = store_class._clear_dirty_transcript
     if getattr(clear, MARK, False):
@@ -381,7 +381,7 @@ def _supersede(spool: Any, session_id: str) -> int:
     their write did not land, or their ticket says so at the next recovery. While a
     replay runs, the rows it has out are left to it."""
     from .errors import ReplayBusy
-    from .replay import replay_lock
+    from .store.replay_lock import replay_lock
 
     try:
         with replay_lock(spool, wait=False):
@@ -403,7 +403,7 @@ def _bindable_live_writes(store_class: type) -> None:
     write = store_class._append_transcript_message
     if getattr(write, _BINDABLE, False):
         return
-    from .sinks import write_bindable
+    from .replay.sinks import write_bindable
 
     @wraps(write)
     def bindable_write(self: Any, session_id: str, message: Any) -> Any:
@@ -460,7 +460,7 @@ def _drain_before_live_writes(store_class: type) -> None:
 
 def _drain_first(store: Any, write: Callable[..., Any], session_id: str) -> None:
     """Drain ``session_id``'s spooled rows if it may have some; raise if rows remain."""
-    from ._upstream import StoreWrite
+    from .replay.upstream import StoreWrite
     from .shutdown_flush import drain_transcript_spool
 
     marked = getattr(store, "_spooled_drop_sessions", None) or set()
@@ -498,15 +498,15 @@ def _spool_queues(store: Any) -> int:
     0.22's store spool them). Run before its slots are spooled (see
     ``shutdown_flush.queues_before_slots``). A gateway thread writes a queue's head
     while holding the store's ``_transcript_drain_lock`` (one for every session): it is
-    waited for at most ``_link_bounds.FLUSH_TIMEOUT`` seconds; past that, nothing is
+    waited for at most ``walspool.link.bounds.FLUSH_TIMEOUT`` seconds; past that, nothing is
     spooled now and the queues are left to that write: once it ends (a failed write
     puts its message back at the head), its thread spools them, in order
     (``_spool_queues_after_writes``). On a spool error the queues stay as they are
     (ERROR).
     """
-    from ._link_bounds import FLUSH_TIMEOUT
-    from .records import SHUTDOWN
+    from .link.bounds import FLUSH_TIMEOUT
     from .shutdown_flush import shared_spool
+    from .store.records import SHUTDOWN
 
     _stopping.add(store)
     if not store._transcript_drain_lock.acquire(timeout=FLUSH_TIMEOUT):

@@ -17,10 +17,10 @@ upstream refuses it), else from the environment.
 
 What differs from upstream, on purpose:
 
-* Replay is exactly once across crashes (tickets, see ``walspool.replay``), also in
+* Replay is exactly once across crashes (tickets, see ``walspool.replay.replayer``), also in
   the live drain: the store behind the gateway's own callback is found on 0.20 and
   0.22; any other callback's rows are set aside while they are written
-  (see ``walspool._upstream``).
+  (see ``walspool.replay.upstream``).
 * No gateway thread waits on the spool past a bound. What the caller drops if it is
   refused (an eviction, a divert; all of 0.20's) is handed to the spool's writer and
   committed in the background. What the caller keeps if it is refused (0.22's stalled
@@ -33,11 +33,11 @@ What differs from upstream, on purpose:
   from the gateway's routing on disk. A key nobody resolves stays, reported at
   WARNING at each start (0.22's resolver included).
 * A row is written by the gateway's own ``transcript_append_kwargs`` where the
-  gateway has one, else by walspool's 0.19.0 mapping (``walspool.sinks``).
+  gateway has one, else by walspool's 0.19.0 mapping (``walspool.replay.sinks``).
 * A row refused for its content is quarantined inside the spool (status
   ``quarantined``, ``walspool ls``) rather than renamed ``*.json.bad``.
 * ``pending-*.json`` files the upstream module left behind are imported at the
-  first recovery, in upstream's order, exactly once (``walspool.jsonspool``);
+  first recovery, in upstream's order, exactly once (``walspool.replay.jsonspool``);
   ``*.json.bad`` files are left alone and reported.
 
 Not guaranteed: order between a slot spooled by routing key and rows spooled by
@@ -63,16 +63,18 @@ from functools import cache, partial
 from pathlib import Path
 from typing import Any
 
-from . import _upstream, text
-from ._link_bounds import BUSY_LOOK_SECONDS, CONFIRM_WAIT
-from .directories import open_directory
+from . import text
 from .errors import InvalidArgument, ReplayBusy, SpoolReplaced, UntrustedSpool, WalspoolError
-from .jsonspool import FILE_PATTERN, QUARANTINE_PATTERN, import_json_spool
-from .paging import LARGE_PAYLOAD, SMALL_PAYLOAD
-from .records import AGENT_HISTORY, CAP_DROP, agent_history_message, slot_message
-from .replay import Replayer, ReplayReport, replay_lock
-from .sinks import gateway_mapping, is_row_rejection, session_db_connection
-from .spool import REOPENED, Spool, check_lookup
+from .link.bounds import BUSY_LOOK_SECONDS, CONFIRM_WAIT
+from .replay import upstream
+from .replay.jsonspool import FILE_PATTERN, QUARANTINE_PATTERN, import_json_spool
+from .replay.replayer import Replayer, ReplayReport
+from .replay.sinks import gateway_mapping, is_row_rejection, session_db_connection
+from .store.directories import open_directory
+from .store.paging import LARGE_PAYLOAD, SMALL_PAYLOAD
+from .store.records import AGENT_HISTORY, CAP_DROP, agent_history_message, slot_message
+from .store.replay_lock import replay_lock
+from .store.spool import REOPENED, Spool, check_lookup
 
 __all__ = [
     "AGENT_HISTORY_REASON",
@@ -219,7 +221,7 @@ def close_shared_spools() -> None:
     """Close every spool opened by these functions (for tests and clean exits).
 
     Runs at interpreter exit too, so evictions handed to a spool's writer commit
-    (within ``walspool.writer.CLOSE_TIMEOUT``) before its thread stops.
+    (within ``walspool.store.writer.CLOSE_TIMEOUT``) before its thread stops.
     """
     with _spools_lock:
         spools = list(_spools.values())
@@ -251,7 +253,7 @@ def spool_dropped_transcript_message(session_id: str, message: dict[str, Any]) -
       committed in the background, a lock held elsewhere (another gateway's or a
       replay's commit, an operator's shell) waited for by the writer. A hand-off the
       writer then fails to commit (the lock held past
-      ``walspool.writer.BUSY_RETRY_SECONDS``, a full disk) is dropped with a WARNING,
+      ``walspool.store.writer.BUSY_RETRY_SECONDS``, a full disk) is dropped with a WARNING,
       as the gateway drops what its own spool fails to take.
 
     A drain of the session counts the message as remaining until it is committed.
@@ -293,12 +295,12 @@ def spool_dropped_transcript_message(session_id: str, message: dict[str, Any]) -
 def _kept_if_refused(session_id: str, message: Any) -> bool:
     """Whether the caller keeps ``message`` in memory if this module refuses it: 0.22
     (the gateway with its own row mapping) handing over a stalled backlog, whose
-    messages are still in its queue while it does (``_upstream.still_queued``). An
+    messages are still in its queue while it does (``upstream.still_queued``). An
     eviction or a divert has taken the message out of its queue, and 0.20 drops
     whatever is refused. Not knowing the store (never registered), as 0.22 keeps."""
     if not _keeps_what_is_refused():
         return False
-    return _upstream.still_queued(session_id, message) is not False
+    return upstream.still_queued(session_id, message) is not False
 
 
 @cache
@@ -396,7 +398,7 @@ def drain_transcript_spool(
     to it before, and none while another process holds the spool's write lock or a
     replay of the spool runs elsewhere: the drain is skipped (nothing replayed, the
     rows count as remaining) and the gateway tries again at its next write. A spool
-    transaction of the drain itself waits at most ``walspool.writer.BUSY_RETRY_SECONDS``
+    transaction of the drain itself waits at most ``walspool.store.writer.BUSY_RETRY_SECONDS``
     for a write lock taken elsewhere after that check.
     """
     try:
@@ -421,7 +423,7 @@ def drain_transcript_spool(
         return 0, remaining
     try:
         report = Replayer(
-            spool, _upstream.DrainSink(replay, session_id, spool), wait_for_bookkeeping=False
+            spool, upstream.DrainSink(replay, session_id, spool), wait_for_bookkeeping=False
         ).replay(session_id=session_id, wait=False)
         keys_moved = keys_held = 0
         if not report.held and not _handed_off(spool, session_id):
@@ -497,7 +499,7 @@ def _drain_keys_left(
     keys = _keys_of(spool, session_id)
     if not keys:
         return 0, 0
-    sink = _upstream.session_sink(replay, session_id)
+    sink = upstream.session_sink(replay, session_id)
     if sink is None:
         # Not the gateway's own callback: those rows wait for the next start, which
         # resolves and writes them; this session's live rows are not held for them.
@@ -773,7 +775,7 @@ def _left_to_the_running_replay(
     keys: dict[str, str] = {}
     if session_resolver is not None:
         for key, ts in _keys_to_resolve(spool):
-            found = _upstream.resolve_key(session_resolver, key, ts)
+            found = upstream.resolve_key(session_resolver, key, ts)
             if found is not None:
                 keys[key] = found[0]
     held.update(keys.values())
@@ -794,10 +796,10 @@ def _replay_all(
     targets: dict[str, tuple[str, Any]] = {}
     if session_resolver is not None:
         for key, ts in _keys_to_resolve(spool):
-            found = _upstream.resolve_key(session_resolver, key, ts)
+            found = upstream.resolve_key(session_resolver, key, ts)
             if found is not None:
                 targets[key] = found
-    sink = _upstream.RoutingSink(
+    sink = upstream.RoutingSink(
         session_db, {key: db for key, (_, db) in targets.items() if db is not None}
     )
     return Replayer(
@@ -888,7 +890,7 @@ def _read_sessions_json(directory: Path) -> Any:
     """The decoded ``sessions.json`` in ``directory``; None when there is none, or when it
     cannot be used (logged at WARNING).
 
-    Opened below the checked directory (``walspool.directories``) with ``O_NOFOLLOW |
+    Opened below the checked directory (``walspool.store.directories``) with ``O_NOFOLLOW |
     O_NONBLOCK``, so never through a link nor held up by a FIFO; only a regular file of
     at most ``SESSIONS_JSON_MAX_BYTES`` is read (checked on its descriptor first).
     """
@@ -945,7 +947,7 @@ def recover_gateway_pending(runner: Any) -> int:
     )
 
     store = runner.session_store
-    _upstream.register_store(store)
+    upstream.register_store(store)
     resolver = getattr(store, "resolve_session_id_for_key", None)
     recovered, held_back = recover_pending_spool(session_resolver=resolver)
     _mark(store, held_back)

@@ -216,7 +216,7 @@ def linked(runner: Any) -> dict[str, Any]:
     bound = getattr(store.append_to_transcript, "__self__", None)
     module = sys.modules.get("gateway.shutdown_flush")
     return {
-        "store_linked": type(bound).__module__ == "walspool.hermes",
+        "store_linked": isinstance(bound, getattr(sys.modules.get("walspool.hermes"), "Link", ())),
         "shutdown_flush": getattr(module, "__name__", None),
         # What walspool's register did here (None: never called).
         "registered": getattr(sys.modules.get("walspool.plugin"), "_registered", None),

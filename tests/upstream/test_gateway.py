@@ -317,7 +317,7 @@ def test_files_the_upstream_module_left_are_imported_once_in_order(home, store, 
 
 
 def test_an_interrupted_import_is_not_imported_twice(home, store, monkeypatch):
-    from walspool import jsonspool
+    from walspool.replay import jsonspool
 
     theirs = upstream_module()
     db = store._db
@@ -464,14 +464,14 @@ def test_recovery_registers_the_store_for_the_gateways_own_callbacks(home, store
     """A drain callback from the gateway's modules that does not close over its store is
     tied to the one store ``recover_gateway_pending`` registered (the store whose
     state.db its drains record tickets in)."""
-    from walspool import _upstream
+    from walspool.replay import upstream
 
-    monkeypatch.setattr(_upstream, "_stores", weakref.WeakSet())
+    monkeypatch.setattr(upstream, "_stores", weakref.WeakSet())
 
     def replay(message: Any) -> None:
         pass
 
     replay.__module__ = "gateway.session_transcript"
-    assert _upstream.store_of(replay) is None
+    assert upstream.store_of(replay) is None
     assert wsf.recover_gateway_pending(runner_for(store)) == 0
-    assert _upstream.store_of(replay) is store
+    assert upstream.store_of(replay) is store

@@ -18,7 +18,7 @@ from _gateways_common import DropInWaits
 from _lock_holder import write_lock_held
 
 import walspool.shutdown_flush as wsf
-import walspool.writer as writer
+import walspool.store.writer as writer
 
 #: A generous wall-clock bound on one transcript write of a healthy session while the
 #: spool is locked (it was up to 10 s per eviction before; the exact check is the

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 import walspool
-from walspool.sinks import LANDED_TABLE, SessionDBSink
+from walspool.replay.sinks import LANDED_TABLE, SessionDBSink
 
 ROOT = Path(__file__).resolve().parents[2]
 #: Columns a replay does not choose: the row id, and the durable ids a write mints. A
@@ -221,7 +221,7 @@ CHILD = textwrap.dedent(
     import os, signal, sys
     from pathlib import Path
     import hermes_state, walspool
-    from walspool.sinks import SessionDBSink
+    from walspool.replay.sinks import SessionDBSink
 
     spool_path, state_path, point = sys.argv[1:]
     db = hermes_state.SessionDB(db_path=Path(state_path))
@@ -281,7 +281,7 @@ def test_a_replay_killed_inside_a_batch_leaves_every_message_once(tmp_path, poin
 
 
 def _record(message: Any) -> Any:
-    from walspool.records import Record
+    from walspool.store.records import Record
 
     return Record(1, "s1", 1, walspool.CAP_DROP, None, 1_750_000_000.0, message, 0, None)
 
@@ -382,7 +382,7 @@ def test_a_replay_makes_malformed_fields_text_as_the_gateways_own_writer_does(tm
 
 
 def test_write_many_refuses_what_it_cannot_write_as_one_batch_word_for_word(tmp_path):
-    from walspool.sinks import NotBatchable
+    from walspool.replay.sinks import NotBatchable
 
     db = new_db(tmp_path / "state.db")
     try:

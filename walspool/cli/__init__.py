@@ -18,8 +18,8 @@ from typing import NoReturn
 import apsw
 
 from ..errors import WalspoolError
-from ..records import AGENT_HISTORY, CAP_DROP, SHUTDOWN
-from ..spool import default_path
+from ..store.records import AGENT_HISTORY, CAP_DROP, SHUTDOWN
+from ..store.spool import default_path
 from . import (
     check,
     demo,

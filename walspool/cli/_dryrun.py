@@ -17,20 +17,20 @@ from typing import Any, NamedTuple
 
 import apsw
 
-from .. import codec
 from ..errors import SessionMissing, SpoolCorrupt, WalspoolError
-from ..paging import (
+from ..replay.replayer import REASON_FILTER, ReplayReport, StreamReport, report_of
+from ..replay.sinks import LANDED_SQL, LANDED_TABLE, LANDED_TABLE_EXISTS_SQL, rejects_content
+from ..shutdown_flush import routing_resolver
+from ..store import codec
+from ..store.paging import (
     LARGE_PAYLOAD,
     SMALL_PAYLOAD,
     payload_is_json,
     record_from_row,
     rows_not_json,
 )
-from ..records import AGENT_HISTORY, Record
-from ..replay import REASON_FILTER, ReplayReport, StreamReport, report_of
-from ..shutdown_flush import routing_resolver
-from ..sinks import LANDED_SQL, LANDED_TABLE, LANDED_TABLE_EXISTS_SQL, rejects_content
-from ..spool import RECORD_COLUMNS, UID_SQL
+from ..store.records import AGENT_HISTORY, Record
+from ..store.spool import RECORD_COLUMNS, UID_SQL
 from ._statedb import session_exists
 from ._trial import Trial, trial_session_db
 

@@ -14,8 +14,8 @@ import re
 from collections.abc import Sequence
 
 from ..errors import WalspoolError
-from ..records import AGENT_HISTORY, CAP_DROP, SHUTDOWN
-from ..spool import check_lookup
+from ..store.records import AGENT_HISTORY, CAP_DROP, SHUTDOWN
+from ..store.spool import check_lookup
 from ._near import near_sessions
 from ._readonly import SpoolReader
 

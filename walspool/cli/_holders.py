@@ -21,7 +21,7 @@ from pathlib import Path
 
 import msgspec
 
-from ..files import OPEN_LOCK_SUFFIX
+from ..store.files import OPEN_LOCK_SUFFIX
 from ..text import printable
 
 PROC_LOCKS = Path("/proc/locks")

@@ -13,7 +13,7 @@ import threading
 from collections.abc import Iterator
 from types import FrameType
 
-from ..sinks import SQL_FUNCTIONS
+from ..replay.sinks import SQL_FUNCTIONS
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..replay import LOCK_SUFFIX
+from ..store.replay_lock import LOCK_SUFFIX
 from ._output import warn
 
 

@@ -11,7 +11,7 @@ import re
 import time
 from collections.abc import Iterator
 
-from ..records import Record
+from ..store.records import Record
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -29,8 +29,8 @@ from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
-from ..directories import open_directory
 from ..errors import UntrustedSpool, WalspoolError
+from ..store.directories import open_directory
 
 #: Signals root passes on to the child while it waits (a terminal's Ctrl-C reaches both).
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)

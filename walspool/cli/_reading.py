@@ -13,13 +13,13 @@ from typing import Any
 
 import apsw
 
-from .. import files, schema
 from ..errors import NotASpool, SchemaTooOld, SpoolCorrupt, WalspoolError
-from ..files import SQLITE_MAGIC
-from ..paging import PAGE_ROWS, ROW_BYTES_SQL, read_page, record_from_row
-from ..records import Record
-from ..schema import sqlite_error
-from ..spool import RECORD_COLUMNS, Spool, check_lookup, reasons_filter
+from ..store import files, schema
+from ..store.files import SQLITE_MAGIC
+from ..store.paging import PAGE_ROWS, ROW_BYTES_SQL, read_page, record_from_row
+from ..store.records import Record
+from ..store.schema import sqlite_error
+from ..store.spool import RECORD_COLUMNS, Spool, check_lookup, reasons_filter
 from ..text import json_safe
 from ._damage import quick_check as _quick_check
 from ._damage import walk_check

@@ -32,10 +32,10 @@ from typing import TypeVar
 
 import apsw
 
-from .. import files, schema
-from ..directories import open_directory
 from ..errors import NotASpool
-from ..schema import open_reader
+from ..store import files, schema
+from ..store.directories import open_directory
+from ..store.schema import open_reader
 
 T = TypeVar("T")
 

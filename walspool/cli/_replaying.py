@@ -12,10 +12,10 @@ from typing import Any, NamedTuple
 from urllib.parse import quote
 
 from ..errors import ReplayBusy, WalspoolError
-from ..records import Record
-from ..replay import Replayer, ReplayReport
-from ..sinks import ForgetsTickets, Sink, Ticket
-from ..spool import UID_SQL
+from ..replay.replayer import Replayer, ReplayReport
+from ..replay.sinks import ForgetsTickets, Sink, Ticket
+from ..store.records import Record
+from ..store.spool import UID_SQL
 from ._dryrun import landed
 from ._interrupt import raise_kept
 from ._lockwait import say_waiting
@@ -47,9 +47,9 @@ def replay_into(
         import hermes_state
     except ImportError as exc:
         raise WalspoolError("replay needs hermes-agent: pip install 'walspool[hermes]'") from exc
+    from ..replay.sinks import SessionDBSink
     from ..shutdown_flush import routing_resolver
-    from ..sinks import SessionDBSink
-    from ..spool import Spool
+    from ..store.spool import Spool
 
     checked = check_state_db(args.into)
     before = open_descriptors()

@@ -8,9 +8,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..errors import ReplayBusy, WalspoolError
-from ..maintenance import actor
-from ..records import QUARANTINED, SUPERSEDED
-from ..spool import Spool
+from ..store.maintenance import actor
+from ..store.records import QUARANTINED, SUPERSEDED
+from ..store.spool import Spool
 from ..text import printable
 from ._filters import UsageError, has_stream, id_ranges, row_ids, which_stream
 from ._lockwait import add_wait_argument, busy_message, say_waiting

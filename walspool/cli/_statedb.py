@@ -14,9 +14,9 @@ import stat
 from pathlib import Path
 from urllib.parse import quote
 
-from ..directories import open_directory
 from ..errors import UntrustedSpool, WalspoolError
-from ..files import SQLITE_MAGIC
+from ..store.directories import open_directory
+from ..store.files import SQLITE_MAGIC
 
 #: Seconds a replay waits for the gateway to release state.db's write lock.
 STATE_DB_WAIT_SECONDS = 5.0

@@ -24,8 +24,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from ..records import Record
-from ..sinks import SessionDBSink
+from ..replay.sinks import SessionDBSink
+from ..store.records import Record
 
 T = TypeVar("T")
 #: The ticket a trial write records; rolled back with it.

@@ -17,8 +17,8 @@ import apsw
 import msgspec
 
 from ..errors import WalspoolError
-from ..records import QUARANTINED, SUPERSEDED
-from ..spool import STATS_BY_REASON_SQL, STATS_FAILING_SQL, UID_SQL, stats_from
+from ..store.records import QUARANTINED, SUPERSEDED
+from ..store.spool import STATS_BY_REASON_SQL, STATS_FAILING_SQL, UID_SQL, stats_from
 from ._holders import Holder, holders
 from ._reading import INFLIGHT_SQL, STATUS_COUNT_SQL, reading
 from ._streams import Line, backlog_object, latest_error, read_lines, write_array

@@ -10,10 +10,10 @@ from typing import Any
 
 import apsw
 
-from .. import schema
 from ..errors import SpoolCorrupt, WalspoolError
-from ..paging import LARGE_PAYLOAD, SMALL_PAYLOAD, rows_not_json
-from ..schema import APPLICATION_ID, SCHEMA_VERSION
+from ..store import schema
+from ..store.paging import LARGE_PAYLOAD, SMALL_PAYLOAD, rows_not_json
+from ..store.schema import APPLICATION_ID, SCHEMA_VERSION
 from ..text import printable
 from ._output import EXIT_ERROR, EXIT_OK, clip, dump, plural, warn
 from ._reading import INFLIGHT_SQL, reading

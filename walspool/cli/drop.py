@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..maintenance import drop, not_set_aside
+from ..store.maintenance import drop, not_set_aside
 from ._output import EXIT_ERROR, EXIT_HELD, dump, warn
 from ._rowchange import add_arguments as add_row_arguments
 from ._rowchange import preview, run_change

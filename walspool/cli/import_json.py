@@ -28,8 +28,8 @@ def run(args: argparse.Namespace) -> int:
     Files are appended in upstream's drop order, each removed once its row is
     committed; files that cannot be used stay (exit 3). Stop the gateway first.
     """
-    from ..jsonspool import check_directory, import_json_spool
-    from ..spool import Spool
+    from ..replay.jsonspool import check_directory, import_json_spool
+    from ..store.spool import Spool
 
     check_directory(args.directory)  # before the spool is made, or an empty file taken
     if args.spool.is_file() and args.spool.stat().st_size:

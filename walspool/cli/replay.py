@@ -8,11 +8,11 @@ import sys
 
 import msgspec
 
-from .. import files
 from ..errors import ReplayBusy
-from ..records import AGENT_HISTORY, Record
-from ..replay import ReplayReport, StreamReport, statuses_filter
-from ..sinks import Ticket
+from ..replay.replayer import ReplayReport, StreamReport, statuses_filter
+from ..replay.sinks import Ticket
+from ..store import files
+from ..store.records import AGENT_HISTORY, Record
 from ..text import printable
 from ._dryrun import dry_run_report, fetch_record, plan, replay_streams
 from ._filters import check_reasons, check_session

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..maintenance import requeue
+from ..store.maintenance import requeue
 from ._rowchange import add_arguments as add_row_arguments
 from ._rowchange import run_change
 

@@ -10,9 +10,9 @@ from typing import Any
 
 import msgspec
 
-from .. import codec
 from ..errors import WalspoolError
-from ..records import QUARANTINED, SUPERSEDED, Record
+from ..store import codec
+from ..store.records import QUARANTINED, SUPERSEDED, Record
 from ..text import printable
 from . import _narrow
 from ._filters import has_stream, stream_rows, which_stream

@@ -12,8 +12,8 @@ from typing import Any, TextIO
 import apsw
 import msgspec
 
-from ..records import QUARANTINED, SUPERSEDED
-from ..spool import STATS_BY_REASON_SQL, STATS_FAILING_SQL, STATS_SESSIONS_SQL, stats_from
+from ..store.records import QUARANTINED, SUPERSEDED
+from ..store.spool import STATS_BY_REASON_SQL, STATS_FAILING_SQL, STATS_SESSIONS_SQL, stats_from
 from ..text import printable
 from ._frame import drain_eta
 from ._holders import holders, holders_text

@@ -6,8 +6,8 @@ import argparse
 
 import msgspec
 
-from ..maintenance import VACUUM_MAX_LIVE_BYTES, vacuum
-from ..spool import Spool
+from ..store.maintenance import VACUUM_MAX_LIVE_BYTES, vacuum
+from ..store.spool import Spool
 from ..text import printable
 from ._output import EXIT_OK, dump, size
 from ._reading import reading, upgraded

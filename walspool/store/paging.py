@@ -22,8 +22,8 @@ from typing import Any
 import apsw
 import msgspec
 
+from ..errors import SpoolCorrupt
 from . import codec
-from .errors import SpoolCorrupt
 from .records import Record
 
 #: Rows fetched per read transaction while iterating, so a slow reader never pins

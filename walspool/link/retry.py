@@ -9,12 +9,10 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from . import _link_bounds as bounds
-from . import _link_machine as machine
-from . import _link_shares as shares
-from ._link_state import Claim, Session, log, owner_of
-from .errors import SpoolClosed
-from .replay import ReplayReport
+from ..errors import SpoolClosed
+from ..replay.replayer import ReplayReport
+from . import bounds, machine, shares
+from .state import Claim, Session, log, owner_of
 
 
 class Retries:
@@ -118,7 +116,7 @@ class Retries:
     def count_shares(self) -> None:
         """Count each session's bytes in the spool, its share of the cap (once, at the
         start, on the background thread: one walk of an index, 0.6 to 0.8 s for a
-        million rows; see ``walspool.budget.Shares`` for how it is kept exact).
+        million rows; see ``walspool.link.budget.Shares`` for how it is kept exact).
 
         Nothing waits for it: sessions go on writing and draining meanwhile. Once
         counted, it waits for the spool's writer to report every commit the count may

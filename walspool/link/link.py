@@ -1,8 +1,8 @@
 """The gateway link's shell: ``Link`` holds the store's lock, feeds the session's facts
-to the machine (``walspool._link_machine``), performs the step it returns and logs after
-unlocking. Its halves live beside it, one concern each: evictions (``_link_evict``), the
-session writer (``_link_writer``), the background thread (``_link_retry``), shutdown
-(``_link_shutdown``) and each session's share of the cap (``_link_shares``). See
+to the machine (``walspool.link.machine``), performs the step it returns and logs after
+unlocking. Its halves live beside it, one concern each: evictions (``evict``), the
+session writer (``session_writer``), the background thread (``retry``), shutdown
+(``shutdown``) and each session's share of the cap (``shares``). See
 ``walspool.hermes`` for what it guarantees and its bounds.
 """
 
@@ -13,22 +13,21 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from . import _link_bounds as bounds
-from . import _link_machine as machine
-from . import budget, outage
-from ._link_evict import KEPT, REPLAYED, UNSPOOLABLE, Evictions
-from ._link_machine import Entry, Owner
-from ._link_repeats import Repeats
-from ._link_retry import Retries
-from ._link_shares import Moving
-from ._link_shutdown import ShutdownFlushes
-from ._link_state import Claim, Session, log, owner_of
-from ._link_writer import SessionWriter
-from .errors import ReplayBusy
-from .replay import Replayer, ReplayReport, replay_lock
-from .sinks import SessionDBSink
-from .spool import REOPENED, Spool
-from .writer import Batched, Row
+from ..errors import ReplayBusy
+from ..replay.replayer import Replayer, ReplayReport
+from ..replay.sinks import SessionDBSink
+from ..store.replay_lock import replay_lock
+from ..store.spool import REOPENED, Spool
+from ..store.writer import Batched, Row
+from . import bounds, budget, machine, outage
+from .evict import KEPT, REPLAYED, UNSPOOLABLE, Evictions
+from .machine import Entry, Owner
+from .repeats import Repeats
+from .retry import Retries
+from .session_writer import SessionWriter
+from .shares import Moving
+from .shutdown import ShutdownFlushes
+from .state import Claim, Session, log, owner_of
 
 #: Seconds: the cap of a failing session's retry delay (see ``walspool.hermes``).
 RETRY_INTERVAL = 1.0
@@ -50,11 +49,11 @@ class Link(SessionWriter, Evictions, Retries, ShutdownFlushes):
         #: machine is given ``now`` from it. Waits on conditions still take real time.
         self.clock: Callable[[], float] = time.monotonic
         self.retry_interval = retry_interval
-        #: The cap on what evictions may fill (``walspool.budget``); None: no cap.
+        #: The cap on what evictions may fill (``walspool.link.budget``); None: no cap.
         self.max_bytes = max_bytes
         #: Payload bytes of evictions the spool's writer accepted and has not committed.
         self._unconfirmed_bytes = 0
-        #: Each session's share of the cap: its bytes in the spool (``walspool.budget``).
+        #: Each session's share of the cap: its bytes in the spool (``walspool.link.budget``).
         self._shares = budget.Shares()
         #: The link's sink: state.db's, noting the rows a replay of the link moves.
         self._moving = Moving(SessionDBSink(store._db), spool, self._shares)

@@ -27,10 +27,10 @@ from typing import Any
 import apsw
 import msgspec
 
+from ..errors import InvalidArgument, UntrustedSpool, WalspoolError
 from . import codec, files, schema
 from .directories import changed
-from .errors import InvalidArgument, UntrustedSpool, WalspoolError
-from .replay import replay_lock
+from .replay_lock import replay_lock
 from .spool import Spool
 from .writer import LIVE_BYTES_SQL
 

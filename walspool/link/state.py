@@ -1,7 +1,7 @@
 """The gateway link's state for one session, and the claim on its writer role.
 
 Both are plain records guarded by the store's lock; what the writer does next with
-them is decided by ``walspool._link_machine``.
+them is decided by ``walspool.link.machine``.
 """
 
 from __future__ import annotations
@@ -10,8 +10,9 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-from . import outage, text
-from ._link_machine import Owner
+from .. import text
+from . import outage
+from .machine import Owner
 
 #: The link's one logger, for every module of it (operators filter on this name).
 log = text.logger("walspool.hermes")
@@ -57,7 +58,7 @@ class Session:
       ended) is a counter, and the backoff the holder set before it reads as cleared.
 
     ``episode`` is the operator's log record of the session's spooling
-    (``walspool.outage``), not an input of any decision.
+    (``walspool.link.outage``), not an input of any decision.
     """
 
     __slots__ = (

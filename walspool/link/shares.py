@@ -1,5 +1,5 @@
 """The gateway link's count of each session's bytes in the spool, its share of the cap
-(``walspool.budget.Shares``): counted once when the link starts, then lowered by the rows
+(``walspool.link.budget.Shares``): counted once when the link starts, then lowered by the rows
 the link's own replays move out of the spool.
 """
 
@@ -11,8 +11,8 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+from ..store.spool import Spool
 from .budget import Shares
-from .spool import Spool
 
 #: Each session's payload bytes and the largest row id, in one walk of the statistics
 #: index (it holds the size and session of every row, and its id): no row page is read.

@@ -33,9 +33,9 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from . import text
-from .records import Record
-from .replay import UNKNOWN_LANDING
+from .. import text
+from ..store.records import Record
+from .replayer import UNKNOWN_LANDING
 from .sinks import SessionDBSink, Ticket, as_rejection, transcript_message, write_bindable
 
 log = text.logger("walspool._upstream")

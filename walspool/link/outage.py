@@ -21,7 +21,7 @@ from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
-from . import text
+from .. import text
 
 log = text.logger("walspool.hermes")
 

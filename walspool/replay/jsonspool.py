@@ -81,12 +81,13 @@ from typing import Any, NamedTuple
 
 import msgspec
 
-from . import codec, text
-from .directories import open_directory
-from .errors import InvalidArgument, PayloadTooLarge, WalspoolError
-from .paging import LARGE_PAYLOAD, SMALL_PAYLOAD
-from .records import AGENT_HISTORY, CAP_DROP
-from .spool import Spool
+from .. import text
+from ..errors import InvalidArgument, PayloadTooLarge, WalspoolError
+from ..store import codec
+from ..store.directories import open_directory
+from ..store.paging import LARGE_PAYLOAD, SMALL_PAYLOAD
+from ..store.records import AGENT_HISTORY, CAP_DROP
+from ..store.spool import Spool
 
 log = text.logger("walspool.jsonspool")
 
@@ -435,7 +436,7 @@ def check_directory(directory: str | os.PathLike[str]) -> None:
 
 def _open_directory(path: Path) -> int:
     """A descriptor of the import directory, opened through checked directories
-    (``walspool.directories``): nobody but its owner and root can plant files in it
+    (``walspool.store.directories``): nobody but its owner and root can plant files in it
     or swap it, so every file read below it (by ``dir_fd``) is theirs."""
     try:
         with open_directory(path, path) as checked:

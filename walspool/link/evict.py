@@ -1,7 +1,7 @@
 """The gateway link's evictions: the oldest queued messages past the cap go to the
 spool's writer without blocking, and a live message state.db refuses for its content is
 set aside there as a quarantined row (see ``walspool.hermes`` for the bounds). Also the
-lines of a session's repeated conditions, counted by ``walspool._link_repeats``.
+lines of a session's repeated conditions, counted by ``walspool.link.repeats``.
 """
 
 from __future__ import annotations
@@ -12,19 +12,19 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
+from ..errors import InvalidArgument, PayloadTooLarge, SpoolReplaced, WalspoolError
+from ..replay.sinks import is_row_rejection, rejects_content
+from ..store.records import CAP_DROP
+from ..store.writer import Request
 from . import budget
-from ._link_repeats import Kind, Said
-from ._link_state import Session, log
-from .errors import InvalidArgument, PayloadTooLarge, SpoolReplaced, WalspoolError
 from .outage import Line
-from .records import CAP_DROP
-from .sinks import is_row_rejection, rejects_content
-from .writer import Request
+from .repeats import Kind, Said
+from .state import Session, log
 
 #: The reason of a live message state.db refused for its content, quarantined at once.
 REJECTED = "transcript_rejected"
 
-#: The link's repeated conditions of a session (``walspool._link_repeats``), each told in
+#: The link's repeated conditions of a session (``walspool.link.repeats``), each told in
 #: a few lines: its spool busy (the oldest message stays in memory), its evictions
 #: dropped, its oldest message not spoolable, its spooled rows replayed.
 KEPT, DROPPED, UNSPOOLABLE, REPLAYED = "kept", "dropped", "unspoolable", "replayed"
@@ -92,7 +92,7 @@ class Evictions:
         Returns the lines to log once the lock is released: a session's repeated
         conditions (busy spool, drops, a message it cannot spool) are said in full the
         first time, then counted into a line at most every ``REPEAT_SECONDS``
-        (``walspool._link_repeats``), and the lines held back that are due now. Never
+        (``walspool.link.repeats``), and the lines held back that are due now. Never
         waits: a message the spool's writer has no room for stays queued over the cap.
         With ``drops`` (a gateway thread that waited its bounded time), past twice the
         cap the oldest (the second oldest while the oldest is being written) is dropped
@@ -160,7 +160,7 @@ class Evictions:
             notes += self._repeats_end(session_id, (KEPT, UNSPOOLABLE))
         return notes
 
-    # -- the repeated conditions (``walspool._link_repeats``); the lock is held -----
+    # -- the repeated conditions (``walspool.link.repeats``); the lock is held -----
 
     def _dropped(self, session_id: str, why: str, *, own: bool = False) -> list[Line]:
         """The oldest message of the session was dropped: its first drop said in full,
@@ -300,7 +300,7 @@ class Evictions:
             if request.error is not None:
                 continue
             # One line per eviction only for debugging: operators get the session's
-            # start, progress and drained lines (``walspool.outage``).
+            # start, progress and drained lines (``walspool.link.outage``).
             log.debug(
                 "Session DB transcript pending queue full for %s (cap=%d); spooled oldest "
                 "message to %s (seq %d) for replay after DB recovery",

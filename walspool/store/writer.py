@@ -46,8 +46,8 @@ from typing import Any
 
 import apsw
 
-from . import text
-from .errors import SpoolClosed, SpoolFull, SpoolReplaced, WalspoolError
+from .. import text
+from ..errors import SpoolClosed, SpoolFull, SpoolReplaced, WalspoolError
 from .records import Receipt
 from .schema import sqlite_error
 

@@ -1,5 +1,5 @@
 """The gateway link's session writer: the holder of a session's claim asks the machine
-(``walspool._link_machine``) for its next step and performs it: drain a chunk of spooled
+(``walspool.link.machine``) for its next step and performs it: drain a chunk of spooled
 rows, write the queue's head, wait for its evictions, or give the claim up.
 """
 
@@ -8,14 +8,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from . import _link_bounds as bounds
-from . import _link_machine as machine
-from . import outage
-from ._link_evict import REPLAYED
-from ._link_machine import Facts, Spooled, Step
-from ._link_state import Claim, Session, log
-from .errors import ReplayBusy
-from .sinks import rejects_live_row, write_bindable
+from ..errors import ReplayBusy
+from ..replay.sinks import rejects_live_row, write_bindable
+from . import bounds, machine, outage
+from .evict import REPLAYED
+from .machine import Facts, Spooled, Step
+from .state import Claim, Session, log
 
 
 class SessionWriter:
@@ -62,7 +60,7 @@ class SessionWriter:
     ) -> tuple[Step | None, list[Callable[[], None]]]:
         """What the writer does next (``Step.DRAIN``, ``Step.WRITE``), or None after
         giving the role up; and the WARNINGs to log. The machine decides
-        (``_link_machine.next_step``); this performs its waits and its release. The
+        (``machine.next_step``); this performs its waits and its release. The
         lock is held."""
         notes: list[Callable[[], None]] = []
         pending = self.store._dirty_transcripts.get(session_id)
@@ -221,7 +219,7 @@ class SessionWriter:
 
     def _say_again(self, state: Session, claim: Claim, now: float) -> bool:
         """Whether to log the session's latest failed retry (rate-limited, see
-        ``walspool.outage.repeat_due``); the lock is held, ``_failed`` has counted it."""
+        ``walspool.link.outage.repeat_due``); the lock is held, ``_failed`` has counted it."""
         if not outage.repeat_due(state.failures, state.said_at, now):
             return False
         if state.failures >= outage.QUIET_AFTER:

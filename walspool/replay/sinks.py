@@ -27,9 +27,10 @@ from collections.abc import Callable, Collection, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-from . import codec, text
-from .errors import NotAMessage, SessionMissing
-from .records import Record
+from .. import text
+from ..errors import NotAMessage, SessionMissing
+from ..store import codec
+from ..store.records import Record
 
 log = text.logger("walspool.sinks")
 

@@ -19,8 +19,8 @@ from urllib.parse import quote
 
 import apsw
 
-from . import files, open_guard, text
-from .errors import (
+from .. import text
+from ..errors import (
     DiskFull,
     NotASpool,
     SchemaTooNew,
@@ -30,6 +30,7 @@ from .errors import (
     UntrustedSpool,
     WalspoolError,
 )
+from . import files, open_guard
 
 log = text.logger("walspool.schema")
 
@@ -356,7 +357,7 @@ def open_writer(
 
     Returns the connection, the descriptor of the spool's open lock, held shared
     for as long as the spool is open (close it after the connection), and the uid
-    of the spool's owner (see ``walspool.files``). A file that is not a spool, or
+    of the spool's owner (see ``walspool.store.files``). A file that is not a spool, or
     of a newer schema, raises and is left unchanged. A spool SQLite reports as
     damaged is moved aside and a fresh one opened, but only by a process that can
     take the open lock exclusively, which proves that no other process has the

@@ -39,7 +39,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import NamedTuple
 
-from .errors import UntrustedSpool
+from ..errors import UntrustedSpool
 
 #: Enough to ``fstat`` a directory and use it as ``dir_fd``, with search permission
 #: only (a 0711 directory on the way); Linux's ``O_PATH`` where there is one.

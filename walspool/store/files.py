@@ -4,7 +4,7 @@ Trust model. A spool belongs to the owner of its directory. walspool writes a sp
 only if that directory is not writable by group or others (a group that is its owner's
 alone, a user-private group, does not count), and, unless the process runs as root,
 belongs to the effective user; every directory on the way to it must be root's or the
-owner's, and not writable by others unless sticky (``walspool.directories``). Every
+owner's, and not writable by others unless sticky (``walspool.store.directories``). Every
 existing spool file (the database, its ``-wal`` and ``-shm``, the lock files) must be a
 regular file owned by the spool's owner, with one link (root's leftover lock files
 are given back when root runs it); otherwise walspool refuses, naming the file and the
@@ -39,9 +39,9 @@ import sys
 import time
 from pathlib import Path
 
+from ..errors import DiskFull, NotASpool, SpoolIOError, SymlinkRefused, UntrustedSpool
 from . import open_guard
 from .directories import Directory, changed, open_directory, sync_fd
-from .errors import DiskFull, NotASpool, SpoolIOError, SymlinkRefused, UntrustedSpool
 
 #: Beside the spool; every open ``Spool`` holds a shared ``flock`` on it.
 OPEN_LOCK_SUFFIX = ".open-lock"
@@ -101,7 +101,7 @@ def make_and_check(path: Path) -> int:
 
 def trusted_directory(path: Path) -> int:
     """The uid owning the spool's directory, once it is known nobody else can write it
-    or any directory on the way to it (``walspool.directories``)."""
+    or any directory on the way to it (``walspool.store.directories``)."""
     with open_directory(path.parent, path, own=True) as directory:
         return directory.owner
 

@@ -18,7 +18,7 @@ Two invariants hold by construction:
 
 Not modelled here: the spool, the queue's contents and the threads themselves; the
 shell (``Link``) performs the steps and reports their outcome as new facts. The facts
-come from the session's record (``walspool._link_state.Session``), where only the
+come from the session's record (``walspool.link.state.Session``), where only the
 claim's holder changes the backoff and the message in flight, and everyone else
 records events (evictions, commits, rewrites, recoveries, waiters) it reads.
 """

@@ -11,11 +11,11 @@ from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any
 
-from . import _link_bounds as bounds
-from ._link_state import log
-from .errors import SpoolReplaced, UnsupportedGateway, WalspoolError
-from .records import AGENT_HISTORY, SHUTDOWN, agent_history_message, slot_message
-from .writer import Request
+from ..errors import SpoolReplaced, UnsupportedGateway, WalspoolError
+from ..store.records import AGENT_HISTORY, SHUTDOWN, agent_history_message, slot_message
+from ..store.writer import Request
+from . import bounds
+from .state import log
 
 #: What 0.19.0's GatewayRunner must have for ``install_runner``.
 RUNNER_ATTRIBUTES = (

@@ -14,8 +14,8 @@ from typing import Any
 
 import apsw
 
+from ..errors import InvalidArgument, PayloadTooLarge, SpoolClosed, SpoolReplaced
 from . import codec, files
-from .errors import InvalidArgument, PayloadTooLarge, SpoolClosed, SpoolReplaced
 from .paging import PAGE_ROWS, ROW_BYTES_SQL, read_page, record_from_row
 from .records import AGENT_HISTORY, CAP_DROP, REASONS, Receipt, Record, Stats
 from .schema import close_quietly, open_reader, open_writer, opened_file, sqlite_error
