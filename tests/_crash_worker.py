@@ -125,7 +125,7 @@ def hook_spool(spool: Any) -> None:
 
             return execute(settle_then_count)
         result = execute(fn)
-        if name == "_take_batch":
+        if name == "_take":
             hit("after_mark")
         return result
 

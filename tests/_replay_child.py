@@ -49,7 +49,7 @@ class CrashingSink(SessionDBSink):
 
 
 def crashing(execute: Any) -> Any:
-    calls = {"_take_batch": 0, "_settle": 0}
+    calls = {"_take": 0, "_settle": 0}
 
     def run(fn: Any) -> Any:
         name = getattr(getattr(fn, "func", fn), "__name__", "")
@@ -62,7 +62,7 @@ def crashing(execute: Any) -> Any:
 
             return execute(settle_then_die)
         result = execute(fn)
-        if POINT == "after_mark" and name == "_take_batch" and calls[name] == N:
+        if POINT == "after_mark" and name == "_take" and calls[name] == N:
             die()
         return result
 

@@ -29,7 +29,7 @@ import walspool
 from walspool import AGENT_HISTORY, CAP_DROP, SHUTDOWN
 from walspool import shutdown_flush as sf
 from walspool.cli import main
-from walspool.replay.replayer import NEXT_TICKET_SQL, Replayer
+from walspool.replay.replayer import Replayer
 from walspool.replay.sinks import SessionDBSink
 
 hermes_state = pytest.importorskip("hermes_state")
@@ -438,7 +438,11 @@ def test_inflight_set_by_hand_never_duplicates(spool_path, state_db, mark):
     state_db.append_message("s", "user", "already there", timestamp=1.0)
     filled(spool_path)
     # "next": the ticket number the replay itself gives its first row.
-    value = raw(spool_path, NEXT_TICKET_SQL)[0][0] if mark == "next" else mark
+    value = (
+        raw(spool_path, "SELECT value FROM spool_meta WHERE name = 'next_ticket'")[0][0]
+        if mark == "next"
+        else mark
+    )
     raw(spool_path, "UPDATE records SET inflight = ? WHERE seq IN (1, 3)", (value,))
     rc, result = check(spool_path)
     assert rc == 0 and "3 rows in flight" in result["notes"][0]

@@ -444,7 +444,7 @@ def test_pages_and_replay_batches_are_bounded_by_bytes(tmp_path, monkeypatch, ca
 
         def counting(fn: Any) -> Any:
             result = execute(fn)
-            if getattr(getattr(fn, "func", None), "__name__", "") == "_take_batch":
+            if getattr(getattr(fn, "func", None), "__name__", "") == "_take":
                 batches.append(len(result[0]))
             return result
 

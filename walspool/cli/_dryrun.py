@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 import apsw
 
 from ..errors import SessionMissing, SpoolCorrupt, WalspoolError
-from ..replay.replayer import REASON_FILTER, ReplayReport, StreamReport, report_of
+from ..replay.replayer import ReplayReport, StreamReport, report_of
 from ..replay.sinks import LANDED_SQL, LANDED_TABLE, LANDED_TABLE_EXISTS_SQL, rejects_content
 from ..shutdown_flush import routing_resolver
 from ..store import codec
@@ -31,6 +31,7 @@ from ..store.paging import (
 )
 from ..store.records import AGENT_HISTORY, Record
 from ..store.spool import RECORD_COLUMNS, UID_SQL
+from ..store.tickets import REASON_FILTER
 from ._statedb import session_exists
 from ._trial import Trial, trial_session_db
 

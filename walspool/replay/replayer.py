@@ -38,22 +38,20 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable, Sequence
-from functools import partial
-from typing import Any, cast
+from typing import cast
 
-import apsw
 import msgspec
 
 from .. import text
 from ..errors import (
     InvalidArgument,
-    SpoolCorrupt,
     WalspoolError,
 )
-from ..store.paging import ROW_BYTES_SQL, read_page, record_from_row
-from ..store.records import AGENT_HISTORY, QUARANTINED, SUPERSEDED, Record
+from ..store import tickets
+from ..store.records import QUARANTINED, SUPERSEDED, Record
 from ..store.replay_lock import replay_lock
-from ..store.spool import RECORD_COLUMNS, Spool, check_lookup, reasons_filter
+from ..store.spool import Spool, check_lookup, reasons_filter
+from ..store.tickets import Scope, Settlement, Stream, Taken, stream_of
 from .sinks import ForgetsTickets, Sink, WritesMany, rejects_content
 
 log = text.logger("walspool.replay")
@@ -62,94 +60,11 @@ log = text.logger("walspool.replay")
 DEFAULT_BATCH_ROWS = 512
 _MAX_SEQ = 2**63 - 1
 
-#: Which rows a replay takes: the asked-for reasons, or every reason but agent history;
-#: replayable rows, and quarantined or superseded ones only when asked for.
-REASON_FILTER = """(CASE WHEN :reasons IS NULL THEN reason != :agent_history
-     ELSE reason IN (SELECT value FROM json_each(:reasons)) END)
-     AND (status IS NULL OR status IN (SELECT value FROM json_each(:statuses)))"""
-NEXT_BY_ID_SQL = f"""
-SELECT {RECORD_COLUMNS}, {ROW_BYTES_SQL} FROM records
-WHERE session_id IS NOT NULL AND (session_id, seq) > (:after_name, :after_seq)
-  AND inflight IS NULL AND {REASON_FILTER}
-ORDER BY session_id, seq LIMIT :limit
-"""
-NEXT_IN_SESSION_SQL = f"""
-SELECT {RECORD_COLUMNS}, {ROW_BYTES_SQL} FROM records
-WHERE session_id = :session_id AND seq > :after_seq AND inflight IS NULL AND {REASON_FILTER}
-ORDER BY seq LIMIT :limit
-"""
-NEXT_BY_KEY_SQL = f"""
-SELECT {RECORD_COLUMNS}, {ROW_BYTES_SQL} FROM records INDEXED BY records_session_key_seq_idx
-WHERE session_id IS NULL AND (session_key, seq) > (:after_name, :after_seq)
-  AND inflight IS NULL AND {REASON_FILTER}
-ORDER BY session_key, seq LIMIT :limit
-"""
-NEXT_OF_KEY_SQL = f"""
-SELECT {RECORD_COLUMNS}, {ROW_BYTES_SQL} FROM records INDEXED BY records_session_key_seq_idx
-WHERE session_id IS NULL AND session_key = :session_key AND seq > :after_seq
-  AND inflight IS NULL AND {REASON_FILTER}
-ORDER BY seq LIMIT :limit
-"""
-#: Rows left in flight, found through their partial index in id order: the next one
-#: after ``:after``, for the names of its stream (one row's names, never a page of them).
-NEXT_INFLIGHT_SQL = """
-SELECT id, session_id, session_key FROM records INDEXED BY records_inflight_idx
-WHERE inflight IS NOT NULL AND id > :after AND (:session_id IS NULL OR session_id = :session_id)
-  AND (:session_key IS NULL OR (session_id IS NULL AND session_key = :session_key))
-ORDER BY id LIMIT 1
-"""
-# One stream's rows in flight, a page (``paging.read_page``) at a time in seq order. The
-# subquery sorts only seqs (its rows come through the partial index, so the scan is of
-# the rows in flight, not the stream); the outer query reads each row by its unique
-# (stream, seq) index in that order, so no sorter ever holds a payload or a name.
-INFLIGHT_IN_SESSION_SQL = f"""
-SELECT {RECORD_COLUMNS}, inflight, {ROW_BYTES_SQL} FROM records
-WHERE session_id = :name AND seq IN (
-    SELECT seq FROM records INDEXED BY records_inflight_idx
-    WHERE inflight IS NOT NULL AND session_id = :name AND seq > :after_seq
-    ORDER BY seq LIMIT :limit)
-ORDER BY seq
-"""
-INFLIGHT_BY_KEY_SQL = f"""
-SELECT {RECORD_COLUMNS}, inflight, {ROW_BYTES_SQL}
-FROM records INDEXED BY records_session_key_seq_idx
-WHERE session_id IS NULL AND session_key = :name AND seq IN (
-    SELECT seq FROM records INDEXED BY records_inflight_idx
-    WHERE inflight IS NOT NULL AND session_id IS NULL AND session_key = :name
-      AND seq > :after_seq
-    ORDER BY seq LIMIT :limit)
-ORDER BY seq
-"""
-SET_INFLIGHT_SQL = "UPDATE records SET inflight = ? WHERE id = ?"
-NEXT_TICKET_SQL = "SELECT value FROM spool_meta WHERE name = 'next_ticket'"
-SAVE_NEXT_TICKET_SQL = "UPDATE spool_meta SET value = ? WHERE name = 'next_ticket'"
-OLDER_TICKETS_SQL = "SELECT inflight FROM records WHERE inflight IS NOT NULL AND inflight < ?"
-RELEASE_SQL = "UPDATE records SET inflight = NULL WHERE id = ?"
-DELETE_SQL = "DELETE FROM records WHERE id = ?"
-RECORD_FAILURE_SQL = """
-UPDATE records SET attempts = attempts + 1, last_error = ?, last_attempt_at = ? WHERE id = ?
-"""
-QUARANTINE_SQL = """
-UPDATE records SET status = 'quarantined', inflight = NULL, attempts = attempts + 1,
-    last_error = ?, last_attempt_at = ?
-WHERE id = ?
-"""
 #: Why a row left in flight is quarantined when the sink cannot look tickets up.
 UNKNOWN_LANDING = (
     "a replay was interrupted with this row out, and the sink cannot tell whether it "
     "landed; check the target, then replay it with --quarantined if it is missing"
 )
-COUNT_HELD_BY_ID_SQL = f"""
-SELECT count(*) FROM records
-WHERE session_id = :name AND (inflight IS NOT NULL OR ({REASON_FILTER}))
-"""
-COUNT_HELD_BY_KEY_SQL = f"""
-SELECT count(*) FROM records
-WHERE session_id IS NULL AND session_key = :name AND (inflight IS NOT NULL OR ({REASON_FILTER}))
-"""
-
-#: ("session_id" | "session_key", name): the order a row moves in, as in ``sequences``.
-Stream = tuple[str, str]
 Resolver = Callable[[str], "str | None"]
 
 
@@ -319,20 +234,6 @@ class _StreamOutcome:
         self.quarantined = 0
 
 
-class _Settlement:
-    """What the spool transaction after a batch has to do."""
-
-    def __init__(self) -> None:
-        self.delete: list[int] = []
-        self.release: list[int] = []
-        self.failures: list[tuple[str, float, int]] = []
-        self.quarantine: list[tuple[str, float, int]] = []
-
-
-#: A row a replay has out, with its ticket number.
-Taken = tuple[Record, int]
-
-
 class _Run:
     """The state of one ``replay`` call."""
 
@@ -352,7 +253,7 @@ class _Run:
         self.session_id = session_id
         #: Only the rows spooled by this routing key (``replay(session_key=...)``).
         self.session_key = session_key
-        self.filter = {"reasons": reasons, "agent_history": AGENT_HISTORY, "statuses": statuses}
+        self.scope = Scope(reasons, statuses, session_id, session_key)
         self.uid = self.spool.uid
         self.tallies: dict[Stream, _StreamOutcome] = {}
         self.targets: dict[Stream, str | None] = {}
@@ -381,14 +282,10 @@ class _Run:
         # anything later of it moves, whatever this replay selects.
         after = 0
         while limit is None or self.taken < limit:
-            found = self.spool.query(
-                NEXT_INFLIGHT_SQL,
-                {"after": after, "session_id": self.session_id, "session_key": self.session_key},
-            )
-            if not found:
+            found = tickets.next_in_flight(self.spool, self.scope, after)
+            if found is None:
                 return
-            after, session_id, session_key = found[0]
-            stream = _stream_of(session_id, session_key)
+            after, stream = found
             # A stream met again still has rows in flight only when it is held (the
             # rest of it waits for the next replay, which looks them up first).
             if not self._held(stream):
@@ -396,23 +293,21 @@ class _Run:
 
     def _resume_stream(self, stream: Stream, limit: int | None) -> None:
         """Finish one stream's rows in flight, a page at a time, in seq order."""
-        sql = INFLIGHT_IN_SESSION_SQL if stream[0] == "session_id" else INFLIGHT_BY_KEY_SQL
         after_seq = 0
         while limit is None or self.taken < limit:
-            params = {"name": stream[1], "after_seq": after_seq, "limit": self.batch_rows}
-            rows, full = self.spool.read_page(sql, params, limit=self.batch_rows)
-            if not rows:
+            page = tickets.in_flight_page(self.spool, stream, after_seq, self.batch_rows)
+            if not page.taken:
                 return
-            taken = [(self._record(row[:-2]), row[-2]) for row in rows]
-            after_seq = taken[-1][0].seq
-            done = _Settlement()
-            self._resume_page(stream, taken, done, limit, more=full)
+            self.undecodable.update(page.undecodable)
+            after_seq = page.taken[-1][0].seq
+            done = Settlement()
+            self._resume_page(stream, page.taken, done, limit, more=page.full)
             self._finish(done)
-            if not full or self._held(stream):
+            if not page.full or self._held(stream):
                 return
 
     def _resume_page(
-        self, stream: Stream, taken: list[Taken], done: _Settlement, limit: int | None, more: bool
+        self, stream: Stream, taken: list[Taken], done: Settlement, limit: int | None, more: bool
     ) -> None:
         """One page of a stream's rows in flight: remove what landed, write the rest.
 
@@ -467,15 +362,11 @@ class _Run:
 
     def move(self, limit: int | None) -> None:
         """Write batches of rows, streams spooled by session_id first, then by key."""
-        if self.session_id is not None:
-            self._move(NEXT_IN_SESSION_SQL, limit)
-        elif self.session_key is not None:
-            self._move(NEXT_OF_KEY_SQL, limit)
-        else:
-            self._move(NEXT_BY_ID_SQL, limit)
-            self._move(NEXT_BY_KEY_SQL, limit)
+        self._move(keyed=False, limit=limit)
+        if self.session_id is None and self.session_key is None:
+            self._move(keyed=True, limit=limit)
 
-    def _move(self, sql: str, limit: int | None) -> None:
+    def _move(self, *, keyed: bool, limit: int | None) -> None:
         if self.session_id is not None and self._held(("session_id", self.session_id)):
             return
         if self.session_key is not None and self._held(("session_key", self.session_key)):
@@ -484,21 +375,14 @@ class _Run:
         while limit is None or self.taken < limit:
             size = self.batch_rows if self._sink_can_look_up() else 1
             want = size if limit is None else min(size, limit - self.taken)
-            params = {
-                **self.filter,
-                "session_id": self.session_id,
-                "session_key": self.session_key,
-                "after_name": after[0],
-                "after_seq": after[1],
-                "limit": want,
-            }
-            rows, older, full = self.spool.transact(partial(_take_batch, sql=sql, params=params))
-            if not rows:
+            batch = tickets.take(self.spool, self.scope, keyed=keyed, after=after, limit=want)
+            if not batch.taken:
                 return
-            taken = [(self._record(row), ticket) for row, ticket in rows]
-            self._let_sink_forget(below=taken[0][1], keep=older)
+            taken = batch.taken
+            self.undecodable.update(batch.undecodable)
+            self._let_sink_forget(below=taken[0][1], keep=batch.older)
             self.taken += len(taken)
-            done = _Settlement()
+            done = Settlement()
             for stream, group in itertools.groupby(taken, key=lambda t: _stream(t[0])):
                 of_stream = list(group)
                 if self._held(stream):
@@ -510,7 +394,7 @@ class _Run:
             last = taken[-1][0]
             last_stream = _stream(last)
             after = (last_stream[1], _MAX_SEQ if self._held(last_stream) else last.seq)
-            if not full:
+            if not batch.full:
                 return
 
     def _sink_can_look_up(self) -> bool:
@@ -534,7 +418,7 @@ class _Run:
         if isinstance(self.sink, ForgetsTickets):
             self.sink.forget(self.uid, below, keep)
 
-    def _write_stream(self, stream: Stream, taken: list[Taken], done: _Settlement) -> None:
+    def _write_stream(self, stream: Stream, taken: list[Taken], done: Settlement) -> None:
         """Write one stream's rows of a batch in order, stopping at the first held row.
 
         Runs of rows the sink can write together (``write_many``) go as one write;
@@ -647,7 +531,7 @@ class _Run:
             return False
         return (self.uid, ticket, rec.id) in found
 
-    def _fail(self, stream: Stream, rec: Record, error: str, done: _Settlement) -> None:
+    def _fail(self, stream: Stream, rec: Record, error: str, done: Settlement) -> None:
         """Record a failed row and hold its stream; the caller frees the later rows."""
         done.failures.append((error, time.time(), rec.id))
         # INFO, not WARNING: during an outage every replay attempt fails the same
@@ -662,7 +546,7 @@ class _Run:
         )
         self._hold(stream, error)
 
-    def _quarantine(self, stream: Stream, rec: Record, error: str, done: _Settlement) -> None:
+    def _quarantine(self, stream: Stream, rec: Record, error: str, done: Settlement) -> None:
         done.quarantine.append((error, time.time(), rec.id))
         self._tally(stream).quarantined += 1
         log.warning(
@@ -677,34 +561,18 @@ class _Run:
 
     # -- bookkeeping -----------------------------------------------------------
 
-    def _record(self, row: tuple[Any, ...]) -> Record:
-        try:
-            return record_from_row(row, self.spool.path)
-        except SpoolCorrupt as exc:
-            self.undecodable[row[0]] = str(exc)
-            return Record(*row[:6], None, *row[7:])
-
-    def _finish(self, done: _Settlement) -> None:
+    def _finish(self, done: Settlement) -> None:
         """Commit a batch's outcome: deletes, releases and quarantines now, failures
         as configured."""
         done.release += self._untracked
         self._untracked = []
-        if (
-            done.delete
-            or done.release
-            or done.quarantine
-            or (done.failures and self.wait_for_bookkeeping)
-        ):
-            self.spool.transact(partial(_settle, done=done))
-        elif done.failures:
-            self.spool.transact_later(partial(_record_failures, failures=done.failures))
+        tickets.settle(self.spool, done, wait=self.wait_for_bookkeeping)
 
     def count_held(self) -> None:
         """Count the rows each held stream leaves behind (a read, after the writes)."""
-        for (kind, name), tally in self.tallies.items():
+        for stream, tally in self.tallies.items():
             if tally.error is not None:
-                sql = COUNT_HELD_BY_ID_SQL if kind == "session_id" else COUNT_HELD_BY_KEY_SQL
-                tally.held = self.spool.query(sql, {**self.filter, "name": name})[0][0]
+                tally.held = tickets.count_held(self.spool, self.scope, stream)
 
     def _hold(self, stream: Stream, error: str) -> None:
         self._tally(stream).error = error
@@ -783,49 +651,8 @@ def statuses_filter(quarantined: bool, superseded: bool) -> str:
     return msgspec.json.encode(chosen).decode()
 
 
-def _settle(conn: apsw.Connection, done: _Settlement) -> None:
-    """Delete written rows, free the rest, record failures and quarantines, in one
-    transaction."""
-    conn.executemany(DELETE_SQL, [(i,) for i in done.delete])
-    conn.executemany(RELEASE_SQL, [(i,) for i in done.release])
-    conn.executemany(QUARANTINE_SQL, done.quarantine)
-    _record_failures(conn, done.failures)
-
-
-def _record_failures(conn: apsw.Connection, failures: list[tuple[str, float, int]]) -> None:
-    conn.executemany(RECORD_FAILURE_SQL, failures)
-
-
-def _take_batch(
-    conn: apsw.Connection, sql: str, params: dict[str, Any]
-) -> tuple[list[tuple[tuple[Any, ...], int]], list[int], bool]:
-    """Select the next batch and give each row its ticket, in one transaction.
-
-    A batch is at most ``limit`` rows and ``paging.PAGE_BYTES`` of what its rows cost,
-    as SQLite measures them and as decoding may make of them (at least one row). Also
-    returns the tickets of rows still in flight from before (failed writes), whose
-    records the sink must keep, and whether more rows may follow.
-    """
-    page, full = read_page(conn, sql, params, limit=params["limit"])
-    rows = [row[:-1] for row in page]
-    if not rows:
-        return [], [], False
-    first = conn.execute(NEXT_TICKET_SQL).get
-    taken = [(row, first + i) for i, row in enumerate(rows)]
-    conn.executemany(SET_INFLIGHT_SQL, [(ticket, row[0]) for row, ticket in taken])
-    conn.execute(SAVE_NEXT_TICKET_SQL, (first + len(rows),))
-    older = [row[0] for row in conn.execute(OLDER_TICKETS_SQL, (first,))]
-    return taken, older, full
-
-
 def _stream(record: Record) -> Stream:
-    return _stream_of(record.session_id, record.session_key)
-
-
-def _stream_of(session_id: str | None, session_key: str | None) -> Stream:
-    if session_id is not None:
-        return ("session_id", session_id)
-    return ("session_key", session_key or "")
+    return stream_of(record.session_id, record.session_key)
 
 
 def _describe(exc: BaseException) -> str:
