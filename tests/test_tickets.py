@@ -145,3 +145,21 @@ def test_failures_alone_may_wait_for_the_writers_next_group(spool):
 def test_stream_of_names_a_row_by_its_session_else_its_key(session_id):
     stream = tickets.stream_of(session_id, "k")
     assert stream == (("session_id", "a") if session_id else ("session_key", "k"))
+
+
+def test_a_row_set_aside_for_an_untracked_write_and_put_back(spool):
+    spool.append("s", {"role": "user", "content": "0"})
+    ((rec, _),) = tickets.take(spool, EVERY, keyed=False, after=FIRST, limit=1).taken
+    tickets.set_aside(spool, rec.id, "cannot tell", 5.0)
+    # Committed before the write: a crash now leaves it quarantined, out of flight.
+    assert raw(spool, "SELECT inflight, status, last_error, last_attempt_at FROM records") == [
+        (None, "quarantined", "cannot tell", 5.0)
+    ]
+    tickets.put_back(spool, rec.id)
+    assert raw(spool, "SELECT inflight, status FROM records") == [(None, None)]
+    # Only a quarantined row is put back: one an operator superseded meanwhile stays so.
+    tickets.set_aside(spool, rec.id, "cannot tell", 6.0)
+    with apsw.Connection(str(spool.path)) as conn:
+        conn.execute("UPDATE records SET status = 'superseded'")
+    tickets.put_back(spool, rec.id)
+    assert raw(spool, "SELECT status FROM records") == [("superseded",)]

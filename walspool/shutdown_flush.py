@@ -70,8 +70,8 @@ from .replay import upstream
 from .replay.jsonspool import FILE_PATTERN, QUARANTINE_PATTERN, import_json_spool
 from .replay.replayer import Replayer, ReplayReport
 from .replay.sinks import gateway_mapping, is_row_rejection, session_db_connection
+from .store import streams
 from .store.directories import open_directory
-from .store.paging import LARGE_PAYLOAD, SMALL_PAYLOAD
 from .store.records import AGENT_HISTORY, CAP_DROP, agent_history_message, slot_message
 from .store.replay_lock import replay_lock
 from .store.spool import REOPENED, Spool, check_lookup
@@ -123,42 +123,6 @@ _handoffs = threading.Condition()
 #: session (held, or left to a running replay). The session's drain writes them after
 #: its own rows and counts them as remaining, so its live rows wait behind them.
 _keys_left: dict[Path, dict[str, set[str]]] = {}
-
-COUNT_KEY_ROWS_SQL = """
-SELECT count(*) FROM records
-WHERE session_id IS NULL AND session_key = ? AND reason != ?
-  AND (status IS NULL OR inflight IS NOT NULL)
-"""
-COUNT_SESSION_ROWS_SQL = """
-SELECT count(*) FROM records
-WHERE session_id = ? AND reason != ? AND (status IS NULL OR inflight IS NOT NULL)
-"""
-#: A row's time to resolve its routing key at: the message's own ``timestamp`` (an
-#: imported file's ``ts``), else spool time.
-_ROW_TIME = """CASE
-    WHEN json_valid(payload) AND json_type(payload, '$.timestamp') IN ('integer', 'real')
-    THEN json_extract(payload, '$.timestamp') ELSE created_at END"""
-# Walked in the key index's order, so no GROUP BY sorter holds the rows it groups,
-# payloads and all.
-_KEY_ROWS = """
-FROM records INDEXED BY records_session_key_seq_idx
-WHERE session_id IS NULL AND reason != :agent_history AND (status IS NULL OR inflight IS NOT NULL)
-"""
-#: Each routing key of rows spooled without a session id, with the time to resolve it
-#: at (its oldest row's), among rows whose payload SQL may parse in a scan
-#: (``paging.SMALL_PAYLOAD``); a larger payload is parsed by a statement of its own
-#: (``KEY_ROW_TIME_SQL``), so no scan holds large parses (SQLite's JSON cache).
-KEYS_TO_RESOLVE_SQL = f"""
-SELECT session_key, min({_ROW_TIME}) {_KEY_ROWS} AND {SMALL_PAYLOAD}
-GROUP BY session_key
-"""
-LARGE_KEY_ROWS_SQL = f"SELECT id {_KEY_ROWS} AND {LARGE_PAYLOAD}"
-KEY_ROW_TIME_SQL = f"SELECT session_key, {_ROW_TIME} FROM records WHERE id = ?"
-ANY_TO_REPLAY_SQL = "SELECT EXISTS (SELECT 1 FROM records WHERE reason != ?)"
-SESSIONS_WITH_ROWS_SQL = """
-SELECT DISTINCT session_id FROM records
-WHERE session_id IS NOT NULL AND reason != ? AND (status IS NULL OR inflight IS NOT NULL)
-"""
 
 
 def home() -> Path:
@@ -460,9 +424,9 @@ def drain_transcript_spool(
 def _remaining(spool: Spool, session_id: str) -> int:
     """The session's spooled rows (not agent histories), committed or still being
     handed off, and the rows of the keys a start left for it."""
-    remaining = _count(spool, COUNT_SESSION_ROWS_SQL, (session_id, AGENT_HISTORY))
+    remaining = _count(spool, ("session_id", session_id))
     for key in _keys_of(spool, session_id):
-        remaining += _count(spool, COUNT_KEY_ROWS_SQL, (key, AGENT_HISTORY))
+        remaining += _count(spool, ("session_key", key))
     return remaining + _handed_off(spool, session_id)
 
 
@@ -681,7 +645,7 @@ def recover_pending_spool(
     except WalspoolError as exc:
         log.warning("Pending-message recovery could not commit earlier evictions: %s", exc)
     _import_leftover_files(spool)
-    if not _count(spool, ANY_TO_REPLAY_SQL, (AGENT_HISTORY,)):
+    if not _any_left(spool):
         return 0, set()
     if _replay_running(spool):  # learnt before state.db is opened, which may be locked
         return _left_to_the_running_replay(spool, session_resolver)
@@ -774,7 +738,7 @@ def _left_to_the_running_replay(
     held = _sessions_with_rows(spool)
     keys: dict[str, str] = {}
     if session_resolver is not None:
-        for key, ts in _keys_to_resolve(spool):
+        for key, ts in streams.keys_to_resolve(spool):
             found = upstream.resolve_key(session_resolver, key, ts)
             if found is not None:
                 keys[key] = found[0]
@@ -795,7 +759,7 @@ def _replay_all(
     """One replay of every replayable row, key rows routed as the resolver says."""
     targets: dict[str, tuple[str, Any]] = {}
     if session_resolver is not None:
-        for key, ts in _keys_to_resolve(spool):
+        for key, ts in streams.keys_to_resolve(spool):
             found = upstream.resolve_key(session_resolver, key, ts)
             if found is not None:
                 targets[key] = found
@@ -805,17 +769,6 @@ def _replay_all(
     return Replayer(
         spool, sink, resolver=lambda key: targets[key][0] if key in targets else None
     ).replay(wait=False)
-
-
-def _keys_to_resolve(spool: Spool) -> list[tuple[str, Any]]:
-    """Each routing key to resolve, in key order, with its oldest row's time; holding
-    at most one large payload's parse."""
-    params = {"agent_history": AGENT_HISTORY}
-    oldest = dict(spool.query(KEYS_TO_RESOLVE_SQL, params))
-    for (row_id,) in spool.query(LARGE_KEY_ROWS_SQL, params):
-        for key, ts in spool.query(KEY_ROW_TIME_SQL, (row_id,)):  # none if the row is gone
-            oldest[key] = ts if key not in oldest else min(oldest[key], ts)
-    return sorted(oldest.items())
 
 
 #: The gateway's routing table in state.db (0.20+): session key -> its ``SessionEntry``.
@@ -1030,16 +983,23 @@ def _release(session_db: Any) -> None:
 
 def _sessions_with_rows(spool: Spool) -> set[str]:
     try:
-        return {row[0] for row in spool.query(SESSIONS_WITH_ROWS_SQL, (AGENT_HISTORY,))}
+        return streams.sessions_left(spool)
     except Exception:  # noqa: BLE001 - best effort: nothing to mark
         return set()
 
 
-def _count(spool: Spool, sql: str, params: tuple[Any, ...]) -> int:
+def _count(spool: Spool, stream: tuple[str, str]) -> int:
     try:
-        return int(spool.query(sql, params)[0][0])
+        return streams.left_to_replay(spool, stream)
     except Exception:  # noqa: BLE001 - unknown: report one row left
         return 1
+
+
+def _any_left(spool: Spool) -> bool:
+    try:
+        return streams.any_left_to_replay(spool)
+    except Exception:  # noqa: BLE001 - unknown: there may be
+        return True
 
 
 def _attribute(value: Any, name: str) -> Any:

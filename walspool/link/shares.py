@@ -6,27 +6,14 @@ the link's own replays move out of the spool.
 from __future__ import annotations
 
 import contextlib
-import json
 import threading
 from collections.abc import Iterator
 from typing import Any
 
+from ..store import streams
 from ..store.spool import Spool
 from .budget import Shares
 
-#: Each session's payload bytes and the largest row id, in one walk of the statistics
-#: index (it holds the size and session of every row, and its id): no row page is read.
-#: Measured on a 1M-row spool (1,000 sessions, 462 MB) on a shared 2-core machine: 0.55 to
-#: 0.8 s with the index in the page cache, 2.6 s from a colder cache under load.
-COUNT_SQL = """
-SELECT session_id, sum(size), max(id)
-FROM records INDEXED BY records_reason_created_at_size_session_id_session_key_idx
-GROUP BY session_id
-"""
-#: Whether the spool holds any row at all (one probe): if not, there is nothing to count.
-ANY_ROW_SQL = "SELECT EXISTS (SELECT 1 FROM records)"
-SIZES_SQL = "SELECT id, session_id, size FROM records WHERE id IN (SELECT value FROM json_each(?))"
-PRESENT_SQL = "SELECT id FROM records WHERE id IN (SELECT value FROM json_each(?))"
 #: Rows a replay's sink noted that are looked up again at most; past it the noted rows
 #: are checked and those still in the spool but the latest forgotten (see ``Moving``).
 NOTED_ROWS = 4096
@@ -35,20 +22,14 @@ NOTED_ROWS = 4096
 def empty(spool: Spool) -> bool:
     """True when the spool surely holds no row (one probe); False if it cannot tell."""
     try:
-        return not spool.query(ANY_ROW_SQL, ())[0][0]
+        return streams.empty(spool)
     except Exception:  # noqa: BLE001 - then the background count finds out
         return False
 
 
 def count(spool: Spool) -> tuple[dict[str, int], int]:
     """Each session's payload bytes in the spool, and the largest row id seen."""
-    by_session: dict[str, int] = {}
-    max_id = 0
-    for session_id, nbytes, top in spool.query(COUNT_SQL, ()):
-        max_id = max(max_id, top or 0)
-        if session_id is not None:
-            by_session[session_id] = nbytes or 0
-    return by_session, max_id
+    return streams.bytes_by_session(spool)
 
 
 class Moving:
@@ -130,7 +111,7 @@ class Noted:
             for row_id in list(self.rows)[: max(len(self.rows) - NOTED_ROWS // 2, 0)]:
                 del self.rows[row_id]
         try:
-            found = self.spool.query(SIZES_SQL, (json.dumps(new),))
+            found = streams.sizes(self.spool, new)
         except Exception:  # noqa: BLE001 - never fail a write for this: they stay counted
             return
         for row_id, session_id, size in found:
@@ -141,7 +122,7 @@ class Noted:
         if not self.rows:
             return
         try:
-            present = {r[0] for r in self.spool.query(PRESENT_SQL, (json.dumps(list(self.rows)),))}
+            present = streams.present(self.spool, self.rows)
         except Exception:  # noqa: BLE001 - then they stay counted
             return
         for row_id in [i for i in self.rows if i not in present]:

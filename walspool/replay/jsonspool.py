@@ -83,9 +83,8 @@ import msgspec
 
 from .. import text
 from ..errors import InvalidArgument, PayloadTooLarge, WalspoolError
-from ..store import codec
+from ..store import codec, streams
 from ..store.directories import open_directory
-from ..store.paging import LARGE_PAYLOAD, SMALL_PAYLOAD
 from ..store.records import AGENT_HISTORY, CAP_DROP
 from ..store.spool import Spool
 
@@ -110,20 +109,6 @@ UNKNOWN_SESSION = "unknown"
 MEDIA_KEYS = ("media", "media_urls")
 
 _READ_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
-
-#: The names rows carry under the source key (``:path``), among rows whose payload SQL
-#: may parse in a scan (``paging.SMALL_PAYLOAD``); each larger payload is parsed by a
-#: statement of its own (``COMMITTED_NAME_SQL``), so no scan holds large parses
-#: (SQLite's JSON cache).
-COMMITTED_NAMES_SQL = f"""
-SELECT json_extract(payload, :path) FROM records
-WHERE {SMALL_PAYLOAD} AND json_valid(payload) AND json_extract(payload, :path) IS NOT NULL
-"""
-LARGE_ROWS_SQL = f"SELECT id FROM records WHERE {LARGE_PAYLOAD}"
-COMMITTED_NAME_SQL = """
-SELECT json_extract(payload, :path) FROM records
-WHERE id = :id AND json_valid(payload) AND json_extract(payload, :path) IS NOT NULL
-"""
 
 Progress = Callable[[int, int], None]
 
@@ -335,13 +320,8 @@ class _Import:
         self.journal = True
 
     def _committed_names(self) -> set[str]:
-        """The file names the spool's rows carry under ``source_key``, holding at most
-        one large payload's parse (see ``COMMITTED_NAMES_SQL``)."""
-        params = {"path": f'$."{self.source_key}"'}
-        rows = self.spool.query(COMMITTED_NAMES_SQL, params)
-        for (row_id,) in self.spool.query(LARGE_ROWS_SQL, ()):
-            rows += self.spool.query(COMMITTED_NAME_SQL, {**params, "id": row_id})
-        return {row[0] for row in rows if isinstance(row[0], str)}
+        """The file names the spool's rows carry under ``source_key``."""
+        return streams.names_under(self.spool, self.source_key)
 
     def _finish_committed(self, item: _Item) -> None:
         """A file an interrupted import committed: remove it, count it as imported."""

@@ -34,6 +34,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from .. import text
+from ..store import tickets
 from ..store.records import Record
 from .replayer import UNKNOWN_LANDING
 from .sinks import SessionDBSink, Ticket, as_rejection, transcript_message, write_bindable
@@ -45,16 +46,6 @@ _stores: weakref.WeakSet[Any] = weakref.WeakSet()
 #: One ticket-recording sink per ``SessionDB`` object, so its trigger is set up once.
 _trackers: weakref.WeakKeyDictionary[Any, SessionDBSink] = weakref.WeakKeyDictionary()
 _trackers_lock = threading.Lock()
-
-#: Sets a row aside before an untracked callback writes it: if the process dies before
-#: the spool forgets the row, nobody can know whether it landed, and it stays set aside.
-SET_ASIDE_SQL = """
-UPDATE records SET status = 'quarantined', inflight = NULL, last_error = ?,
-    last_attempt_at = ?
-WHERE id = ?
-"""
-#: Puts it back once the callback raised (it did not land: the callback's word).
-PUT_BACK_SQL = "UPDATE records SET status = NULL WHERE id = ? AND status = 'quarantined'"
 
 
 def register_store(store: Any) -> None:
@@ -220,13 +211,11 @@ class DrainSink:
         self.replay(message)
 
     def _set_aside(self, record: Record) -> None:
-        self.spool.transact(
-            lambda conn: conn.execute(SET_ASIDE_SQL, (UNKNOWN_LANDING, time.time(), record.id))
-        )
+        tickets.set_aside(self.spool, record.id, UNKNOWN_LANDING, time.time())
 
     def _put_back(self, record: Record) -> None:
         try:
-            self.spool.transact(lambda conn: conn.execute(PUT_BACK_SQL, (record.id,)))
+            tickets.put_back(self.spool, record.id)
         except Exception as exc:  # noqa: BLE001 - it stays set aside, for an operator
             log.warning(
                 "Row %d of %s stays quarantined in %s (its write failed, and putting it "

@@ -99,6 +99,14 @@ UPDATE records SET status = 'quarantined', inflight = NULL, attempts = attempts 
     last_error = ?, last_attempt_at = ?
 WHERE id = ?
 """
+#: Sets a row aside while a writer that records no ticket writes it: if the process dies
+#: before the row is deleted, nobody can know whether it landed, and it stays set aside.
+_SET_ASIDE_SQL = """
+UPDATE records SET status = 'quarantined', inflight = NULL, last_error = ?,
+    last_attempt_at = ?
+WHERE id = ?
+"""
+_PUT_BACK_SQL = "UPDATE records SET status = NULL WHERE id = ? AND status = 'quarantined'"
 _COUNT_HELD_BY_ID_SQL = f"""
 SELECT count(*) FROM records
 WHERE session_id = :name AND (inflight IS NOT NULL OR ({REASON_FILTER}))
@@ -215,6 +223,17 @@ def settle(spool: Spool, done: Settlement, *, wait: bool = True) -> None:
         spool.transact(partial(_settle, done=done))
     elif done.failures:
         spool.transact_later(partial(_record_failures, failures=done.failures))
+
+
+def set_aside(spool: Spool, record_id: int, why: str, at: float) -> None:
+    """Quarantine row ``record_id`` (out of flight) with ``why``, committed at once:
+    before a write nobody can look up, so a crash leaves it for an operator."""
+    spool.transact(lambda conn: conn.execute(_SET_ASIDE_SQL, (why, at, record_id)))
+
+
+def put_back(spool: Spool, record_id: int) -> None:
+    """Undo ``set_aside``: the write failed, by the writer's own word."""
+    spool.transact(lambda conn: conn.execute(_PUT_BACK_SQL, (record_id,)))
 
 
 def count_held(spool: Spool, scope: Scope, stream: Stream) -> int:
