@@ -154,7 +154,7 @@ def test_a_writer_during_an_immutable_read_is_seen_and_its_wal_kept(tmp_path):
     """The read of a spool without a -wal holds SQLite's shared lock itself: a writer
     that comes and goes meanwhile cannot checkpoint its -wal away, and the next read
     notices the -wal and reads again through it."""
-    from walspool.cli._readonly import SpoolReader
+    from walspool.store.reader import SpoolReader
 
     path = tmp_path / "spool.db"
     with walspool.Spool(path) as spool:

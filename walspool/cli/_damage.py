@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import apsw
 
-from ._readonly import SpoolReader
+from ..store.reader import SpoolReader
 
 #: Every page of the file walked, each b-tree's structure checked (not each index
 #: against its table: that is ``check``'s integrity_check), every record decoded and its

@@ -14,10 +14,10 @@ import re
 from collections.abc import Sequence
 
 from ..errors import WalspoolError
+from ..store.reader import SpoolReader
 from ..store.records import AGENT_HISTORY, CAP_DROP, SHUTDOWN
 from ..store.spool import check_lookup
 from ._near import near_sessions
-from ._readonly import SpoolReader
 
 #: The reasons walspool itself spools rows with.
 KNOWN_REASONS = (CAP_DROP, SHUTDOWN, AGENT_HISTORY)

@@ -9,7 +9,7 @@ import itertools
 import os
 from pathlib import Path
 
-from ._readonly import SpoolReader
+from ..store.reader import SpoolReader
 
 NEAR_NAMES = 10_000
 #: Distinct session ids, then distinct keys of rows spooled without one, each walked in

@@ -9,6 +9,7 @@ from typing import Any
 
 from ..errors import ReplayBusy, WalspoolError
 from ..store.maintenance import actor
+from ..store.reader import SpoolReader
 from ..store.records import QUARANTINED, SUPERSEDED
 from ..store.spool import Spool
 from ..text import printable
@@ -17,7 +18,6 @@ from ._lockwait import add_wait_argument, busy_message, say_waiting
 from ._near import near_sessions
 from ._output import EXIT_OK, SpoolBusy, clip, dump, plural, stream_name, table
 from ._reading import reading, upgraded
-from ._readonly import SpoolReader
 
 Change = Callable[..., list[int]]
 

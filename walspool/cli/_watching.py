@@ -17,10 +17,11 @@ import apsw
 import msgspec
 
 from ..errors import WalspoolError
+from ..store import reader as spool_reader
 from ..store.records import QUARANTINED, SUPERSEDED
 from ..store.spool import STATS_BY_REASON_SQL, STATS_FAILING_SQL, UID_SQL, stats_from
 from ._holders import Holder, holders
-from ._reading import INFLIGHT_SQL, STATUS_COUNT_SQL, reading
+from ._reading import reading
 from ._streams import Line, backlog_object, latest_error, read_lines, write_array
 
 #: Streams read per snapshot, oldest first: more than any terminal shows.
@@ -161,8 +162,8 @@ def _read(
         with conn:  # one read transaction: every count from the same moment
             by_reason = conn.execute(STATS_BY_REASON_SQL).fetchall()
             failing = conn.execute(STATS_FAILING_SQL).get
-            inflight = conn.execute(INFLIGHT_SQL).get
-            by_status = dict(conn.execute(STATUS_COUNT_SQL).fetchall())
+            inflight = spool_reader.in_flight(conn)
+            by_status = spool_reader.by_status(conn)
             appended = conn.execute(APPENDED_SQL).get
             uid = conn.execute(UID_SQL).get
             lines = read_lines(conn)

@@ -5,10 +5,11 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..store.reader import count_records, iter_records
 from . import _narrow
 from ._filters import KEY_PREFIX, check_reasons, check_session, has_stream
 from ._output import Progress, add_progress_argument
-from ._reading import count_records, iter_records, reading, record_line, report_bad
+from ._reading import reading, record_line, report_bad
 
 
 def run(args: argparse.Namespace) -> int:

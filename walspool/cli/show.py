@@ -12,6 +12,7 @@ import msgspec
 
 from ..errors import WalspoolError
 from ..store import codec
+from ..store.reader import BadPayload, iter_records
 from ..store.records import QUARANTINED, SUPERSEDED, Record
 from ..text import printable
 from . import _narrow
@@ -28,7 +29,7 @@ from ._output import (
     stream_name,
     table,
 )
-from ._reading import BadPayload, iter_records, reading, record_line, report_bad
+from ._reading import reading, record_line, report_bad
 
 #: The mark after ``attempts`` in ``show`` for a row of each status.
 STATUS_MARKS = {QUARANTINED: "Q", SUPERSEDED: "S"}

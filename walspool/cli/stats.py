@@ -12,6 +12,7 @@ from typing import Any, TextIO
 import apsw
 import msgspec
 
+from ..store import reader as spool_reader
 from ..store.records import QUARANTINED, SUPERSEDED
 from ..store.spool import STATS_BY_REASON_SQL, STATS_FAILING_SQL, STATS_SESSIONS_SQL, stats_from
 from ..text import printable
@@ -19,7 +20,7 @@ from ._frame import drain_eta
 from ._holders import holders, holders_text
 from ._lockwait import seconds as seconds_argument
 from ._output import EXIT_OK, cli_terms, clip, dump, duration, iso, plural, size, stream_name
-from ._reading import INFLIGHT_SQL, STATUS_COUNT_SQL, reading
+from ._reading import reading
 from ._watching import Rates, rates, read_snapshot
 
 #: Sessions whose latest error ``stats`` shows, the most recent first.
@@ -160,8 +161,8 @@ def read_stats(conn: apsw.Connection, path: Path, now: float) -> dict[str, Any]:
         by_reason = conn.execute(STATS_BY_REASON_SQL).fetchall()
         sessions = conn.execute(STATS_SESSIONS_SQL).get
         failing = conn.execute(STATS_FAILING_SQL).get
-        inflight = conn.execute(INFLIGHT_SQL).get
-        by_status = dict(conn.execute(STATUS_COUNT_SQL).fetchall())
+        inflight = spool_reader.in_flight(conn)
+        by_status = spool_reader.by_status(conn)
         recent = conn.execute(
             RECENT_ERRORS_SQL, {"chars": CHARS, "limit": LAST_ERRORS * 40}
         ).fetchall()
