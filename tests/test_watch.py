@@ -28,7 +28,6 @@ from walspool.cli import main
 from walspool.cli._frame import drain_eta, fit, render
 from walspool.cli._holders import Holder
 from walspool.cli._output import CELL_WIDTH
-from walspool.cli._streams import CHARS
 from walspool.cli._watching import (
     MAX_STREAMS,
     Rates,
@@ -39,6 +38,7 @@ from walspool.cli._watching import (
     try_snapshot,
 )
 from walspool.replay.replayer import Replayer
+from walspool.store.backlog import CHARS
 
 MSG = {"role": "user", "content": "hello"}
 TMUX = shutil.which("tmux")

@@ -1,6 +1,5 @@
-"""A spool's streams as ``ls`` and ``watch`` read them: one ``Line`` per stream, its
-name and errors at most ``CHARS`` characters long whatever their length, and the
-``ls --json`` objects, whole, written one at a time. Not public API."""
+"""The ``ls --json`` objects of a spool's streams (``walspool.store.backlog``), whole,
+written one at a time. Not public API."""
 
 from __future__ import annotations
 
@@ -9,17 +8,11 @@ from collections.abc import Iterable
 from typing import IO, Any
 
 import apsw
-import msgspec
 
+from ..store import backlog
+from ..store.backlog import Line
 from ._output import dump, iso
 
-#: At most this many characters of a stream's name (session id, or key) and of its
-#: first and latest error are read per stream; a session id may be 64 MiB. SQLite sorts
-#: names up to this long to group rows by stream; the rows of longer ones are found in
-#: their unique index's order instead (``LONG_SQL``, no sort), since a sort of huge
-#: names holds most of them at once. ``--json`` reads a longer name or error whole when
-#: it writes that stream's object, by the id of a row holding it, one at a time.
-CHARS = 4096
 #: ``--json`` text kept in memory before the rest goes to a temporary file: the text is
 #: written out only after the reading it comes from is known to be sound (a reading may
 #: be done again: ``SpoolReader.read``).
@@ -27,86 +20,6 @@ JSON_IN_MEMORY = 8 * 1024 * 1024
 #: ``--json`` text is written in slices this long: a huge object's text is never copied
 #: whole to be encoded, or into memory before the temporary file takes over.
 JSON_SLICE = 1024 * 1024
-#: Rows whose stream's name is at most ``CHARS`` long: every query but ``LONG_SQL``.
-_SHORT = "length(coalesce(session_id, session_key)) <= :chars"
-#: The ``backlog`` view's columns from indexes only, never a row's page: rows, bytes and
-#: times per stream from the statistics index (covering, so one walk of it and a sort);
-#: set-aside counts from the status index; attempts, failing rows and each stream's
-#: first and latest error from the index of rows with an error (a row's attempts grow
-#: only with an error). The view reads every row instead. Times stay epoch seconds
-#: until printed, by one rule (``iso``).
-#: The rows of streams named longer than ``CHARS`` make one group (NULL, NULL), a name
-#: no stream has: it says ``LONG_SQL`` has streams to read. The names are clipped in a
-#: subquery that LIMIT keeps apart (SQLite does not merge a subquery with a LIMIT into
-#: an aggregate): merged, the sort would carry every row's name whole again.
-STREAMS_SQL = """
-SELECT session_id, session_key, count(*), sum(size), min(created_at), max(created_at)
-FROM (
-    SELECT iif(length(session_id) > :chars, NULL, session_id) AS session_id,
-           CASE WHEN session_id IS NULL AND length(session_key) <= :chars
-                THEN session_key END AS session_key,
-           size, created_at
-    FROM records INDEXED BY records_reason_created_at_size_session_id_session_key_idx
-    LIMIT -1
-)
-GROUP BY 1, 2
-"""
-SET_ASIDE_SQL = f"""
-SELECT session_id, CASE WHEN session_id IS NULL THEN session_key END, status, count(*)
-FROM records INDEXED BY records_status_idx WHERE status IS NOT NULL AND {_SHORT} GROUP BY 1, 2, 3
-"""
-#: In-flight rows per stream, and of them the replayable ones (a page read per row in
-#: flight: a replay's batch at most).
-INFLIGHT_BY_STREAM_SQL = f"""
-SELECT session_id, CASE WHEN session_id IS NULL THEN session_key END, count(*),
-    count(*) FILTER (WHERE status IS NULL)
-FROM records INDEXED BY records_inflight_idx WHERE inflight IS NOT NULL AND {_SHORT}
-GROUP BY 1, 2
-"""
-#: A failed attempt's time: when it was made, or (never recorded) when the row came.
-_ATTEMPT_AT = "coalesce(last_attempt_at, created_at)"
-ERRORS_SQL = f"""
-SELECT session_id, CASE WHEN session_id IS NULL THEN session_key END, seq, attempts, status, id,
-       substr(last_error, 1, :chars), length(last_error), {_ATTEMPT_AT}
-FROM records INDEXED BY records_last_error_idx WHERE last_error IS NOT NULL AND {_SHORT}
-"""
-#: A line's columns over one stream's rows; its first error as the least of its seq and
-#: row id, zero-padded (two min() would each pick a row of their own for a bare column).
-_LONG_COLUMNS = """min(id), count(*), sum(size), min(created_at), max(created_at),
-    coalesce(max(attempts) FILTER (WHERE last_error IS NOT NULL), 0),
-    min(format('%020d %d', seq, id)) FILTER (WHERE last_error IS NOT NULL),
-    count(*) FILTER (WHERE status = 'quarantined'), count(*) FILTER (WHERE status = 'superseded'),
-    count(inflight), count(*) FILTER (WHERE last_error IS NOT NULL AND status IS NULL),
-    count(*) FILTER (WHERE status IS NULL AND inflight IS NULL),
-    count(*) FILTER (WHERE last_error IS NOT NULL)"""
-#: Streams named longer than ``CHARS``, by id and by key: walked in their unique
-#: index's order, so a stream's rows come together and nothing is sorted.
-LONG_SQL = (
-    f"""SELECT substr(session_id, 1, :chars), NULL, length(session_id), {_LONG_COLUMNS}
-    FROM records INDEXED BY sqlite_autoindex_records_1
-    WHERE session_id IS NOT NULL AND length(session_id) > :chars GROUP BY session_id""",
-    f"""SELECT NULL, substr(session_key, 1, :chars), length(session_key), {_LONG_COLUMNS}
-    FROM records INDEXED BY records_session_key_seq_idx
-    WHERE session_id IS NULL AND length(session_key) > :chars GROUP BY session_key""",
-)
-#: The latest error of a stream named longer than ``CHARS``, by id and by key, the
-#: stream named by one of its rows (its name read once): a sort its LIMIT bounds.
-LATEST_SQL = (
-    f"""SELECT id, substr(last_error, 1, :chars), length(last_error)
-    FROM records INDEXED BY sqlite_autoindex_records_1
-    WHERE session_id = (SELECT session_id FROM records WHERE id = :id)
-      AND last_error IS NOT NULL ORDER BY {_ATTEMPT_AT} DESC, id DESC LIMIT 1""",
-    f"""SELECT id, substr(last_error, 1, :chars), length(last_error)
-    FROM records INDEXED BY records_session_key_seq_idx
-    WHERE session_id IS NULL AND session_key = (SELECT session_key FROM records WHERE id = :id)
-      AND last_error IS NOT NULL ORDER BY {_ATTEMPT_AT} DESC, id DESC LIMIT 1""",
-)
-ERROR_AT_SQL = (
-    "SELECT substr(last_error, 1, :chars), length(last_error) FROM records WHERE id = :id"
-)
-#: A stream's name and an error whole, from a row that holds it.
-NAME_SQL = "SELECT coalesce(session_id, session_key) FROM records WHERE id = ?"
-ERROR_SQL = "SELECT last_error FROM records WHERE id = ?"
 BACKLOG_KEYS = (
     "session_id",
     "session_key",
@@ -125,128 +38,16 @@ BACKLOG_KEYS = (
 MORE_KEYS = ("inflight", "retrying", "oldest_age", "newest_age")
 
 
-def held(failed: int, waiting: int) -> int:
-    """A stream's RETRYING rows: with a replayable row whose write failed (``failed``),
-    every replayable row not in flight (``waiting``) waits for the next replay, the
-    rows behind it too (a stream moves in order); without one, none."""
-    return waiting if failed else 0
-
-
-class Line(msgspec.Struct, frozen=True):
-    """One stream as ``ls`` and ``watch`` read it: its name, first error (the lowest
-    seq's) and latest error (the most recent failed attempt's; a row never attempted
-    dated by its arrival) at most ``CHARS`` characters long. ``name_chars``,
-    ``error_chars`` and ``latest_chars`` are their whole lengths; a longer one is read
-    whole from row ``name_row`` (one of the stream's, set only then), ``error_row`` or
-    ``latest_row``. ``failing``: its rows with an error; ``retrying``: the rows a failed
-    write holds (``held``). Times are epoch seconds."""
-
-    session_id: str | None
-    session_key: str | None
-    rows: int
-    bytes: int
-    oldest: float
-    newest: float
-    max_attempts: int
-    last_error: str | None
-    quarantined: int
-    superseded: int
-    inflight: int
-    retrying: int
-    name_chars: int
-    name_row: int | None = None
-    error_chars: int = 0
-    error_row: int | None = None
-    failing: int = 0
-    latest_error: str | None = None
-    latest_chars: int = 0
-    latest_row: int | None = None
-
-
-def read_lines(conn: apsw.Connection) -> list[Line]:
-    """Every stream's ``Line``, oldest first; on a tie, key streams first, as the view
-    orders them. What it holds per stream is bounded by ``CHARS``, whatever the names."""
-    params = {"chars": CHARS}
-    streams: dict[tuple[str | None, str | None], list[Any]] = {}
-    with conn:
-        for session_id, key, rows, size, oldest, newest in conn.execute(STREAMS_SQL, params):
-            # rows, bytes, oldest, newest, max attempts, first error (seq, row, text,
-            # length), quarantined, superseded, in flight, replayable rows that failed,
-            # failing, latest error (time, row, text, length), replayable in flight
-            streams[session_id, key] = [
-                rows, size, oldest, newest, 0, None, 0, 0, 0, 0, 0, None, 0,
-            ]  # fmt: skip
-        long_names = streams.pop((None, None), None) is not None
-        for session_id, key, status, n in conn.execute(SET_ASIDE_SQL, params):
-            streams[session_id, key][6 if status == "quarantined" else 7] += n
-        for session_id, key, n, replayable in conn.execute(INFLIGHT_BY_STREAM_SQL, params):
-            streams[session_id, key][8] = n
-            streams[session_id, key][12] = replayable
-        for session_id, key, seq, attempts, status, row, *error, at in conn.execute(
-            ERRORS_SQL, params
-        ):
-            s = streams[session_id, key]
-            s[4] = max(s[4], attempts)
-            if s[5] is None or seq < s[5][0]:
-                s[5] = (seq, row, *error)
-            s[9] += status is None
-            s[10] += 1
-            if s[11] is None or (at, row) > s[11][:2]:
-                s[11] = (at, row, *error)
-        lines = [
-            Line(sid, key, rows, size, oldest, newest, attempts, first and first[2], quarantined,
-                 superseded, inflight,
-                 held(failed, rows - quarantined - superseded - replayable_inflight),
-                 len(sid if sid is not None else key),
-                 error_chars=first[3] if first else 0, error_row=first and first[1],
-                 failing=failing, latest_error=latest and latest[2],
-                 latest_chars=latest[3] if latest else 0, latest_row=latest and latest[1])
-            for (sid, key), (rows, size, oldest, newest, attempts, first, quarantined, superseded,
-                             inflight, failed, failing, latest, replayable_inflight)
-            in streams.items()
-        ]  # fmt: skip
-        if long_names:
-            # each walk done before a stream's errors are looked up: its memory then freed
-            found = [row for sql in LONG_SQL for row in conn.execute(sql, params)]
-            lines += [_long_line(conn, row) for row in found]
-    lines.sort(
-        key=lambda s: (s.oldest, s.session_id is not None, s.session_id or "",
-                       s.session_key or "", s.name_chars, s.name_row or 0)
-    )  # fmt: skip
-    return lines
-
-
-def _long_line(conn: apsw.Connection, row: tuple[Any, ...]) -> Line:
-    sid, key, chars, first, rows, size, oldest, newest, attempts, error_at, *counts, failing = row
-    quarantined, superseded, inflight, failed, waiting = counts
-    retrying = held(failed, waiting)
-    line = Line(
-        sid, key, rows, size, oldest, newest, attempts, None, quarantined, superseded, inflight,
-        retrying, chars, first,
-    )  # fmt: skip
-    if error_at is None:
-        return line
-    error_row = int(error_at.split()[1])
-    params = {"chars": CHARS, "id": error_row}
-    error, error_chars = conn.execute(ERROR_AT_SQL, params).fetchone()
-    params["id"] = first
-    latest_row, latest, latest_chars = conn.execute(LATEST_SQL[sid is None], params).fetchone()
-    return msgspec.structs.replace(
-        line, last_error=error, error_chars=error_chars, error_row=error_row, failing=failing,
-        latest_error=latest, latest_chars=latest_chars, latest_row=latest_row,
-    )  # fmt: skip
-
-
 def backlog_object(conn: apsw.Connection, line: Line, now: float) -> dict[str, Any]:
     """``line`` as its ``ls --json`` object, name and error whole (read again from their
     rows when longer than ``CHARS``: in the transaction ``line`` was read in), ages as
     of ``now``."""
     sid, key, error = line.session_id, line.session_key, line.last_error
-    if line.name_chars > CHARS:
-        name = conn.execute(NAME_SQL, (line.name_row,)).get
+    if line.name_chars > backlog.CHARS:
+        name = backlog.whole_name(conn, line.name_row)
         sid, key = (name, None) if sid is not None else (None, name)
-    if line.error_chars > CHARS:
-        error = conn.execute(ERROR_SQL, (line.error_row,)).get
+    if line.error_chars > backlog.CHARS:
+        error = backlog.whole_error(conn, line.error_row)
     values = (
         sid, key, line.rows, line.bytes, iso(line.oldest), iso(line.newest), line.max_attempts,
         error, line.quarantined, line.superseded, line.inflight, line.retrying,
@@ -260,8 +61,8 @@ def latest_error(conn: apsw.Connection, line: Line, first: str | None) -> str | 
     ``CHARS``), ``first`` when that is the first error's row (``first`` whole)."""
     if line.latest_row is not None and line.latest_row == line.error_row:
         return first
-    if line.latest_chars > CHARS:
-        return conn.execute(ERROR_SQL, (line.latest_row,)).get
+    if line.latest_chars > backlog.CHARS:
+        return backlog.whole_error(conn, line.latest_row)
     return line.latest_error
 
 

@@ -18,11 +18,12 @@ import msgspec
 
 from ..errors import WalspoolError
 from ..store import reader as spool_reader
+from ..store.backlog import Line, read_lines
 from ..store.records import QUARANTINED, SUPERSEDED
 from ..store.spool import STATS_BY_REASON_SQL, STATS_FAILING_SQL, UID_SQL, stats_from
 from ._holders import Holder, holders
 from ._reading import reading
-from ._streams import Line, backlog_object, latest_error, read_lines, write_array
+from ._streams import backlog_object, latest_error, write_array
 
 #: Streams read per snapshot, oldest first: more than any terminal shows.
 MAX_STREAMS = 500
@@ -61,7 +62,7 @@ SELECT coalesce(sum(last), 0) FROM (
 
 class Stream(msgspec.Struct, frozen=True):
     """One stream's backlog: spooled by session id, or (``session_id`` None) by key;
-    its name and latest error at most ``_streams.CHARS`` characters (the frame shows
+    its name and latest error at most ``backlog.CHARS`` characters (the frame shows
     less)."""
 
     session_id: str | None

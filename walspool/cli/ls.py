@@ -10,6 +10,9 @@ from typing import IO, Any
 
 import apsw
 
+# ls's own names still: the keys of its --json objects and what it holds of a name.
+from ..store.backlog import CHARS as CHARS
+from ..store.backlog import Line, read_lines
 from ..text import printable
 from ._output import (
     CELL_WIDTH,
@@ -24,11 +27,8 @@ from ._output import (
     table_lines,
 )
 from ._reading import reading
-
-# ls's own names still: the keys of its --json objects and what it holds of a name.
 from ._streams import BACKLOG_KEYS as BACKLOG_KEYS
-from ._streams import CHARS as CHARS
-from ._streams import Line, backlog_object, json_text, read_lines, write_array
+from ._streams import backlog_object, json_text, write_array
 
 
 def run(args: argparse.Namespace) -> int:
