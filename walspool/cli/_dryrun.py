@@ -21,7 +21,7 @@ from ..errors import SessionMissing, SpoolCorrupt, WalspoolError
 from ..replay.replayer import ReplayReport, StreamReport, report_of
 from ..replay.sinks import LANDED_SQL, LANDED_TABLE, LANDED_TABLE_EXISTS_SQL, rejects_content
 from ..shutdown_flush import routing_resolver
-from ..store import codec
+from ..store import codec, totals
 from ..store.paging import (
     LARGE_PAYLOAD,
     SMALL_PAYLOAD,
@@ -30,7 +30,7 @@ from ..store.paging import (
     rows_not_json,
 )
 from ..store.records import AGENT_HISTORY, Record
-from ..store.spool import RECORD_COLUMNS, UID_SQL
+from ..store.spool import RECORD_COLUMNS
 from ..store.tickets import REASON_FILTER
 from ._statedb import session_exists
 from ._trial import Trial, trial_session_db
@@ -160,7 +160,7 @@ def plan(
                     if record is not None:
                         first[stream.session_id] = record
                     break
-    return Plan(str(conn.execute(UID_SQL).get), streams, inflight, first)
+    return Plan(totals.uid(conn), streams, inflight, first)
 
 
 def fetch_record(conn: apsw.Connection, row_id: int) -> Record | None:

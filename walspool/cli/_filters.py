@@ -14,6 +14,7 @@ import re
 from collections.abc import Sequence
 
 from ..errors import WalspoolError
+from ..store import lookups
 from ..store.reader import SpoolReader
 from ..store.records import AGENT_HISTORY, CAP_DROP, SHUTDOWN
 from ..store.spool import check_lookup
@@ -21,24 +22,8 @@ from ._near import near_sessions
 
 #: The reasons walspool itself spools rows with.
 KNOWN_REASONS = (CAP_DROP, SHUTDOWN, AGENT_HISTORY)
-REASON_EXISTS_SQL = "SELECT EXISTS (SELECT 1 FROM records WHERE reason = ?)"
-REASONS_SQL = "SELECT DISTINCT reason FROM records ORDER BY reason"
-STREAM_EXISTS_SQL = {
-    "id": "SELECT EXISTS (SELECT 1 FROM records WHERE session_id = ?)",
-    "key": "SELECT EXISTS (SELECT 1 FROM records WHERE session_id IS NULL AND session_key = ?)",
-}
-STREAM_ROWS_SQL = {
-    "id": "SELECT count(*) FROM records WHERE session_id = ?",
-    "key": "SELECT count(*) FROM records INDEXED BY records_session_key_seq_idx "
-    "WHERE session_id IS NULL AND session_key = ?",
-}
 #: How ``ls`` names a stream spooled by session key only: ``key:<KEY>``.
 KEY_PREFIX = "key:"
-SESSION_EXISTS_SQL = """SELECT EXISTS (SELECT 1 FROM records WHERE session_id = :session)
-    OR (:keys AND EXISTS (SELECT 1 FROM records
-                          WHERE session_id IS NULL AND session_key = :session))"""
-
-
 #: An --id list that also reads as one number written with thousands separators.
 THOUSANDS = re.compile(r"\d{1,3}(?:,\d{3})+")
 
@@ -113,8 +98,8 @@ def check_reasons(reader: SpoolReader, reasons: Sequence[str] | None) -> None:
         check_lookup(reason, "reason", reader.path)
         if reason in KNOWN_REASONS:
             continue
-        if not reader.read(lambda c, r=reason: c.execute(REASON_EXISTS_SQL, (r,)).get):
-            found = reader.read(lambda c: [r for (r,) in c.execute(REASONS_SQL)])
+        if not reader.read(lambda c, r=reason: lookups.reason_exists(c, r)):
+            found = reader.read(lookups.reasons)
             known = ", ".join(dict.fromkeys([*KNOWN_REASONS, *found]))
             raise UsageError(f"unknown reason {reason!r}; known reasons: {known}")
 
@@ -125,8 +110,7 @@ def check_session(reader: SpoolReader, session: str | None, *, keys: bool = True
     if session is None:
         return
     check_lookup(session, "session", reader.path)
-    params = {"session": session, "keys": keys}
-    if not reader.read(lambda c: c.execute(SESSION_EXISTS_SQL, params).get):
+    if not reader.read(lambda c: lookups.session_exists(c, session, keys=keys)):
         raise WalspoolError(
             f"no rows for session {session!r} in {reader.path}{near_sessions(reader, session)}"
         )
@@ -136,13 +120,13 @@ def has_stream(reader: SpoolReader, name: str, kind: str) -> bool:
     """Whether rows were spooled with session id ``name`` (``kind`` "id") or with
     session key ``name`` and no id ("key")."""
     check_lookup(name, "session", reader.path)
-    return bool(reader.read(lambda c: c.execute(STREAM_EXISTS_SQL[kind], (name,)).get))
+    return reader.read(lambda c: lookups.stream_exists(c, name, kind))
 
 
 def stream_rows(reader: SpoolReader, name: str, kind: str) -> int:
     """How many rows the stream has (``kind`` as in ``has_stream``)."""
     check_lookup(name, "session", reader.path)
-    return int(reader.read(lambda c: c.execute(STREAM_ROWS_SQL[kind], (name,)).get))
+    return reader.read(lambda c: lookups.stream_rows(c, name, kind))
 
 
 def which_stream(reader: SpoolReader, name: str, *, key: bool = False) -> tuple[str, str]:

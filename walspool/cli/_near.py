@@ -9,16 +9,12 @@ import itertools
 import os
 from pathlib import Path
 
+from ..store import lookups
 from ..store.reader import SpoolReader
 
 NEAR_NAMES = 10_000
-#: Distinct session ids, then distinct keys of rows spooled without one, each walked in
-#: its unique index (names longer than ``NEAR_CHARS`` are no typo's target).
+#: Names longer than this are no typo's target.
 NEAR_CHARS = 200
-_IDS_SQL = """SELECT DISTINCT session_id FROM records INDEXED BY sqlite_autoindex_records_1
-    WHERE session_id IS NOT NULL AND length(session_id) <= :chars LIMIT :n"""
-_KEYS_SQL = """SELECT DISTINCT session_key FROM records INDEXED BY records_session_key_seq_idx
-    WHERE session_id IS NULL AND length(session_key) <= :chars LIMIT :n"""
 
 
 def near_files(path: Path) -> str:
@@ -38,8 +34,9 @@ def near_sessions(reader: SpoolReader, name: str) -> str:
     ``name`` (keys as ``ls`` prints them), or nothing."""
     if len(name) > NEAR_CHARS:
         return ""
-    params = {"chars": NEAR_CHARS, "n": NEAR_NAMES}
-    ids = reader.read(lambda c: [s for (s,) in c.execute(_IDS_SQL, params)])
-    keys = reader.read(lambda c: [f"key:{k}" for (k,) in c.execute(_KEYS_SQL, params)])
+    ids = reader.read(lambda c: lookups.session_ids(c, NEAR_CHARS, NEAR_NAMES))
+    keys = [
+        f"key:{k}" for k in reader.read(lambda c: lookups.session_keys(c, NEAR_CHARS, NEAR_NAMES))
+    ]
     near = difflib.get_close_matches(name, ids + keys, n=3)
     return f"; did you mean: {', '.join(near)}?" if near else ""

@@ -14,8 +14,8 @@ from urllib.parse import quote
 from ..errors import ReplayBusy, WalspoolError
 from ..replay.replayer import Replayer, ReplayReport
 from ..replay.sinks import ForgetsTickets, Sink, Ticket
+from ..store import totals
 from ..store.records import Record
-from ..store.spool import UID_SQL
 from ._dryrun import landed
 from ._interrupt import raise_kept
 from ._lockwait import say_waiting
@@ -29,8 +29,6 @@ from ._statedb import (
     open_state_db,
     state_db_message,
 )
-
-INFLIGHT_TICKETS_SQL = "SELECT id, inflight FROM records WHERE inflight IS NOT NULL"
 
 
 def replay_into(
@@ -150,9 +148,7 @@ def in_flight(spool: Path, state_db: Path) -> InFlightNow:
     """The spool's rows in flight now (read-only, after the replay closed the spool),
     and those whose ticket state.db holds (read-only)."""
     with reading(spool, quick_check=False) as reader:  # checked before the replay
-        uid, rows = reader.read(
-            lambda conn: (conn.execute(UID_SQL).get, conn.execute(INFLIGHT_TICKETS_SQL).fetchall())
-        )
+        uid, rows = reader.read(lambda conn: (totals.uid(conn), totals.in_flight_tickets(conn)))
     tickets = frozenset((ticket, rid) for rid, ticket in rows)
     if not tickets:
         return InFlightNow(0, 0)

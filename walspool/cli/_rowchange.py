@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..errors import ReplayBusy, WalspoolError
+from ..store import lookups
 from ..store.maintenance import actor
 from ..store.reader import SpoolReader
 from ..store.records import QUARANTINED, SUPERSEDED
@@ -20,19 +21,6 @@ from ._output import EXIT_OK, SpoolBusy, clip, dump, plural, stream_name, table
 from ._reading import reading, upgraded
 
 Change = Callable[..., list[int]]
-
-_COLUMNS = "id, session_id, session_key, seq, reason, status, inflight, last_error"
-#: The rows named by id, whatever they are (the change itself refuses the wrong ones).
-BY_ID_SQL = f"""SELECT {_COLUMNS} FROM records
-    WHERE id IN (SELECT value FROM json_each(:ids)) ORDER BY id"""
-#: Set-aside rows of the chosen statuses, of one stream or all.
-SELECT_SQL = f"""SELECT {_COLUMNS} FROM records INDEXED BY records_status_idx
-    WHERE status IS NOT NULL AND status IN (SELECT value FROM json_each(:statuses))
-    AND (:session IS NULL
-         OR (:kind = 'id' AND session_id = :session)
-         OR (:kind = 'key' AND session_id IS NULL AND session_key = :session))
-    ORDER BY id"""
-KEYS = ("id", "session_id", "session_key", "seq", "reason", "status", "inflight", "last_error")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -66,21 +54,18 @@ def selected(reader: SpoolReader, args: argparse.Namespace) -> list[dict[str, An
             "--superseded), not both"
         )
     if args.ids:
-        params: dict[str, Any] = {"ids": dump(args.ids)}
-        rows = reader.read(lambda c: c.execute(BY_ID_SQL, params).fetchall())
-        return [dict(zip(KEYS, row, strict=True)) for row in rows]
+        return reader.read(lambda c: lookups.rows_by_id(c, args.ids))
     name, kind = (None, None) if args.session is None else which_stream(reader, args.session)
     if name is not None and not has_stream(reader, name, kind):
         near = near_sessions(reader, args.session)
         raise WalspoolError(f"no rows for session {args.session!r} in {args.spool}{near}")
     chosen = ((QUARANTINED, args.quarantined), (SUPERSEDED, args.superseded))
     statuses = [s for s, on in chosen if on] or [QUARANTINED, SUPERSEDED]
-    params = {"statuses": dump(statuses), "session": name, "kind": kind}
-    rows = reader.read(lambda c: c.execute(SELECT_SQL, params).fetchall())
+    rows = reader.read(lambda c: lookups.set_aside_rows(c, statuses, name, kind))
     if not rows:
         which = f" of session {args.session!r}" if args.session is not None else ""
         raise WalspoolError(f"no {' or '.join(statuses)} rows{which} in {args.spool}")
-    return [dict(zip(KEYS, row, strict=True)) for row in rows]
+    return rows
 
 
 def run_change(args: argparse.Namespace, command: str, change: Change, done: str) -> int:

@@ -17,10 +17,9 @@ import apsw
 import msgspec
 
 from ..errors import WalspoolError
-from ..store import reader as spool_reader
+from ..store import totals
 from ..store.backlog import Line, read_lines
 from ..store.records import QUARANTINED, SUPERSEDED
-from ..store.spool import STATS_BY_REASON_SQL, STATS_FAILING_SQL, UID_SQL, stats_from
 from ._holders import Holder, holders
 from ._reading import reading
 from ._streams import backlog_object, latest_error, write_array
@@ -30,34 +29,6 @@ MAX_STREAMS = 500
 #: SQLite steps between two calls of a reading's ``stop`` (a few ms of work): a long
 #: reading (a million rows take seconds) still notices q or Ctrl-C at once.
 STOP_STEPS = 10_000
-#: Rows ever appended: an append takes its stream's next seq (1, 2, 3, ...), so a
-#: stream has had as many rows as the highest seq it handed out: the larger of its
-#: highest seq still in ``records`` and the next seq ``sequences`` keeps for it, less
-#: one (kept at least once its rows leave, so the sum never goes back). Nothing is
-#: sorted (a sort of names would hold most of them whole, and a name may be 64 MiB): a
-#: stream's rows are walked in their unique index's order and its ``sequences`` entry
-#: found by its key; then the entries of streams with no rows left.
-APPENDED_SQL = """
-SELECT coalesce(sum(last), 0) FROM (
-    SELECT max(max(seq), coalesce((SELECT next_seq FROM sequences
-                                   WHERE stream = 'session_id' AND name = r.session_id), 1) - 1)
-        AS last
-    FROM records AS r INDEXED BY sqlite_autoindex_records_1
-    WHERE session_id IS NOT NULL GROUP BY session_id
-    UNION ALL
-    SELECT max(max(seq), coalesce((SELECT next_seq FROM sequences
-                                   WHERE stream = 'session_key' AND name = r.session_key), 1) - 1)
-    FROM records AS r INDEXED BY records_session_key_seq_idx
-    WHERE session_id IS NULL GROUP BY session_key
-    UNION ALL
-    SELECT next_seq - 1 FROM sequences AS s WHERE stream = 'session_id' AND NOT EXISTS (
-        SELECT 1 FROM records INDEXED BY sqlite_autoindex_records_1 WHERE session_id = s.name)
-    UNION ALL
-    SELECT next_seq - 1 FROM sequences AS s WHERE stream = 'session_key' AND NOT EXISTS (
-        SELECT 1 FROM records INDEXED BY records_session_key_seq_idx
-        WHERE session_id IS NULL AND session_key = s.name)
-)
-"""
 
 
 class Stream(msgspec.Struct, frozen=True):
@@ -161,18 +132,16 @@ def _read(
         conn.set_progress_handler(stop, STOP_STEPS)
     try:
         with conn:  # one read transaction: every count from the same moment
-            by_reason = conn.execute(STATS_BY_REASON_SQL).fetchall()
-            failing = conn.execute(STATS_FAILING_SQL).get
-            inflight = spool_reader.in_flight(conn)
-            by_status = spool_reader.by_status(conn)
-            appended = conn.execute(APPENDED_SQL).get
-            uid = conn.execute(UID_SQL).get
+            s = totals.stats(conn, path, sessions=False)
+            inflight = totals.in_flight(conn)
+            by_status = totals.by_status(conn)
+            appended = totals.appended(conn)
+            uid = totals.uid(conn)
             lines = read_lines(conn)
             if out is not None:
                 write_array(out, (_json_stream(conn, line, at) for line in lines[:MAX_STREAMS]))
     finally:
         conn.set_progress_handler(None)
-    s = stats_from(by_reason, 0, failing, path)
     return Snapshot(
         spool=str(path),
         taken=taken,
@@ -183,7 +152,7 @@ def _read(
         bytes=s.bytes,
         oldest=s.oldest,
         inflight=inflight,
-        failing=failing,
+        failing=s.failing,
         quarantined=by_status.get(QUARANTINED, 0),
         superseded=by_status.get(SUPERSEDED, 0),
         appended=appended,
@@ -211,7 +180,7 @@ def _json_stream(conn: apsw.Connection, line: Line, now: float) -> dict[str, Any
 def rates(before: Snapshot | None, after: Snapshot) -> Rates | None:
     """Appended and replayed rows per second from ``before`` to ``after``.
 
-    Appended: the growth of the rows ever appended (``APPENDED_SQL``). Replayed: the
+    Appended: the growth of the rows ever appended (``totals.appended``). Replayed: the
     rows that left the spool, those appended less the growth of the row count (a
     replay moved them into state.db or found them there, or they were dropped).
     None when either reading failed, the file was replaced in between (another spool

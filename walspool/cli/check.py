@@ -11,8 +11,7 @@ from typing import Any
 import apsw
 
 from ..errors import SpoolCorrupt, WalspoolError
-from ..store import reader as spool_reader
-from ..store import schema
+from ..store import schema, totals
 from ..store.paging import LARGE_PAYLOAD, SMALL_PAYLOAD, rows_not_json
 from ..store.schema import APPLICATION_ID, SCHEMA_VERSION
 from ..text import printable
@@ -165,7 +164,7 @@ def run_check(conn: apsw.Connection, path: Path) -> dict[str, Any]:
         attempt(f"checking for {what}", check)
 
     def inflight() -> None:
-        n = spool_reader.in_flight(conn)
+        n = totals.in_flight(conn)
         if n:
             notes.append(
                 f"{plural(n, 'row')} in flight: out with a replay or a gateway's drain now, "

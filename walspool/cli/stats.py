@@ -12,9 +12,8 @@ from typing import Any, TextIO
 import apsw
 import msgspec
 
-from ..store import reader as spool_reader
+from ..store import totals
 from ..store.records import QUARANTINED, SUPERSEDED
-from ..store.spool import STATS_BY_REASON_SQL, STATS_FAILING_SQL, STATS_SESSIONS_SQL, stats_from
 from ..text import printable
 from ._frame import drain_eta
 from ._holders import holders, holders_text
@@ -28,16 +27,6 @@ LAST_ERRORS = 5
 #: Characters of a session's name and of its error read per row (a session id may be
 #: 64 MiB): enough to name and show it; ``ls``/``show`` have it whole.
 CHARS = 1024
-#: The latest failed attempts, from the index of rows with an error (a sort bounded by
-#: the LIMIT), each name and error clipped in SQL; ``stats`` keeps each session's first.
-RECENT_ERRORS_SQL = """
-SELECT substr(session_id, 1, :chars),
-       CASE WHEN session_id IS NULL THEN substr(session_key, 1, :chars) END,
-       length(coalesce(session_id, session_key)) > :chars,
-       substr(last_error, 1, :chars), coalesce(last_attempt_at, created_at)
-FROM records INDEXED BY records_last_error_idx WHERE last_error IS NOT NULL
-ORDER BY 5 DESC, id DESC LIMIT :limit
-"""
 
 
 def run(args: argparse.Namespace) -> int:
@@ -158,15 +147,10 @@ def _when(moment: str | None, age: float | None) -> str:
 def read_stats(conn: apsw.Connection, path: Path, now: float) -> dict[str, Any]:
     """The ``stats --json`` object (see docs/cli.md); ages as of ``now``."""
     with conn:
-        by_reason = conn.execute(STATS_BY_REASON_SQL).fetchall()
-        sessions = conn.execute(STATS_SESSIONS_SQL).get
-        failing = conn.execute(STATS_FAILING_SQL).get
-        inflight = spool_reader.in_flight(conn)
-        by_status = spool_reader.by_status(conn)
-        recent = conn.execute(
-            RECENT_ERRORS_SQL, {"chars": CHARS, "limit": LAST_ERRORS * 40}
-        ).fetchall()
-    s = stats_from(by_reason, sessions, failing, path)
+        s = totals.stats(conn, path)
+        inflight = totals.in_flight(conn)
+        by_status = totals.by_status(conn)
+        recent = totals.recent_errors(conn, CHARS, LAST_ERRORS * 40)
     return {
         "spool": str(path),
         "rows": s.rows,

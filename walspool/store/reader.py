@@ -158,11 +158,9 @@ def _open_immutable(path: Path) -> apsw.Connection:
     return conn
 
 
-# -- counts and records in drop order, each read in one snapshot ---------------------
+# -- records in drop order -----------------------------------------------------------
 
 
-_IN_FLIGHT_SQL = "SELECT count(*) FROM records WHERE inflight IS NOT NULL"
-_STATUS_COUNT_SQL = "SELECT status, count(*) FROM records WHERE status IS NOT NULL GROUP BY status"
 #: Each row's columns, whether its payload is JSON (as SQLite reads it, in C: no Python
 #: object per value) and what it costs to hold (``paging``): never the ``size`` column.
 _ROW = f"SELECT {RECORD_COLUMNS}, inflight, json_valid(payload), {ROW_BYTES_SQL} FROM records"
@@ -185,16 +183,6 @@ _PAGES_SQL = {
 _COUNT_SQL = f"""SELECT count(*) FROM records WHERE {_BY_REASON}
     AND (:session IS NULL OR session_id = :session
          OR (session_id IS NULL AND session_key = :session))"""
-
-
-def in_flight(conn: apsw.Connection) -> int:
-    """Rows a replay has out (marked in flight, not settled)."""
-    return int(conn.execute(_IN_FLIGHT_SQL).get)
-
-
-def by_status(conn: apsw.Connection) -> dict[str, int]:
-    """Rows set aside, by status (quarantined, superseded)."""
-    return dict(conn.execute(_STATUS_COUNT_SQL).fetchall())
 
 
 class BadPayload:

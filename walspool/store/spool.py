@@ -15,7 +15,7 @@ from typing import Any
 import apsw
 
 from ..errors import InvalidArgument, PayloadTooLarge, SpoolClosed, SpoolReplaced
-from . import codec, files
+from . import codec, files, totals
 from .paging import PAGE_ROWS, ROW_BYTES_SQL, read_page, record_from_row
 from .records import AGENT_HISTORY, CAP_DROP, REASONS, Receipt, Record, Stats
 from .schema import close_quietly, open_reader, open_writer, opened_file, sqlite_error
@@ -40,16 +40,6 @@ WHERE session_id = :session_id AND seq > :after
   AND (:reasons IS NULL OR reason IN (SELECT value FROM json_each(:reasons)))
 ORDER BY seq LIMIT :limit
 """
-STATS_BY_REASON_SQL = """
-SELECT reason, count(*), sum(size), min(created_at), max(created_at)
-FROM records GROUP BY reason
-"""
-STATS_SESSIONS_SQL = """
-SELECT (SELECT count(DISTINCT session_id) FROM records)
-     + (SELECT count(DISTINCT session_key) FROM records WHERE session_id IS NULL)
-"""
-STATS_FAILING_SQL = "SELECT count(*) FROM records WHERE last_error IS NOT NULL"
-UID_SQL = "SELECT value FROM spool_meta WHERE name = 'uid'"
 #: A rewrite makes a session's replayable rows obsolete: every reason but agent
 #: history, and not the rows a replay has out (it finishes those).
 SUPERSEDE_SQL = """
@@ -410,7 +400,7 @@ class Spool:
     def uid(self) -> str:
         """The spool's identity, random and fixed when the file was created."""
         if self._uid is None:
-            self._uid = str(self.query(UID_SQL, ())[0][0])
+            self._uid = self._with_reader(totals.uid)
         return self._uid
 
     # -- reading ---------------------------------------------------------------
@@ -447,16 +437,7 @@ class Spool:
     def stats(self) -> Stats:
         """Count what the spool holds: rows, sessions, bytes, age, by reason, failing."""
 
-        def query(conn: apsw.Connection) -> tuple[Any, ...]:
-            with conn:
-                return (
-                    conn.execute(STATS_BY_REASON_SQL).fetchall(),
-                    conn.execute(STATS_SESSIONS_SQL).get,
-                    conn.execute(STATS_FAILING_SQL).get,
-                )
-
-        by_reason, sessions, failing = self._with_reader(query)
-        return stats_from(by_reason, sessions, failing, self.path)
+        return self._with_reader(lambda conn: totals.stats(conn, self.path))
 
     def query(self, sql: str, params: Any) -> list[tuple[Any, ...]]:
         """Run a read-only ``sql`` on the spool's reader connection; all its rows.
@@ -571,28 +552,6 @@ def reasons_filter(reasons: Sequence[str] | None, path: Path) -> str | None:
     for name in names:
         check_lookup(name, "reason", path)
     return codec.encode(names).decode()
-
-
-def stats_from(by_reason: list[tuple[Any, ...]], sessions: int, failing: int, path: Path) -> Stats:
-    """Assemble Stats from the per-reason rows and the file sizes on disk."""
-    return Stats(
-        rows=sum(r[1] for r in by_reason),
-        sessions=sessions,
-        bytes=sum(r[2] or 0 for r in by_reason),
-        oldest=min((r[3] for r in by_reason), default=None),
-        newest=max((r[4] for r in by_reason), default=None),
-        by_reason={r[0]: r[1] for r in by_reason},
-        failing=failing,
-        db_bytes=_size(path),
-        wal_bytes=_size(Path(f"{path}-wal")),
-    )
-
-
-def _size(path: Path) -> int:
-    try:
-        return path.stat().st_size
-    except FileNotFoundError:
-        return 0
 
 
 #: Types of a plain dict's ``timestamp`` that ``codec.with_epoch_timestamp`` leaves as

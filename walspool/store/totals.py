@@ -1,0 +1,122 @@
+"""A spool's totals, each read in a read transaction of the caller's (so several are
+from one moment): rows, sessions, bytes and ages by reason, failing rows, rows in
+flight and set aside, rows ever appended, the latest errors, the spool's uid."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import apsw
+
+from .records import Stats
+
+_BY_REASON_SQL = """
+SELECT reason, count(*), sum(size), min(created_at), max(created_at)
+FROM records GROUP BY reason
+"""
+_SESSIONS_SQL = """
+SELECT (SELECT count(DISTINCT session_id) FROM records)
+     + (SELECT count(DISTINCT session_key) FROM records WHERE session_id IS NULL)
+"""
+_FAILING_SQL = "SELECT count(*) FROM records WHERE last_error IS NOT NULL"
+_UID_SQL = "SELECT value FROM spool_meta WHERE name = 'uid'"
+_IN_FLIGHT_SQL = "SELECT count(*) FROM records WHERE inflight IS NOT NULL"
+_IN_FLIGHT_TICKETS_SQL = "SELECT id, inflight FROM records WHERE inflight IS NOT NULL"
+_STATUS_COUNT_SQL = "SELECT status, count(*) FROM records WHERE status IS NOT NULL GROUP BY status"
+#: Rows ever appended: an append takes its stream's next seq (1, 2, 3, ...), so a
+#: stream has had as many rows as the highest seq it handed out: the larger of its
+#: highest seq still in ``records`` and the next seq ``sequences`` keeps for it, less
+#: one (kept at least once its rows leave, so the sum never goes back). Nothing is
+#: sorted (a sort of names would hold most of them whole, and a name may be 64 MiB): a
+#: stream's rows are walked in their unique index's order and its ``sequences`` entry
+#: found by its key; then the entries of streams with no rows left.
+_APPENDED_SQL = """
+SELECT coalesce(sum(last), 0) FROM (
+    SELECT max(max(seq), coalesce((SELECT next_seq FROM sequences
+                                   WHERE stream = 'session_id' AND name = r.session_id), 1) - 1)
+        AS last
+    FROM records AS r INDEXED BY sqlite_autoindex_records_1
+    WHERE session_id IS NOT NULL GROUP BY session_id
+    UNION ALL
+    SELECT max(max(seq), coalesce((SELECT next_seq FROM sequences
+                                   WHERE stream = 'session_key' AND name = r.session_key), 1) - 1)
+    FROM records AS r INDEXED BY records_session_key_seq_idx
+    WHERE session_id IS NULL GROUP BY session_key
+    UNION ALL
+    SELECT next_seq - 1 FROM sequences AS s WHERE stream = 'session_id' AND NOT EXISTS (
+        SELECT 1 FROM records INDEXED BY sqlite_autoindex_records_1 WHERE session_id = s.name)
+    UNION ALL
+    SELECT next_seq - 1 FROM sequences AS s WHERE stream = 'session_key' AND NOT EXISTS (
+        SELECT 1 FROM records INDEXED BY records_session_key_seq_idx
+        WHERE session_id IS NULL AND session_key = s.name)
+)
+"""
+#: The latest failed attempts, from the index of rows with an error (a sort bounded by
+#: the LIMIT), each name and error clipped in SQL; ``stats`` keeps each session's first.
+_RECENT_ERRORS_SQL = """
+SELECT substr(session_id, 1, :chars),
+       CASE WHEN session_id IS NULL THEN substr(session_key, 1, :chars) END,
+       length(coalesce(session_id, session_key)) > :chars,
+       substr(last_error, 1, :chars), coalesce(last_attempt_at, created_at)
+FROM records INDEXED BY records_last_error_idx WHERE last_error IS NOT NULL
+ORDER BY 5 DESC, id DESC LIMIT :limit
+"""
+
+
+def stats(conn: apsw.Connection, path: Path, *, sessions: bool = True) -> Stats:
+    """Rows, sessions (0 without ``sessions``: a count of distinct names), bytes, ages,
+    by reason, failing rows; the file sizes of ``path`` and its ``-wal``."""
+    with conn:
+        by_reason = conn.execute(_BY_REASON_SQL).fetchall()
+        count = conn.execute(_SESSIONS_SQL).get if sessions else 0
+        failing = conn.execute(_FAILING_SQL).get
+    return Stats(
+        rows=sum(r[1] for r in by_reason),
+        sessions=count,
+        bytes=sum(r[2] or 0 for r in by_reason),
+        oldest=min((r[3] for r in by_reason), default=None),
+        newest=max((r[4] for r in by_reason), default=None),
+        by_reason={r[0]: r[1] for r in by_reason},
+        failing=failing,
+        db_bytes=_size(path),
+        wal_bytes=_size(Path(f"{path}-wal")),
+    )
+
+
+def uid(conn: apsw.Connection) -> str:
+    """The spool's random uid (half of every ticket)."""
+    return str(conn.execute(_UID_SQL).get)
+
+
+def in_flight(conn: apsw.Connection) -> int:
+    """Rows a replay has out (marked in flight, not settled)."""
+    return int(conn.execute(_IN_FLIGHT_SQL).get)
+
+
+def in_flight_tickets(conn: apsw.Connection) -> list[tuple[int, int]]:
+    """``(id, ticket)`` of every row a replay has out."""
+    return [(row_id, ticket) for row_id, ticket in conn.execute(_IN_FLIGHT_TICKETS_SQL)]
+
+
+def by_status(conn: apsw.Connection) -> dict[str, int]:
+    """Rows set aside, by status (quarantined, superseded)."""
+    return dict(conn.execute(_STATUS_COUNT_SQL).fetchall())
+
+
+def appended(conn: apsw.Connection) -> int:
+    """Rows ever appended (see ``_APPENDED_SQL``)."""
+    return int(conn.execute(_APPENDED_SQL).get)
+
+
+def recent_errors(conn: apsw.Connection, chars: int, limit: int) -> list[tuple[Any, ...]]:
+    """The latest failed attempts, newest first: ``(session_id, session_key, clipped,
+    error, at)``, names and error clipped to ``chars`` (``clipped``: the name was)."""
+    return conn.execute(_RECENT_ERRORS_SQL, {"chars": chars, "limit": limit}).fetchall()
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
