@@ -14,14 +14,14 @@ import apsw
 
 from ..errors import NotASpool, SchemaTooOld, SpoolCorrupt, WalspoolError
 from ..store import files, schema
+from ..store.checks import quick_check as _quick_check
+from ..store.checks import walk_check
 from ..store.files import SQLITE_MAGIC
 from ..store.reader import BadPayload, RawPayload, SpoolReader
 from ..store.records import Record
 from ..store.schema import sqlite_error
 from ..store.spool import Spool
 from ..text import json_safe
-from ._damage import quick_check as _quick_check
-from ._damage import walk_check
 from ._near import near_files
 from ._output import EXIT_OK, dump, plural, warn
 
