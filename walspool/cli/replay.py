@@ -12,9 +12,10 @@ from ..errors import ReplayBusy
 from ..replay.replayer import ReplayReport, StreamReport, statuses_filter
 from ..replay.sinks import Ticket
 from ..store import files
+from ..store.preview import fetch_record, plan, replay_streams
 from ..store.records import AGENT_HISTORY, Record
 from ..text import printable
-from ._dryrun import dry_run_report, fetch_record, plan, replay_streams
+from ._dryrun import dry_run_report
 from ._filters import check_reasons, check_session
 from ._interrupt import Interrupted, interruptible
 from ._lockwait import add_wait_argument, busy_message

@@ -362,7 +362,7 @@ class Spool:
     def transact(self, fn: Any) -> Any:
         """Run ``fn(conn)`` in the writer's next transaction; return its result.
 
-        Internal: for walspool's own modules, which keep the spool's invariants. Unlike
+        Internal: for the store's own modules, which keep the spool's invariants. Unlike
         the appends, it makes no path check (``SpoolReplaced``): it acts on the file
         this Spool opened after its path names another file or none, because what it
         does there (a replay taking rows out into the sink, a quarantine, a supersede)
@@ -442,7 +442,7 @@ class Spool:
     def query(self, sql: str, params: Any) -> list[tuple[Any, ...]]:
         """Run a read-only ``sql`` on the spool's reader connection; all its rows.
 
-        Internal: for walspool's own modules (replay, maintenance, the drop-in).
+        Internal: for the store's own modules (tickets, streams, maintenance).
         """
         return self._with_reader(lambda conn: conn.execute(sql, params).fetchall())
 
@@ -452,7 +452,7 @@ class Spool:
         """``paging.read_page`` of ``sql`` on the spool's reader connection: the next
         page (bounded by what its rows cost) and whether more may follow.
 
-        Internal: for walspool's own modules (replay's recovery of rows in flight).
+        Internal: for the store's own modules (tickets: a crashed replay's rows).
         """
         return self._with_reader(partial(read_page, sql=sql, params=params, limit=limit))
 
