@@ -945,7 +945,8 @@ def test_after_an_operation_the_writer_reads_its_numbers_again(spool):
 
     def insert_next(conn) -> None:
         conn.execute(
-            walspool_writer.INSERT_RECORD_SQL, (2, "s", 2, row[2], None, row[3], row[4], row[5])
+            walspool_writer.INSERT_RECORD_SQL,
+            (2, "s", 2, row.reason, None, row.created_at, row.payload, row.size),
         )
 
     spool.transact(insert_next)

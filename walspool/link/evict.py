@@ -122,7 +122,7 @@ class Evictions:
                     self.spool.footprint(),
                     self._unconfirmed_bytes,
                     self._shares.of(session_id),
-                    row[5],
+                    row.size,
                 )
                 if refused is not None:
                     pending.pop(0)
@@ -153,8 +153,8 @@ class Evictions:
             # Off the queue only now that the spool's writer has accepted it.
             pending.pop(0)
             state.evicted()
-            self._shares.accepted(session_id, row[5])
-            self._unconfirmed_bytes += row[5]
+            self._shares.accepted(session_id, row.size)
+            self._unconfirmed_bytes += row.size
             notes += self._repeats_end(session_id, (KEPT, DROPPED, UNSPOOLABLE))
         if len(pending) <= self.cap:
             notes += self._repeats_end(session_id, (KEPT, UNSPOOLABLE))
@@ -396,7 +396,7 @@ class Evictions:
             pending.pop(0)
             return [partial(self._report_lost_rejection, session_id, why, exc)]
         pending.pop(0)
-        self._shares.accepted(session_id, row[5])
+        self._shares.accepted(session_id, row.size)
         return []
 
     def _set_aside_done(self, why: str, request: Request) -> None:
@@ -434,4 +434,4 @@ def _superseded(request: Request, state: Session | None) -> bool:
 def _payload_bytes(request: Any) -> int:
     """The payload bytes of a request's rows (the spool's ``size``, which the link
     counts), not ``payload_bytes``, which counts their names too."""
-    return sum(row[5] for row in request.rows)
+    return sum(row.size for row in request.rows)

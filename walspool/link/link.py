@@ -178,7 +178,7 @@ class Link(SessionWriter, Evictions, Retries, ShutdownFlushes):
                 # An event: a writer that wrote or drained meanwhile re-reads it and
                 # stops. Its share of the cap stays: the superseded rows stay in the spool.
                 # Its evictions a replaced spool returned would land after the rewrite.
-                kept = [row for row in self._returned if row[0] != session_id]
+                kept = [row for row in self._returned if row.session_id != session_id]
                 for _ in range(len(self._returned) - len(kept)):
                     state.settled()
                 self._returned = kept
@@ -255,7 +255,7 @@ class Link(SessionWriter, Evictions, Retries, ShutdownFlushes):
         what finds no room is dropped with a WARNING. The lock is held."""
         lines: list[Callable[[], None]] = []
         for row in rows:
-            session_id = row[0]
+            session_id = row.session_id
             try:
                 self.spool.put_nowait((row,), self._evicted)
             except Exception as exc:  # noqa: BLE001 - no room, closed: it cannot be kept
@@ -264,8 +264,8 @@ class Link(SessionWriter, Evictions, Retries, ShutdownFlushes):
                 if state is not None:
                     self._eviction_settled(session_id, state)
                 continue
-            self._shares.accepted(session_id, row[5])
-            self._unconfirmed_bytes += row[5]
+            self._shares.accepted(session_id, row.size)
+            self._unconfirmed_bytes += row.size
         return lines
 
     def _not_followed(self, exc: Exception) -> None:
@@ -277,10 +277,10 @@ class Link(SessionWriter, Evictions, Retries, ShutdownFlushes):
             returned, self._returned = self._returned, []
             lines: list[Callable[[], None]] = []
             for row in returned:
-                lines += self._dropped(row[0], f"no fresh spool could be opened: {exc}")
-                state = self._sessions.get(row[0])
+                lines += self._dropped(row.session_id, f"no fresh spool could be opened: {exc}")
+                state = self._sessions.get(row.session_id)
                 if state is not None:
-                    self._eviction_settled(row[0], state)
+                    self._eviction_settled(row.session_id, state)
             self._settled.notify_all()
         log.warning(
             "The transcript spool %s was moved or deleted while the gateway ran, and no "

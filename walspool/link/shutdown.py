@@ -119,7 +119,7 @@ class ShutdownFlushes:
                 else:
                     refused = None
                     for row in rows:
-                        self._shares.accepted(row[0], row[5])
+                        self._shares.accepted(row.session_id, row.size)
                     for session_id, messages in taken.items():
                         ids = {id(m) for m in messages}
                         pending = self.store._dirty_transcripts[session_id]
@@ -214,7 +214,9 @@ class ShutdownFlushes:
         receipts = request.result if request.error is None else None
         with self._lock:
             for i, row in enumerate(request.rows):
-                self._shares.settled(row[0], row[5], None if receipts is None else receipts[i].id)
+                self._shares.settled(
+                    row.session_id, row.size, None if receipts is None else receipts[i].id
+                )
             for session_id, messages in taken.items():
                 state = self._sessions[session_id]  # ``unconfirmed`` keeps it there
                 state.settled()

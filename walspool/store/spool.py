@@ -238,7 +238,7 @@ class Spool:
             size = len(payload)
             if size > limit:
                 raise PayloadTooLarge(size, limit, path=str(self.path), session_id=session_id)
-            rows.append((session_id, session_key, reason, now, payload.decode("utf-8"), size))
+            rows.append(Row(session_id, session_key, reason, now, payload.decode("utf-8"), size))
         return rows
 
     def _row(
@@ -258,7 +258,7 @@ class Spool:
         self, session_id: str | None, message: Any, reason: str, session_key: str | None = None
     ) -> Row:
         """The row ``append`` would write for this message (its arguments checked, its
-        payload encoded and measured: ``row[5]`` bytes); nothing is queued yet."""
+        payload encoded and measured: ``row.size`` bytes); nothing is queued yet."""
         return self._row(session_id, message, reason, session_key)
 
     def put_nowait(

@@ -42,7 +42,7 @@ import weakref
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import apsw
 
@@ -107,8 +107,17 @@ UPDATE records SET status = 'quarantined', attempts = 1, last_error = ?, last_at
 WHERE id = ?
 """
 
-#: One row to append: (session_id, session_key, reason, created_at, payload, size).
-Row = tuple[str | None, str | None, str, float, str, int]
+
+class Row(NamedTuple):
+    """One row to append, its arguments checked and its payload encoded
+    (``Spool.prepare``); ``size`` is the payload's length in bytes."""
+
+    session_id: str | None
+    session_key: str | None
+    reason: str
+    created_at: float
+    payload: str
+    size: int
 
 
 class SpoolBusy(WalspoolError):
@@ -246,9 +255,9 @@ def row_bytes(row: Row) -> int:
     """What a row holds until it is committed: its payload's bytes and its names' (a
     session id, key or reason may be as long as a payload: counted in characters), not
     the payload alone."""
-    session_id, session_key, reason = row[0], row[1], row[2]
+    session_id, session_key, reason = row.session_id, row.session_key, row.reason
     return (
-        row[5]
+        row.size
         + len(reason)
         + (len(session_id) if session_id is not None else 0)
         + (len(session_key) if session_key is not None else 0)
@@ -262,7 +271,7 @@ class Append(Request):
 
     def __init__(self, rows: Sequence[Row], single: bool) -> None:
         nbytes = row_bytes(rows[0]) if len(rows) == 1 else sum(map(row_bytes, rows))
-        super().__init__(rows[0][0] if rows else None, nbytes, len(rows))
+        super().__init__(rows[0].session_id if rows else None, nbytes, len(rows))
         self.rows = rows
         self.single = single
 
