@@ -42,7 +42,7 @@ from _jsonfile import JsonFileSpool
 from report import record
 
 import walspool
-from walspool.store import schema
+from walspool.store import connections
 from walspool.store.writer import INSERT_RECORD_SQL
 
 #: About 500 bytes of JSON, shaped like a transcript message.
@@ -467,7 +467,7 @@ class _BareInserts:
     def __init__(self, path: Path) -> None:
         walspool.Spool(path, durability="full").close()  # the schema, made by walspool
         self._conn = apsw.Connection(str(path))
-        schema.set_synchronous(self._conn, "full")
+        connections.set_synchronous(self._conn, "full")
         self._payload = json.dumps(MESSAGE)
         self._next_id = 1
         self._seqs: dict[str, int] = {}

@@ -35,7 +35,7 @@ import apsw
 from report import record
 
 import walspool
-from walspool.store import schema
+from walspool.store import connections
 from walspool.store.writer import INSERT_RECORD_SQL
 
 GROUP = "floor, 64 sessions"
@@ -54,7 +54,7 @@ def fresh(path: Path) -> walspool.Spool:
 def test_sql_floor(benchmark: Any, tmp_path: Path) -> None:
     fresh(tmp_path / "spool.db").close()  # the schema, made by walspool
     conn = apsw.Connection(str(tmp_path / "spool.db"))
-    schema.set_synchronous(conn, "full")
+    connections.set_synchronous(conn, "full")
     state = {"id": 0, "seq": 0}
 
     def run() -> None:
@@ -116,7 +116,7 @@ LONE = 1000
 def test_sql_floor_1_producer(benchmark: Any, tmp_path: Path) -> None:
     fresh(tmp_path / "spool.db").close()
     conn = apsw.Connection(str(tmp_path / "spool.db"))
-    schema.set_synchronous(conn, "full")
+    connections.set_synchronous(conn, "full")
     state = {"id": 0}
 
     def run() -> None:

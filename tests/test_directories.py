@@ -37,7 +37,7 @@ from _users import python_as as as_user
 import walspool
 from walspool.cli import main
 from walspool.replay.replayer import Replayer
-from walspool.store import open_guard, schema
+from walspool.store import open_guard, sqlite_errors
 
 OWNER = NOBODY
 NEIGHBOUR = 1  # daemon
@@ -423,9 +423,9 @@ def test_a_refused_open_is_never_blamed_for_another_spools_error(tmp_path):
     with pytest.raises(apsw.CantOpenError):
         apsw.Connection(str(refused)).execute("SELECT 1")
     other = tmp_path / "b" / "spool.db"
-    error = schema.sqlite_error(apsw.IOError("disk I/O error"), other)
+    error = sqlite_errors.sqlite_error(apsw.IOError("disk I/O error"), other)
     assert isinstance(error, walspool.SpoolIOError) and "check the disk" in str(error)
-    assert schema.refused_open(refused) is None  # consumed, by the look above
+    assert sqlite_errors.refused_open(refused) is None  # consumed, by the look above
 
 
 # -- replay writes into the state.db it checked ----------------------------------------

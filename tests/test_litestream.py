@@ -44,6 +44,7 @@ from _litestream import WAIT, GatewayHost, Replication, Row, binary, missing_rea
 from _old_schemas import DOWNGRADE_TO_V1_SQL, make_v2_spool
 
 import walspool
+import walspool.store.connections as connections
 import walspool.store.schema as schema
 from walspool.cli import main as cli_main
 from walspool.errors import SpoolCorrupt
@@ -234,7 +235,7 @@ def test_checkpoints_and_journal_size_limit_leave_the_replica_whole(
     ``journal_size_limit``, and close checkpoints and removes the WAL. Litestream,
     started again, replicates on; the restore holds every row."""
     limit = 256 * 1024
-    monkeypatch.setattr(schema, "JOURNAL_SIZE_LIMIT", limit)  # read by each open
+    monkeypatch.setattr(connections, "JOURNAL_SIZE_LIMIT", limit)  # read by each open
     path = home(tmp_path) / "spool.db"
     walspool.Spool(path).close()
     settings = {**FAST, "checkpoint_interval": "1s", "min_checkpoint_page_count": 100}

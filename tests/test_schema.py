@@ -21,8 +21,9 @@ from _helpers import ROOT, STEP, MemorySink, child_deadline, descriptors_on, run
 from _old_schemas import DOWNGRADE_TO_V1_SQL, make_v2_spool, make_v3_spool
 
 import walspool
-from walspool.store import maintenance
-from walspool.store.schema import APPLICATION_ID, SCHEMA_VERSION, open_reader, schema_problems
+from walspool.store import maintenance, open_lock
+from walspool.store.connections import open_reader
+from walspool.store.schema import APPLICATION_ID, SCHEMA_VERSION, schema_problems
 
 MSG = {"role": "user", "content": "hello 世界", "n": 1}
 
@@ -602,7 +603,7 @@ class FailedConnection:
     ],
 )  # fmt: skip
 def test_sqlite_errors_are_named_for_their_condition(tmp_path, exc, os_errno, kind, text):
-    from walspool.store.schema import sqlite_error
+    from walspool.store.sqlite_errors import sqlite_error
 
     path = tmp_path / "spool.db"
     error = sqlite_error(exc, path, "s-1", FailedConnection(os_errno))
@@ -712,7 +713,7 @@ def test_an_opener_waits_for_a_spool_being_moved_aside_then_opens_it(spool_path,
     opener waits (polling often) instead of failing, and opens the spool once it is free."""
     walspool.Spool(spool_path).close()
     clock = _SteppedTime()
-    monkeypatch.setattr(walspool.store.schema, "time", clock)
+    monkeypatch.setattr(open_lock, "time", clock)
     mover = os.open(f"{spool_path}.open-lock", os.O_RDWR)
     fcntl.flock(mover, fcntl.LOCK_EX)
     outcome: list[object] = []
@@ -739,7 +740,7 @@ def test_an_opener_waits_for_a_spool_being_moved_aside_then_opens_it(spool_path,
 
 def test_an_open_lock_held_past_its_bound_is_a_named_error(spool_path, monkeypatch):
     walspool.Spool(spool_path).close()
-    monkeypatch.setattr(walspool.store.schema, "OPEN_LOCK_WAIT", 0.2)
+    monkeypatch.setattr(open_lock, "WAIT", 0.2)
     mover = os.open(f"{spool_path}.open-lock", os.O_RDWR)
     fcntl.flock(mover, fcntl.LOCK_EX)
     try:

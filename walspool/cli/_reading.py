@@ -13,14 +13,14 @@ from typing import Any
 import apsw
 
 from ..errors import NotASpool, SchemaTooOld, SpoolCorrupt, WalspoolError
-from ..store import files, schema
+from ..store import connections, files, schema
 from ..store.checks import quick_check as _quick_check
 from ..store.checks import walk_check
 from ..store.files import SQLITE_MAGIC
 from ..store.reader import BadPayload, RawPayload, SpoolReader
 from ..store.records import Record
-from ..store.schema import sqlite_error
 from ..store.spool import Spool
+from ..store.sqlite_errors import sqlite_error
 from ..text import json_safe
 from ._near import near_files
 from ._output import EXIT_OK, dump, plural, warn
@@ -75,7 +75,9 @@ def reading(
     except apsw.Error as exc:
         raise spool_error(exc, path) from exc
     except SpoolCorrupt as exc:
-        if isinstance(exc.__cause__, apsw.Error) and not isinstance(exc, schema.SchemaOverBudget):
+        if isinstance(exc.__cause__, apsw.Error) and not isinstance(
+            exc, connections.SchemaOverBudget
+        ):
             raise spool_error(exc.__cause__, path) from exc.__cause__
         raise
     try:

@@ -499,3 +499,11 @@ def _give(fd: int, owner: int) -> None:
         except KeyError:
             group = -1
         os.fchown(fd, owner, group)
+
+
+def sqlite_name(path: Path) -> str:
+    """The spool's name as SQLite opens it, its directory resolved: SQLite's
+    ``NOFOLLOW`` refuses a symlink anywhere in the name, and a symlinked
+    ``HERMES_HOME`` is fine (only the spool's own name may not be a link, which
+    ``files`` refuses)."""
+    return str(Path(os.path.realpath(path.parent)) / path.name)

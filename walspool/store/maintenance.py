@@ -28,7 +28,7 @@ import apsw
 import msgspec
 
 from ..errors import InvalidArgument, UntrustedSpool, WalspoolError
-from . import codec, files, schema
+from . import codec, connections, files, sqlite_errors
 from .directories import changed
 from .replay_lock import replay_lock
 from .spool import Spool
@@ -198,8 +198,8 @@ def vacuum(spool: Spool, *, force: bool = False) -> VacuumReport:
     conn = _connect(spool)
     before = (_size(path), _size(Path(f"{path}-wal")))
     try:
-        schema.set_busy_timeout(conn)
-        schema.set_synchronous(conn, spool.durability)
+        connections.set_busy_timeout(conn)
+        connections.set_synchronous(conn, spool.durability)
         live = conn.execute(LIVE_BYTES_SQL).get
         if live > VACUUM_MAX_LIVE_BYTES and not force:
             raise InvalidArgument(
@@ -217,7 +217,7 @@ def vacuum(spool: Spool, *, force: bool = False) -> VacuumReport:
         conn.set_busy_timeout(CHECKPOINT_WAIT_MS)
         busy, _, _ = conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
     except apsw.Error as exc:
-        raise schema.sqlite_error(exc, path) from exc
+        raise sqlite_errors.sqlite_error(exc, path) from exc
     finally:
         with contextlib.suppress(apsw.Error):
             conn.close()
@@ -235,7 +235,7 @@ def _connect(spool: Spool) -> apsw.Connection:
     cannot run inside the spool writer's transactions (``VACUUM``).
 
     The spool's own connection, checked when the spool was opened, says which file it
-    holds (``schema.opened_file``). The new connection is opened by the spool's path,
+    holds (``connections.opened_file``). The new connection is opened by the spool's path,
     no link followed, and before any statement runs must hold that same file, its
     directory and files passing the checks the spool's open made (``files.check_opened``):
     a name swapped since (another file, a link, a directory replaced by a link) is
@@ -244,13 +244,13 @@ def _connect(spool: Spool) -> apsw.Connection:
     """
     path = spool.path
     files.refuse_symlink(path)
-    held = spool.transact(schema.opened_file)
+    held = spool.transact(connections.opened_file)
     conn = None
     try:
-        conn = schema.connect(path, spool.owner, apsw.SQLITE_OPEN_READWRITE)
+        conn = connections.connect(path, spool.owner, apsw.SQLITE_OPEN_READWRITE)
         # Until it is known to be the spool's file, closing must not checkpoint.
         conn.config(apsw.SQLITE_DBCONFIG_NO_CKPT_ON_CLOSE, 1)
-        opened = schema.opened_file(conn)
+        opened = connections.opened_file(conn)
         if held is None or opened is None:
             raise UntrustedSpool(
                 f"cannot tell which file SQLite opened as {path} (VFS {conn.open_vfs!r}, not "
@@ -260,13 +260,13 @@ def _connect(spool: Spool) -> apsw.Connection:
         if _identity(opened) != _identity(held):
             raise changed(path, path)
         files.check_opened(path, opened)
-        schema.schema_verified(conn)  # the file the spool opened, its schema checked then
+        connections.schema_verified(conn)  # the file the spool opened, its schema checked then
         conn.config(apsw.SQLITE_DBCONFIG_NO_CKPT_ON_CLOSE, 0)
     except apsw.Error as exc:
-        schema.close_quietly(conn)
-        raise schema.sqlite_error(exc, path) from exc
+        connections.close_quietly(conn)
+        raise sqlite_errors.sqlite_error(exc, path) from exc
     except BaseException:
-        schema.close_quietly(conn)
+        connections.close_quietly(conn)
         raise
     return conn
 

@@ -34,11 +34,11 @@ from typing import Any, TypeVar
 import apsw
 
 from ..errors import NotASpool, SpoolCorrupt
-from . import files, schema
+from . import connections, files, sqlite_errors
+from .connections import open_reader
 from .directories import open_directory
 from .paging import PAGE_ROWS, ROW_BYTES_SQL, read_page, record_from_row
 from .records import Record
-from .schema import open_reader
 from .spool import RECORD_COLUMNS, check_lookup, reasons_filter
 
 T = TypeVar("T")
@@ -74,7 +74,7 @@ class SpoolReader:
         return result
 
     def close(self) -> None:
-        schema.close_quietly(self.conn)
+        connections.close_quietly(self.conn)
         self._unlock()
 
     def _open(self) -> apsw.Connection:
@@ -90,12 +90,12 @@ class SpoolReader:
                     raise
                 if not _has_wal(self.path):
                     return conn
-                schema.close_quietly(conn)
+                connections.close_quietly(conn)
             self._unlock()
         return open_reader(self.path)
 
     def _reopen(self) -> None:
-        schema.close_quietly(self.conn)
+        connections.close_quietly(self.conn)
         # Unlocked first: from here this process holds SQLite's own locks on the file.
         self._unlock()
         self.conn = open_reader(self.path)
@@ -142,18 +142,18 @@ def _open_immutable(path: Path) -> apsw.Connection:
     files.refuse_non_sqlite(path)
     conn = None
     try:
-        conn = schema.connect(path, owner, apsw.SQLITE_OPEN_READONLY, "mode=ro&immutable=1")
-        schema.verify_read_only(conn, path)
+        conn = connections.connect(path, owner, apsw.SQLITE_OPEN_READONLY, "mode=ro&immutable=1")
+        connections.verify_read_only(conn, path)
     except apsw.Error as exc:
-        schema.close_quietly(conn)
-        refused = schema.refused_open(path)  # a file swapped in after the check
+        connections.close_quietly(conn)
+        refused = sqlite_errors.refused_open(path)  # a file swapped in after the check
         if refused is not None:
             raise refused from exc
-        if schema.over_budget(exc):
-            raise schema.SchemaOverBudget(path, exc) from exc
+        if connections.over_budget(exc):
+            raise connections.SchemaOverBudget(path, exc) from exc
         raise
     except BaseException:
-        schema.close_quietly(conn)
+        connections.close_quietly(conn)
         raise
     return conn
 

@@ -16,9 +16,10 @@ import apsw
 
 from ..errors import InvalidArgument, PayloadTooLarge, SpoolClosed, SpoolReplaced
 from . import codec, files, totals
+from .connections import close_quietly, open_reader, open_writer, opened_file
 from .paging import PAGE_ROWS, ROW_BYTES_SQL, read_page, record_from_row
 from .records import AGENT_HISTORY, CAP_DROP, REASONS, Receipt, Record, Stats
-from .schema import close_quietly, open_reader, open_writer, opened_file, sqlite_error
+from .sqlite_errors import sqlite_error
 from .writer import Append, Operation, Quarantined, Row, Writer
 
 DEFAULT_MAX_PAYLOAD_BYTES = 64 * 1024 * 1024

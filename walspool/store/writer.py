@@ -49,7 +49,7 @@ import apsw
 from .. import text
 from ..errors import SpoolClosed, SpoolFull, SpoolReplaced, WalspoolError
 from .records import Receipt
-from .schema import sqlite_error
+from .sqlite_errors import sqlite_error
 
 log = text.logger("walspool.writer")
 
