@@ -12,6 +12,7 @@ import contextlib
 import ctypes
 import fcntl
 import os
+from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import quote
 
@@ -169,11 +170,24 @@ def open_reader(path: Path) -> apsw.Connection:
         raise WalspoolError(f"no spool at {path}", path=path)
     owner = files.check_for_reading(path)
     files.refuse_non_sqlite(path)
-    conn = None
-    try:
-        conn = connect(path, owner, apsw.SQLITE_OPEN_READONLY, "mode=ro")
+
+    def set_up(conn: apsw.Connection) -> None:
         set_busy_timeout(conn)
         verify_read_only(conn, path)
+
+    return _made(path, lambda: connect(path, owner, apsw.SQLITE_OPEN_READONLY, "mode=ro"), set_up)
+
+
+def _made(
+    path: Path, make: Callable[[], apsw.Connection], set_up: Callable[[apsw.Connection], None]
+) -> apsw.Connection:
+    """The connection ``make`` makes, once ``set_up`` ran on it. On any failure it is
+    closed, and an SQLite error raised as walspool's (``SchemaOverBudget`` when
+    ``connect``'s bounds stopped it)."""
+    conn = None
+    try:
+        conn = make()
+        set_up(conn)
     except apsw.Error as exc:
         close_quietly(conn)
         if over_budget(exc):
@@ -313,9 +327,8 @@ def _open_checked(
     path: Path, owner: int, durability: str, max_bytes: int | None
 ) -> apsw.Connection:
     files.refuse_non_sqlite(path)
-    conn = None
-    try:
-        conn = connect(path, owner, apsw.SQLITE_OPEN_READWRITE | apsw.SQLITE_OPEN_CREATE)
+
+    def set_up(conn: apsw.Connection) -> None:
         # Until the file is known to be a healthy spool, closing must not checkpoint:
         # that would fold a refused or damaged file's -wal into it and delete the -wal.
         conn.config(apsw.SQLITE_DBCONFIG_NO_CKPT_ON_CLOSE, 1)
@@ -341,15 +354,9 @@ def _open_checked(
         conn.config(apsw.SQLITE_DBCONFIG_NO_CKPT_ON_CLOSE, 0)
         set_journal_size_limit(conn)
         set_max_bytes(conn, max_bytes)
-    except apsw.Error as exc:
-        close_quietly(conn)
-        if over_budget(exc):
-            raise SchemaOverBudget(path, exc) from exc
-        raise sqlite_error(exc, path) from exc
-    except BaseException:
-        close_quietly(conn)
-        raise
-    return conn
+
+    flags = apsw.SQLITE_OPEN_READWRITE | apsw.SQLITE_OPEN_CREATE
+    return _made(path, lambda: connect(path, owner, flags), set_up)
 
 
 def close_quietly(conn: apsw.Connection | None) -> None:
