@@ -100,7 +100,7 @@ def test_sink_write_direct(benchmark: Any, tmp_path: Path) -> None:
     ]
     db = fresh_state_db(tmp_path / "state.db")
     sink = SessionDBSink(db)
-    assert sink.prepare()  # a real SessionDB: every write records its ticket
+    assert sink.set_up_tickets()  # a real SessionDB: every write records its ticket
 
     def run() -> None:
         for sid, rec, ticket in writes:

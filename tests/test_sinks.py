@@ -799,7 +799,7 @@ def test_an_append_error_the_gateway_blames_is_a_row_rejection_only_with_its_map
 
 
 def test_a_look_alike_is_not_prepared_for_tickets_and_a_closed_one_that_stays_closed_fails():
-    assert SessionDBSink(LookAlike()).prepare() is False
+    assert SessionDBSink(LookAlike()).set_up_tickets() is False
     stays_closed = PrivateParts(_conn=None, _lock=threading.Lock(), _execute_write=lambda fn: None)
     sink = SessionDBSink(stays_closed)
     with pytest.raises(SessionDBClosed, match=r"^<.*PrivateParts object at .*> is closed$"):

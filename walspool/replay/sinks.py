@@ -390,7 +390,7 @@ class SessionDBSink:
         self._batch: Callable[[str, list[dict[str, Any]]], Any] | None = getattr(
             session_db, "append_messages_batch", None
         )
-        self._prepared: Any = None
+        self._tickets_on: Any = None
         self._prune: tuple[str, int, str] | None = None
 
     def write(self, session_id: str, record: Record, ticket: Ticket) -> None:
@@ -411,7 +411,7 @@ class SessionDBSink:
             if self.mapping is None:
                 raise
             raise RowRejected(f"the gateway cannot map this message: {exc!r}") from exc
-        tracked = self._prepare()
+        tracked = self._set_up_tickets()
         try:
             with self.tracking(ticket if tracked else None):
                 self._append(session_id, kwargs)
@@ -450,7 +450,7 @@ class SessionDBSink:
         written; the caller writes the rows one by one then, to find the row at
         fault (``write`` names a missing session or a refused row).
         """
-        if not items or self._batch is None or not self._prepare():
+        if not items or self._batch is None or not self._set_up_tickets():
             raise NotBatchable("this SessionDB has no batch write that records tickets")
         messages = []
         for record, _ in items:
@@ -522,7 +522,7 @@ class SessionDBSink:
     @contextlib.contextmanager
     def tracking(self, ticket: Ticket | None) -> Iterator[None]:
         """Make ``ticket`` the one this thread's inserts through ``session_db``'s
-        connection record, for the block (after ``prepare()`` returned True).
+        connection record, for the block (after ``set_up_tickets()`` returned True).
 
         Whoever inserts the message (this sink, or the gateway's own write path
         called on this thread) records the ticket in the same transaction.
@@ -539,11 +539,11 @@ class SessionDBSink:
         if prune is not None and self._prune is prune:
             self._prune = None
 
-    def prepare(self) -> bool:
+    def set_up_tickets(self) -> bool:
         """Set up ticket recording on SessionDB's connection; False for a look-alike."""
-        return self._prepare()
+        return self._set_up_tickets()
 
-    def _prepare(self) -> bool:
+    def _set_up_tickets(self) -> bool:
         conn, lock = session_db_connection(self.session_db)
         if conn is None and _is_closed_session_db(self.session_db):
             # Writing now would land untracked: let SessionDB reopen its writer first
@@ -557,7 +557,7 @@ class SessionDBSink:
                 raise SessionDBClosed(f"{self.session_db!r} is closed")
         if conn is None or lock is None:
             return False
-        if conn is self._prepared:
+        if conn is self._tickets_on:
             return True
         with lock:
             exists = conn.execute(LANDED_TABLE_EXISTS_SQL, (LANDED_TABLE,)).fetchone()
@@ -569,7 +569,7 @@ class SessionDBSink:
             conn.create_function("walspool_tickets", 1, _batch_part)
             conn.execute(BATCH_TRIGGER_SQL)
         _restore_landings_on_write(self.session_db)
-        self._prepared = conn
+        self._tickets_on = conn
         return True
 
     def _filter(self, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -799,8 +799,8 @@ _MESSAGE_WRITES = ("append_message", "append_messages_batch")
 def _restore_landings_on_write(session_db: Any) -> None:
     """Make ``session_db``'s message writes outlive a dropped ``walspool_landed``.
 
-    The TEMP triggers ``prepare`` puts on its connection name that table, so once it is
-    gone (an operator's ``DROP TABLE`` with the sqlite3 shell) SQLite refuses every
+    The TEMP triggers ``set_up_tickets`` puts on its connection name that table, so once
+    it is gone (an operator's ``DROP TABLE`` with the sqlite3 shell) SQLite refuses every
     insert into ``messages`` on that connection, the gateway's own included, until the
     process ends. The statement fails as it is prepared, before anything is written,
     so the table is made again and the write made once more. Not guaranteed: rows a

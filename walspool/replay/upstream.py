@@ -174,9 +174,9 @@ class DrainSink:
 
     def write(self, session_id: str, record: Record, ticket: Ticket) -> None:
         track = self._tracker()
-        # Outside the try: a state.db that cannot be prepared holds the row, whatever
+        # Outside the try: a state.db whose tickets cannot be set up holds the row, whatever
         # the error's type (never a rejection of the row).
-        tracked = track is not None and track.prepare()
+        tracked = track is not None and track.set_up_tickets()
         if not tracked:
             self._set_aside(record)
         try:
