@@ -39,6 +39,7 @@ import walspool.link.shutdown as link_shutdown
 import walspool.store.writer as writer
 from walspool.errors import ReplayBusy
 from walspool.hermes import Link, install
+from walspool.link.machine import Owner
 
 pytest.importorskip("hermes_state")
 
@@ -199,7 +200,8 @@ def test_a_waiter_wakes_to_the_current_state_after_a_reset(store, spool):
     # The background thread's retry wrote "first" (the session is healthy again) and
     # is writing "old": a new message waits to take the session over.
     assert gate.entered.wait(STEP)
-    assert link._sessions["s"].writer.background and not link._sessions["s"].failures
+    view = link.view("s")
+    assert view is not None and view.owner is Owner.BACKGROUND and view.failures == 0
     waiting = threading.Event()
     take_over = link._take_over
 
@@ -220,7 +222,7 @@ def test_a_waiter_wakes_to_the_current_state_after_a_reset(store, spool):
     assert contents(store, "s") == ["rewritten", "old", "after"]
     assert gate.most == 1 and "new" not in gate.contents  # cleared with the queue
     assert gate.contents[-2:] == ["old", "after"]
-    assert "s" not in link._sessions  # nothing left behind for the session
+    assert link.view("s") is None  # nothing left behind for the session
 
 
 def test_heal_during_a_drain(store, spool):
@@ -416,7 +418,7 @@ def test_gateway_threads_past_twice_the_cap_wait_for_the_head_counted_as_waiters
     assert link.wait_idle(STEP)
     assert contents(store, "s") == [f"m{i}" for i in range(8)]
     assert state.waiters == 0
-    assert "s" not in link._sessions
+    assert link.view("s") is None
 
 
 @pytest.mark.parametrize(
@@ -601,7 +603,7 @@ def test_the_start_recovery_writes_as_the_background_thread_and_a_gateway_thread
         link._session("s")
         store._dirty_transcripts["s"] = [msg("live")]
     assert gate.entered.wait(STEP)  # the recovery moved r0 and writes "live"
-    assert link._sessions["s"].writer.background
+    assert link.view("s").owner is Owner.BACKGROUND
     g = threading.Thread(
         target=lambda: store.append_to_transcript("s", msg("new")), name="gateway", daemon=True
     )
@@ -613,7 +615,7 @@ def test_the_start_recovery_writes_as_the_background_thread_and_a_gateway_thread
     assert joined(g)
     assert contents(store, "s") == ["r0", "live", "new"]  # written before g returned
     assert writers[-1] == "gateway"
-    assert link.wait_idle(STEP) and "s" not in link._sessions
+    assert link.wait_idle(STEP) and link.view("s") is None
 
 
 def test_a_wait_for_evictions_looks_again_often_and_gives_up_at_its_bound(

@@ -27,7 +27,7 @@ from walspool.link.machine import (
     pick_due,
     retry_delay,
 )
-from walspool.link.state import Claim, NotTheHolder
+from walspool.link.state import Claim, NotTheHolder, SessionView
 from walspool.link.state import Session as LinkSession
 
 G, B = Owner.GATEWAY, Owner.BACKGROUND
@@ -530,3 +530,18 @@ def test_the_evictions_a_rewrite_supersedes_are_the_first_to_settle(before, afte
         state.settled()
     assert seen == superseded
     assert (state.unconfirmed, state.superseded) == (0, 0)
+
+
+def test_a_sessions_view_says_who_holds_it_and_what_waits():
+    """``Session.view``: the holder, the evictions and rewrites, the backoff as the
+    holder set it, and whether a queued message is out being written."""
+    state = LinkSession(spooled=1)
+    assert state.view() == SessionView(Owner.NOBODY, 1, 0, 0, 0, 0.0, False)
+    claim = state.claim(background=True)
+    assert claim is not None
+    state.writing(claim, {"role": "user", "content": "x"})
+    state.rewritten()
+    view = state.view()
+    assert view.owner is Owner.BACKGROUND and view.writing and view.generation == 1
+    gateway = Claim(background=False)
+    assert gateway.owner is Owner.GATEWAY

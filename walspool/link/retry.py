@@ -12,7 +12,7 @@ from typing import Any
 from ..errors import SpoolClosed
 from ..replay.replayer import ReplayReport
 from . import bounds, machine, shares
-from .state import Claim, Session, log, owner_of
+from .state import Claim, Session, SessionView, log, owner_of
 
 
 class Retries:
@@ -92,6 +92,14 @@ class Retries:
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(bounds.HANDOFF_WAIT)
+
+    def view(self, session_id: str) -> SessionView | None:
+        """Session ``session_id`` as it stands, or None when the link holds nothing for
+        it (no writer, no queued or spooled work, nobody waiting). Takes the store's
+        lock: not for a caller that holds it."""
+        with self._lock:
+            state = self._sessions.get(session_id)
+            return None if state is None else state.view()
 
     def wait_idle(self, timeout: float) -> bool:
         """Wait at most ``timeout`` seconds until the start's count and recovery are

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 from .. import text
 from . import outage
@@ -36,6 +36,22 @@ class Claim:
     @property
     def owner(self) -> Owner:
         return Owner.BACKGROUND if self.background else Owner.GATEWAY
+
+
+class SessionView(NamedTuple):
+    """One session of the link as it stands (``Link.view``): who holds its writer role,
+    its evictions since its spooled rows were last all written (``spooled``) and those
+    not yet committed (``unconfirmed``), its rewrites (``generation``), its failed
+    attempts in a row and when the background thread retries (``time.monotonic()``;
+    0: due now), and whether a queued message is being written to state.db now."""
+
+    owner: Owner
+    spooled: int
+    unconfirmed: int
+    generation: int
+    failures: int
+    retry_at: float
+    writing: bool
 
 
 class Session:
@@ -109,6 +125,19 @@ class Session:
         self._seen = (0, 0)
 
     # -- read by anyone --------------------------------------------------------
+
+    def view(self) -> SessionView:
+        """The session as it stands (the caller holds the store's lock)."""
+        owner = Owner.NOBODY if self.writer is None else self.writer.owner
+        return SessionView(
+            owner,
+            self.spooled,
+            self.unconfirmed,
+            self.generation,
+            self.failures,
+            self.retry_at,
+            self._inflight is not None,
+        )
 
     @property
     def inflight(self) -> dict[str, Any] | None:
