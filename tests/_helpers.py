@@ -143,3 +143,14 @@ def descriptors_on(path: Path) -> list[str]:
         if target.startswith(str(path)):
             found.append(target)
     return found
+
+
+def read_spool(spool: Any, sql: str) -> list[tuple[Any, ...]]:
+    """Read the spool file as an operator would, on a read-only connection of its own."""
+    import apsw
+
+    conn = apsw.Connection(str(spool.path), flags=apsw.SQLITE_OPEN_READONLY)
+    try:
+        return conn.execute(sql).fetchall()
+    finally:
+        conn.close()

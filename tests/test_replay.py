@@ -16,6 +16,7 @@ from typing import Any
 import apsw
 import pytest
 from _helpers import MemorySink, child_deadline
+from _helpers import read_spool as query
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -46,15 +47,6 @@ def state_db(tmp_path: Path):
     db = hermes_state.SessionDB(db_path=tmp_path / "state.db")
     yield db
     db.close()
-
-
-def query(spool: walspool.Spool, sql: str) -> list[tuple[Any, ...]]:
-    """Read the spool file as an operator would, on a connection of its own."""
-    conn = apsw.Connection(str(spool.path), flags=apsw.SQLITE_OPEN_READONLY)
-    try:
-        return conn.execute(sql).fetchall()
-    finally:
-        conn.close()
 
 
 def contents(db: Any, session_id: str) -> list[str]:

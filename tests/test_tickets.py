@@ -3,10 +3,9 @@ ticket, found again in flight, settled; the file read back as an operator would.
 
 from __future__ import annotations
 
-from typing import Any
-
 import apsw
 import pytest
+from _helpers import read_spool as raw
 
 import walspool
 from walspool.store import paging, tickets
@@ -14,14 +13,6 @@ from walspool.store.tickets import Scope, Settlement
 
 EVERY = Scope(reasons=None, statuses="[]")
 FIRST = ("", 0)
-
-
-def raw(spool: walspool.Spool, sql: str) -> list[tuple[Any, ...]]:
-    conn = apsw.Connection(str(spool.path), flags=apsw.SQLITE_OPEN_READONLY)
-    try:
-        return conn.execute(sql).fetchall()
-    finally:
-        conn.close()
 
 
 def in_flight(spool: walspool.Spool) -> list[tuple[str, int, int]]:
