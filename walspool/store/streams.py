@@ -121,7 +121,8 @@ def bytes_by_session(spool: Spool) -> tuple[dict[str, int], int]:
 
 def sizes(spool: Spool, ids: Iterable[int]) -> list[tuple[int, str | None, int]]:
     """``(id, session_id, size)`` of the rows among ``ids`` still in the spool."""
-    return [tuple(row) for row in spool.query(_SIZES_SQL, (json.dumps(list(ids)),))]  # type: ignore[misc]
+    found = spool.query(_SIZES_SQL, (json.dumps(list(ids)),))
+    return [(row_id, session_id, size) for row_id, session_id, size in found]
 
 
 def present(spool: Spool, ids: Iterable[int]) -> set[int]:
