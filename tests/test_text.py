@@ -115,6 +115,34 @@ def test_every_cli_sink_escapes_each_class(tmp_path, capsys):
     assert rc == 0 and raw_in(out) == [] and f"r{EVIL}" in json.loads(out)["by_reason"]
 
 
+def test_a_control_and_its_escape_typed_as_text_never_print_alike(tmp_path, capsys, caplog):
+    """A session id holding ESC and one holding the four characters ``\\x1b`` (chat
+    users choose ids) differ wherever they are shown: the escape, a log line, ``ls``
+    and an error line. A backslash is doubled; before, both printed ``\\x1b``."""
+    esc, typed = "s\x1b", "s\\x1b"
+    assert text.printable(esc) != text.printable(typed)
+    assert text.printable(typed) == "s\\\\x1b"
+    log = text.logger("walspool.test_text")
+    with caplog.at_level(logging.WARNING, logger="walspool.test_text"):
+        log.warning("session %s", esc)
+        log.warning("session %s", typed)
+    first, second = (r.getMessage() for r in caplog.records)
+    assert first != second and "\x1b" not in first + second
+    path = tmp_path / "spool.db"
+    with walspool.Spool(path) as spool:
+        for session in (esc, typed):
+            spool.append(session, {"role": "user", "content": "x"})
+    rc, out, _ = run(capsys, "ls", path)
+    words = sorted(line.split("  ")[0] for line in out.splitlines()[1:])
+    assert rc == 0 and len(set(words)) == 2, out
+    errors = set()
+    for session in (esc + "?", typed + "?"):
+        rc, _, err = run(capsys, "show", path, session)
+        assert rc == 1 and raw_in(err) == [] and err.count("\n") == 1
+        errors.add(err)
+    assert len(errors) == 2, errors
+
+
 def test_an_error_line_escapes_each_class(tmp_path, capsys):
     rc, out, err = run(capsys, "show", tmp_path / f"no{EVIL}.db", "s")
     assert rc == 1 and raw_in(err) == [] and err.count("\n") == 1

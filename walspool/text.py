@@ -4,7 +4,8 @@ Message text, session ids, reasons and file names come from chat users and other
 people's files. Printed raw, an escape sequence (``ESC[2K``, a C1 ``CSI``) would
 rewrite the operator's screen, a newline would forge a row of a table or a whole log
 line, and a bidirectional override would reorder what is shown. ``printable``
-spells each such character as a Python escape (``\\x1b``, ``\\n``, ``\\u202e``); the
+spells each such character as a Python escape (``\\x1b``, ``\\n``, ``\\u202e``) and
+doubles a backslash, so what it shows reads back one way only; the
 ``--json`` outputs are JSON, lossless, with the same characters as ``\\uXXXX`` escapes
 (``json_safe``), since a JSON line reaches a terminal or a log too.
 """
@@ -45,7 +46,9 @@ def _json_escape(c: int) -> str:
 
 
 _ESCAPES = {c: _python_escape(c) for c in _UNSAFE}
-_ESCAPES.update({ord("\n"): "\\n", ord("\r"): "\\r", ord("\t"): "\\t"})
+#: A backslash is doubled: then the escape of a character and the same characters typed
+#: as text (ESC, and the four characters ``\\x1b``) never print alike.
+_ESCAPES.update({ord("\n"): "\\n", ord("\r"): "\\r", ord("\t"): "\\t", ord("\\"): "\\\\"})
 _ANSI_C_ESCAPES = {
     **{c: _json_escape(c) if c < 0x10000 else _python_escape(c) for c in _UNSAFE},
     **{c: e for c, e in _ESCAPES.items() if c < 0x80},
@@ -57,9 +60,19 @@ _ANSI_C_ESCAPES = {
 _JSON_ESCAPES = {c: _json_escape(c) for c in _UNSAFE if c >= 0x20}
 
 
+class Shown(str):
+    """Text already made safe to show (a shell word ``ls`` prints to be pasted back):
+    ``printable`` gives it back as it is, since escaping it again would double its
+    backslashes and change what pasting it gives."""
+
+
 def printable(text: Any) -> str:
     """``str(text)`` with every control, format, separator or surrogate character
-    (``UNSAFE_RANGES``) spelled as a Python escape (``\\x1b``, ``\\u202e``)."""
+    (``UNSAFE_RANGES``) spelled as a Python escape (``\\x1b``, ``\\u202e``), and each
+    backslash doubled (``\\\\``): no two texts print alike. ``Shown`` text is
+    given back as it is."""
+    if isinstance(text, Shown):
+        return str(text)
     return str(text).translate(_ESCAPES)
 
 

@@ -23,7 +23,7 @@ from typing import Any, TextIO
 import msgspec
 
 from ..errors import WalspoolError
-from ..text import ansi_c, json_safe, printable
+from ..text import Shown, ansi_c, json_safe, printable
 
 EXIT_OK = 0
 #: An error: one line on stderr.
@@ -127,7 +127,8 @@ def _cell(value: Any) -> str:
     if isinstance(value, int):
         return f"{value:,}"
     text = str(value)
-    shown = printable(text[: CELL_WIDTH + 1])  # never the whole of a huge value
+    # never the whole of a huge value escaped; a shell word is shown already
+    shown = text if isinstance(value, Shown) else printable(text[: CELL_WIDTH + 1])
     if len(text) > CELL_WIDTH or len(shown) > CELL_WIDTH:
         return shown[: CELL_WIDTH - 1] + "…"
     return shown
@@ -143,7 +144,8 @@ def clip(text: str | None, width: int = 80) -> str | None:
     if text is None:
         return None
     # A prefix only: whitespace runs shrink, escapes grow, and the rest is never shown.
-    text = printable(" ".join(text[: 8 * width + 64].split()))
+    joined = " ".join(text[: 8 * width + 64].split())
+    text = printable(Shown(joined) if isinstance(text, Shown) else joined)
     return text if len(text) <= width else text[: width - 1] + "…"
 
 
@@ -165,11 +167,6 @@ def dump(value: Any) -> str:
     """Compact JSON text of a value (the ``--json`` outputs), lossless, with control,
     format and separator characters as ``\\uXXXX`` escapes (``json_safe``)."""
     return json_safe(msgspec.json.encode(value).decode("utf-8"))
-
-
-def printable_lines(text: str) -> str:
-    """Text of several lines, each made ``printable``."""
-    return "\n".join(printable(line) for line in text.split("\n"))
 
 
 class Progress:
@@ -282,19 +279,19 @@ def as_path(text: str) -> Path:
 _PLAIN = re.compile(r"[\w@%+=:,./-]+", re.ASCII)
 
 
-def shell_word(text: str) -> str:
+def shell_word(text: str) -> Shown:
     """``text`` as one shell word that gives ``text`` back when pasted into a command
     line: as it is when plain, else in single quotes, or, when it holds a control or
     bidi character, in bash's ``$'...'`` quotes with those characters escaped (so the
     terminal shows it safely, as ``printable`` does)."""
     if _PLAIN.fullmatch(text):
-        return text
+        return Shown(text)
     if printable(text) == text:
-        return shlex.quote(text)
-    return "$'" + ansi_c(text) + "'"
+        return Shown(shlex.quote(text))
+    return Shown("$'" + ansi_c(text) + "'")
 
 
-def stream_name(session_id: str | None, session_key: str | None) -> str:
+def stream_name(session_id: str | None, session_key: str | None) -> Shown:
     """A stream as ``ls`` names it, ready to paste into ``show``: its session id, or
     ``key:<KEY>`` for rows spooled by session key only; quoted by ``shell_word``."""
     return shell_word(session_id if session_id is not None else f"key:{session_key}")

@@ -14,7 +14,7 @@ from ..errors import WalspoolError
 from ..store import codec
 from ..store.reader import BadPayload, iter_records
 from ..store.records import QUARANTINED, SUPERSEDED, Record
-from ..text import printable
+from ..text import json_safe, printable
 from . import _narrow
 from ._filters import has_stream, stream_rows, which_stream
 from ._near import near_sessions
@@ -24,7 +24,6 @@ from ._output import (
     dump,
     iso,
     plural,
-    printable_lines,
     shell_word,
     stream_name,
     table,
@@ -171,7 +170,7 @@ def pretty(value: Any) -> str:
     (DEL, C1, bidi) escaped too; a payload that is not JSON, flagged, as stored."""
     if isinstance(value, BadPayload):
         return f"[NOT JSON: {printable(value.error)}]\n{printable(value.raw)}"
-    return printable_lines(msgspec.json.format(dump(value), indent=2))
+    return json_safe(msgspec.json.format(dump(value), indent=2))
 
 
 def _json(value: Any) -> str:
