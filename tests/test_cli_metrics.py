@@ -43,12 +43,17 @@ def spool(tmp_path: Path) -> Path:
     return path
 
 
+#: The counters; every other family is a gauge.
+COUNTERS = {"walspool_rows_drained", "walspool_rows_quarantined"}
+
+
 def values(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     """Every sample as ``(name, labels but spool) -> value``, parsed by
-    prometheus_client's OpenMetrics parser (which refuses text that is not OpenMetrics)."""
+    prometheus_client's OpenMetrics parser (which refuses text that is not OpenMetrics,
+    a counter's sample not named ``_total`` included)."""
     out = {}
     for family in text_string_to_metric_families(text):
-        assert family.type == "gauge", family.name
+        assert family.type == ("counter" if family.name in COUNTERS else "gauge"), family.name
         for sample in family.samples:
             labels = tuple(sorted((k, v) for k, v in sample.labels.items() if k != "spool"))
             out[sample.name, labels] = sample.value
@@ -79,6 +84,53 @@ def test_the_metrics_say_what_stats_says_and_parse_as_openmetrics(spool, capsys)
     as_json = json.loads(capsys.readouterr().out)
     by_name = {m["name"]: m["samples"] for m in as_json["metrics"]}
     assert by_name["walspool_quarantined_rows"] == [[{}, 1]]
+
+
+def test_the_drained_and_quarantined_totals_count_what_replays_did_and_never_go_back(
+    tmp_path, capsys
+):
+    """A replay moves two rows and quarantines one (its payload was edited into
+    something that is not JSON); requeued and refused again, it counts again. The totals
+    outlive the rows: the spool emptied by ``drop`` and vacuumed still says 2 drained and
+    2 quarantined, while the gauges fall to 0. ``stats --json`` says the same."""
+    hermes_state = pytest.importorskip("hermes_state")
+    from _gateway import state_db
+
+    path = tmp_path / "spool.db"
+    with walspool.Spool(path) as s:
+        s.append_many([("s1", MSG), ("s1", MSG)])
+        bad = s.append("s1", MSG)
+    with apsw.Connection(str(path)) as conn:
+        conn.execute("UPDATE records SET payload = '{not json' WHERE id = ?", (bad.id,))
+    state = state_db(tmp_path / "state.db", "s1")
+
+    def totals() -> tuple[float, float, float]:
+        capsys.readouterr()
+        assert main(["metrics", str(path)]) == 0
+        got = values(capsys.readouterr().out)
+        return (
+            got[("walspool_rows_drained_total", ())],
+            got[("walspool_rows_quarantined_total", ())],
+            got[("walspool_quarantined_rows", ())],
+        )
+
+    assert totals() == (0, 0, 0)
+    assert main(["replay", str(path), "--into", str(state)]) == 5
+    assert totals() == (2, 1, 1)
+    assert main(["requeue", str(path), "--id", str(bad.id)]) == 0
+    assert main(["replay", str(path), "--into", str(state)]) == 5
+    assert totals() == (2, 2, 1)
+    assert main(["drop", str(path), "--quarantined", "--yes"]) == 0
+    assert main(["vacuum", str(path)]) == 0
+    assert totals() == (2, 2, 0)
+    assert main(["stats", str(path), "--json"]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    assert (stats["drained_total"], stats["quarantined_total"], stats["rows"]) == (2, 2, 0)
+    db = hermes_state.SessionDB(db_path=state)
+    try:
+        assert len(db.get_messages("s1")) == 2
+    finally:
+        db.close()
 
 
 def test_an_empty_spool_and_odd_reasons_still_parse(tmp_path, capsys):

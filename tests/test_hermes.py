@@ -1439,8 +1439,9 @@ def test_a_live_message_refused_for_its_content_is_quarantined_and_its_session_g
     store, spool, capsys, retry_interval, bad, error
 ):
     """A healthy state.db refuses one live message for its content: it is set aside in the
-    spool as quarantined (``walspool ls`` shows it), and the 20 messages after it reach
-    state.db at once, in order, with no retry delay and no 201st message needed."""
+    spool as quarantined (``walspool ls`` shows it, the quarantined total counts it), and
+    the 20 messages after it reach state.db at once, in order, with no retry delay and
+    no 201st message needed."""
     rec = one_bad_live_message(store, spool, retry_interval, bad)
     assert (rec.session_id, rec.reason, rec.status, rec.attempts) == (
         "s",
@@ -1456,6 +1457,9 @@ def test_a_live_message_refused_for_its_content_is_quarantined_and_its_session_g
     assert main(["ls", str(spool.path), "--json"]) == 0
     (stream,) = json.loads(capsys.readouterr().out)
     assert (stream["session_id"], stream["rows"], stream["quarantined"]) == ("s", 1, 1)
+    # counted as quarantined by the metrics' total (issue 44)
+    assert main(["stats", str(spool.path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["quarantined_total"] == 1
 
 
 class _ClassRaises:

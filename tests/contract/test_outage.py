@@ -3,6 +3,7 @@ in drop order, each message once; a rewrite during it supersedes the spooled row
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import apsw
@@ -44,6 +45,15 @@ def test_an_enabled_plugin_carries_an_outage_into_state_db(gateway: Gateway, hom
         assert result["landed"][session] == sent, session  # each once, in drop order
     with walspool.Spool(spool) as s:
         assert s.stats().rows == 0
+    # The metrics' drained total counts every row the spool took (each stream's next
+    # seq, kept once its rows left, says how many), as the operator reads it.
+    with apsw.Connection(
+        f"file:{spool}?mode=ro", flags=apsw.SQLITE_OPEN_URI | apsw.SQLITE_OPEN_READONLY
+    ) as conn:
+        spooled = conn.execute("SELECT coalesce(sum(next_seq - 1), 0) FROM sequences").get
+    stats = run_walspool(gateway, home, "stats", str(spool), "--json")
+    assert stats.returncode == 0, stats.stderr
+    assert json.loads(stats.stdout)["drained_total"] == spooled > 0
 
 
 def test_a_rewrite_during_an_outage_supersedes_the_sessions_spooled_rows(

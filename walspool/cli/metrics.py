@@ -30,7 +30,10 @@ def run(args: argparse.Namespace) -> int:
     write of theirs failed), walspool_in_flight_rows, walspool_quarantined_rows,
     walspool_superseded_rows, walspool_last_error_age_seconds (only while rows with an
     error are there) and walspool_open_processes (processes that have the spool open: 0
-    means no gateway drains it; left out where the system cannot tell). Written to a
+    means no gateway drains it; left out where the system cannot tell). Counters:
+    walspool_rows_drained_total (rows a replay or a gateway's drain moved into
+    state.db) and walspool_rows_quarantined_total (rows set aside for what state.db or
+    the spool refused in them), kept in the spool across restarts. Written to a
     file, node_exporter's textfile collector exports them; --listen HOST:PORT serves
     them at /metrics, read afresh at each scrape, until SIGINT or SIGTERM (the first
     line on stdout names the address, port 0 taking a free one). --json prints the
@@ -47,26 +50,29 @@ def run(args: argparse.Namespace) -> int:
 
 
 class Family(NamedTuple):
-    """One metric: its name, help, and samples as (labels, value)."""
+    """One metric: its name, help, samples as (labels, value), and its type (a
+    counter's samples are named ``<name>_total``)."""
 
     name: str
     help: str
     samples: list[tuple[dict[str, str], float]]
+    type: str = "gauge"
 
 
 def exposition(spool: Path) -> str:
     """The spool's metrics, one reading, as OpenMetrics text ending in ``# EOF``."""
     where = {"spool": str(spool)}
     out: list[str] = []
-    for name, help, samples in read(spool):
+    for name, help, samples, kind in read(spool):
         unit = next((u for u in ("seconds", "bytes") if name.endswith(f"_{u}")), None)
-        out.append(f"# TYPE {name} gauge")
+        out.append(f"# TYPE {name} {kind}")
         if unit is not None:
             out.append(f"# UNIT {name} {unit}")
         out.append(f"# HELP {name} {help}")
+        sample = f"{name}_total" if kind == "counter" else name
         for labels, value in samples:
             text = ",".join(f'{k}="{_escaped(v)}"' for k, v in {**where, **labels}.items())
-            out.append(f"{name}{{{text}}} {_number(value)}")
+            out.append(f"{sample}{{{text}}} {_number(value)}")
     out.append("# EOF")
     return "\n".join(out) + "\n"
 
@@ -78,8 +84,10 @@ def read(spool: Path) -> list[Family]:
     found = holders(spool)
     out: list[Family] = []
 
-    def family(name: str, help: str, samples: list[tuple[dict[str, str], float]]) -> None:
-        out.append(Family(name, help, samples))
+    def family(
+        name: str, help: str, samples: list[tuple[dict[str, str], float]], kind: str = "gauge"
+    ) -> None:
+        out.append(Family(name, help, samples, kind))
 
     family(
         "walspool_rows",
@@ -105,6 +113,19 @@ def read(spool: Path) -> list[Family]:
         ("walspool_superseded_rows", "superseded", "Rows a transcript rewrite replaced."),
     ):
         family(name, help, [({}, stats[key])])
+    family(
+        "walspool_rows_drained",
+        "Rows a replay or a gateway's drain moved into state.db, since the spool was made.",
+        [({}, stats["drained_total"])],
+        "counter",
+    )
+    family(
+        "walspool_rows_quarantined",
+        "Rows quarantined for what state.db or the spool refused in them, since the spool "
+        "was made.",
+        [({}, stats["quarantined_total"])],
+        "counter",
+    )
     if stats["last_errors"]:
         family(
             "walspool_last_error_age_seconds",

@@ -151,6 +151,7 @@ def read_stats(conn: apsw.Connection, path: Path, now: float) -> dict[str, Any]:
         inflight = totals.in_flight(conn)
         by_status = totals.by_status(conn)
         recent = totals.recent_errors(conn, CHARS, LAST_ERRORS * 40)
+        counted = totals.counters(conn)
     return {
         "spool": str(path),
         "rows": s.rows,
@@ -168,6 +169,8 @@ def read_stats(conn: apsw.Connection, path: Path, now: float) -> dict[str, Any]:
         "oldest_age": None if s.oldest is None else max(now - s.oldest, 0.0),
         "newest_age": None if s.newest is None else max(now - s.newest, 0.0),
         "last_errors": _latest_per_session(recent, now),
+        "drained_total": counted[totals.DRAINED],
+        "quarantined_total": counted[totals.QUARANTINED],
     }
 
 

@@ -23,6 +23,7 @@ import apsw
 import msgspec
 
 from ..errors import SpoolCorrupt
+from . import totals
 from .paging import ROW_BYTES_SQL, read_page, record_from_row
 from .records import AGENT_HISTORY, Record
 from .spool import RECORD_COLUMNS, Spool
@@ -282,8 +283,10 @@ def _settle(conn: apsw.Connection, done: Settlement) -> None:
     """Delete written rows, free the rest, record failures and quarantines, in one
     transaction."""
     conn.executemany(_DELETE_SQL, [(i,) for i in done.delete])
+    totals.add(conn, totals.DRAINED, len(done.delete))
     conn.executemany(_RELEASE_SQL, [(i,) for i in done.release])
     conn.executemany(_QUARANTINE_SQL, done.quarantine)
+    totals.add(conn, totals.QUARANTINED, len(done.quarantine))
     _record_failures(conn, done.failures)
 
 

@@ -1,6 +1,7 @@
 """A spool's totals, each read in a read transaction of the caller's (so several are
 from one moment): rows, sessions, bytes and ages by reason, failing rows, rows in
-flight and set aside, rows ever appended, the latest errors, the spool's uid."""
+flight and set aside, rows ever appended, drained and quarantined, the latest errors,
+the spool's uid."""
 
 from __future__ import annotations
 
@@ -19,6 +20,18 @@ _SESSIONS_SQL = """
 SELECT (SELECT count(DISTINCT session_id) FROM records)
      + (SELECT count(DISTINCT session_key) FROM records WHERE session_id IS NULL)
 """
+#: Totals kept in ``spool_meta``, each added to in the transaction that moves its rows:
+#: rows a replay or a gateway's drain removed as in state.db (``drained``), and rows
+#: quarantined for what state.db or the spool's checks refused in them
+#: (``quarantined``; a row requeued and refused again counts again). They only grow:
+#: counters, for a rate of drain or of refusals across restarts.
+DRAINED = "drained"
+QUARANTINED = "quarantined"
+_ADD_SQL = """
+INSERT INTO spool_meta (name, value) VALUES (?, ?)
+ON CONFLICT (name) DO UPDATE SET value = value + excluded.value
+"""
+_COUNTERS_SQL = "SELECT name, value FROM spool_meta WHERE name IN (?, ?)"
 _FAILING_SQL = "SELECT count(*) FROM records WHERE last_error IS NOT NULL"
 _UID_SQL = "SELECT value FROM spool_meta WHERE name = 'uid'"
 _IN_FLIGHT_SQL = "SELECT count(*) FROM records WHERE inflight IS NOT NULL"
@@ -102,6 +115,19 @@ def in_flight_tickets(conn: apsw.Connection) -> list[tuple[int, int]]:
 def by_status(conn: apsw.Connection) -> dict[str, int]:
     """Rows set aside, by status (quarantined, superseded)."""
     return dict(conn.execute(_STATUS_COUNT_SQL).fetchall())
+
+
+def add(conn: apsw.Connection, name: str, rows: int) -> None:
+    """Add ``rows`` to the total ``name`` (``DRAINED``, ``QUARANTINED``), in the
+    caller's transaction."""
+    if rows:
+        conn.execute(_ADD_SQL, (name, rows))
+
+
+def counters(conn: apsw.Connection) -> dict[str, int]:
+    """The totals ``DRAINED`` and ``QUARANTINED`` (0 until a row counts)."""
+    found = dict(conn.execute(_COUNTERS_SQL, (DRAINED, QUARANTINED)).fetchall())
+    return {name: int(found.get(name, 0)) for name in (DRAINED, QUARANTINED)}
 
 
 def appended(conn: apsw.Connection) -> int:

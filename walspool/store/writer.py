@@ -48,6 +48,7 @@ import apsw
 
 from .. import text
 from ..errors import SpoolClosed, SpoolFull, SpoolReplaced, WalspoolError
+from . import totals
 from .records import Receipt
 from .sqlite_errors import sqlite_error
 
@@ -295,6 +296,7 @@ class Quarantined(Append):
         super().run(group)
         group.flush()  # the row exists before its status is set
         group.conn.execute(QUARANTINE_NEW_SQL, (self.why, time.time(), self.result.id))
+        totals.add(group.conn, totals.QUARANTINED, 1)
 
 
 class Operation(Request):
