@@ -181,6 +181,30 @@ def test_missing_session_is_held_while_others_move(spool, state_db):
     assert contents(state_db, "gone") == ["gone-0", "gone-1", "gone-2"]
 
 
+def test_a_state_db_moved_away_while_open_holds_its_rows_and_says_why(spool, state_db, tmp_path):
+    """state.db is renamed and another file put at its path while the replay's
+    SessionDB has it open: SQLite writes nothing into either (it refuses a moved
+    database), the rows are held, and the error says the file moved, not merely
+    "readonly", which would send the operator to the permissions."""
+    state_db.create_session("s", "cli")
+    # in rollback-journal mode, as hermes runs state.db where WAL fails (NFS, SMB):
+    # SQLite refuses to write a moved database there
+    assert state_db._conn.execute("PRAGMA journal_mode=DELETE").fetchone()[0] == "delete"
+    spool.append_many([("s", msg("s", i)) for i in range(3)])
+    path = tmp_path / "state.db"
+    os.rename(path, tmp_path / "moved.db")
+    other = sqlite3.connect(path)
+    other.execute("CREATE TABLE mine (x)")
+    other.commit()
+    other.close()
+    report = Replayer(spool, SessionDBSink(state_db)).replay()
+    assert (report.moved, report.held) == (0, 3)
+    assert "SQLITE_READONLY_DBMOVED: the database was moved" in report.errors["s"]
+    assert contents(state_db, "s") == []
+    with sqlite3.connect(path) as check:
+        assert [r[0] for r in check.execute("SELECT name FROM sqlite_master")] == ["mine"]
+
+
 def test_broken_state_db_holds_everything_until_healed(spool, state_db):
     state_db.create_session("s", "cli")
     spool.append_many([("s", msg("s", i)) for i in range(4)])

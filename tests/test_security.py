@@ -627,12 +627,14 @@ def test_no_sql_is_built_from_variables():
 
 
 @as_root
-def test_sessiondb_setup_never_runs_on_a_file_swapped_in_after_the_check(capsys):
+def test_sessiondb_setup_never_runs_on_a_file_swapped_in_after_the_check(capfd):
     """The owner of the gateway's directory exchanges its state.db with a link to a
     neighbour's SQLite file while root replays into it (a real second process,
     ``renameat2``): hermes' ``SessionDB()`` set-up (journal mode, ``CREATE TABLE``)
     never runs on the neighbour's file. Before, it ran and the check after it refused
-    too late: the neighbour's file was turned to WAL and given hermes' tables."""
+    too late: the neighbour's file was turned to WAL and given hermes' tables. Each
+    replay moves its row, refuses, or holds it where SQLite saw the path change
+    (``replayed_or_refused``)."""
     from test_directories import (
         NEIGHBOUR,
         OWNER,
@@ -640,6 +642,7 @@ def test_sessiondb_setup_never_runs_on_a_file_swapped_in_after_the_check(capsys)
         gateway_spool,
         hermes_state_db,
         owned_dir,
+        replayed_or_refused,
         swapping,
     )
 
@@ -662,13 +665,14 @@ def test_sessiondb_setup_never_runs_on_a_file_swapped_in_after_the_check(capsys)
                 if not os.path.lexists("link"):
                     os.symlink({str(victim)!r}, "link")
             """
-        codes = []
+        outcomes = []
         with swapping(home, "state.db", "link", setup):
             for i in range(TRIES):
                 with walspool.Spool(spool_path) as spool:
                     spool.append("s", {"role": "user", "content": f"try {i}"})
-                codes.append(main(["replay", str(spool_path), "--into", str(home / "state.db")]))
-                capsys.readouterr()
+                argv = ["replay", str(spool_path), "--into", str(home / "state.db"), "--json"]
+                code = main(argv)
+                outcomes.append((code, capfd.readouterr().out))  # the replay child's
                 assert victim.read_bytes() == before, f"changed on try {i}"
                 assert sorted(p.name for p in other.iterdir()) == ["data.db"]
-        assert set(codes) <= {0, 1}, codes
+        assert all(replayed_or_refused(code, out) for code, out in outcomes), outcomes

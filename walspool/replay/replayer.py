@@ -655,7 +655,22 @@ def _stream(record: Record) -> Stream:
     return stream_of(record.session_id, record.session_key)
 
 
+#: SQLite's extended result codes whose message alone misleads, with what they mean.
+_MEANINGS = {
+    # SQLite refuses to write a database whose path names another file now (renamed,
+    # deleted, a link swapped in): "attempt to write a readonly database".
+    "SQLITE_READONLY_DBMOVED": (
+        "the database was moved, deleted or replaced at its path while it was open, so "
+        "SQLite wrote nothing into it"
+    ),
+}
+
+
 def _describe(exc: BaseException) -> str:
     if isinstance(exc, WalspoolError):
         return str(exc)
-    return f"{type(exc).__name__}: {exc}"
+    text = f"{type(exc).__name__}: {exc}"
+    name = getattr(exc, "sqlite_errorname", None)
+    if name in _MEANINGS:
+        text += f" ({name}: {_MEANINGS[name]})"
+    return text
