@@ -296,7 +296,10 @@ def test_a_sigterm_during_a_rows_insert_stops_the_replay_after_that_row(tmp_path
     143, saying so; the next replay writes the rest, each message once (before: the
     signal's exception was raised inside the ticket function, sqlite3 swallowed it,
     the row was held with "user-defined function raised exception", later signals were
-    ignored and the replay ran to its end, exit 3)."""
+    ignored and the replay ran to its end, exit 3). A SIGTERM that lands while the
+    replay still checks state.db (its trial write takes the write lock too, briefly)
+    stops it the same way, with nothing written (before: the signal's default action
+    killed it, no report)."""
     import sqlite3
 
     path = spool_of(tmp_path / "spool.db", 3)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sqlite3
 import sys
+from typing import Any
 
 import msgspec
 
@@ -60,33 +61,15 @@ def run(args: argparse.Namespace) -> int:
     next replay finishes them, each once) and exits 130 or 143. --progress draws the rows written,
     the rate and an ETA on stderr (by default when stderr is a terminal).
     """
-    # state.db first: one that cannot take the rows is reported before the spool is read.
-    # A dry run opens it for writing too, to try rows in transactions it rolls back.
-    state = open_state_db(args.into, write=True, precheck=not args.dry_run)
+    # A signal before the replay takes any row (the checks, the plan, a dry run) stops
+    # it with nothing written, with the status of one that comes later.
     try:
-        # A replay writes the spool (each row leaves it once written): a dry run says
-        # so too, rather than what would move, when it cannot.
-        files.refuse_read_only(args.spool)
-        if not args.dry_run:
-            upgraded("replay", args.spool)
-        statuses = statuses_filter(args.quarantined, args.superseded)
-        with reading(args.spool) as reader:
-            check_reasons(reader, args.reason)
-            check_session(reader, args.session, keys=False)
-            what = plan if args.dry_run else replay_streams
-            found = reader.read(lambda conn: what(conn, args.session, args.reason, statuses))
-            if args.dry_run:
-
-                def fetch(row_id: int) -> Record | None:
-                    return reader.read(lambda conn: fetch_record(conn, row_id))
-
-                try:
-                    report = dry_run_report(found, state, args.into, args.create_missing, fetch)
-                except sqlite3.Error as exc:
-                    raise StateDBError(state_db_message(exc, args.into), path=args.into) from exc
-                inflight = InFlightNow(sum(s.inflight for s in found.streams), report.recovered)
-    finally:
-        state.close()
+        with interruptible():
+            found, report, inflight = _look(args)
+    except Interrupted as stop:
+        _print_replay(args, ReplayReport(0, 0), InFlightNow(0, 0), stop)
+        warn("replay", f"interrupted by {stop.name} before any row moved; nothing was written")
+        return stop.status
     if not args.dry_run:
         progress = Progress("replay", sys.stderr, enabled=args.progress)
         written: list[Ticket] = []
@@ -135,6 +118,41 @@ def run(args: argparse.Namespace) -> int:
         )
         return EXIT_QUARANTINED
     return EXIT_OK
+
+
+def _look(args: argparse.Namespace) -> tuple[Any, ReplayReport | None, InFlightNow | None]:
+    """What the replay will take, checked: state.db, the spool, the arguments; for a
+    dry run, what it would do (its report and the rows in flight). Writes nothing."""
+    report: ReplayReport | None = None
+    inflight: InFlightNow | None = None
+    # state.db first: one that cannot take the rows is reported before the spool is read.
+    # A dry run opens it for writing too, to try rows in transactions it rolls back.
+    state = open_state_db(args.into, write=True, precheck=not args.dry_run)
+    try:
+        # A replay writes the spool (each row leaves it once written): a dry run says
+        # so too, rather than what would move, when it cannot.
+        files.refuse_read_only(args.spool)
+        if not args.dry_run:
+            upgraded("replay", args.spool)
+        statuses = statuses_filter(args.quarantined, args.superseded)
+        with reading(args.spool) as reader:
+            check_reasons(reader, args.reason)
+            check_session(reader, args.session, keys=False)
+            what = plan if args.dry_run else replay_streams
+            found = reader.read(lambda conn: what(conn, args.session, args.reason, statuses))
+            if args.dry_run:
+
+                def fetch(row_id: int) -> Record | None:
+                    return reader.read(lambda conn: fetch_record(conn, row_id))
+
+                try:
+                    report = dry_run_report(found, state, args.into, args.create_missing, fetch)
+                except sqlite3.Error as exc:
+                    raise StateDBError(state_db_message(exc, args.into), path=args.into) from exc
+                inflight = InFlightNow(sum(s.inflight for s in found.streams), report.recovered)
+    finally:
+        state.close()
+    return found, report, inflight
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
