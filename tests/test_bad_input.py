@@ -15,15 +15,17 @@ import json
 import logging
 import os
 import re
+import shlex
 import shutil
 import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import apsw
 import pytest
-from _helpers import MemorySink
+from _helpers import ROOT, MemorySink
 
 import walspool
 from walspool import AGENT_HISTORY, CAP_DROP, SHUTDOWN
@@ -835,3 +837,122 @@ def test_a_payload_that_is_not_utf8_is_one_bad_row(tmp_path, capsys):
             "SELECT id, status, last_error FROM records"
         ).fetchall()
     assert (row_id, status) == (bad, walspool.QUARANTINED) and "not valid JSON" in last_error
+
+
+# -- a session id, reason or key that is not UTF-8 ---------------------------------------
+
+
+def spool_with_names_not_utf8(path: Path) -> dict[str, int]:
+    """Good rows in sessions a and c; a row of b whose reason, a row whose session id
+    (b'b\\xff'), a row whose session key (b'k\\xff', by key only) and a row of a whose last
+    error are bytes that are not UTF-8 (hand edits in the sqlite3 shell). Their ids."""
+    with walspool.Spool(path) as spool:
+        ids = {
+            "a1": spool.append("a", {"role": "user", "content": "a1"}).id,
+            "reason": spool.append("b", {"role": "user", "content": "b1"}).id,
+            "a2": spool.append("a", {"role": "user", "content": "a2"}).id,
+            "id": spool.append("x", {"role": "user", "content": "x1"}).id,
+            "key": spool.append(None, {"role": "user", "content": "k1"}, session_key="k").id,
+            "c1": spool.append("c", {"role": "user", "content": "c1"}).id,
+        }
+    with apsw.Connection(str(path)) as conn:
+        for column, value, which in (
+            ("reason", b"r\xff", "reason"),
+            ("session_id", b"b\xff", "id"),
+            ("session_key", b"k\xff", "key"),
+            ("last_error", b"e\xff", "a1"),
+        ):
+            conn.execute(
+                f"UPDATE records SET {column} = CAST(? AS TEXT) WHERE id = ?", (value, ids[which])
+            )
+    return ids
+
+
+def test_names_that_are_not_utf8_are_bad_rows_and_the_rest_goes_on(tmp_path, capsys):
+    """Every command meets rows whose session id, reason or key (or last error) are bytes
+    that are not UTF-8: none fails with a traceback. ``ls``, ``stats``, ``metrics`` list
+    them, the bytes escaped (``\\\\udcff``, ``$'b\\\\xff'`` to paste); ``show`` and
+    ``export`` flag them (exit 1, one line naming them) and give every other row; the
+    replay quarantines them, saying which column, and moves the others in order;
+    ``check`` names them; ``drop`` removes one, its audit keeping the exact bytes (before:
+    a UnicodeDecodeError traceback from ls, stats, show, export, metrics, replay and the
+    gateway's start)."""
+    path = tmp_path / "spool.db"
+    ids = spool_with_names_not_utf8(path)
+    bad_id = os.fsdecode(b"b\xff")
+
+    def run(*argv: str) -> tuple[int, str, str]:
+        capsys.readouterr()
+        code = main([argv[0], str(path), *argv[1:]])
+        out, err = capsys.readouterr()
+        assert "Traceback" not in out + err, argv
+        return code, out, err
+
+    code, out, _ = run("ls")
+    assert code == 0 and "$'b\\xff'" in out and "$'key:k\\xff'" in out and "e\\udcff" in out
+    code, out, _ = run("ls", "--json")
+    assert code == 0 and {s["session_id"] for s in json.loads(out)} == {"a", "b", bad_id, "c", None}
+    code, out, _ = run("stats", "--json")
+    assert code == 0 and json.loads(out)["by_reason"][os.fsdecode(b"r\xff")] == 1
+    assert run("stats")[0] == 0 and run("metrics")[0] == 0
+
+    code, out, err = run("show", bad_id)  # as a shell gives $'b\xff' to Python
+    assert code == 1 and "[NOT UTF-8]" in out and err.count("\n") == 1
+    assert f"id {ids['id']} (session b\\udcff, seq 1)" in err
+    code, out, err = run("export")
+    lines = [json.loads(line) for line in out.splitlines()]
+    assert code == 1 and err.count("\n") == 1
+    flagged = {line["id"] for line in lines if "bad_payload" in line}
+    assert flagged == {ids["reason"], ids["id"], ids["key"]}
+    assert {line["id"]: line.get("message") for line in lines}[ids["c1"]] == {
+        "role": "user",
+        "content": "c1",
+    }
+    code, out, _ = run("check", "--json")
+    (problem,) = json.loads(out)["problems"]
+    assert code == 1 and problem.startswith("3 rows whose session id, reason or session key")
+
+    sink = MemorySink()
+    with walspool.Spool(path) as spool:
+        report = Replayer(spool, sink).replay()  # every reason but agent history
+    assert (report.moved, report.quarantined) == (3, 2)
+    assert [m["content"] for _, m in sink.rows] == ["a1", "a2", "c1"]
+    with apsw.Connection(str(path)) as conn:
+        errors = dict(conn.execute("SELECT id, last_error FROM records WHERE status IS NOT NULL"))
+    assert "has a reason that is not UTF-8" in errors[ids["reason"]]
+    assert "has a session id that is not UTF-8" in errors[ids["id"]]
+    with walspool.Spool(path) as spool:  # the key's row, held until a resolver finds it
+        report = Replayer(spool, sink, resolver=lambda key: "a").replay()
+    assert (report.moved, report.quarantined) == (0, 1)
+    with apsw.Connection(str(path)) as conn:
+        (error,) = conn.execute("SELECT last_error FROM records WHERE id = ?", (ids["key"],))
+    assert "has a session key that is not UTF-8" in error[0]
+
+    assert run("drop", "--id", str(ids["id"]), "--yes")[0] == 0
+    with apsw.Connection(str(path)) as conn:
+        ((session, detail),) = conn.execute(
+            "SELECT CAST(session_id AS BLOB), detail FROM audit WHERE record_id = ?", (ids["id"],)
+        )
+    assert session == b"b\xff" and json.loads(detail)["payload"] == '{"role":"user","content":"x1"}'
+
+
+def test_the_shell_word_ls_prints_for_an_id_that_is_not_utf8_finds_its_row(tmp_path, capsys):
+    """``ls`` prints an id holding a byte that is not UTF-8 as ``$'b\\\\xff'``; pasted
+    into bash, it gives ``show`` that byte, and ``show`` finds the row."""
+    path = tmp_path / "spool.db"
+    ids = spool_with_names_not_utf8(path)
+    capsys.readouterr()
+    assert main(["ls", str(path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    (word,) = [line.split()[0] for line in lines if line.startswith("$'b")]
+    assert word == "$'b\\xff'"
+    command = f"{shlex.quote(sys.executable)} -m walspool show {shlex.quote(str(path))} {word}"
+    done = subprocess.run(
+        ["bash", "-c", command + " --json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "LC_ALL": "C.UTF-8"},
+    )
+    assert done.returncode == 1, done.stderr  # found, and flagged
+    assert [row["id"] for row in json.loads(done.stdout.splitlines()[0])] == [ids["id"]]

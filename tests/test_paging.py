@@ -306,7 +306,8 @@ def test_export_and_show_flag_a_row_nested_too_deep_and_go_on(tmp_path, capsys):
         "c 1",
         "c 2",
     ]
-    assert f"too costly to decode, shown flagged: id {deep_id} (session b, seq 2)" in err
+    assert "too costly to decode, or a session id, reason or key that is not UTF-8" in err
+    assert f"shown flagged: id {deep_id} (session b, seq 2)" in err
     rc = main(["show", str(path), "b"])
     out, err = capsys.readouterr()
     assert rc == 1 and "user: b 0" in out and "user: b 2" in out and "Traceback" not in err

@@ -577,7 +577,9 @@ def test_a_page_ends_once_its_rows_cost_page_bytes():
 
     conn = apsw.Connection(":memory:")
     sql = (
-        "SELECT key, NULL, NULL, NULL, NULL, NULL, NULL, value FROM json_each(:sizes) "
+        # RECORD_COLUMNS' eleven, then the cost
+        "SELECT key, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, value "
+        "FROM json_each(:sizes) "
         "WHERE key >= :after ORDER BY key"
     )
 

@@ -51,6 +51,9 @@ _ESCAPES = {c: _python_escape(c) for c in _UNSAFE}
 _ESCAPES.update({ord("\n"): "\\n", ord("\r"): "\\r", ord("\t"): "\\t", ord("\\"): "\\\\"})
 _ANSI_C_ESCAPES = {
     **{c: _json_escape(c) if c < 0x10000 else _python_escape(c) for c in _UNSAFE},
+    # a byte that was not UTF-8, kept as a lone surrogate (surrogateescape): bash's
+    # \xHH gives that byte back
+    **{c: f"\\x{c - 0xDC00:02x}" for c in range(0xDC80, 0xDD00)},
     **{c: e for c, e in _ESCAPES.items() if c < 0x80},
     ord("\\"): "\\\\",
     ord("'"): "\\'",
@@ -66,20 +69,22 @@ class Shown(str):
     backslashes and change what pasting it gives."""
 
 
-def printable(text: Any) -> str:
+def printable(text: Any) -> Shown:
     """``str(text)`` with every control, format, separator or surrogate character
     (``UNSAFE_RANGES``) spelled as a Python escape (``\\x1b``, ``\\u202e``), and each
-    backslash doubled (``\\\\``): no two texts print alike. ``Shown`` text is
-    given back as it is."""
+    backslash doubled (``\\\\``): no two texts print alike. The result is ``Shown``,
+    so escaping it again gives it back as it is."""
     if isinstance(text, Shown):
-        return str(text)
-    return str(text).translate(_ESCAPES)
+        return text
+    return Shown(str(text).translate(_ESCAPES))
 
 
 def ansi_c(text: str) -> str:
     """``text`` for bash's ``$'...'`` quotes, giving ``text`` back: backslash and quote
     escaped, and each ``UNSAFE_RANGES`` character escaped as ``printable`` does, but
-    ``\\uHHHH`` from U+0080 on (bash reads ``\\xHH`` as a byte, not a character)."""
+    ``\\uHHHH`` from U+0080 on (bash reads ``\\xHH`` as a byte, not a character), and
+    a byte that was not UTF-8 (a lone surrogate U+DC80-U+DCFF) as that byte, ``\\xHH``,
+    which Python reads back from the command line as the same surrogate."""
     return text.translate(_ANSI_C_ESCAPES)
 
 

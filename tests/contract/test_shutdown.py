@@ -3,7 +3,22 @@ in arrival order, and lands at the next start."""
 
 from __future__ import annotations
 
-from ._gateways import Gateway, configure, gateway_running, heal, run_worker, transcript, wait_for
+import json
+
+import apsw
+
+import walspool
+
+from ._gateways import (
+    Gateway,
+    configure,
+    gateway_running,
+    heal,
+    run_walspool,
+    run_worker,
+    transcript,
+    wait_for,
+)
 
 #: Rows of agent turns queued in the store while state.db refuses them (under the cap).
 TURNS = 6
@@ -63,3 +78,45 @@ def test_a_stop_after_the_spool_was_deleted_spools_the_queues_into_a_fresh_one(
 
             wait_for("recovered", landed, process)
             assert transcript(home, session) == expected, session
+
+
+def test_rows_edited_into_bytes_that_are_not_utf8_stop_no_start_and_block_no_session(
+    gateway: Gateway, home
+) -> None:
+    """A gateway stopped during an outage left its turns in the spool; then a hand edit
+    in the ``sqlite3`` shell gives one of them (the second turn) a reason that is not
+    UTF-8, and another session's row an id that is not. At the next start, once state.db
+    works, the other turns land in order, the edited row left out (before: the start's
+    recovery failed on the first such row, at every start, and nothing landed); both
+    edited rows stay in the spool, quarantined, and ``walspool check`` names them."""
+    configure(gateway, home, gateway.enable)
+    stopped = run_worker(gateway, home, "stop", str(TURNS))
+    sid = stopped["session_id"]
+    expected = [tuple(turn) for turn in stopped["turns"]] + [("user", stopped["slot"])]
+    spool = home / "spool.db"
+    with walspool.Spool(spool) as s:
+        other = s.append("other", {"role": "user", "content": "other's"})
+    with apsw.Connection(str(spool)) as conn:
+        conn.execute(
+            "UPDATE records SET reason = CAST(X'72ff' AS TEXT) WHERE session_id = ? AND seq = 2",
+            (sid,),
+        )
+        conn.execute(
+            "UPDATE records SET session_id = CAST(X'62ff' AS TEXT) WHERE id = ?", (other.id,)
+        )
+    del expected[1]
+    heal(home)
+    with gateway_running(gateway, home) as process:
+        wait_for("recovered", lambda: len(transcript(home, sid)) >= len(expected), process)
+    assert transcript(home, sid) == expected
+    listed = run_walspool(gateway, home, "ls", str(spool), "--json")
+    assert listed.returncode == 0, listed.stderr
+    streams = json.loads(listed.stdout)
+    assert {(s["session_id"], s["rows"], s["quarantined"]) for s in streams} == {
+        ("b\udcff", 1, 1),
+        (sid, 1, 1),
+    }
+    checked = run_walspool(gateway, home, "check", str(spool), "--json")
+    assert checked.returncode == 1
+    (problem,) = json.loads(checked.stdout)["problems"]
+    assert problem.startswith("2 rows whose session id, reason or session key is not UTF-8")

@@ -109,7 +109,7 @@ def check_session(reader: SpoolReader, session: str | None, *, keys: bool = True
     (with ``keys``) with that session key and no id."""
     if session is None:
         return
-    check_lookup(session, "session", reader.path)
+    check_lookup(session, "session", reader.path, stored_bytes=True)
     if not reader.read(lambda c: lookups.session_exists(c, session, keys=keys)):
         raise WalspoolError(
             f"no rows for session {session!r} in {reader.path}{near_sessions(reader, session)}"
@@ -119,13 +119,13 @@ def check_session(reader: SpoolReader, session: str | None, *, keys: bool = True
 def has_stream(reader: SpoolReader, name: str, kind: str) -> bool:
     """Whether rows were spooled with session id ``name`` (``kind`` "id") or with
     session key ``name`` and no id ("key")."""
-    check_lookup(name, "session", reader.path)
+    check_lookup(name, "session", reader.path, stored_bytes=True)
     return reader.read(lambda c: lookups.stream_exists(c, name, kind))
 
 
 def stream_rows(reader: SpoolReader, name: str, kind: str) -> int:
     """How many rows the stream has (``kind`` as in ``has_stream``)."""
-    check_lookup(name, "session", reader.path)
+    check_lookup(name, "session", reader.path, stored_bytes=True)
     return reader.read(lambda c: lookups.stream_rows(c, name, kind))
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import json
 import logging
 import os
 import re
@@ -127,7 +128,7 @@ def _cell(value: Any) -> str:
     if isinstance(value, int):
         return f"{value:,}"
     text = str(value)
-    # never the whole of a huge value escaped; a shell word is shown already
+    # never the whole of a huge value escaped; text made printable is shown already
     shown = text if isinstance(value, Shown) else printable(text[: CELL_WIDTH + 1])
     if len(text) > CELL_WIDTH or len(shown) > CELL_WIDTH:
         return shown[: CELL_WIDTH - 1] + "…"
@@ -139,14 +140,14 @@ def plural(n: int, word: str) -> str:
     return f"{n:,} {word}{'' if n == 1 else 's'}"
 
 
-def clip(text: str | None, width: int = 80) -> str | None:
-    """One line of at most ``width`` characters."""
+def clip(text: str | None, width: int = 80) -> Shown | None:
+    """One line of at most ``width`` characters, made ``printable``."""
     if text is None:
         return None
     # A prefix only: whitespace runs shrink, escapes grow, and the rest is never shown.
     joined = " ".join(text[: 8 * width + 64].split())
-    text = printable(Shown(joined) if isinstance(text, Shown) else joined)
-    return text if len(text) <= width else text[: width - 1] + "…"
+    shown = printable(Shown(joined) if isinstance(text, Shown) else joined)
+    return shown if len(shown) <= width else Shown(shown[: width - 1] + "…")
 
 
 #: The library's words in stored errors, and the command line's for the same thing.
@@ -165,8 +166,14 @@ def cli_terms(text: str | None) -> str | None:
 
 def dump(value: Any) -> str:
     """Compact JSON text of a value (the ``--json`` outputs), lossless, with control,
-    format and separator characters as ``\\uXXXX`` escapes (``json_safe``)."""
-    return json_safe(msgspec.json.encode(value).decode("utf-8"))
+    format and separator characters as ``\\uXXXX`` escapes (``json_safe``). Text the
+    spool held as bytes that are not UTF-8 (``store.paging.as_text``) has each bad byte
+    as its lone surrogate's escape (``\\udcff``)."""
+    try:
+        return json_safe(msgspec.json.encode(value).decode("utf-8"))
+    except UnicodeEncodeError:  # lone surrogates: JSON spells them, UTF-8 cannot
+        builtins = msgspec.to_builtins(value)
+        return json_safe(json.dumps(builtins, ensure_ascii=False, separators=(",", ":")))
 
 
 class Progress:

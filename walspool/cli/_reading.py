@@ -152,13 +152,13 @@ def record_line(record: Record, inflight: int | None, *, message: bool = True) -
 
 
 def report_bad(command: str, bad: list[str]) -> int:
-    """Name the rows shown flagged because their payload is not JSON: raise (exit 1,
-    after the output) if any."""
+    """Name the rows shown flagged because their payload is not JSON (or too costly to
+    decode) or a name of theirs is not UTF-8: raise (exit 1, after the output) if any."""
     if not bad:
         return EXIT_OK
     listed = ", ".join(bad[:20]) + (f" and {len(bad) - 20} more" if len(bad) > 20 else "")
     raise WalspoolError(
         f"{plural(len(bad), 'row')} with a payload that is not valid JSON or too costly to "
-        f"decode, shown flagged: "
+        f"decode, or a session id, reason or key that is not UTF-8, shown flagged: "
         f"{listed}; `walspool check` names them too"
     )

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from ..errors import WalspoolError
+from ..store.paging import readable
 from ._holders import holders
 from ._interrupt import interruptible
 from ._output import EXIT_OK, dump
@@ -142,7 +143,10 @@ def read(spool: Path) -> list[Family]:
 
 
 def _escaped(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    """A label value as OpenMetrics spells it: UTF-8 (a byte of a reason that is not
+    UTF-8 as U+FFFD), backslash, quote and newline escaped."""
+    text = readable(value) or ""
+    return text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
 def _number(value: float) -> str:

@@ -151,7 +151,7 @@ def _show_line(r: Record, inflight: int | None) -> tuple[Any, ...]:
 def preview(message: Any, width: int = 60) -> str:
     """A one-line glimpse of a message: its role and the start of its text."""
     if isinstance(message, BadPayload):
-        text = f"[NOT JSON] {message.raw}"
+        text = f"[{message.label}] {message.raw}"
     elif isinstance(message, dict):
         text = message.get("content", message.get("text"))
         if not isinstance(text, str):
@@ -167,9 +167,9 @@ def preview(message: Any, width: int = 60) -> str:
 
 def pretty(value: Any) -> str:
     """Indented JSON text of a value (``show --full``), controls JSON leaves raw
-    (DEL, C1, bidi) escaped too; a payload that is not JSON, flagged, as stored."""
+    (DEL, C1, bidi) escaped too; a row walspool cannot read, flagged, as stored."""
     if isinstance(value, BadPayload):
-        return f"[NOT JSON: {printable(value.error)}]\n{printable(value.raw)}"
+        return f"[{value.label}: {printable(value.error)}]\n{printable(value.raw)}"
     return json_safe(msgspec.json.format(dump(value), indent=2))
 
 

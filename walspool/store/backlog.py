@@ -5,10 +5,13 @@ indexes only, in one read transaction of the caller's.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import apsw
 import msgspec
+
+from .paging import as_text
 
 #: At most this many characters of a stream's name (session id, or key) and of its
 #: first and latest error are read per stream; a session id may be 64 MiB. SQLite sorts
@@ -30,7 +33,8 @@ _SHORT = "length(coalesce(session_id, session_key)) <= :chars"
 #: subquery that LIMIT keeps apart (SQLite does not merge a subquery with a LIMIT into
 #: an aggregate): merged, the sort would carry every row's name whole again.
 STREAMS_SQL = """
-SELECT session_id, session_key, count(*), sum(size), min(created_at), max(created_at)
+SELECT CAST(session_id AS BLOB), CAST(session_key AS BLOB), count(*), sum(size), min(created_at),
+       max(created_at)
 FROM (
     SELECT iif(length(session_id) > :chars, NULL, session_id) AS session_id,
            CASE WHEN session_id IS NULL AND length(session_key) <= :chars
@@ -42,13 +46,15 @@ FROM (
 GROUP BY 1, 2
 """
 SET_ASIDE_SQL = f"""
-SELECT session_id, CASE WHEN session_id IS NULL THEN session_key END, status, count(*)
+SELECT CAST(session_id AS BLOB), CAST(CASE WHEN session_id IS NULL THEN session_key END AS BLOB),
+       status, count(*)
 FROM records INDEXED BY records_status_idx WHERE status IS NOT NULL AND {_SHORT} GROUP BY 1, 2, 3
 """
 #: In-flight rows per stream, and of them the replayable ones (a page read per row in
 #: flight: a replay's batch at most).
 INFLIGHT_BY_STREAM_SQL = f"""
-SELECT session_id, CASE WHEN session_id IS NULL THEN session_key END, count(*),
+SELECT CAST(session_id AS BLOB), CAST(CASE WHEN session_id IS NULL THEN session_key END AS BLOB),
+    count(*),
     count(*) FILTER (WHERE status IS NULL)
 FROM records INDEXED BY records_inflight_idx WHERE inflight IS NOT NULL AND {_SHORT}
 GROUP BY 1, 2
@@ -56,8 +62,9 @@ GROUP BY 1, 2
 #: A failed attempt's time: when it was made, or (never recorded) when the row came.
 _ATTEMPT_AT = "coalesce(last_attempt_at, created_at)"
 ERRORS_SQL = f"""
-SELECT session_id, CASE WHEN session_id IS NULL THEN session_key END, seq, attempts, status, id,
-       substr(last_error, 1, :chars), length(last_error), {_ATTEMPT_AT}
+SELECT CAST(session_id AS BLOB), CAST(CASE WHEN session_id IS NULL THEN session_key END AS BLOB),
+       seq, attempts, status, id, CAST(substr(last_error, 1, :chars) AS BLOB), length(last_error),
+       {_ATTEMPT_AT}
 FROM records INDEXED BY records_last_error_idx WHERE last_error IS NOT NULL AND {_SHORT}
 """
 #: A line's columns over one stream's rows; its first error as the least of its seq and
@@ -72,31 +79,34 @@ _LONG_COLUMNS = """min(id), count(*), sum(size), min(created_at), max(created_at
 #: Streams named longer than ``CHARS``, by id and by key: walked in their unique
 #: index's order, so a stream's rows come together and nothing is sorted.
 LONG_SQL = (
-    f"""SELECT substr(session_id, 1, :chars), NULL, length(session_id), {_LONG_COLUMNS}
+    f"""SELECT CAST(substr(session_id, 1, :chars) AS BLOB), NULL, length(session_id),
+    {_LONG_COLUMNS}
     FROM records INDEXED BY sqlite_autoindex_records_1
     WHERE session_id IS NOT NULL AND length(session_id) > :chars GROUP BY session_id""",
-    f"""SELECT NULL, substr(session_key, 1, :chars), length(session_key), {_LONG_COLUMNS}
+    f"""SELECT NULL, CAST(substr(session_key, 1, :chars) AS BLOB), length(session_key),
+    {_LONG_COLUMNS}
     FROM records INDEXED BY records_session_key_seq_idx
     WHERE session_id IS NULL AND length(session_key) > :chars GROUP BY session_key""",
 )
 #: The latest error of a stream named longer than ``CHARS``, by id and by key, the
 #: stream named by one of its rows (its name read once): a sort its LIMIT bounds.
 LATEST_SQL = (
-    f"""SELECT id, substr(last_error, 1, :chars), length(last_error)
+    f"""SELECT id, CAST(substr(last_error, 1, :chars) AS BLOB), length(last_error)
     FROM records INDEXED BY sqlite_autoindex_records_1
     WHERE session_id = (SELECT session_id FROM records WHERE id = :id)
       AND last_error IS NOT NULL ORDER BY {_ATTEMPT_AT} DESC, id DESC LIMIT 1""",
-    f"""SELECT id, substr(last_error, 1, :chars), length(last_error)
+    f"""SELECT id, CAST(substr(last_error, 1, :chars) AS BLOB), length(last_error)
     FROM records INDEXED BY records_session_key_seq_idx
     WHERE session_id IS NULL AND session_key = (SELECT session_key FROM records WHERE id = :id)
       AND last_error IS NOT NULL ORDER BY {_ATTEMPT_AT} DESC, id DESC LIMIT 1""",
 )
 ERROR_AT_SQL = (
-    "SELECT substr(last_error, 1, :chars), length(last_error) FROM records WHERE id = :id"
+    "SELECT CAST(substr(last_error, 1, :chars) AS BLOB), length(last_error) FROM records "
+    "WHERE id = :id"
 )
 #: A stream's name and an error whole, from a row that holds it.
-NAME_SQL = "SELECT coalesce(session_id, session_key) FROM records WHERE id = ?"
-ERROR_SQL = "SELECT last_error FROM records WHERE id = ?"
+NAME_SQL = "SELECT CAST(coalesce(session_id, session_key) AS BLOB) FROM records WHERE id = ?"
+ERROR_SQL = "SELECT CAST(last_error AS BLOB) FROM records WHERE id = ?"
 
 
 def held(failed: int, waiting: int) -> int:
@@ -143,7 +153,7 @@ def read_lines(conn: apsw.Connection) -> list[Line]:
     params = {"chars": CHARS}
     streams: dict[tuple[str | None, str | None], list[Any]] = {}
     with conn:
-        for session_id, key, rows, size, oldest, newest in conn.execute(STREAMS_SQL, params):
+        for session_id, key, rows, size, oldest, newest in _named(conn, STREAMS_SQL, params):
             # rows, bytes, oldest, newest, max attempts, first error (seq, row, text,
             # length), quarantined, superseded, in flight, replayable rows that failed,
             # failing, latest error (time, row, text, length), replayable in flight
@@ -151,13 +161,13 @@ def read_lines(conn: apsw.Connection) -> list[Line]:
                 rows, size, oldest, newest, 0, None, 0, 0, 0, 0, 0, None, 0,
             ]  # fmt: skip
         long_names = streams.pop((None, None), None) is not None
-        for session_id, key, status, n in conn.execute(SET_ASIDE_SQL, params):
+        for session_id, key, status, n in _named(conn, SET_ASIDE_SQL, params):
             streams[session_id, key][6 if status == "quarantined" else 7] += n
-        for session_id, key, n, replayable in conn.execute(INFLIGHT_BY_STREAM_SQL, params):
+        for session_id, key, n, replayable in _named(conn, INFLIGHT_BY_STREAM_SQL, params):
             streams[session_id, key][8] = n
             streams[session_id, key][12] = replayable
-        for session_id, key, seq, attempts, status, row, *error, at in conn.execute(
-            ERRORS_SQL, params
+        for session_id, key, seq, attempts, status, row, *error, at in _named(
+            conn, ERRORS_SQL, params, 6
         ):
             s = streams[session_id, key]
             s[4] = max(s[4], attempts)
@@ -181,7 +191,7 @@ def read_lines(conn: apsw.Connection) -> list[Line]:
         ]  # fmt: skip
         if long_names:
             # each walk done before a stream's errors are looked up: its memory then freed
-            found = [row for sql in LONG_SQL for row in conn.execute(sql, params)]
+            found = [row for sql in LONG_SQL for row in _named(conn, sql, params)]
             lines += [_long_line(conn, row) for row in found]
     lines.sort(
         key=lambda s: (s.oldest, s.session_id is not None, s.session_id or "",
@@ -202,9 +212,11 @@ def _long_line(conn: apsw.Connection, row: tuple[Any, ...]) -> Line:
         return line
     error_row = int(error_at.split()[1])
     params = {"chars": CHARS, "id": error_row}
-    error, error_chars = conn.execute(ERROR_AT_SQL, params).fetchone()
+    error, error_chars = next(_named(conn, ERROR_AT_SQL, params, 0, names=()))
     params["id"] = first
-    latest_row, latest, latest_chars = conn.execute(LATEST_SQL[sid is None], params).fetchone()
+    latest_row, latest, latest_chars = next(
+        _named(conn, LATEST_SQL[sid is None], params, 1, names=())
+    )
     return msgspec.structs.replace(
         line, last_error=error, error_chars=error_chars, error_row=error_row, failing=failing,
         latest_error=latest, latest_chars=latest_chars, latest_row=latest_row,
@@ -213,9 +225,22 @@ def _long_line(conn: apsw.Connection, row: tuple[Any, ...]) -> Line:
 
 def whole_name(conn: apsw.Connection, row_id: int | None) -> str:
     """A stream's name whole, from row ``row_id`` of it (``Line.name_row``)."""
-    return conn.execute(NAME_SQL, (row_id,)).get
+    return as_text(conn.execute(NAME_SQL, (row_id,)).get)
 
 
 def whole_error(conn: apsw.Connection, row_id: int | None) -> str | None:
     """An error whole, from the row that holds it (``Line.error_row``, ``latest_row``)."""
-    return conn.execute(ERROR_SQL, (row_id,)).get
+    return as_text(conn.execute(ERROR_SQL, (row_id,)).get)
+
+
+def _named(
+    conn: apsw.Connection, sql: str, params: Any, *texts: int, names: tuple[int, ...] = (0, 1)
+) -> Iterator[tuple[Any, ...]]:
+    """The rows of ``sql``, whose columns ``names`` and ``texts`` are selected as their
+    stored bytes, with those made text (``paging.as_text``): a name or an error that
+    is not UTF-8 is one odd line, not a failed listing."""
+    for selected in conn.execute(sql, params):
+        row = list(selected)
+        for i in (*names, *texts):
+            row[i] = as_text(row[i])
+        yield tuple(row)

@@ -18,7 +18,7 @@ from typing import Any
 import apsw
 
 from . import schema, totals
-from .paging import LARGE_PAYLOAD, SMALL_PAYLOAD, rows_not_json
+from .paging import LARGE_PAYLOAD, SMALL_PAYLOAD, as_text, rows_not_json, undecodable
 from .reader import SpoolReader
 from .schema import APPLICATION_ID, SCHEMA_VERSION
 
@@ -97,7 +97,13 @@ def walk_check(conn: apsw.Connection) -> None:
 
 #: (what a non-zero count means, SQL counting the offending rows)
 NOT_JSON = "rows whose payload is not valid JSON"
-_NAMED = "SELECT id, coalesce(session_id, session_key), seq FROM records"
+NOT_UTF8 = "rows whose session id, reason or session key is not UTF-8 text"
+#: Every row's names as stored bytes, one row in memory at a time (SQLite cannot tell
+#: whether text is UTF-8: Python decodes each).
+_TEXTS_SQL = """SELECT id, CAST(coalesce(session_id, session_key) AS BLOB), seq,
+    CAST(session_id AS BLOB), CAST(reason AS BLOB), CAST(session_key AS BLOB)
+FROM records ORDER BY id"""
+_NAMED = "SELECT id, CAST(coalesce(session_id, session_key) AS BLOB), seq FROM records"
 NOT_JSON_SMALL_SQL = f"{_NAMED} WHERE {SMALL_PAYLOAD} AND NOT json_valid(payload) ORDER BY id"
 NOT_JSON_LARGE_SQL = f"{_NAMED} WHERE {LARGE_PAYLOAD} ORDER BY id"
 BOOKKEEPING_CHECKS: tuple[tuple[str, str | None], ...] = (
@@ -115,6 +121,7 @@ BOOKKEEPING_CHECKS: tuple[tuple[str, str | None], ...] = (
             WHERE before >= seq""",
     ),
     (NOT_JSON, None),  # paging.rows_not_json: no scan holds large payloads' parses
+    (NOT_UTF8, None),  # decoded in Python
     (
         "rows whose size is not their payload's length in bytes",
         "SELECT count(*) FROM records WHERE size != length(CAST(payload AS BLOB))",
@@ -123,7 +130,7 @@ BOOKKEEPING_CHECKS: tuple[tuple[str, str | None], ...] = (
 #: For the checks about single rows: SQL naming the first of them (id, stream, seq).
 NAMED_ROWS_SQL = {
     "rows whose size is not their payload's length in bytes": """SELECT id,
-        coalesce(session_id, session_key), seq FROM records
+        CAST(coalesce(session_id, session_key) AS BLOB), seq FROM records
         WHERE size != length(CAST(payload AS BLOB)) ORDER BY id LIMIT :limit""",
 }
 #: Rows named in one problem at most.
@@ -170,7 +177,9 @@ def full_check(conn: apsw.Connection, path: Path) -> dict[str, Any]:
 
     def report(what: str, n: int, named: list[Any]) -> None:
         if named:
-            listed = ", ".join(f"id {i} (session {name}, seq {seq})" for i, name, seq in named)
+            listed = ", ".join(
+                f"id {i} (session {as_text(name)}, seq {seq})" for i, name, seq in named
+            )
             more = f" and {n - len(named)} more" if n > len(named) else ""
             problems.append(f"{n} {what}: {listed}{more}")
         elif n:
@@ -197,8 +206,19 @@ def full_check(conn: apsw.Connection, path: Path) -> dict[str, Any]:
         return check_result(path, app_id, version, None, problems, notes)
     attempt("reading the schema", definitions)
     attempt("counting rows", count)
+
+    def not_utf8() -> None:
+        n, named = 0, []
+        for row_id, name, seq, *texts in conn.execute(_TEXTS_SQL):
+            if any(undecodable(as_text(text)) for text in texts):
+                n += 1
+                if len(named) < NAMED_ROWS:
+                    named.append((row_id, name, seq))
+        report(NOT_UTF8, n, named)
+
+    scans = {NOT_JSON: not_json, NOT_UTF8: not_utf8}
     for what, sql in BOOKKEEPING_CHECKS:
-        check = not_json if sql is None else partial(bookkeeping, what, sql)
+        check = scans[what] if sql is None else partial(bookkeeping, what, sql)
         attempt(f"checking for {what}", check)
 
     def inflight() -> None:

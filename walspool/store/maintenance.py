@@ -30,6 +30,7 @@ import msgspec
 from ..errors import InvalidArgument, UntrustedSpool, WalspoolError
 from . import codec, connections, files, sqlite_errors
 from .directories import changed
+from .paging import as_text, bound, undecodable
 from .replay_lock import replay_lock
 from .spool import Spool
 from .writer import LIVE_BYTES_SQL
@@ -54,11 +55,15 @@ CHECKPOINT_WAIT_MS = 250
 #: Seconds ``requeue`` and ``drop`` wait for a running replay's lock by default.
 CHANGE_WAIT = 30.0
 
+#: A row whole, its text as stored bytes (made text by ``paging.as_text``: one that is
+#: not UTF-8 can be dropped too).
 ROW_SQL = """
-SELECT id, session_id, session_key, seq, reason, created_at, payload, attempts,
-       last_error, last_attempt_at, status, inflight
+SELECT id, CAST(session_id AS BLOB), CAST(session_key AS BLOB), seq, CAST(reason AS BLOB),
+       created_at, CAST(payload AS BLOB), attempts, CAST(last_error AS BLOB), last_attempt_at,
+       status, inflight
 FROM records WHERE id = ?
 """
+_ROW_TEXTS = (1, 2, 4, 6, 8)
 REQUEUE_SQL = """
 UPDATE records SET status = NULL, attempts = 0, last_error = NULL, last_attempt_at = NULL
 WHERE id = ?
@@ -66,7 +71,7 @@ WHERE id = ?
 DROP_SQL = "DELETE FROM records WHERE id = ?"
 AUDIT_INSERT_SQL = """
 INSERT INTO audit (at, actor, action, record_id, session_id, session_key, seq, detail)
-VALUES (?, ?, ?, ?, ?, ?, ?, ?)
+VALUES (?, ?, ?, ?, CAST(? AS TEXT), CAST(? AS TEXT), ?, ?)
 """
 FREELIST_SQL = "PRAGMA freelist_count"
 
@@ -137,6 +142,8 @@ def _change(
         problems = []
         for record_id in wanted:
             row = conn.execute(ROW_SQL, (record_id,)).fetchone()
+            if row is not None:
+                row = tuple(as_text(v) if i in _ROW_TEXTS else v for i, v in enumerate(row))
             if row is None:
                 problems.append(f"{record_id} (no such row)")
             elif row[11] is not None:
@@ -151,7 +158,16 @@ def _change(
         for record_id, row in rows.items():
             conn.execute(
                 AUDIT_INSERT_SQL,
-                (now, who, action, record_id, row[1], row[2], row[3], _detail(row, action)),
+                (
+                    now,
+                    who,
+                    action,
+                    record_id,
+                    bound(row[1]),
+                    bound(row[2]),
+                    row[3],
+                    _detail(row, action),
+                ),  # fmt: skip
             )
             conn.execute(DROP_SQL if action == "drop" else REQUEUE_SQL, (record_id,))
         return list(rows)
@@ -177,12 +193,22 @@ def _detail(row: tuple[Any, ...], action: str) -> str:
     detail: dict[str, Any] = {
         "status": row[10],
         "attempts": row[7],
-        "last_error": row[8],
+        "last_error": _exact(row[8]),
         "last_attempt_at": row[9],
     }
     if action == "drop":
-        detail |= {"reason": row[4], "created_at": row[5], "payload": row[6]}
+        detail |= {"reason": _exact(row[4]), "created_at": row[5], "payload": _exact(row[6])}
     return codec.encode(detail).decode()
+
+
+def _exact(text: Any) -> Any:
+    """A value for the audit's JSON as it was stored: text, or for bytes that are not
+    UTF-8 (JSON text cannot hold them) ``{"hex": "..."}`` of those bytes."""
+    if isinstance(text, bytes):
+        return {"hex": text.hex()}
+    if undecodable(text):
+        return {"hex": text.encode("utf-8", "surrogateescape").hex()}
+    return text
 
 
 def vacuum(spool: Spool, *, force: bool = False) -> VacuumReport:

@@ -70,6 +70,70 @@ ROW_BYTES_SQL = (
 )
 #: Where a ``RECORD_COLUMNS`` row holds its payload.
 PAYLOAD = 6
+#: Where it holds its text: session id, reason, session key, last error. Each is
+#: selected as its stored bytes and made text by ``as_text``.
+TEXT_COLUMNS = (1, 3, 4, 8)
+
+
+def as_text(value: Any) -> Any:
+    """A text column selected as its stored bytes (``CAST(... AS BLOB)``) as ``str``.
+
+    SQLite never checks that TEXT is UTF-8: a hand edit (``CAST(X'ff' AS TEXT)`` in the
+    ``sqlite3`` shell) or a damaged page can store any bytes, and apsw's own decoding of
+    such a value fails the whole statement, so one row would stop every reader. Bytes
+    that are not UTF-8 keep each bad byte as a lone surrogate (``surrogateescape``):
+    nothing is lost, ``printable`` shows it as ``\\udcXX``, ``undecodable`` tells such
+    text apart and ``bound`` gives the very bytes back as a parameter. None and other
+    values are given back as they are."""
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "surrogateescape")
+    return value
+
+
+def undecodable(text: str | None) -> bool:
+    """Whether ``text`` (from ``as_text``) holds bytes that are not UTF-8."""
+    if text is None:
+        return False
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def readable(text: str | None) -> str | None:
+    """``text`` with each byte that was not UTF-8 as U+FFFD: for messages that are
+    stored or sent on as text (a row's last error); the row's id names it exactly."""
+    if not undecodable(text):
+        return text
+    assert text is not None
+    return text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+
+
+def bound(text: str | None) -> str | bytes | None:
+    """``text`` as a parameter that SQL reads with ``CAST(:param AS TEXT)``: the text
+    itself, or for text ``as_text`` made of bytes that are not UTF-8, those bytes (a
+    blob cast to text is its bytes as they are), so such a row can be found again."""
+    if not undecodable(text):
+        return text
+    assert text is not None
+    return text.encode("utf-8", "surrogateescape")
+
+
+def as_selected(selected: tuple[Any, ...]) -> tuple[Any, ...]:
+    """A row selected as ``RECORD_COLUMNS`` (and more columns after them) with its
+    text columns made text (``as_text``) and its payload made text when it is UTF-8
+    (kept as stored bytes when not: decoding it finds it is not JSON, one bad row)."""
+    row = list(selected)
+    for i in TEXT_COLUMNS:
+        row[i] = as_text(row[i])
+    payload = row[PAYLOAD]
+    if isinstance(payload, bytes):
+        try:
+            row[PAYLOAD] = payload.decode("utf-8")
+        except UnicodeDecodeError:
+            pass
+    return tuple(row)
 
 
 def read_page(
@@ -85,13 +149,9 @@ def read_page(
     total = 0
     cursor = conn.execute(sql, params)
     try:
-        for row in cursor:
+        for selected in cursor:
+            row = as_selected(selected)
             payload = row[PAYLOAD]
-            if isinstance(payload, bytes):
-                try:
-                    row = (*row[:PAYLOAD], payload.decode("utf-8"), *row[PAYLOAD + 1 :])
-                except UnicodeDecodeError:
-                    pass  # kept as stored: decoding it finds it is not JSON, one bad row
             rows.append(row)
             decoded = codec.decoded_bytes(payload) if isinstance(payload, (str, bytes)) else 0
             total += row[-1] + decoded
@@ -106,12 +166,23 @@ def record_from_row(row: tuple[Any, ...], path: Path | None = None) -> Record:
     """Build a Record from a row selected as ``RECORD_COLUMNS``, its payload decoded
     within ``codec``'s budget.
 
-    Raises ``SpoolCorrupt`` naming the row when its payload is not JSON (a hand edit
-    or a damaged page: walspool writes JSON only), or is nested too deep or holds too
-    many values to decode (``codec.MAX_DEPTH``, ``codec.MAX_VALUES``).
+    Raises ``SpoolCorrupt`` naming the row when its session id, reason or session key
+    is not UTF-8, its payload is not JSON (a hand edit or a damaged page: walspool
+    writes UTF-8 and JSON only), or is nested too deep or holds too many values to
+    decode (``codec.MAX_DEPTH``, ``codec.MAX_VALUES``).
     """
     row_id, session_id, seq, payload = row[0], row[1], row[2], row[PAYLOAD]
-    where = f"row {row_id} (session {session_id}, seq {seq}) of {path or 'the spool'}"
+    # stored as its last error: text that UTF-8 can encode, a bad byte as U+FFFD
+    name = readable(session_id if session_id is not None else row[4])
+    where = f"row {row_id} (session {name}, seq {seq}) of {path or 'the spool'}"
+    for what, text in (("session id", session_id), ("reason", row[3]), ("session key", row[4])):
+        if undecodable(text):
+            raise SpoolCorrupt(
+                f"{where} has a {what} that is not UTF-8 text (a hand edit or a damaged "
+                "page: walspool writes UTF-8 only); export the others and delete it by hand",
+                path=path,
+                session_id=session_id,
+            )
     try:
         message = codec.decode(payload)
     except codec.OverBudget as exc:

@@ -17,7 +17,17 @@ import apsw
 
 from ..errors import SpoolCorrupt
 from . import codec, totals
-from .paging import LARGE_PAYLOAD, SMALL_PAYLOAD, payload_is_json, record_from_row, rows_not_json
+from .paging import (
+    LARGE_PAYLOAD,
+    SMALL_PAYLOAD,
+    as_selected,
+    as_text,
+    bound,
+    payload_is_json,
+    record_from_row,
+    rows_not_json,
+    undecodable,
+)
 from .records import AGENT_HISTORY, Record
 from .spool import RECORD_COLUMNS
 from .tickets import REASON_FILTER
@@ -26,30 +36,32 @@ from .tickets import REASON_FILTER
 # No payload in a GROUP BY: its sorter would hold every row's payload (2 GiB for 24
 # rows of 60 MiB). Bad payloads are counted by their own query, for the dry run only.
 _STREAM_WHERE = (
-    f"(inflight IS NOT NULL OR ({REASON_FILTER})) AND (:session IS NULL OR session_id = :session)"
+    f"(inflight IS NOT NULL OR ({REASON_FILTER}))"
+    " AND (:session IS NULL OR session_id = CAST(:session AS TEXT))"
 )
 _STREAM_ROWS = f"""
 FROM records
 WHERE {_STREAM_WHERE}
 """
 STREAMS_SQL = f"""
-SELECT session_id, CASE WHEN session_id IS NULL THEN session_key END, count(*),
-       sum(inflight IS NOT NULL)
+SELECT CAST(session_id AS BLOB), CAST(CASE WHEN session_id IS NULL THEN session_key END AS BLOB),
+       count(*), sum(inflight IS NOT NULL)
 {_STREAM_ROWS}
 GROUP BY 1, 2 ORDER BY 1, 2
 """
 #: A bad payload's id and stream (``paging.rows_not_json``: no scan holds large parses).
 _BAD_PAYLOAD_ROWS = f"""
-SELECT id, session_id, CASE WHEN session_id IS NULL THEN session_key END
+SELECT id, CAST(session_id AS BLOB),
+       CAST(CASE WHEN session_id IS NULL THEN session_key END AS BLOB)
 FROM records WHERE ({_STREAM_WHERE})"""
 BAD_SMALL_SQL = f"{_BAD_PAYLOAD_ROWS} AND {SMALL_PAYLOAD} AND NOT json_valid(payload) ORDER BY id"
 BAD_LARGE_SQL = f"{_BAD_PAYLOAD_ROWS} AND {LARGE_PAYLOAD} ORDER BY id"
 # Rows in flight without their payloads (the sort holds ids, names and seqs only); each
 # payload is then read and decoded on its own (``ROW_SQL``) and let go.
 INFLIGHT_ROWS_SQL = """
-SELECT id, session_id, inflight FROM records
+SELECT id, CAST(session_id AS BLOB), inflight FROM records
 WHERE inflight IS NOT NULL AND session_id IS NOT NULL
-  AND (:session IS NULL OR session_id = :session)
+  AND (:session IS NULL OR session_id = CAST(:session AS TEXT))
 ORDER BY session_id, seq
 """
 ROW_SQL = f"SELECT {RECORD_COLUMNS} FROM records WHERE id = ? AND json_valid(payload)"
@@ -57,7 +69,7 @@ ROW_SQL = f"SELECT {RECORD_COLUMNS} FROM records WHERE id = ? AND json_valid(pay
 # row (each payload checked on its own, ``paging.payload_is_json``).
 STREAM_IDS_SQL = f"""
 SELECT id FROM records
-WHERE session_id = :session_id AND inflight IS NULL AND {REASON_FILTER}
+WHERE session_id = CAST(:session_id AS TEXT) AND inflight IS NULL AND {REASON_FILTER}
 ORDER BY seq
 """
 
@@ -94,7 +106,7 @@ def _params(session: str | None, reasons: Sequence[str] | None, statuses: str) -
     return {
         "reasons": reasons_json,
         "agent_history": AGENT_HISTORY,
-        "session": session,
+        "session": bound(session),
         "statuses": statuses,
     }
 
@@ -113,9 +125,14 @@ def replay_streams(
     invalid: Counter[tuple[str | None, str | None]] = Counter()
     if bad:
         for _, session_id, key in rows_not_json(conn, BAD_SMALL_SQL, BAD_LARGE_SQL, params):
-            invalid[session_id, key] += 1
-    rows = conn.execute(STREAMS_SQL, params).fetchall()
-    return [StreamCount(*row, invalid.get((row[0], row[1]), 0)) for row in rows]
+            invalid[as_text(session_id), as_text(key)] += 1
+    out = []
+    for session_id, key, rows, inflight in conn.execute(STREAMS_SQL, params):
+        session_id, key = as_text(session_id), as_text(key)
+        # a stream whose name is not UTF-8: a replay quarantines each of its rows
+        wrong = rows if undecodable(session_id) or undecodable(key) else 0
+        out.append(StreamCount(session_id, key, rows, inflight, wrong or invalid[session_id, key]))
+    return out
 
 
 def _decoded(row: tuple[Any, ...]) -> Record | None:
@@ -134,13 +151,14 @@ def plan(
     params = _params(session, reasons, statuses)
     streams = replay_streams(conn, session, reasons, statuses, bad=True)
     inflight: dict[str, list[InFlightRow]] = {}
-    for row_id, session_id, ticket in conn.execute(INFLIGHT_ROWS_SQL, params):
+    for row_id, name, ticket in conn.execute(INFLIGHT_ROWS_SQL, params):
+        session_id = as_text(name)
         decodable = fetch_record(conn, row_id) is not None  # one row in memory at a time
         inflight.setdefault(session_id, []).append(InFlightRow(ticket, row_id, decodable))
     first = {}
     for stream in streams:
         if stream.session_id is not None:
-            ids = conn.execute(STREAM_IDS_SQL, {**params, "session_id": stream.session_id})
+            ids = conn.execute(STREAM_IDS_SQL, {**params, "session_id": bound(stream.session_id)})
             for (row_id,) in ids:
                 if payload_is_json(conn, row_id):
                     record = fetch_record(conn, row_id)
@@ -154,5 +172,5 @@ def fetch_record(conn: apsw.Connection, row_id: int) -> Record | None:
     """Row ``row_id``'s record, or None when it is gone or its payload is not JSON or
     too costly to decode."""
     for row in conn.execute(ROW_SQL, (row_id,)):
-        return _decoded(row)
+        return _decoded(as_selected(row))
     return None

@@ -37,7 +37,7 @@ from ..errors import NotASpool, SpoolCorrupt
 from . import connections, files, sqlite_errors
 from .connections import open_reader
 from .directories import open_directory
-from .paging import PAGE_ROWS, ROW_BYTES_SQL, read_page, record_from_row
+from .paging import PAGE_ROWS, ROW_BYTES_SQL, bound, read_page, record_from_row, undecodable
 from .records import Record
 from .spool import RECORD_COLUMNS, check_lookup, reasons_filter
 
@@ -169,31 +169,37 @@ _BY_REASON = "(:reasons IS NULL OR reason IN (SELECT value FROM json_each(:reaso
 #: each in seq order; or one name's two streams. One short read per page.
 _PAGES_SQL = {
     (False, "id"): f"""{_ROW} WHERE session_id IS NOT NULL
-        AND (session_id, seq) > (:name, :seq) AND {_BY_REASON}
+        AND (session_id, seq) > (CAST(:name AS TEXT), :seq) AND {_BY_REASON}
         ORDER BY session_id, seq LIMIT :limit""",
     (False, "key"): f"""{_ROW} INDEXED BY records_session_key_seq_idx WHERE session_id IS NULL
-        AND (session_key, seq) > (:name, :seq) AND {_BY_REASON}
+        AND (session_key, seq) > (CAST(:name AS TEXT), :seq) AND {_BY_REASON}
         ORDER BY session_key, seq LIMIT :limit""",
-    (True, "id"): f"""{_ROW} WHERE session_id = :session AND seq > :seq AND {_BY_REASON}
+    (
+        True,
+        "id",
+    ): f"""{_ROW} WHERE session_id = CAST(:session AS TEXT) AND seq > :seq AND {_BY_REASON}
         ORDER BY seq LIMIT :limit""",
     (True, "key"): f"""{_ROW} INDEXED BY records_session_key_seq_idx WHERE session_id IS NULL
-        AND session_key = :session AND seq > :seq AND {_BY_REASON}
+        AND session_key = CAST(:session AS TEXT) AND seq > :seq AND {_BY_REASON}
         ORDER BY seq LIMIT :limit""",
 }
 _COUNT_SQL = f"""SELECT count(*) FROM records WHERE {_BY_REASON}
-    AND (:session IS NULL OR session_id = :session
-         OR (session_id IS NULL AND session_key = :session))"""
+    AND (:session IS NULL OR session_id = CAST(:session AS TEXT)
+         OR (session_id IS NULL AND session_key = CAST(:session AS TEXT)))"""
 
 
 class BadPayload:
-    """In place of a message whose stored payload is not JSON, or too costly to decode
-    (``codec.MAX_DEPTH``, ``codec.MAX_VALUES``): its raw text, flagged."""
+    """In place of the message of a row walspool cannot read: its payload is not JSON,
+    or too costly to decode (``codec.MAX_DEPTH``, ``codec.MAX_VALUES``), or its
+    session id, reason or key is not UTF-8. Its raw text, flagged: ``label`` says
+    which ("NOT JSON", "NOT UTF-8")."""
 
-    __slots__ = ("raw", "error")
+    __slots__ = ("raw", "error", "label")
 
-    def __init__(self, raw: Any, error: str) -> None:
+    def __init__(self, raw: Any, error: str, label: str = "NOT JSON") -> None:
         self.raw = raw if isinstance(raw, str) else repr(raw)
         self.error = error
+        self.label = label
 
 
 class RawPayload:
@@ -228,21 +234,21 @@ def iter_records(
     """
     path = reader.path
     if session is not None:
-        check_lookup(session, "session", path)
+        check_lookup(session, "session", path, stored_bytes=True)
     params: dict[str, Any] = {
         "reasons": reasons_filter(reasons, path),
-        "session": session,
+        "session": bound(session),
         "limit": PAGE_ROWS,
     }
     for kind in kinds:
         sql = _PAGES_SQL[(session is not None, kind)]
         name, seq = "", 0
         while True:
-            page = {**params, "name": name, "seq": seq}
+            page = {**params, "name": bound(name), "seq": seq}
             rows, full = reader.read(lambda c, sql=sql, page=page: read_page(c, sql, page))
             for row in rows:
                 columns, inflight, valid = row[:-3], row[-3], row[-2]
-                if raw and valid and isinstance(columns[6], str):
+                if raw and valid and isinstance(columns[6], str) and not _odd_text(columns):
                     record = Record(*columns[:6], RawPayload(columns[6]), *columns[7:])
                 else:
                     record = _record_or_flagged(columns, path, bad)
@@ -253,6 +259,11 @@ def iter_records(
             name, seq = (last[1] if kind == "id" else last[4]), last[2]
 
 
+def _odd_text(columns: tuple[Any, ...]) -> bool:
+    """Whether the row's session id, reason or session key is not UTF-8."""
+    return any(undecodable(columns[i]) for i in (1, 3, 4))
+
+
 def _record_or_flagged(row: tuple[Any, ...], path: Path, bad: list[str] | None) -> Record:
     try:
         return record_from_row(row, path)
@@ -260,12 +271,14 @@ def _record_or_flagged(row: tuple[Any, ...], path: Path, bad: list[str] | None) 
         row_id, session_id, seq = row[0], row[1] if row[1] is not None else row[4], row[2]
         if bad is not None:
             bad.append(f"id {row_id} (session {session_id}, seq {seq})")
-        return Record(*row[:6], BadPayload(row[6], str(exc.__cause__ or exc)), *row[7:])
+        label = "NOT UTF-8" if _odd_text(row) else "NOT JSON"
+        flagged = BadPayload(row[6], str(exc.__cause__ or exc), label)
+        return Record(*row[:6], flagged, *row[7:])
 
 
 def count_records(reader: SpoolReader, session: str | None, reasons: Sequence[str] | None) -> int:
     """How many rows ``iter_records`` would yield now (for the progress bar)."""
     if session is not None:
-        check_lookup(session, "session", reader.path)
-    params = {"reasons": reasons_filter(reasons, reader.path), "session": session}
+        check_lookup(session, "session", reader.path, stored_bytes=True)
+    params = {"reasons": reasons_filter(reasons, reader.path), "session": bound(session)}
     return int(reader.read(lambda c: c.execute(_COUNT_SQL, params).get))

@@ -23,12 +23,13 @@ from .sqlite_errors import sqlite_error
 from .writer import Append, Operation, Quarantined, Row, Writer
 
 DEFAULT_MAX_PAYLOAD_BYTES = 64 * 1024 * 1024
-#: A row as ``Record`` takes it. The payload comes as its stored bytes, made text by
-#: ``paging.read_page`` when they are UTF-8: a payload that is not (a hand edit, a
+#: A row as ``Record`` takes it. The payload and the text columns come as their stored
+#: bytes, made text by ``paging.read_page``: one that is not UTF-8 (a hand edit, a
 #: damaged page) is then one bad row, where apsw's own decoding would fail the page.
 RECORD_COLUMNS = (
-    "id, session_id, seq, reason, session_key, created_at, CAST(payload AS BLOB), attempts, "
-    "last_error, last_attempt_at, status"
+    "id, CAST(session_id AS BLOB), seq, CAST(reason AS BLOB), CAST(session_key AS BLOB), "
+    "created_at, CAST(payload AS BLOB), attempts, CAST(last_error AS BLOB), "
+    "last_attempt_at, status"
 )
 RECORDS_PAGE_SQL = f"""
 SELECT {RECORD_COLUMNS}, {ROW_BYTES_SQL} FROM records
@@ -579,17 +580,20 @@ def check_name(value: Any, what: str, path: Path, limit: int) -> None:
         )
 
 
-def check_lookup(value: Any, what: str, path: Path) -> None:
+def check_lookup(value: Any, what: str, path: Path, *, stored_bytes: bool = False) -> None:
     """Refuse a name to look up that SQLite cannot even be asked about.
 
     An empty or overlong name simply finds nothing; a non-str or a str with a lone
-    surrogate (which UTF-8 cannot carry) is an error.
+    surrogate (which UTF-8 cannot carry) is an error. With ``stored_bytes`` (for a
+    lookup whose SQL reads it with ``CAST(:param AS TEXT)``, bound by ``paging.bound``),
+    surrogates that stand for bytes that are not UTF-8 (U+DC80-U+DCFF, as Python reads
+    them from a command line and ``paging.as_text`` from the spool) look those bytes up.
     """
     if not isinstance(value, str):
         raise InvalidArgument(f"{what} must be a str, not {type(value).__name__}", path=path)
     if not value.isascii():
         try:
-            value.encode("utf-8")
+            value.encode("utf-8", "surrogateescape" if stored_bytes else "strict")
         except UnicodeEncodeError:
             raise InvalidArgument(
                 f"{what} {value!r} contains a lone surrogate, which UTF-8 cannot store",

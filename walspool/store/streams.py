@@ -18,19 +18,21 @@ import json
 from collections.abc import Iterable
 from typing import Any
 
-from .paging import LARGE_PAYLOAD, SMALL_PAYLOAD
+from .paging import LARGE_PAYLOAD, SMALL_PAYLOAD, as_text, bound
 from .records import AGENT_HISTORY
 from .spool import Spool
 
 _LEFT = "reason != :agent_history AND (status IS NULL OR inflight IS NOT NULL)"
-_LEFT_IN_SESSION_SQL = f"SELECT count(*) FROM records WHERE session_id = :name AND {_LEFT}"
+_LEFT_IN_SESSION_SQL = (
+    f"SELECT count(*) FROM records WHERE session_id = CAST(:name AS TEXT) AND {_LEFT}"
+)
 _LEFT_OF_KEY_SQL = f"""
 SELECT count(*) FROM records
-WHERE session_id IS NULL AND session_key = :name AND {_LEFT}
+WHERE session_id IS NULL AND session_key = CAST(:name AS TEXT) AND {_LEFT}
 """
 _ANY_LEFT_SQL = "SELECT EXISTS (SELECT 1 FROM records WHERE reason != :agent_history)"
 _SESSIONS_LEFT_SQL = f"""
-SELECT DISTINCT session_id FROM records WHERE session_id IS NOT NULL AND {_LEFT}
+SELECT DISTINCT CAST(session_id AS BLOB) FROM records WHERE session_id IS NOT NULL AND {_LEFT}
 """
 #: A row's time to resolve its routing key at: the message's own ``timestamp`` (an
 #: imported file's ``ts``), else spool time.
@@ -43,23 +45,26 @@ _KEY_ROWS = f"""
 FROM records INDEXED BY records_session_key_seq_idx WHERE session_id IS NULL AND {_LEFT}
 """
 _KEYS_TO_RESOLVE_SQL = f"""
-SELECT session_key, min({_ROW_TIME}) {_KEY_ROWS} AND {SMALL_PAYLOAD}
+SELECT CAST(session_key AS BLOB), min({_ROW_TIME}) {_KEY_ROWS} AND {SMALL_PAYLOAD}
 GROUP BY session_key
 """
 _LARGE_KEY_ROWS_SQL = f"SELECT id {_KEY_ROWS} AND {LARGE_PAYLOAD}"
-_KEY_ROW_TIME_SQL = f"SELECT session_key, {_ROW_TIME} FROM records WHERE id = :id"
+_KEY_ROW_TIME_SQL = f"SELECT CAST(session_key AS BLOB), {_ROW_TIME} FROM records WHERE id = :id"
 
 #: Each session's payload bytes and the largest row id, in one walk of the statistics
 #: index (it holds the size and session of every row, and its id): no row page is read.
 #: Measured on a 1M-row spool (1,000 sessions, 462 MB) on a shared 2-core machine: 0.55 to
 #: 0.8 s with the index in the page cache, 2.6 s from a colder cache under load.
 _BYTES_BY_SESSION_SQL = """
-SELECT session_id, sum(size), max(id)
+SELECT CAST(session_id AS BLOB), sum(size), max(id)
 FROM records INDEXED BY records_reason_created_at_size_session_id_session_key_idx
 GROUP BY session_id
 """
 _ANY_ROW_SQL = "SELECT EXISTS (SELECT 1 FROM records)"
-_SIZES_SQL = "SELECT id, session_id, size FROM records WHERE id IN (SELECT value FROM json_each(?))"
+_SIZES_SQL = (
+    "SELECT id, CAST(session_id AS BLOB), size FROM records "
+    "WHERE id IN (SELECT value FROM json_each(?))"
+)
 _PRESENT_SQL = "SELECT id FROM records WHERE id IN (SELECT value FROM json_each(?))"
 
 _NAMES_SQL = f"""
@@ -79,7 +84,7 @@ def left_to_replay(spool: Spool, stream: tuple[str, str]) -> int:
     """The rows of ``stream`` (``("session_id" | "session_key", name)``) a replay would
     still write."""
     sql = _LEFT_IN_SESSION_SQL if stream[0] == "session_id" else _LEFT_OF_KEY_SQL
-    return int(spool.query(sql, {**_HISTORY, "name": stream[1]})[0][0])
+    return int(spool.query(sql, {**_HISTORY, "name": bound(stream[1])})[0][0])
 
 
 def any_left_to_replay(spool: Spool) -> bool:
@@ -89,15 +94,16 @@ def any_left_to_replay(spool: Spool) -> bool:
 
 def sessions_left(spool: Spool) -> set[str]:
     """The sessions with rows left to replay."""
-    return {row[0] for row in spool.query(_SESSIONS_LEFT_SQL, _HISTORY)}
+    return {as_text(row[0]) for row in spool.query(_SESSIONS_LEFT_SQL, _HISTORY)}
 
 
 def keys_to_resolve(spool: Spool) -> list[tuple[str, Any]]:
     """Each routing key with rows left to replay, in key order, with the time of its
     oldest row to resolve it at (see ``_ROW_TIME``)."""
-    oldest = dict(spool.query(_KEYS_TO_RESOLVE_SQL, _HISTORY))
+    oldest = {as_text(key): ts for key, ts in spool.query(_KEYS_TO_RESOLVE_SQL, _HISTORY)}
     for (row_id,) in spool.query(_LARGE_KEY_ROWS_SQL, _HISTORY):
-        for key, ts in spool.query(_KEY_ROW_TIME_SQL, {"id": row_id}):  # none if it is gone
+        for stored, ts in spool.query(_KEY_ROW_TIME_SQL, {"id": row_id}):  # none if gone
+            key = as_text(stored)
             oldest[key] = ts if key not in oldest else min(oldest[key], ts)
     return sorted(oldest.items())
 
@@ -115,14 +121,14 @@ def bytes_by_session(spool: Spool) -> tuple[dict[str, int], int]:
     for session_id, nbytes, top in spool.query(_BYTES_BY_SESSION_SQL, ()):
         max_id = max(max_id, top or 0)
         if session_id is not None:
-            by_session[session_id] = nbytes or 0
+            by_session[as_text(session_id)] = nbytes or 0
     return by_session, max_id
 
 
 def sizes(spool: Spool, ids: Iterable[int]) -> list[tuple[int, str | None, int]]:
     """``(id, session_id, size)`` of the rows among ``ids`` still in the spool."""
     found = spool.query(_SIZES_SQL, (json.dumps(list(ids)),))
-    return [(row_id, session_id, size) for row_id, session_id, size in found]
+    return [(row_id, as_text(session_id), size) for row_id, session_id, size in found]
 
 
 def present(spool: Spool, ids: Iterable[int]) -> set[int]:

@@ -24,7 +24,7 @@ import msgspec
 
 from ..errors import SpoolCorrupt
 from . import totals
-from .paging import ROW_BYTES_SQL, read_page, record_from_row
+from .paging import ROW_BYTES_SQL, as_text, bound, read_page, record_from_row
 from .records import AGENT_HISTORY, Record
 from .spool import RECORD_COLUMNS, Spool
 
@@ -35,33 +35,36 @@ REASON_FILTER = """(CASE WHEN :reasons IS NULL THEN reason != :agent_history
      AND (status IS NULL OR status IN (SELECT value FROM json_each(:statuses)))"""
 _NEXT_BY_ID_SQL = f"""
 SELECT {RECORD_COLUMNS}, {ROW_BYTES_SQL} FROM records
-WHERE session_id IS NOT NULL AND (session_id, seq) > (:after_name, :after_seq)
+WHERE session_id IS NOT NULL AND (session_id, seq) > (CAST(:after_name AS TEXT), :after_seq)
   AND inflight IS NULL AND {REASON_FILTER}
 ORDER BY session_id, seq LIMIT :limit
 """
 _NEXT_IN_SESSION_SQL = f"""
 SELECT {RECORD_COLUMNS}, {ROW_BYTES_SQL} FROM records
-WHERE session_id = :session_id AND seq > :after_seq AND inflight IS NULL AND {REASON_FILTER}
+WHERE session_id = CAST(:session_id AS TEXT) AND seq > :after_seq AND inflight IS NULL
+  AND {REASON_FILTER}
 ORDER BY seq LIMIT :limit
 """
 _NEXT_BY_KEY_SQL = f"""
 SELECT {RECORD_COLUMNS}, {ROW_BYTES_SQL} FROM records INDEXED BY records_session_key_seq_idx
-WHERE session_id IS NULL AND (session_key, seq) > (:after_name, :after_seq)
+WHERE session_id IS NULL AND (session_key, seq) > (CAST(:after_name AS TEXT), :after_seq)
   AND inflight IS NULL AND {REASON_FILTER}
 ORDER BY session_key, seq LIMIT :limit
 """
 _NEXT_OF_KEY_SQL = f"""
 SELECT {RECORD_COLUMNS}, {ROW_BYTES_SQL} FROM records INDEXED BY records_session_key_seq_idx
-WHERE session_id IS NULL AND session_key = :session_key AND seq > :after_seq
+WHERE session_id IS NULL AND session_key = CAST(:session_key AS TEXT) AND seq > :after_seq
   AND inflight IS NULL AND {REASON_FILTER}
 ORDER BY seq LIMIT :limit
 """
 #: Rows left in flight, found through their partial index in id order: the next one
 #: after ``:after``, for the names of its stream (one row's names, never a page of them).
 _NEXT_IN_FLIGHT_SQL = """
-SELECT id, session_id, session_key FROM records INDEXED BY records_inflight_idx
-WHERE inflight IS NOT NULL AND id > :after AND (:session_id IS NULL OR session_id = :session_id)
-  AND (:session_key IS NULL OR (session_id IS NULL AND session_key = :session_key))
+SELECT id, CAST(session_id AS BLOB), CAST(session_key AS BLOB)
+FROM records INDEXED BY records_inflight_idx
+WHERE inflight IS NOT NULL AND id > :after
+  AND (:session_id IS NULL OR session_id = CAST(:session_id AS TEXT))
+  AND (:session_key IS NULL OR (session_id IS NULL AND session_key = CAST(:session_key AS TEXT)))
 ORDER BY id LIMIT 1
 """
 # One stream's rows in flight, a page at a time in seq order. The subquery sorts only
@@ -70,18 +73,18 @@ ORDER BY id LIMIT 1
 # that order, so no sorter ever holds a payload or a name.
 _IN_FLIGHT_IN_SESSION_SQL = f"""
 SELECT {RECORD_COLUMNS}, inflight, {ROW_BYTES_SQL} FROM records
-WHERE session_id = :name AND seq IN (
+WHERE session_id = CAST(:name AS TEXT) AND seq IN (
     SELECT seq FROM records INDEXED BY records_inflight_idx
-    WHERE inflight IS NOT NULL AND session_id = :name AND seq > :after_seq
+    WHERE inflight IS NOT NULL AND session_id = CAST(:name AS TEXT) AND seq > :after_seq
     ORDER BY seq LIMIT :limit)
 ORDER BY seq
 """
 _IN_FLIGHT_BY_KEY_SQL = f"""
 SELECT {RECORD_COLUMNS}, inflight, {ROW_BYTES_SQL}
 FROM records INDEXED BY records_session_key_seq_idx
-WHERE session_id IS NULL AND session_key = :name AND seq IN (
+WHERE session_id IS NULL AND session_key = CAST(:name AS TEXT) AND seq IN (
     SELECT seq FROM records INDEXED BY records_inflight_idx
-    WHERE inflight IS NOT NULL AND session_id IS NULL AND session_key = :name
+    WHERE inflight IS NOT NULL AND session_id IS NULL AND session_key = CAST(:name AS TEXT)
       AND seq > :after_seq
     ORDER BY seq LIMIT :limit)
 ORDER BY seq
@@ -110,11 +113,12 @@ WHERE id = ?
 _PUT_BACK_SQL = "UPDATE records SET status = NULL WHERE id = ? AND status = 'quarantined'"
 _COUNT_HELD_BY_ID_SQL = f"""
 SELECT count(*) FROM records
-WHERE session_id = :name AND (inflight IS NOT NULL OR ({REASON_FILTER}))
+WHERE session_id = CAST(:name AS TEXT) AND (inflight IS NOT NULL OR ({REASON_FILTER}))
 """
 _COUNT_HELD_BY_KEY_SQL = f"""
 SELECT count(*) FROM records
-WHERE session_id IS NULL AND session_key = :name AND (inflight IS NOT NULL OR ({REASON_FILTER}))
+WHERE session_id IS NULL AND session_key = CAST(:name AS TEXT)
+  AND (inflight IS NOT NULL OR ({REASON_FILTER}))
 """
 
 #: ("session_id" | "session_key", name): the order a row moves in.
@@ -142,8 +146,8 @@ class Scope(msgspec.Struct, frozen=True):
             "reasons": self.reasons,
             "agent_history": AGENT_HISTORY,
             "statuses": self.statuses,
-            "session_id": self.session_id,
-            "session_key": self.session_key,
+            "session_id": bound(self.session_id),
+            "session_key": bound(self.session_key),
         }
 
 
@@ -186,7 +190,12 @@ def take(spool: Spool, scope: Scope, *, keyed: bool, after: tuple[str, int], lim
         sql = _NEXT_OF_KEY_SQL
     else:
         sql = _NEXT_BY_KEY_SQL if keyed else _NEXT_BY_ID_SQL
-    params = {**scope.params(), "after_name": after[0], "after_seq": after[1], "limit": limit}
+    params = {
+        **scope.params(),
+        "after_name": bound(after[0]),
+        "after_seq": after[1],
+        "limit": limit,
+    }
     rows, older, full = spool.transact(partial(_take, sql=sql, params=params))
     # Decoded once the transaction is over: the write lock is not held meanwhile.
     batch = _records(rows, spool.path)
@@ -204,13 +213,13 @@ def next_in_flight(spool: Spool, scope: Scope, after: int) -> tuple[int, Stream]
     if not found:
         return None
     row_id, session_id, session_key = found[0]
-    return row_id, stream_of(session_id, session_key)
+    return row_id, stream_of(as_text(session_id), as_text(session_key))
 
 
 def in_flight_page(spool: Spool, stream: Stream, after_seq: int, limit: int) -> Batch:
     """A page of ``stream``'s rows in flight after ``after_seq``, with their tickets."""
     sql = _IN_FLIGHT_IN_SESSION_SQL if stream[0] == "session_id" else _IN_FLIGHT_BY_KEY_SQL
-    params = {"name": stream[1], "after_seq": after_seq, "limit": limit}
+    params = {"name": bound(stream[1]), "after_seq": after_seq, "limit": limit}
     rows, full = spool.read_page(sql, params, limit=limit)
     batch = _records([(row[:-2], row[-2]) for row in rows], spool.path)
     batch.full = full
@@ -240,7 +249,7 @@ def put_back(spool: Spool, record_id: int) -> None:
 def count_held(spool: Spool, scope: Scope, stream: Stream) -> int:
     """The rows ``stream`` leaves behind for ``scope``: in flight, or still to move."""
     sql = _COUNT_HELD_BY_ID_SQL if stream[0] == "session_id" else _COUNT_HELD_BY_KEY_SQL
-    return spool.query(sql, {**scope.params(), "name": stream[1]})[0][0]
+    return spool.query(sql, {**scope.params(), "name": bound(stream[1])})[0][0]
 
 
 def stream_of(session_id: str | None, session_key: str | None) -> Stream:

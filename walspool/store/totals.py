@@ -10,10 +10,11 @@ from typing import Any
 
 import apsw
 
+from .paging import as_text
 from .records import Stats
 
 _BY_REASON_SQL = """
-SELECT reason, count(*), sum(size), min(created_at), max(created_at)
+SELECT CAST(reason AS BLOB), count(*), sum(size), min(created_at), max(created_at)
 FROM records GROUP BY reason
 """
 _SESSIONS_SQL = """
@@ -68,10 +69,10 @@ SELECT coalesce(sum(last), 0) FROM (
 #: The latest failed attempts, from the index of rows with an error (a sort bounded by
 #: the LIMIT), each name and error clipped in SQL; ``stats`` keeps each session's first.
 _RECENT_ERRORS_SQL = """
-SELECT substr(session_id, 1, :chars),
-       CASE WHEN session_id IS NULL THEN substr(session_key, 1, :chars) END,
+SELECT CAST(substr(session_id, 1, :chars) AS BLOB),
+       CAST(CASE WHEN session_id IS NULL THEN substr(session_key, 1, :chars) END AS BLOB),
        length(coalesce(session_id, session_key)) > :chars,
-       substr(last_error, 1, :chars), coalesce(last_attempt_at, created_at)
+       CAST(substr(last_error, 1, :chars) AS BLOB), coalesce(last_attempt_at, created_at)
 FROM records INDEXED BY records_last_error_idx WHERE last_error IS NOT NULL
 ORDER BY 5 DESC, id DESC LIMIT :limit
 """
@@ -81,7 +82,7 @@ def stats(conn: apsw.Connection, path: Path, *, sessions: bool = True) -> Stats:
     """Rows, sessions (0 without ``sessions``: a count of distinct names), bytes, ages,
     by reason, failing rows; the file sizes of ``path`` and its ``-wal``."""
     with conn:
-        by_reason = conn.execute(_BY_REASON_SQL).fetchall()
+        by_reason = [(as_text(r[0]), *r[1:]) for r in conn.execute(_BY_REASON_SQL)]
         count = conn.execute(_SESSIONS_SQL).get if sessions else 0
         failing = conn.execute(_FAILING_SQL).get
     return Stats(
@@ -138,7 +139,11 @@ def appended(conn: apsw.Connection) -> int:
 def recent_errors(conn: apsw.Connection, chars: int, limit: int) -> list[tuple[Any, ...]]:
     """The latest failed attempts, newest first: ``(session_id, session_key, clipped,
     error, at)``, names and error clipped to ``chars`` (``clipped``: the name was)."""
-    return conn.execute(_RECENT_ERRORS_SQL, {"chars": chars, "limit": limit}).fetchall()
+    rows = conn.execute(_RECENT_ERRORS_SQL, {"chars": chars, "limit": limit})
+    return [
+        (as_text(sid), as_text(key), clipped, as_text(error), at)
+        for sid, key, clipped, error, at in rows
+    ]
 
 
 def _size(path: Path) -> int:
