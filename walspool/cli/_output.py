@@ -146,7 +146,7 @@ def clip(text: str | None, width: int = 80) -> Shown | None:
         return None
     # A prefix only: whitespace runs shrink, escapes grow, and the rest is never shown.
     joined = " ".join(text[: 8 * width + 64].split())
-    shown = printable(Shown(joined) if isinstance(text, Shown) else joined)
+    shown = Shown(joined) if isinstance(text, Shown) else printable(joined)
     return shown if len(shown) <= width else Shown(shown[: width - 1] + "…")
 
 

@@ -11,7 +11,7 @@ from typing import Any
 import apsw
 import msgspec
 
-from .paging import as_text
+from .paging import as_text, with_text
 
 #: At most this many characters of a stream's name (session id, or key) and of its
 #: first and latest error are read per stream; a session id may be 64 MiB. SQLite sorts
@@ -239,8 +239,6 @@ def _named(
     """The rows of ``sql``, whose columns ``names`` and ``texts`` are selected as their
     stored bytes, with those made text (``paging.as_text``): a name or an error that
     is not UTF-8 is one odd line, not a failed listing."""
+    columns = (*names, *texts)
     for selected in conn.execute(sql, params):
-        row = list(selected)
-        for i in (*names, *texts):
-            row[i] = as_text(row[i])
-        yield tuple(row)
+        yield with_text(selected, columns)

@@ -10,7 +10,7 @@ from typing import Any
 
 import apsw
 
-from .paging import as_text, bound
+from .paging import as_text, bound, with_text
 
 _REASON_EXISTS_SQL = "SELECT EXISTS (SELECT 1 FROM records WHERE reason = CAST(? AS TEXT))"
 _REASONS_SQL = "SELECT DISTINCT CAST(reason AS BLOB) FROM records ORDER BY reason"
@@ -41,6 +41,7 @@ ROW_KEYS = ("id", "session_id", "session_key", "seq", "reason", "status", "infli
 #: Selected as stored bytes, made text by ``paging.as_text``.
 _TEXTS = {"session_id", "session_key", "reason", "last_error"}
 _COLUMNS = ", ".join(f"CAST({k} AS BLOB)" if k in _TEXTS else k for k in ROW_KEYS)
+_TEXT_COLUMNS = {i for i, k in enumerate(ROW_KEYS) if k in _TEXTS}
 #: The rows named by id, whatever they are (the change itself refuses the wrong ones).
 _BY_ID_SQL = f"""SELECT {_COLUMNS} FROM records
     WHERE id IN (SELECT value FROM json_each(:ids)) ORDER BY id"""
@@ -107,7 +108,4 @@ def set_aside_rows(
 
 
 def _rows(cursor: Any) -> list[dict[str, Any]]:
-    return [
-        {k: as_text(v) if k in _TEXTS else v for k, v in zip(ROW_KEYS, row, strict=True)}
-        for row in cursor
-    ]
+    return [dict(zip(ROW_KEYS, with_text(row, _TEXT_COLUMNS), strict=True)) for row in cursor]

@@ -30,7 +30,7 @@ import msgspec
 from ..errors import InvalidArgument, UntrustedSpool, WalspoolError
 from . import codec, connections, files, sqlite_errors
 from .directories import changed
-from .paging import as_text, bound, undecodable
+from .paging import bound, undecodable, with_text
 from .replay_lock import replay_lock
 from .spool import Spool
 from .writer import LIVE_BYTES_SQL
@@ -143,7 +143,7 @@ def _change(
         for record_id in wanted:
             row = conn.execute(ROW_SQL, (record_id,)).fetchone()
             if row is not None:
-                row = tuple(as_text(v) if i in _ROW_TEXTS else v for i, v in enumerate(row))
+                row = with_text(row, _ROW_TEXTS)
             if row is None:
                 problems.append(f"{record_id} (no such row)")
             elif row[11] is not None:

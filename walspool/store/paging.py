@@ -15,7 +15,7 @@ within ``codec.MAX_VALUES``).
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -120,13 +120,17 @@ def bound(text: str | None) -> str | bytes | None:
     return text.encode("utf-8", "surrogateescape")
 
 
+def with_text(selected: Sequence[Any], columns: Collection[int]) -> tuple[Any, ...]:
+    """``selected`` with its ``columns`` (selected as stored bytes) made text by
+    ``as_text``."""
+    return tuple(as_text(v) if i in columns else v for i, v in enumerate(selected))
+
+
 def as_selected(selected: tuple[Any, ...]) -> tuple[Any, ...]:
     """A row selected as ``RECORD_COLUMNS`` (and more columns after them) with its
     text columns made text (``as_text``) and its payload made text when it is UTF-8
     (kept as stored bytes when not: decoding it finds it is not JSON, one bad row)."""
-    row = list(selected)
-    for i in TEXT_COLUMNS:
-        row[i] = as_text(row[i])
+    row = list(with_text(selected, TEXT_COLUMNS))
     payload = row[PAYLOAD]
     if isinstance(payload, bytes):
         try:

@@ -10,7 +10,7 @@ from typing import Any
 
 import apsw
 
-from .paging import as_text
+from .paging import with_text
 from .records import Stats
 
 _BY_REASON_SQL = """
@@ -82,7 +82,7 @@ def stats(conn: apsw.Connection, path: Path, *, sessions: bool = True) -> Stats:
     """Rows, sessions (0 without ``sessions``: a count of distinct names), bytes, ages,
     by reason, failing rows; the file sizes of ``path`` and its ``-wal``."""
     with conn:
-        by_reason = [(as_text(r[0]), *r[1:]) for r in conn.execute(_BY_REASON_SQL)]
+        by_reason = [with_text(r, (0,)) for r in conn.execute(_BY_REASON_SQL)]
         count = conn.execute(_SESSIONS_SQL).get if sessions else 0
         failing = conn.execute(_FAILING_SQL).get
     return Stats(
@@ -140,10 +140,7 @@ def recent_errors(conn: apsw.Connection, chars: int, limit: int) -> list[tuple[A
     """The latest failed attempts, newest first: ``(session_id, session_key, clipped,
     error, at)``, names and error clipped to ``chars`` (``clipped``: the name was)."""
     rows = conn.execute(_RECENT_ERRORS_SQL, {"chars": chars, "limit": limit})
-    return [
-        (as_text(sid), as_text(key), clipped, as_text(error), at)
-        for sid, key, clipped, error, at in rows
-    ]
+    return [with_text(row, (0, 1, 3)) for row in rows]
 
 
 def _size(path: Path) -> int:
