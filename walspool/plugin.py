@@ -26,7 +26,8 @@ the gateway installed:
   rows; the plugin makes each of its live writes drain them first (see
   ``_drain_before_live_writes``), so ``state.db`` keeps drop order there too. On both,
   a transcript rewrite (/retry, /undo, /compress: the store's ``_clear_dirty_transcript``)
-  also supersedes the session's spooled rows, as the 0.19.0 link does.
+  also supersedes the session's spooled rows, and a stop spools the store's in-memory
+  queues before its pending slots, as the 0.19.0 link does.
 
 ``register`` never raises into the gateway, does its work once per process however
 often discovery runs, and takes no I/O (the spool opens when the runner starts, or at
@@ -125,10 +126,10 @@ def _register() -> str:
     _bindable_live_writes(SessionStore)
     if how == DROP_IN_DRAINED_FIRST:
         _drain_before_live_writes(SessionStore)
-        _spool_queues_after_writes(SessionStore)
-        from .shutdown_flush import queues_before_slots
+    _spool_queues_after_writes(SessionStore)
+    from .shutdown_flush import queues_before_slots
 
-        queues_before_slots(_spool_queues_of_stores)
+    queues_before_slots(_spool_queues_of_stores)
     return how
 
 
@@ -440,7 +441,6 @@ def _drain_before_live_writes(store_class: type) -> None:
 
     @wraps(write)
     def drained_first(self: Any, session_id: str, message: Any) -> Any:
-        _stores.add(self)  # a store with a queue has tried a write: known here
         if not getattr(_draining, "on", False):
             _drain_first(self, write, session_id)
         return write(self, session_id, message)
@@ -481,7 +481,7 @@ def _drain_first(store: Any, write: Callable[..., Any], session_id: str) -> None
     marked.discard(session_id)
 
 
-#: 0.20's stores that have written (or tried to) in this process.
+#: The stores that have written (or tried to) in this process.
 _stores: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
@@ -491,13 +491,14 @@ def _spool_queues_of_stores() -> None:
 
 
 def _spool_queues(store: Any) -> int:
-    """Spool a 0.20 store's in-memory transcript queues (``SHUTDOWN``), oldest first,
-    and empty them; how many were spooled.
+    """Spool a store's in-memory transcript queues (``SHUTDOWN``), oldest first, and
+    empty them; how many were spooled.
 
-    0.20's ``GatewayRunner.stop()`` clears these with the process (0.19.0's link and
-    0.22's store spool them). Run before its slots are spooled (see
+    The 0.20 and 0.22 ``GatewayRunner.stop()`` clear these with the process (0.22
+    spools a stalled backlog itself, but keeps in memory what its spool refused then:
+    a write lock held elsewhere, a full disk). Run before the slots are spooled (see
     ``shutdown_flush.queues_before_slots``). A gateway thread writes a queue's head
-    while holding the store's ``_transcript_drain_lock`` (one for every session): it is
+    while holding the store's transcript drain lock (one for every session): it is
     waited for at most ``walspool.link.bounds.FLUSH_TIMEOUT`` seconds; past that, nothing is
     spooled now and the queues are left to that write: once it ends (a failed write
     puts its message back at the head), its thread spools them, in order
@@ -509,7 +510,8 @@ def _spool_queues(store: Any) -> int:
     from .store.records import SHUTDOWN
 
     _stopping.add(store)
-    if not store._transcript_drain_lock.acquire(timeout=FLUSH_TIMEOUT):
+    drain_lock = _drain_lock(store)
+    if not drain_lock.acquire(timeout=FLUSH_TIMEOUT):
         log.warning(
             "a gateway thread was still writing a transcript message after %g s at "
             "shutdown; the transcript queues are spooled, in order, once its write ends",
@@ -535,7 +537,7 @@ def _spool_queues(store: Any) -> int:
         )
         return 0
     finally:
-        store._transcript_drain_lock.release()
+        drain_lock.release()
     if items:
         log.warning(
             "Spooled %d queued transcript message(s) to %s at shutdown", len(items), spool.path
@@ -543,13 +545,20 @@ def _spool_queues(store: Any) -> int:
     return len(items)
 
 
-#: 0.20's stores whose queues were spooled at shutdown: a write that ends later spools
+def _drain_lock(store: Any) -> Any:
+    """The lock a store's transcript writes hold: 0.22 makes it at first use."""
+    made_on_use = getattr(store, "_get_transcript_drain_lock", None)
+    return made_on_use() if callable(made_on_use) else store._transcript_drain_lock
+
+
+#: The stores whose queues were spooled at shutdown: a write that ends later spools
 #: what its store queues then.
 _stopping: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 def _spool_queues_after_writes(store_class: type) -> None:
-    """After each ``append_to_transcript`` of a 0.20 store that has begun its shutdown,
+    """Know every store that writes (``_stores``: its queues are spooled at shutdown),
+    and after each ``append_to_transcript`` of a store that has begun its shutdown,
     spool its queues (``_spool_queues``): a write that was under way then, and failed,
     put its message back at the head of its queue, and no later flush comes."""
     append = store_class.append_to_transcript
@@ -558,6 +567,7 @@ def _spool_queues_after_writes(store_class: type) -> None:
 
     @wraps(append)
     def appended(self: Any, *args: Any, **kwargs: Any) -> Any:
+        _stores.add(self)
         try:
             return append(self, *args, **kwargs)
         finally:

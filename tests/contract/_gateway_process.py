@@ -69,6 +69,13 @@ not enable) the plugin the user's way.
                                                  is being written by a gateway thread
                                                  (inside SessionDB's write) when the
                                                  gateway stops; the lock is let go after
+    python _gateway_process.py OUT locked-heal-stop N   N messages to each of 3 sessions
+                                                 while every insert fails; then another
+                                                 process holds the spool's write lock
+                                                 while state.db heals and each session
+                                                 gets one more message; the lock is let
+                                                 go, nothing more is sent, and the
+                                                 gateway stops
     python _gateway_process.py OUT stop N            a routed chat's session gets N turns
                                                  while every insert fails (they wait in
                                                  the store's queue), then a message for it
@@ -254,6 +261,10 @@ async def run(mode: str, n: int, after: str) -> dict[str, Any]:
         result.update(await beside_a_held_replay_lock(store, n, mode != "held-replay", holder))
         await runner.stop()
         return result
+    if mode == "locked-heal-stop":
+        result.update(await heal_beside_a_locked_spool(store, n))
+        await runner.stop()
+        return result
     if mode in ("outage-stop", "deleted-stop"):
         sent = await during_an_outage(store, n)
         if mode == "deleted-stop":
@@ -406,6 +417,29 @@ async def beside_a_held_replay_lock(
     await settle(db, {sid: [{}] * earlier + rows for sid, rows in sent.items()})
     return {
         "while_held": while_held,
+        "sent": {sid: [(m["role"], m["content"]) for m in sent[sid]] for sid in SESSIONS},
+        "landed": {sid: [(m["role"], m["content"]) for m in messages(db, sid)] for sid in SESSIONS},
+    }
+
+
+async def heal_beside_a_locked_spool(store: Any, n: int) -> dict[str, Any]:
+    """``locked-heal-stop``: an outage of ``n`` messages a session; state.db heals while
+    another process holds the spool's write lock (an operator's ``sqlite3`` shell in a
+    transaction), and each session's next message meets it. The lock is let go and
+    nothing more is sent: what the gateway keeps in memory now waits for the stop."""
+    db = store._db
+    sent = await during_an_outage(store, n)
+    holder = LockHolder("write")
+    try:
+        sql(db, HEAL)
+        for sid in SESSIONS:
+            last = {"role": "user", "content": f"{sid}-last", "timestamp": int(time.time())}
+            sent[sid].append(last)
+            await asyncio.to_thread(store.append_to_transcript, sid, last)
+        holder.release()
+    finally:
+        holder.kill()
+    return {
         "sent": {sid: [(m["role"], m["content"]) for m in sent[sid]] for sid in SESSIONS},
         "landed": {sid: [(m["role"], m["content"]) for m in messages(db, sid)] for sid in SESSIONS},
     }

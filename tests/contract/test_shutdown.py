@@ -58,6 +58,27 @@ def test_a_graceful_stop_with_a_write_in_flight_loses_nothing(gateway: Gateway, 
     assert transcript(home, sid) == expected
 
 
+def test_a_stop_after_a_heal_that_met_a_locked_spool_keeps_what_waits_in_memory(
+    gateway: Gateway, home
+) -> None:
+    """State.db heals while an operator's ``sqlite3`` shell holds the spool's write
+    lock, and each session's next message meets it: the message, and whatever the
+    session still has in memory, waits there. The lock goes, nothing more is sent, and
+    the gateway stops. The next start lands every message once, in order (before: 0.22
+    lost what it kept in memory at the stop, as no stop flushed its queues)."""
+    configure(gateway, home, gateway.enable)
+    stopped = run_worker(gateway, home, "locked-heal-stop", str(STOP_BURST))
+    expected = {sid: [tuple(m) for m in sent] for sid, sent in stopped["sent"].items()}
+    with gateway_running(gateway, home) as process:
+        wait_for(
+            "recovered",
+            lambda: all(len(transcript(home, sid)) >= len(rows) for sid, rows in expected.items()),
+            process,
+        )
+    for sid, rows in expected.items():
+        assert transcript(home, sid) == rows, sid
+
+
 def test_a_stop_after_the_spool_was_deleted_spools_the_queues_into_a_fresh_one(
     gateway: Gateway, home
 ) -> None:
