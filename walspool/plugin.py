@@ -351,44 +351,22 @@ def _supersede_on_rewrite(store_class: type) -> None:
     @wraps(clear)
     def clear_and_supersede(self: Any, session_id: str) -> None:
         clear(self, session_id)
+        from .link.rewrites import supersede_rewritten
         from .shutdown_flush import shared_spool
 
         try:
             spool = shared_spool()
-            superseded = _supersede(spool, session_id)
         except Exception:  # noqa: BLE001 - the rewrite goes on; the rows stay, reported
             log.exception(
                 "walspool could not supersede the spooled rows of session %s after its "
-                "transcript was rewritten; a replay would put them after it",
+                "transcript was rewritten (no spool); a replay would put them after it",
                 session_id,
             )
             return
-        if superseded:
-            log.warning(
-                "Transcript of %s rewritten: %d spooled message(s) in %s superseded (kept "
-                "for operators, not replayed)",
-                session_id,
-                superseded,
-                spool.path,
-            )
+        supersede_rewritten(spool, session_id, log)
 
     setattr(clear_and_supersede, MARK, True)
     store_class._clear_dirty_transcript = clear_and_supersede
-
-
-def _supersede(spool: Any, session_id: str) -> int:
-    """Supersede the session's replayable rows, and the rows a failed drain left in
-    flight when no drain or replay runs now (the replay lock, taken without waiting):
-    their write did not land, or their ticket says so at the next recovery. While a
-    replay runs, the rows it has out are left to it."""
-    from .errors import ReplayBusy
-    from .store.replay_lock import replay_lock
-
-    try:
-        with replay_lock(spool, wait=False):
-            return int(spool.supersede(session_id, inflight=True))
-    except ReplayBusy:
-        return int(spool.supersede(session_id))
 
 
 #: Marks the store's live write once ``_bindable_live_writes`` wrapped it.

@@ -13,10 +13,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..errors import ReplayBusy
 from ..replay.replayer import Replayer, ReplayReport
 from ..replay.sinks import SessionDBSink
-from ..store.replay_lock import replay_lock
 from ..store.spool import REOPENED, Spool
 from ..store.writer import Batched, Row
 from . import bounds, budget, machine, outage
@@ -24,6 +22,7 @@ from .evict import KEPT, REPLAYED, UNSPOOLABLE, Evictions
 from .machine import Entry, Owner
 from .repeats import Repeats
 from .retry import Retries
+from .rewrites import supersede_rewritten
 from .session_writer import SessionWriter
 from .shares import Moving
 from .shutdown import ShutdownFlushes
@@ -190,27 +189,10 @@ class Link(SessionWriter, Evictions, Retries, ShutdownFlushes):
                 self._forget_if_idle(session_id, state)
             self._settled.notify_all()
         self._run(ended)
-        try:
-            # The queue was just emptied, so no eviction of this session can be
-            # submitted before this runs: every row it spooled until now is
-            # superseded (the spool's writer commits in submission order).
-            superseded = self._supersede(session_id)
-        except Exception:  # noqa: BLE001 - the rewrite goes on; the rows stay, reported
-            log.exception(
-                "walspool could not supersede the spooled rows of session %s in %s after "
-                "its transcript was rewritten; a replay would put them after it",
-                session_id,
-                self.spool.path,
-            )
-            return
-        if superseded:
-            log.warning(
-                "Transcript of %s rewritten: %d spooled message(s) in %s superseded (kept for "
-                "operators, not replayed)",
-                session_id,
-                superseded,
-                self.spool.path,
-            )
+        # The queue was just emptied, so no eviction of this session can be submitted
+        # before this runs: every row it spooled until now is superseded (the spool's
+        # writer commits in submission order). This link's drains are held off.
+        supersede_rewritten(self.spool, session_id, log, own_drains=self._draining)
 
     def follow_path(self) -> bool:
         """Open a fresh spool at the path of one that names another file now, as the
@@ -290,24 +272,6 @@ class Link(SessionWriter, Evictions, Retries, ShutdownFlushes):
             exc,
         )
         self._run(lines)
-
-    def _supersede(self, session_id: str) -> int:
-        """Supersede the session's replayable rows, those a failed drain left in flight too.
-
-        ``Spool.supersede`` leaves rows in flight to the replay that has them out. A
-        row this link's failed drain left in flight has no replay: with the replay lock
-        taken (not waited for) and this link's drains held off, every in-flight row of
-        the session is such a leftover, and it is superseded with the rest.
-        """
-        if self._draining.acquire(timeout=bounds.HANDOFF_WAIT):
-            try:
-                with replay_lock(self.spool, wait=False):
-                    return self.spool.supersede(session_id, inflight=True)
-            except ReplayBusy:
-                pass  # another replay has rows out: leave those to it
-            finally:
-                self._draining.release()
-        return self.spool.supersede(session_id)
 
     def _replay(self, **kw: Any) -> ReplayReport:
         """``self.replayer.replay(**kw)``, then the rows it moved out of the spool come
