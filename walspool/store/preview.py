@@ -28,16 +28,16 @@ from .paging import (
     rows_not_json,
     undecodable,
 )
-from .records import AGENT_HISTORY, Record
+from .records import Record
 from .spool import RECORD_COLUMNS
-from .tickets import REASON_FILTER
+from .tickets import REASON_FILTER, Scope
 
 #: A replay takes the rows it chose and every row an interrupted replay left in flight.
 # No payload in a GROUP BY: its sorter would hold every row's payload (2 GiB for 24
 # rows of 60 MiB). Bad payloads are counted by their own query, for the dry run only.
 _STREAM_WHERE = (
     f"(inflight IS NOT NULL OR ({REASON_FILTER}))"
-    " AND (:session IS NULL OR session_id = CAST(:session AS TEXT))"
+    " AND (:session_id IS NULL OR session_id = CAST(:session_id AS TEXT))"
 )
 _STREAM_ROWS = f"""
 FROM records
@@ -61,7 +61,7 @@ BAD_LARGE_SQL = f"{_BAD_PAYLOAD_ROWS} AND {LARGE_PAYLOAD} ORDER BY id"
 INFLIGHT_ROWS_SQL = """
 SELECT id, CAST(session_id AS BLOB), inflight FROM records
 WHERE inflight IS NOT NULL AND session_id IS NOT NULL
-  AND (:session IS NULL OR session_id = CAST(:session AS TEXT))
+  AND (:session_id IS NULL OR session_id = CAST(:session_id AS TEXT))
 ORDER BY session_id, seq
 """
 ROW_SQL = f"SELECT {RECORD_COLUMNS} FROM records WHERE id = ? AND json_valid(payload)"
@@ -102,13 +102,9 @@ class Plan(NamedTuple):
 
 
 def _params(session: str | None, reasons: Sequence[str] | None, statuses: str) -> dict:
+    """The named parameters of ``REASON_FILTER`` and the session, as a replay's."""
     reasons_json = None if reasons is None else codec.encode(list(reasons)).decode()
-    return {
-        "reasons": reasons_json,
-        "agent_history": AGENT_HISTORY,
-        "session": bound(session),
-        "statuses": statuses,
-    }
+    return Scope(reasons_json, statuses, session_id=session).params()
 
 
 def replay_streams(
