@@ -626,6 +626,54 @@ def test_no_sql_is_built_from_variables():
 # -- state.db: hermes' own set-up runs only on the file checked -------------------------
 
 
+def test_a_connection_to_a_file_swapped_in_is_refused_where_sqlite_reuses_a_descriptor(
+    tmp_path,
+):
+    """Stepped: this process holds state.db (a read transaction), and a connection to
+    it was closed meanwhile, so SQLite keeps that descriptor to reuse. Then state.db is
+    renamed aside and another SQLite file put at its name for the moment SQLite opens
+    it, and put back. The check after the open refuses: what SQLite opened is not
+    state.db (before: with the checked file among this process's descriptors, only
+    the path was compared, and a replay went on with a connection to the other file;
+    the flaky CI failure "attempt to write a readonly database")."""
+    import sqlite3
+
+    from walspool.cli._statedb import StateDBError, check_state_db, open_descriptors
+
+    home = tmp_path / "home"
+    home.mkdir(mode=0o700)
+    path = home / "state.db"
+    hermes_state.SessionDB(db_path=path).close()
+    other = home / "other.db"
+    sqlite3.connect(other).execute("CREATE TABLE mine (x)").connection.close()
+    checked = check_state_db(path)
+    holder = sqlite3.connect(path, isolation_level=None)
+    holder.execute("BEGIN")
+    holder.execute("SELECT count(*) FROM sqlite_master").fetchall()  # a shared lock
+    closed = sqlite3.connect(path)
+    closed.execute("SELECT count(*) FROM sqlite_master").fetchall()
+    closed.close()  # its descriptor is kept for reuse: the holder's lock is on the file
+    before = open_descriptors()
+    assert checked.identity in before.values()
+    os.rename(path, home / "aside.db")
+    os.rename(other, path)
+    swapped = sqlite3.connect(f"file:{path}?mode=rw", uri=True)
+    os.rename(path, other)
+    os.rename(home / "aside.db", path)
+    try:
+        with pytest.raises(StateDBError, match="changed while walspool was opening it"):
+            checked.verify(before)
+        swapped.close()
+        # The same open without the swap reuses the kept descriptor: the checked file.
+        again = sqlite3.connect(f"file:{path}?mode=rw", uri=True)
+        made = {ident for fd, ident in open_descriptors().items() if before.get(fd) != ident}
+        assert checked.identity not in made  # reused, not opened anew
+        checked.verify(before)
+        again.close()
+    finally:
+        holder.close()
+
+
 @as_root
 def test_sessiondb_setup_never_runs_on_a_file_swapped_in_after_the_check(capfd):
     """The owner of the gateway's directory exchanges its state.db with a link to a

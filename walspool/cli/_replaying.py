@@ -52,7 +52,7 @@ def replay_into(
     checked = check_state_db(args.into)
     before = open_descriptors()
     try:
-        with connecting_checked(hermes_state, checked, before):
+        with connecting_checked(hermes_state, checked):
             db = hermes_state.SessionDB(db_path=args.into)
     except sqlite3.Error as exc:
         raise StateDBError(state_db_message(exc, args.into), path=args.into) from exc
@@ -93,9 +93,8 @@ class _CheckedSqlite3:
     connection over, that SQLite holds the checked file (``CheckedStateDB.verify``);
     everything else is ``sqlite3`` itself."""
 
-    def __init__(self, checked: CheckedStateDB, before: dict[int, tuple[int, int]] | None):
+    def __init__(self, checked: CheckedStateDB):
         self._checked = checked
-        self._before = before
 
     def __getattr__(self, name: str) -> Any:
         return getattr(sqlite3, name)
@@ -105,9 +104,10 @@ class _CheckedSqlite3:
         if str(database) not in (str(path), str(path.absolute())):
             return sqlite3.connect(database, *args, **kwargs)  # e.g. hermes' ":memory:" probe
         kwargs["uri"] = True
+        before = open_descriptors()  # this connection's own descriptor is the new one
         conn = sqlite3.connect(f"file:{quote(str(path.absolute()))}?mode=rw", *args, **kwargs)
         try:
-            self._checked.verify(self._before)  # before any statement of hermes' runs
+            self._checked.verify(before)  # before any statement of hermes' runs
         except BaseException:
             conn.close()
             raise
@@ -115,9 +115,7 @@ class _CheckedSqlite3:
 
 
 @contextlib.contextmanager
-def connecting_checked(
-    hermes_state: Any, checked: CheckedStateDB, before: dict[int, tuple[int, int]] | None
-) -> Iterator[None]:
+def connecting_checked(hermes_state: Any, checked: CheckedStateDB) -> Iterator[None]:
     """For the block, hermes' ``SessionDB()`` opens state.db only as the file checked.
 
     ``SessionDB.__init__`` opens its path and runs its set-up (journal mode, schema
@@ -129,7 +127,7 @@ def connecting_checked(
     of hermes meanwhile.
     """
     original = hermes_state.sqlite3
-    hermes_state.sqlite3 = _CheckedSqlite3(checked, before)
+    hermes_state.sqlite3 = _CheckedSqlite3(checked)
     try:
         yield
     finally:

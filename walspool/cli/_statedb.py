@@ -89,25 +89,38 @@ class CheckedStateDB:
         """Raise ``StateDBError`` unless SQLite, having opened the path since the
         descriptors ``before`` were listed (``open_descriptors``), holds the file checked.
 
-        The checked file must be open on a descriptor made since (the file SQLite
-        opened: a link swapped in after the check, or a file renamed over it, shows as
-        another file), and the path must still name it. Refused before the first
-        write. Where descriptors cannot be listed, or SQLite may have reused a
-        descriptor of this file it already held, only the path is compared.
+        The path must still name the checked file, and SQLite must hold it: open on a
+        descriptor made since (a link swapped in after the check, or a file renamed
+        over it, shows as another file). SQLite may instead reuse a descriptor of a
+        connection it closed while another connection of this process held a lock on
+        that file, but only for the very file its path names then: so where this
+        process held the checked file before, the descriptors made since may be only
+        its ``-wal``, ``-shm`` or ``-journal``; another file among them is what SQLite
+        opened (the path named it for that moment), and refused. Refused before the
+        first write. Where descriptors cannot be listed, only the path is compared.
         """
         try:
             with open_directory(self.path.parent, self.path) as directory:
                 st = directory.lstat(self.path.name)
+                companions = set()
+                for suffix in ("-wal", "-shm", "-journal"):
+                    found = directory.lstat(self.path.name + suffix)
+                    if found is not None:
+                        companions.add((found.st_dev, found.st_ino))
         except (OSError, UntrustedSpool) as exc:
             raise StateDBError(f"cannot check state.db at {self.path}: {exc}") from exc
         if st is None or (st.st_dev, st.st_ino) != self.identity:
             raise self._changed()
         now = open_descriptors()
-        if before is None or now is None or self.identity in before.values():
+        if before is None or now is None:
             return
-        opened = {identity for fd, identity in now.items() if fd not in before}
-        if self.identity not in opened:
-            raise self._changed()
+        # A descriptor number reused since for another file counts as made since.
+        opened = {identity for fd, identity in now.items() if before.get(fd) != identity}
+        if self.identity in opened:
+            return
+        if self.identity in before.values() and opened <= companions:
+            return  # SQLite reused its descriptor of the checked file
+        raise self._changed()
 
     def _changed(self) -> StateDBError:
         return StateDBError(
