@@ -258,7 +258,7 @@ def test_json_is_one_reading_with_rates(tmp_path, capsys):
     assert set(got) == {
         "spool", "at", "rows", "sessions", "bytes", "oldest", "oldest_age", "inflight",
         "failing", "quarantined", "superseded", "db_bytes", "wal_bytes", "appended", "seconds",
-        "append_rate", "replay_rate", "drain_eta", "open_by", "streams",
+        "append_rate", "replay_rate", "drain_eta", "open_by", "memory", "streams",
     }  # fmt: skip
     assert (got["spool"], got["rows"], got["sessions"], got["appended"]) == (str(path), 1, 1, 1)
     assert (got["append_rate"], got["replay_rate"]) == (0.0, 0.0)

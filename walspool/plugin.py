@@ -42,6 +42,7 @@ the runner starts). ``HERMES_SAFE_MODE=1`` and
 
 from __future__ import annotations
 
+import atexit
 import importlib.abc
 import importlib.metadata
 import importlib.util
@@ -523,6 +524,25 @@ def _spool_queues(store: Any) -> int:
     return len(items)
 
 
+#: Publishes what the stores' queues hold into the shared spool, once a store wrote.
+_memory: Any = None
+
+
+def _publish_memory() -> None:
+    """Start publishing the stores' in-memory backlog (``walspool.link.memory``), once;
+    stopped, with a last publication, at interpreter exit before the spool closes."""
+    global _memory
+    with _lock:
+        if _memory is not None:
+            return
+        from .link.memory import MemoryPublisher
+        from .shutdown_flush import shared_spool
+
+        _memory = MemoryPublisher(shared_spool, lambda: list(_stores))
+    _memory.start()
+    atexit.register(_memory.stop)  # runs before shutdown_flush's close (registered earlier)
+
+
 def _drain_lock(store: Any) -> Any:
     """The lock a store's transcript writes hold: 0.22 makes it at first use."""
     made_on_use = getattr(store, "_get_transcript_drain_lock", None)
@@ -545,7 +565,9 @@ def _spool_queues_after_writes(store_class: type) -> None:
 
     @wraps(append)
     def appended(self: Any, *args: Any, **kwargs: Any) -> Any:
-        _stores.add(self)
+        if self not in _stores:
+            _stores.add(self)
+            _publish_memory()
         try:
             return append(self, *args, **kwargs)
         finally:

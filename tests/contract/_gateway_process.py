@@ -76,6 +76,14 @@ not enable) the plugin the user's way.
                                                  gets one more message; the lock is let
                                                  go, nothing more is sent, and the
                                                  gateway stops
+    python _gateway_process.py OUT memory N kill|stop   N messages to each of 3 sessions
+                                                 while every insert fails and another
+                                                 process holds the spool's write lock
+                                                 (so every gateway keeps them in memory);
+                                                 the lock is let go, each session's queue
+                                                 length is written to OUT; then the
+                                                 process waits for its SIGKILL (kill), or
+                                                 for OUT.stop and stops (stop)
     python _gateway_process.py OUT stop N            a routed chat's session gets N turns
                                                  while every insert fails (they wait in
                                                  the store's queue), then a message for it
@@ -253,6 +261,10 @@ async def run(mode: str, n: int, after: str) -> dict[str, Any]:
         return result
     if mode == "kill":
         await killed_in_the_drain(store, n, int(after))  # never returns: SIGKILLed
+    if mode == "memory":
+        await holding_in_memory(store, n, after)
+        await runner.stop()
+        return result
     if mode == "full":
         result.update(await on_a_full_disk(store, n))
         await runner.stop()
@@ -631,6 +643,27 @@ async def killed_in_the_drain(store: Any, n: int, commits: int) -> None:
     for sid in SESSIONS:  # 0.20 and 0.22 drain at a session's next write
         store.append_to_transcript(sid, {"role": "user", "content": f"{sid}-last"})
     threading.Event().wait()
+
+
+async def holding_in_memory(store: Any, n: int, then: str) -> None:
+    """``memory``: ``n`` messages a session while state.db refuses them and another
+    process holds the spool's write lock, so that each gateway keeps them in its queues
+    (0.22 spools a stalled backlog, unless its spool is locked); the lock is let go.
+    ``OUT`` gets the process id and each session's queue length; then the process waits
+    for its SIGKILL (``kill``), or for ``OUT.stop`` (``stop``: then it stops)."""
+    holder = LockHolder("write")
+    try:
+        await during_an_outage(store, n)
+        holder.release()
+    finally:
+        holder.kill()
+    with store._transcript_retry_lock:
+        queues = {sid: len(store._dirty_transcripts.get(sid) or ()) for sid in SESSIONS}
+    with open(f"{OUT}.tmp", "w") as f:
+        json.dump({"pid": os.getpid(), "queues": queues}, f)
+    os.rename(f"{OUT}.tmp", OUT)
+    while then == "kill" or not os.path.exists(f"{OUT}.stop"):
+        await asyncio.sleep(0.05)
 
 
 def replays_beside(state_db: Any) -> Any:

@@ -8,6 +8,7 @@ import unicodedata
 from typing import Any
 
 from ..text import printable
+from . import _memory as in_memory
 from ._holders import holders_text
 from ._output import cli_terms, clip, duration, iso, plural, size, stream_name, table
 from ._watching import Rates, Snapshot, Stream
@@ -38,6 +39,8 @@ def render(
     waiting = snap.rows - snap.quarantined - snap.superseded
     idle = snap.open_by is not None and not snap.open_by and waiting > 0
     eta = drain_eta(snap, rate)
+    memory_json = in_memory.as_json(list(snap.memory), snap.at)
+    lost = any(e.alive is False for e in snap.memory)
     head += [
         _paint(f"open by      {holders_text(snap.open_by, waiting)}", RED, colour and idle),
         f"rows         {snap.rows:,} in {plural(snap.sessions, 'session')}, "
@@ -52,6 +55,11 @@ def render(
         "drain ETA    " + ("-" if rate is None else _eta_text(eta, snap.rows)),
         f"files        db {size(snap.db_bytes)}, WAL {size(snap.wal_bytes)}; "
         f"read in {snap.took:.2f}s",
+        # What gateway processes hold in memory, once one published any.
+        *(
+            _paint(f"{'in memory' if i == 0 else '':<13}{line}", RED, colour and lost)
+            for i, line in enumerate(in_memory.lines(memory_json) if memory_json else ())
+        ),
         "",
     ]
     if not snap.streams:

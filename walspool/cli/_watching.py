@@ -17,7 +17,7 @@ import apsw
 import msgspec
 
 from ..errors import WalspoolError
-from ..store import totals
+from ..store import memory, totals
 from ..store.backlog import Line, read_lines
 from ..store.records import QUARANTINED, SUPERSEDED
 from ._holders import Holder, holders
@@ -72,6 +72,8 @@ class Snapshot(msgspec.Struct, frozen=True):
     streams: tuple[Stream, ...] = ()
     #: The processes that have the spool open (see ``_holders``); None: unknown here.
     open_by: tuple[Holder, ...] | None = ()
+    #: What linked gateway processes published as held in memory (``store.memory``).
+    memory: tuple[memory.Entry, ...] = ()
 
 
 class Rates(msgspec.Struct, frozen=True):
@@ -137,6 +139,7 @@ def _read(
             by_status = totals.by_status(conn)
             appended = totals.appended(conn)
             uid = totals.uid(conn)
+            held = memory.read(conn)
             lines = read_lines(conn)
             if out is not None:
                 write_array(out, (_json_stream(conn, line, at) for line in lines[:MAX_STREAMS]))
@@ -159,6 +162,7 @@ def _read(
         db_bytes=s.db_bytes,
         wal_bytes=s.wal_bytes,
         streams=tuple(_stream(line) for line in lines[:MAX_STREAMS]),
+        memory=tuple(held),
     )
 
 

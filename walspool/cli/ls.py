@@ -11,9 +11,11 @@ from typing import IO, Any
 import apsw
 
 # ls's own names still: the keys of its --json objects and what it holds of a name.
+from ..store import memory
 from ..store.backlog import CHARS as CHARS
 from ..store.backlog import Line, read_lines
 from ..text import printable
+from . import _memory as in_memory
 from ._output import (
     CELL_WIDTH,
     EXIT_OK,
@@ -44,7 +46,10 @@ def run(args: argparse.Namespace) -> int:
     session id, or `key:<KEY>` for rows spooled by session key only, quoted as a shell
     word when it needs to be: pasted into `walspool show` it names the same rows. A cell
     wider than 120 characters (once escaped) is clipped, its last character "…": a last
-    line then says how many sessions are, whose names --json has whole.
+    line then says how many sessions are, whose names --json has whole. A last line
+    says what linked gateways hold in memory, not spooled yet (lost if the process is
+    killed; `stats --json` names those sessions), or once such a process is gone, what
+    it lost.
     """
     now = time.time()
     if args.json:
@@ -55,9 +60,10 @@ def run(args: argparse.Namespace) -> int:
             shutil.copyfileobj(out, sys.stdout)
         return EXIT_OK
     with reading(args.spool, walk=True) as reader:
-        lines = reader.read(read_lines)
+        lines, held = reader.read(lambda conn: (read_lines(conn), memory.read(conn)))
     if not lines:
         print(f"no rows in {printable(args.spool)}")
+        _print_memory(held, now)
         return EXIT_OK
     headers = (
         "SESSION", "ROWS", "RETRYING", "QUARANTINED", "SUPERSEDED", "IN FLIGHT", "BYTES",
@@ -73,7 +79,15 @@ def run(args: argparse.Namespace) -> int:
             f"{plural(clipped, 'session')} clipped (…): "
             f"`walspool ls {shell_word(str(args.spool))} --json` has {them} whole"
         )
+    _print_memory(held, now)
     return EXIT_OK
+
+
+def _print_memory(held: list[memory.Entry], now: float) -> None:
+    """What gateway processes hold in memory, one line each (nothing if none)."""
+    if held:
+        for text in in_memory.lines(in_memory.as_json(held, now)):
+            print(f"in memory: {text}")
 
 
 def write_json(conn: apsw.Connection, out: IO[str], now: float) -> None:

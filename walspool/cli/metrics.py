@@ -30,8 +30,12 @@ def run(args: argparse.Namespace) -> int:
     walspool_oldest_row_age_seconds (0 for an empty spool), walspool_failing_rows (a
     write of theirs failed), walspool_in_flight_rows, walspool_quarantined_rows,
     walspool_superseded_rows, walspool_last_error_age_seconds (only while rows with an
-    error are there) and walspool_open_processes (processes that have the spool open: 0
-    means no gateway drains it; left out where the system cannot tell). Counters:
+    error are there), walspool_open_processes (processes that have the spool open: 0
+    means no gateway drains it; left out where the system cannot tell), and, per
+    gateway process that published one (labels pid and alive: "true", "false" once it
+    is gone, "unknown" on another host; left out while none did), its in-memory backlog:
+    walspool_memory_messages, walspool_memory_bytes and
+    walspool_memory_oldest_age_seconds. Counters:
     walspool_rows_drained_total (rows a replay or a gateway's drain moved into
     state.db) and walspool_rows_quarantined_total (rows set aside for what state.db or
     the spool refused in them), kept in the spool across restarts. Written to a
@@ -48,6 +52,10 @@ def run(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write(exposition(args.spool))
     return EXIT_OK
+
+
+def _alive_label(alive: bool | None) -> str:
+    return "unknown" if alive is None else str(alive).lower()
 
 
 class Family(NamedTuple):
@@ -126,6 +134,25 @@ def read(spool: Path) -> list[Family]:
         "was made.",
         [({}, stats["quarantined_total"])],
         "counter",
+    )
+    held = stats["memory"]
+    by_process = [(o, {"pid": str(o["pid"]), "alive": _alive_label(o["alive"])}) for o in held]
+    memory_family = family if held else (lambda *_: None)
+    memory_family(
+        "walspool_memory_messages",
+        "Transcript messages a linked gateway process holds in memory, not spooled yet: "
+        'lost if it is killed. alive="false": the process is gone, and they were lost.',
+        [(labels, o["messages"]) for o, labels in by_process],
+    )
+    memory_family(
+        "walspool_memory_bytes",
+        "Bytes (as JSON) of the messages a gateway process holds in memory.",
+        [(labels, o["bytes"]) for o, labels in by_process],
+    )
+    memory_family(
+        "walspool_memory_oldest_age_seconds",
+        "Age of the oldest message a gateway process holds in memory.",
+        [(labels, o["oldest_age"] or 0.0) for o, labels in by_process],
     )
     if stats["last_errors"]:
         family(

@@ -12,9 +12,10 @@ from typing import Any, TextIO
 import apsw
 import msgspec
 
-from ..store import totals
+from ..store import memory, totals
 from ..store.records import QUARANTINED, SUPERSEDED
 from ..text import printable
+from . import _memory as in_memory
 from ._frame import drain_eta
 from ._holders import holders, holders_text
 from ._lockwait import seconds as seconds_argument
@@ -60,6 +61,9 @@ def run(args: argparse.Namespace) -> int:
     # Rows set aside (quarantined, superseded) never drain by themselves: not waiting.
     waiting = stats["rows"] - stats["quarantined"] - stats["superseded"]
     reasons = [f"{n:,} {printable(reason)}" for reason, n in stats["by_reason"].items()] or ["-"]
+    # What gateway processes hold in memory; red once one of them is gone (lost).
+    held = in_memory.lines(stats["memory"])
+    lost = (RED,) if any(o["alive"] is False for o in stats["memory"]) else ()
     lines = [
         ("spool", printable(stats["spool"])),
         ("open by", holders_text(found, waiting)),
@@ -76,6 +80,8 @@ def run(args: argparse.Namespace) -> int:
         ("last errors", "-" if not stats["last_errors"] else "latest first"),
         *(("", _error_line(e), YELLOW) for e in stats["last_errors"]),
         ("files", f"db {size(stats['db_bytes'])}, WAL {size(stats['wal_bytes'])}"),
+        ("in memory", held[0], *lost),
+        *(("", line, *lost) for line in held[1:]),
     ]
     if args.sample:
         lines += [
@@ -85,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
     idle = found is not None and not found and waiting > 0
     for key, value, *paint in lines:
         line = f"{key:<12}{value}"
-        counted = key in ("with errors", "quarantined") and stats[_KEYS[key]] > 0
+        counted = key == "in memory" or (key in _KEYS and stats[_KEYS[key]] > 0)
         if colour and ((paint and (counted or not key)) or (key == "open by" and idle)):
             line = f"\x1b[{paint[0] if paint else RED}m{line}\x1b[0m"
         print(line)
@@ -152,6 +158,7 @@ def read_stats(conn: apsw.Connection, path: Path, now: float) -> dict[str, Any]:
         by_status = totals.by_status(conn)
         recent = totals.recent_errors(conn, CHARS, LAST_ERRORS * 40)
         counted = totals.counters(conn)
+        held = memory.read(conn)
     return {
         "spool": str(path),
         "rows": s.rows,
@@ -171,6 +178,7 @@ def read_stats(conn: apsw.Connection, path: Path, now: float) -> dict[str, Any]:
         "last_errors": _latest_per_session(recent, now),
         "drained_total": counted[totals.DRAINED],
         "quarantined_total": counted[totals.QUARANTINED],
+        "memory": in_memory.as_json(held, now),
     }
 
 

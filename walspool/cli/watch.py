@@ -20,6 +20,7 @@ from typing import Any, TextIO
 import msgspec
 
 from ..errors import WalspoolError
+from . import _memory as in_memory
 from ._frame import drain_eta, render, render_reading
 from ._interrupt import Interrupted, interruptible
 from ._near import near_files
@@ -163,6 +164,7 @@ def _json(snap: Snapshot, rate: Rates | None) -> dict[str, Any]:
         "replay_rate": None if rate is None else rate.replayed,
         "drain_eta": drain_eta(snap, rate),
         "open_by": None if snap.open_by is None else [msgspec.to_builtins(h) for h in snap.open_by],
+        "memory": in_memory.as_json(list(snap.memory), snap.at),
     }
 
 

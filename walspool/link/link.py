@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -20,6 +21,7 @@ from ..store.writer import Batched, Row
 from . import bounds, budget, machine, outage
 from .evict import KEPT, REPLAYED, UNSPOOLABLE, Evictions
 from .machine import Entry, Owner
+from .memory import MemoryPublisher
 from .repeats import Repeats
 from .retry import Retries
 from .rewrites import supersede_rewritten
@@ -101,6 +103,13 @@ class Link(SessionWriter, Evictions, Retries, ShutdownFlushes):
         #: Clock time before which a failed eviction is dropped, not returned: a fresh
         #: spool could not be opened at the path (tried again after that).
         self._reopen_after = 0.0
+        #: Publishes what the store's queues hold into the spool (``walspool.link.memory``);
+        #: it holds neither the link nor the store, so both go once nothing else holds them.
+        link, store_ref = weakref.ref(self), weakref.ref(store)
+        self.memory = MemoryPublisher(
+            lambda: getattr(link(), "spool", None),
+            lambda: None if (held := store_ref()) is None else (held,),
+        )
 
     def append_to_transcript(
         self, session_id: str, message: dict[str, Any], skip_db: bool = False

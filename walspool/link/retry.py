@@ -42,6 +42,7 @@ class Retries:
             # commit settled before this is not kept apart, and needs not be: it came
             # before the count, which sees it.
             self._shares.start_count()
+        self.memory.start()
         self._start()
 
     def _start(self) -> None:
@@ -92,6 +93,7 @@ class Retries:
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(bounds.HANDOFF_WAIT)
+        self.memory.stop()
 
     def view(self, session_id: str) -> SessionView | None:
         """Session ``session_id`` as it stands, or None when the link holds nothing for

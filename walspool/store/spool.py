@@ -15,7 +15,7 @@ from typing import Any
 import apsw
 
 from ..errors import InvalidArgument, PayloadTooLarge, SpoolClosed, SpoolReplaced
-from . import codec, files, totals
+from . import codec, files, memory, totals
 from .connections import close_quietly, open_reader, open_writer, opened_file
 from .paging import PAGE_ROWS, ROW_BYTES_SQL, read_page, record_from_row
 from .records import AGENT_HISTORY, CAP_DROP, REASONS, Receipt, Record, Stats
@@ -397,6 +397,29 @@ class Spool:
             return conn.changes()
 
         return self.transact(supersede)
+
+    def publish_memory(
+        self, pid: int, host: str, held: memory.Held | None
+    ) -> concurrent.futures.Future[Any]:
+        """Queue process ``pid``'s in-memory queues as its entry (``walspool.store.memory``;
+        None removes it) for the writer's next group, without waiting for room or for
+        the commit: the future is done once it committed or failed. Raises
+        ``queue.Full`` when the writer's queue is full, as ``put_nowait`` does."""
+        done: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+        def committed(request: Any) -> None:
+            if request.error is None:
+                done.set_result(None)
+            else:
+                done.set_exception(request.error)
+
+        operation = Operation(lambda conn: memory.publish(conn, pid, host, held))
+        self._writer.notify_nowait(operation, committed)
+        return done
+
+    def memory(self) -> list[memory.Entry]:
+        """What gateway processes published as held in memory (``walspool.store.memory``)."""
+        return self._with_reader(memory.read)
 
     @property
     def uid(self) -> str:

@@ -1,0 +1,202 @@
+"""The in-memory backlog's publisher (``walspool.link.memory``) on a real 0.19.0
+``SessionStore``'s queues, and what the spool keeps of it (``walspool.store.memory``).
+On all three gateways through the plugin: ``tests/contract/test_memory.py``."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import subprocess
+import sys
+
+import apsw
+
+from walspool.cli import main
+from walspool.link.memory import HEARTBEAT_SECONDS, MemoryPublisher
+from walspool.store import memory
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def queue(store, session_id: str, *contents: str) -> None:
+    """Messages waiting in the store's queue, as a failed write leaves them."""
+    with store._transcript_retry_lock:
+        pending = store._dirty_transcripts.setdefault(session_id, [])
+        pending += [{"role": "user", "content": c} for c in contents]
+
+
+def test_a_process_that_holds_nothing_writes_nothing(store, spool):
+    publisher = MemoryPublisher(lambda: spool, lambda: [store])
+    assert publisher.publish() is None
+    assert spool.memory() == []
+
+
+def test_what_the_queues_hold_is_published_with_the_age_of_the_oldest(store, spool):
+    clock = Clock()
+    publisher = MemoryPublisher(lambda: spool, lambda: [store], clock=clock)
+    queue(store, "a", "one", "two")
+    publisher.publish().result()  # queued, and committed
+    clock.now += 30
+    queue(store, "b", "three")
+    publisher.publish().result()
+    (entry,) = spool.memory()
+    held = entry.held
+    assert (entry.alive, held.pid, held.sessions, held.messages) == (True, os.getpid(), 2, 3)
+    assert held.oldest_at == 1_000.0  # first seen then, whatever happened since
+    assert [(s.session_id, s.messages, s.oldest_at) for s in held.top] == [
+        ("a", 2, 1_000.0),
+        ("b", 1, 1_030.0),
+    ]
+    assert held.bytes == sum(
+        len(json.dumps(m, separators=(",", ":")))
+        for q in store._dirty_transcripts.values()
+        for m in q
+    )
+
+
+def test_an_unchanged_backlog_is_published_again_only_when_due(store, spool):
+    clock = Clock()
+    publisher = MemoryPublisher(lambda: spool, lambda: [store], clock=clock)
+    queue(store, "a", "one")
+    publisher.publish().result()
+    clock.now += HEARTBEAT_SECONDS - 1
+    assert publisher.publish() is None
+    clock.now += 1
+    assert publisher.publish() is not None
+
+
+def test_an_emptied_queue_removes_the_entry(store, spool):
+    publisher = MemoryPublisher(lambda: spool, lambda: [store])
+    queue(store, "a", "one")
+    publisher.publish().result()
+    with store._transcript_retry_lock:
+        store._dirty_transcripts.clear()
+    publisher.publish().result()
+    assert spool.memory() == []
+
+
+def test_nothing_more_is_queued_while_a_publication_waits_for_a_lock_held_elsewhere(store, spool):
+    """Another process holds the spool's write lock: the first entry waits in the
+    writer, later looks queue nothing, and once the lock goes the newest is published."""
+    publisher = MemoryPublisher(lambda: spool, lambda: [store])
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_WRITE_LOCK, str(spool.path)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        queue(store, "a", "one")
+        first = publisher.publish()
+        assert first is not None
+        queue(store, "a", "two")
+        assert publisher.publish() is None  # the first is not committed yet
+    finally:
+        holder.communicate("\n", timeout=30)
+    try:
+        first.result(timeout=30)
+    except Exception:  # noqa: BLE001 - the first may have given up on the lock
+        pass
+    publisher.publish().result(timeout=30)
+    (entry,) = spool.memory()
+    assert entry.held.messages == 2
+
+
+#: Holds a spool's write lock in another process until a line on stdin.
+HOLD_WRITE_LOCK = """
+import sqlite3, sys
+conn = sqlite3.connect(sys.argv[1], isolation_level=None)
+conn.execute("BEGIN IMMEDIATE")
+print("locked", flush=True)
+sys.stdin.readline()
+conn.execute("ROLLBACK")
+"""
+
+
+def test_an_entry_of_a_gone_process_says_it_was_lost(spool, capsys):
+    """A process that published and then died (SIGKILL): every reader names its
+    messages as lost; an entry an operator garbled is skipped."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    host = memory.this_host()
+    held = memory.Held(
+        pid=dead.pid,
+        host=host,
+        started=None,
+        at=1_000.0,
+        sessions=1,
+        messages=7,
+        bytes=70,
+        oldest_at=990.0,
+        top=[memory.Session("a", 7, 70, 990.0)],
+    )
+    spool.publish_memory(dead.pid, host, held).result()
+    spool.transact(
+        lambda conn: conn.execute("INSERT INTO spool_meta VALUES ('memory:1@x', 'not json')")
+    )
+    (entry,) = spool.memory()
+    assert (entry.alive, entry.held.messages) == (False, 7)
+    assert main(["stats", str(spool.path)]) == 0
+    out = capsys.readouterr().out
+    assert "in memory   LOST: 7 messages in 1 session, oldest " in out
+    assert f"in the memory of pid {dead.pid}, which is gone" in out
+    assert main(["ls", str(spool.path)]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].startswith("in memory: LOST: 7 messages")
+
+
+def test_a_process_given_the_pid_of_a_gone_one_is_not_taken_for_it(spool):
+    """The pid is alive (this process) but started at another time: gone."""
+    host = memory.this_host()
+    started = memory.started(os.getpid())
+    assert started is not None
+    held = memory.Held(os.getpid(), host, started + 1, 1.0, 1, 1, 1, 1.0, [])
+    spool.publish_memory(os.getpid(), host, held).result()
+    (entry,) = spool.memory()
+    assert entry.alive is False
+
+
+def test_the_entries_are_spool_meta_rows_an_operator_can_read_and_delete(spool):
+    host = memory.this_host()
+    held = memory.Held(os.getpid(), host, None, 1.0, 1, 2, 3, 1.0, [])
+    spool.publish_memory(os.getpid(), host, held).result()
+    spool.close()
+    conn = apsw.Connection(str(spool.path))
+    ((name, value),) = conn.execute("SELECT name, value FROM spool_meta WHERE name LIKE 'memory:%'")
+    assert name == f"memory:{os.getpid()}@{host}"
+    assert json.loads(value)["messages"] == 2
+    conn.execute("DELETE FROM spool_meta WHERE name LIKE 'memory:%'")
+    conn.close()
+
+
+class Commits:
+    """A spool's ``publish_memory`` whose commits the test settles by hand."""
+
+    def __init__(self) -> None:
+        self.queued: list[tuple[memory.Held | None, concurrent.futures.Future[None]]] = []
+
+    def publish_memory(self, pid, host, held):
+        done: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self.queued.append((held, done))
+        return done
+
+
+def test_a_publication_whose_commit_failed_is_made_again(store):
+    """The writer gave up on it (a lock held elsewhere past its bound): the next look
+    publishes the same backlog again rather than taking it as published."""
+    commits = Commits()
+    publisher = MemoryPublisher(lambda: commits, lambda: [store])
+    queue(store, "a", "one")
+    publisher.publish()
+    commits.queued[-1][1].set_exception(RuntimeError("database is locked"))
+    publisher.publish()
+    assert [held.messages for held, _ in commits.queued] == [1, 1]
+    commits.queued[-1][1].set_result(None)
+    assert publisher.publish() is None  # committed and unchanged: nothing to do

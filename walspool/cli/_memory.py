@@ -1,0 +1,59 @@
+"""What linked gateways hold in memory (``walspool.store.memory``), as the commands
+show it: ``stats``, ``ls``, ``watch`` and ``metrics``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..store import memory
+from ._output import duration, plural
+
+
+def as_json(entries: list[memory.Entry], now: float) -> list[dict[str, Any]]:
+    """The ``memory`` array of ``stats --json`` and ``ls --json``: one object per
+    gateway process, the largest first (see docs/cli.md)."""
+    return [
+        {
+            "pid": e.held.pid,
+            "host": e.held.host,
+            "alive": e.alive,
+            "at": e.held.at,
+            "age": max(now - e.held.at, 0.0),
+            "sessions": e.held.sessions,
+            "messages": e.held.messages,
+            "bytes": e.held.bytes,
+            "oldest_age": None if e.held.oldest_at is None else max(now - e.held.oldest_at, 0.0),
+            "top": [
+                {
+                    "session_id": s.session_id,
+                    "messages": s.messages,
+                    "bytes": s.bytes,
+                    "oldest_age": max(now - s.oldest_at, 0.0),
+                }
+                for s in e.held.top
+            ],
+        }
+        for e in entries
+    ]
+
+
+def lines(objects: list[dict[str, Any]]) -> list[str]:
+    """One line per gateway process (``as_json``'s objects): what its memory holds,
+    lost if it is killed; or, once it is gone, what it lost. None published: one line
+    that says so."""
+    if not objects:
+        return ["nothing (no linked gateway holds transcript messages in memory)"]
+    out = []
+    for o in objects:
+        held = f"{o['messages']:,} messages in {plural(o['sessions'], 'session')}"
+        if o["oldest_age"] is not None:
+            held += f", oldest {duration(o['oldest_age'])}"
+        if o["alive"] is False:
+            out.append(
+                f"LOST: {held}, in the memory of pid {o['pid']}, which is gone (it "
+                f"published them {duration(o['age'])} ago)"
+            )
+        else:
+            where = f"pid {o['pid']}" if o["alive"] else f"pid {o['pid']} on {o['host']}"
+            out.append(f"{held}, in the memory of {where} (lost if the process is killed)")
+    return out

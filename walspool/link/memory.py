@@ -1,0 +1,188 @@
+"""The in-memory backlog in sight, for every gateway: a thread of its own looks at the
+gateway's transcript queues once a second and publishes what they hold into the spool
+(``walspool.store.memory``), so that ``stats``, ``ls``, ``watch`` and ``metrics`` show
+what a SIGKILL would lose, and after one, what was lost.
+
+All three released gateways keep a session's queue in ``store._dirty_transcripts``
+under ``store._transcript_retry_lock``; the adapters say which stores and which spool
+(the 0.19.0 link: its own; the plugin on 0.20 and 0.22: every store that wrote). A
+gateway thread never waits for a publication: the look copies the queues' lists under
+the store's lock (what a gateway thread may wait for, as long as that copy takes) and
+does everything else outside it; the entry goes to the spool's writer without waiting
+for its commit, and not at all while an earlier one is not committed yet (the spool's
+write lock held elsewhere). A process that holds nothing writes nothing.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import msgspec
+
+from ..errors import SpoolClosed
+from ..store import memory
+from ..store.spool import Spool
+from .state import log
+
+#: Seconds between looks at the queues.
+PUBLISH_SECONDS = 1.0
+#: Seconds after which an unchanged backlog is published again (its ``at`` renewed).
+HEARTBEAT_SECONDS = 60.0
+#: What was published last when its commit failed: like nothing any look gives.
+_FAILED = ("not committed",)
+
+
+class Gone(Exception):
+    """The publisher's owner is gone (its link collected, its spool closed): the
+    thread ends."""
+
+
+class MemoryPublisher:
+    """Publishes the queues of ``stores()`` into ``spool()`` (see the module docstring).
+
+    Either returning None means their owner is gone (a link collected): the thread
+    ends, as it does once the spool is closed. Neither may hold the owner strongly,
+    or the owner is never collected while the thread runs.
+    """
+
+    def __init__(
+        self,
+        spool: Callable[[], Spool | None],
+        stores: Callable[[], Iterable[Any] | None],
+        *,
+        interval: float = PUBLISH_SECONDS,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._spool = spool
+        self._stores = stores
+        self.interval = interval
+        self.clock = clock
+        self.pid = os.getpid()
+        self.host = memory.this_host()
+        self._started = memory.started(self.pid)
+        #: Each queued message seen (by id, the message kept so the id is not reused
+        #: meanwhile) and when it was first seen: its age.
+        self._seen: dict[int, tuple[Any, float]] = {}
+        #: What was published last (None: nothing), without its time, and when.
+        self._published: tuple[Any, ...] | None = None
+        self._published_at = 0.0
+        self._pending: concurrent.futures.Future[Any] | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def look(self) -> memory.Held | None:
+        """What the stores' queues hold now; None when nothing."""
+        now = self.clock()
+        queues: list[tuple[str, list[Any]]] = []
+        stores = self._stores()
+        if stores is None:
+            raise Gone
+        for store in list(stores):
+            with store._transcript_retry_lock:
+                queues += [(sid, list(q)) for sid, q in store._dirty_transcripts.items() if q]
+        seen: dict[int, tuple[Any, float]] = {}
+        sessions = []
+        for session_id, messages in queues:
+            oldest = now
+            nbytes = 0
+            for message in messages:
+                first = self._seen.get(id(message))
+                when = first[1] if first is not None and first[0] is message else now
+                seen[id(message)] = (message, when)
+                oldest = min(oldest, when)
+                nbytes += _size(message)
+            sessions.append(memory.Session(str(session_id), len(messages), nbytes, oldest))
+        self._seen = seen
+        if not sessions:
+            return None
+        sessions.sort(key=lambda s: (-s.messages, s.oldest_at))
+        return memory.Held(
+            pid=self.pid,
+            host=self.host,
+            started=self._started,
+            at=now,
+            sessions=len(sessions),
+            messages=sum(s.messages for s in sessions),
+            bytes=sum(s.bytes for s in sessions),
+            oldest_at=min(s.oldest_at for s in sessions),
+            top=sessions[: memory.TOP_SESSIONS],
+        )
+
+    def publish(self) -> concurrent.futures.Future[Any] | None:
+        """Look, and queue the entry if it changed (or is due again): its commit, or
+        None when nothing was queued. Nothing is queued while the last one is not
+        committed."""
+        with self._lock:
+            if self._pending is not None:
+                if not self._pending.done():
+                    return None
+                if self._pending.exception() is not None:
+                    self._published = _FAILED  # not in the spool: published again
+            held = self.look()
+            shape = None if held is None else (held.sessions, held.messages, held.bytes, held.top)
+            due = held is not None and self.clock() - self._published_at >= HEARTBEAT_SECONDS
+            if shape == self._published and not due:
+                return None
+            spool = self._spool()
+            if spool is None:
+                raise Gone
+            try:
+                self._pending = spool.publish_memory(self.pid, self.host, held)
+            except SpoolClosed as exc:
+                raise Gone from exc
+            except queue.Full:
+                return None  # the writer is behind: looked at again next time
+            self._published, self._published_at = shape, self.clock()
+            return self._pending
+
+    def start(self) -> None:
+        """Look every ``interval`` seconds on a thread of its own until ``stop``."""
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, name="walspool-memory", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop looking and publish once more (what the queues hold now: after a clean
+        stop spooled them, nothing, so the entry goes). The spool's close commits it."""
+        self._stop.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(self.interval + 1.0)
+        try:
+            with self._lock:
+                self._pending = None  # queued behind the last one: the writer keeps order
+            self.publish()
+        except Gone:
+            pass
+        except Exception as exc:  # noqa: BLE001 - the gateway is stopping all the same
+            log.debug("walspool could not publish the in-memory backlog at stop: %s", exc)
+
+    def _run(self) -> None:
+        failed = False
+        while not self._stop.wait(self.interval):
+            try:
+                self.publish()
+                failed = False
+            except Gone:
+                return
+            except Exception as exc:  # noqa: BLE001 - said once, tried again next second
+                if not failed:
+                    log.warning(
+                        "walspool could not publish the gateway's in-memory backlog: %s", exc
+                    )
+                failed = True
+
+
+def _size(message: Any) -> int:
+    try:
+        return len(msgspec.json.encode(message))
+    except (TypeError, msgspec.EncodeError, OverflowError):
+        return len(repr(message))
