@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import apsw
+from _lock_holder import write_lock_held
 
 from walspool.cli import main
 from walspool.link.memory import HEARTBEAT_SECONDS, MemoryPublisher
@@ -86,21 +87,12 @@ def test_nothing_more_is_queued_while_a_publication_waits_for_a_lock_held_elsewh
     """Another process holds the spool's write lock: the first entry waits in the
     writer, later looks queue nothing, and once the lock goes the newest is published."""
     publisher = MemoryPublisher(lambda: spool, lambda: [store])
-    holder = subprocess.Popen(
-        [sys.executable, "-c", HOLD_WRITE_LOCK, str(spool.path)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert holder.stdout.readline().strip() == "locked"
+    with write_lock_held(spool.path):
         queue(store, "a", "one")
         first = publisher.publish()
         assert first is not None
         queue(store, "a", "two")
         assert publisher.publish() is None  # the first is not committed yet
-    finally:
-        holder.communicate("\n", timeout=30)
     try:
         first.result(timeout=30)
     except Exception:  # noqa: BLE001 - the first may have given up on the lock
@@ -108,17 +100,6 @@ def test_nothing_more_is_queued_while_a_publication_waits_for_a_lock_held_elsewh
     publisher.publish().result(timeout=30)
     (entry,) = spool.memory()
     assert entry.held.messages == 2
-
-
-#: Holds a spool's write lock in another process until a line on stdin.
-HOLD_WRITE_LOCK = """
-import sqlite3, sys
-conn = sqlite3.connect(sys.argv[1], isolation_level=None)
-conn.execute("BEGIN IMMEDIATE")
-print("locked", flush=True)
-sys.stdin.readline()
-conn.execute("ROLLBACK")
-"""
 
 
 def test_an_entry_of_a_gone_process_says_it_was_lost(spool, capsys):
