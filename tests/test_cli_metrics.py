@@ -187,3 +187,33 @@ def test_listen_refuses_what_is_not_host_and_port(spool, capsys):
     # An address this host does not have: one line saying so, exit 1.
     assert main(["metrics", str(spool), "--listen", "192.0.2.1:0"]) == 1
     assert capsys.readouterr().err.startswith("walspool metrics: cannot listen on 192.0.2.1:0: ")
+
+
+def test_what_gateway_processes_hold_in_memory_parses_per_process(tmp_path, capsys):
+    """One live process (this one) and one gone publish their in-memory backlog: a
+    sample of each family per process, labelled with its pid and whether it is alive,
+    in text Prometheus' own parser takes."""
+    import os
+    import subprocess
+    import sys
+
+    from walspool.store import memory
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    host = memory.this_host()
+    path = tmp_path / "spool.db"
+    with walspool.Spool(path) as s:
+        for pid, messages in ((os.getpid(), 7), (gone.pid, 3)):
+            held = memory.Held(pid, host, None, 1.0, 1, messages, 10 * messages, 1.0, [])
+            s.publish_memory(pid, host, held).result()
+    assert main(["metrics", str(path)]) == 0
+    got = values(capsys.readouterr().out)
+    alive = (("alive", "true"), ("pid", str(os.getpid())))
+    lost = (("alive", "false"), ("pid", str(gone.pid)))
+    assert (got[("walspool_memory_messages", alive)], got[("walspool_memory_messages", lost)]) == (
+        7,
+        3,
+    )
+    assert got[("walspool_memory_bytes", lost)] == 30
+    assert got[("walspool_memory_oldest_age_seconds", alive)] > 0

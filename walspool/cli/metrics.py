@@ -135,25 +135,26 @@ def read(spool: Path) -> list[Family]:
         [({}, stats["quarantined_total"])],
         "counter",
     )
-    held = stats["memory"]
-    by_process = [(o, {"pid": str(o["pid"]), "alive": _alive_label(o["alive"])}) for o in held]
-    memory_family = family if held else (lambda *_: None)
-    memory_family(
-        "walspool_memory_messages",
-        "Transcript messages a linked gateway process holds in memory, not spooled yet: "
-        'lost if it is killed. alive="false": the process is gone, and they were lost.',
-        [(labels, o["messages"]) for o, labels in by_process],
-    )
-    memory_family(
-        "walspool_memory_bytes",
-        "Bytes (as JSON) of the messages a gateway process holds in memory.",
-        [(labels, o["bytes"]) for o, labels in by_process],
-    )
-    memory_family(
-        "walspool_memory_oldest_age_seconds",
-        "Age of the oldest message a gateway process holds in memory.",
-        [(labels, o["oldest_age"] or 0.0) for o, labels in by_process],
-    )
+    if stats["memory"]:  # left out while no gateway process published any
+        by_process = [
+            (o, {"pid": str(o["pid"]), "alive": _alive_label(o["alive"])}) for o in stats["memory"]
+        ]
+        family(
+            "walspool_memory_messages",
+            "Transcript messages a linked gateway process holds in memory, not spooled "
+            "yet: lost if it is killed. alive=false: the process is gone, and they were lost.",
+            [(labels, o["messages"]) for o, labels in by_process],
+        )
+        family(
+            "walspool_memory_bytes",
+            "Bytes (as JSON) of the messages a gateway process holds in memory.",
+            [(labels, o["bytes"]) for o, labels in by_process],
+        )
+        family(
+            "walspool_memory_oldest_age_seconds",
+            "Age of the oldest message a gateway process holds in memory.",
+            [(labels, o["oldest_age"] or 0.0) for o, labels in by_process],
+        )
     if stats["last_errors"]:
         family(
             "walspool_last_error_age_seconds",

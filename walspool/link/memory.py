@@ -67,8 +67,8 @@ class MemoryPublisher:
         self.host = memory.this_host()
         self._started = memory.started(self.pid)
         #: Each queued message seen (by id, the message kept so the id is not reused
-        #: meanwhile) and when it was first seen: its age.
-        self._seen: dict[int, tuple[Any, float]] = {}
+        #: meanwhile), when it was first seen (its age) and its bytes as JSON.
+        self._seen: dict[int, tuple[Any, float, int]] = {}
         #: What was published last (None: nothing), without its time, and when.
         self._published: tuple[Any, ...] | None = None
         self._published_at = 0.0
@@ -87,17 +87,18 @@ class MemoryPublisher:
         for store in list(stores):
             with store._transcript_retry_lock:
                 queues += [(sid, list(q)) for sid, q in store._dirty_transcripts.items() if q]
-        seen: dict[int, tuple[Any, float]] = {}
+        seen: dict[int, tuple[Any, float, int]] = {}
         sessions = []
         for session_id, messages in queues:
             oldest = now
             nbytes = 0
             for message in messages:
-                first = self._seen.get(id(message))
-                when = first[1] if first is not None and first[0] is message else now
-                seen[id(message)] = (message, when)
-                oldest = min(oldest, when)
-                nbytes += _size(message)
+                known = self._seen.get(id(message))
+                if known is None or known[0] is not message:
+                    known = (message, now, _size(message))  # each message encoded once
+                seen[id(message)] = known
+                oldest = min(oldest, known[1])
+                nbytes += known[2]
             sessions.append(memory.Session(str(session_id), len(messages), nbytes, oldest))
         self._seen = seen
         if not sessions:

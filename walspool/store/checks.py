@@ -18,13 +18,7 @@ from typing import Any
 import apsw
 
 from . import schema, totals
-from .paging import (
-    LARGE_PAYLOAD,
-    SMALL_PAYLOAD,
-    as_text,
-    rows_not_json,
-    undecodable,
-)
+from .paging import LARGE_PAYLOAD, SMALL_PAYLOAD, as_text, rows_not_json, undecodable
 from .reader import SpoolReader
 from .schema import APPLICATION_ID, SCHEMA_VERSION
 

@@ -122,11 +122,3 @@ def started(pid: int) -> int | None:
         return int(fields[19])  # field 22
     except (IndexError, ValueError):
         return None
-
-
-def totals(entries: list[Entry]) -> tuple[int, int, int]:
-    """(messages held by live or unknown processes, messages of gone ones, sessions
-    of live or unknown ones)."""
-    live = [e.held for e in entries if e.alive is not False]
-    gone = sum(e.held.messages for e in entries if e.alive is False)
-    return sum(h.messages for h in live), gone, sum(h.sessions for h in live)
