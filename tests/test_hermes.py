@@ -533,7 +533,7 @@ def test_a_rewrite_of_a_session_with_nothing_queued_is_quiet_and_keeps_no_state(
     store.append_to_transcript("s", _m("next"))
     assert store.rewrite_transcript("s", [_m("r2")])
     assert contents(store, "s") == ["r2"]
-    assert "s" not in link._sessions  # an idle session's state is dropped
+    assert "s" not in link.core.sessions  # an idle session's state is dropped
     assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
 
 
@@ -571,7 +571,7 @@ def test_a_rewrite_resets_a_failing_session_so_the_next_message_is_written_at_on
     assert [r.message["content"] for r in spool.records() if r.status is None] == [
         f"n{i}" for i in range(5)
     ]
-    assert link._sessions["s"].spooled == 5
+    assert link.core.sessions["s"].spooled == 5
 
 
 def test_a_rewrite_whose_supersede_fails_says_so_word_for_word(store, spool, caplog):
@@ -729,20 +729,20 @@ def test_the_teardown_passes_its_keywords_on(hermes_home, monkeypatch):
 def test_close_stops_the_background_thread_and_is_safe_without_one(store, spool, monkeypatch):
     monkeypatch.setattr(bounds, "HANDOFF_WAIT", 30.0)
     link = install(store, spool, retry_interval=0.05)
-    thread = link._thread
+    thread = link.background.thread
     assert thread.is_alive()
     link.close()
     assert not thread.is_alive()  # joined before close returned
     link.close()  # idempotent
     unthreaded = Link(store, spool, retry_interval=0)  # never started a thread
     unthreaded.close()
-    assert unthreaded._closed
+    assert unthreaded.core.closed
 
 
 def _recovery_done(link: Link) -> bool:
     """With ``retry_interval=0`` the background thread ends after the start's recovery."""
-    link._thread.join(STEP)
-    return not link._thread.is_alive()
+    link.background.thread.join(STEP)
+    return not link.background.thread.is_alive()
 
 
 def test_a_start_whose_recovery_fails_for_a_session_holds_its_live_rows_behind(
@@ -802,7 +802,7 @@ def test_a_recovery_that_moves_a_sessions_rows_forgets_its_state(store, spool, c
     caplog.clear()
     assert link.recover().moved == 203
     assert contents(store, "s") == [f"m{i}" for i in range(203)]
-    assert "s" not in link._sessions
+    assert "s" not in link.core.sessions
     assert _lines(caplog, logging.INFO) == [
         "Recovered 203 spooled message(s) into state.db; 0 held back"
     ]
@@ -903,14 +903,14 @@ def test_a_recovery_that_holds_one_session_still_settles_and_writes_the_next(sto
         return write(session_id, *args, **kw)
 
     link.replayer.sink.write = refuse_a
-    with link._lock:
-        assert list(link._sessions) == ["a", "b"]
+    with link.core.lock:
+        assert list(link.core.sessions) == ["a", "b"]
     report = link.recover()
     assert (report.moved, report.held) == (1, 1)
     assert contents(store, "b") == ["rb", "live b"]  # written before recover returned
     assert contents(store, "a") == []
-    with link._lock:
-        assert "b" not in link._sessions and link._sessions["a"].spooled
+    with link.core.lock:
+        assert "b" not in link.core.sessions and link.core.sessions["a"].spooled
     link.close()
 
 
@@ -937,11 +937,11 @@ def test_the_background_thread_claims_only_the_session_longest_due_with_nothing_
     again at the earliest retry time."""
     link = install(store, spool, recover=False, retry_interval=0)  # no thread of its own
     now = link.clock()
-    with link._lock:
+    with link.core.lock:
         states = {}
         names = ("writing", "waited", "unconfirmed", "idle", "sooner", "later", "due", "first")
         for session_id in names:
-            state = states[session_id] = link._session(session_id)
+            state = states[session_id] = link.core.session(session_id)
             state.spooled = 0
             if session_id != "idle":
                 store._dirty_transcripts[session_id] = [{"role": "user", "content": "q"}]
@@ -952,12 +952,12 @@ def test_the_background_thread_claims_only_the_session_longest_due_with_nothing_
             claim = states[session_id].claim(background=True)
             states[session_id].due_at(claim, now + at)
             states[session_id].release(claim)
-        claimed, _ = link._due_sessions()
+        claimed, _ = link.background.due_sessions()
         assert [(sid, state) for sid, state, _ in claimed] == [("first", states["first"])]
         assert states["first"].writer is claimed[0][2] and claimed[0][2].background
-        claimed, _ = link._due_sessions()
+        claimed, _ = link.background.due_sessions()
         assert [sid for sid, _, _ in claimed] == ["due"]
-        assert link._due_sessions() == ([], now + 50)
+        assert link.background.due_sessions() == ([], now + 50)
         for state in states.values():  # leave nothing for the store's own shutdown
             state.writer, state.waiters, state.unconfirmed = None, 0, 0
         store._dirty_transcripts.clear()
@@ -999,7 +999,7 @@ def test_the_background_thread_ends_once_its_store_and_link_are_gone(
     store = SessionStore(sessions, GatewayConfig(sessions_dir=sessions))
     link = install(store, spool, retry_interval=3600)
     assert link.wait_idle(STEP)
-    thread = link._thread
+    thread = link.background.thread
     assert thread.is_alive()
     store._db.close()
     del store, link
@@ -1020,8 +1020,8 @@ def test_a_start_recovery_that_fails_says_so_and_each_session_drains_its_own(
     monkeypatch.setattr(walspool.replay.replayer.Replayer, "replay", broken)
     with caplog.at_level(logging.ERROR, logger="walspool.hermes"):
         link = install(store, spool, retry_interval=0)
-        link._thread.join(STEP)  # with no retries, the thread ends after the recovery
-    assert not link._thread.is_alive()
+        link.background.thread.join(STEP)  # with no retries, the thread ends after the recovery
+    assert not link.background.thread.is_alive()
     (record,) = [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert record.getMessage() == (
         f"could not replay {spool.path} at start; each session replays its own spooled "
@@ -1063,7 +1063,7 @@ def test_the_background_thread_waits_no_longer_than_until_the_next_retry(store, 
     link = install(store, spool, retry_interval=0.05)
     waits: list[float] = []
     waited = threading.Semaphore(0)
-    wait = link._due.wait
+    wait = link.core.due.wait
 
     def recorded(timeout: float | None = None) -> bool:
         if timeout != bounds.IDLE_WAKE_SECONDS:  # not the wait with nothing scheduled
@@ -1071,7 +1071,7 @@ def test_the_background_thread_waits_no_longer_than_until_the_next_retry(store, 
             waited.release()
         return wait(timeout)
 
-    link._due.wait = recorded
+    link.core.due.wait = recorded
     sql(store, BREAK)
     store.append_to_transcript("s", _m("m0"))  # fails: retried within 0.05 s
     assert waited.acquire(timeout=STEP)
@@ -1162,8 +1162,8 @@ def test_a_failing_write_is_counted_in_the_stores_counter_and_logged_word_for_wo
             f"pending={attempt}); will retry: database disk image is malformed"
         ]
         assert store._transcript_append_failures == {"s": attempt}
-        with link._lock:
-            link._sessions["s"].wake()  # its retry time has come
+        with link.core.lock:
+            link.core.sessions["s"].wake()  # its retry time has come
     assert [m["content"] for m in store._dirty_transcripts["s"]] == ["first", "second"]
     sql(store, HEAL)
     store.append_to_transcript("s", _m("third"))
@@ -1216,7 +1216,8 @@ from walspool.hermes import install
 home = Path(sys.argv[1])
 store = SessionStore(home / "sessions", GatewayConfig(sessions_dir=home / "sessions"))
 link = install(store, walspool.Spool(home / "spool.db"))
-print("retrying in the background:", link._thread is not None and link._thread.is_alive())
+thread = link.background.thread
+print("retrying in the background:", thread is not None and thread.is_alive())
 """
 
 

@@ -248,8 +248,8 @@ def test_undo_after_a_flood_gives_a_chatty_session_no_room_kept_for_the_others(
     assert kept == [0] * 20  # refused: it holds most of the spool
     link.close()  # says the lines held back: every refusal is counted in one
     assert told_drops(caplog, "chatty") == 20 * 30
-    with link._lock:
-        assert link._shares.of("chatty") == spooled_bytes(spool, "chatty")
+    with link.core.lock:
+        assert link.core.shares.of("chatty") == spooled_bytes(spool, "chatty")
 
 
 def test_a_chatty_sessions_rows_from_an_earlier_run_count_after_a_restart(hermes_home, caplog):
@@ -305,8 +305,8 @@ def test_a_chatty_sessions_rows_from_an_earlier_run_count_after_a_restart(hermes
             spool.flush()
             assert refusals(caplog, "quiet") == []
             assert [r.session_id for r in spool.records()].count("quiet") == 15
-            with link._lock:
-                assert link._shares.of("chatty") == spooled_bytes(spool, "chatty")
+            with link.core.lock:
+                assert link.core.shares.of("chatty") == spooled_bytes(spool, "chatty")
         finally:
             stop(store, spool, link)
     assert told_drops(caplog, "chatty") == 12 * 30  # each link's close said its held lines
@@ -340,14 +340,14 @@ def test_a_drain_lowers_the_share_by_the_rows_it_moved(store, spool, caplog):
         spool.flush()
     (refused,) = refusals(caplog, "chatty")
     assert "kept for sessions that spooled less than 1%" in refused
-    with link._lock:
-        assert link._shares.of("chatty") == held
+    with link.core.lock:
+        assert link.core.shares.of("chatty") == held
     caplog.clear()
     sql(store, HEAL)
     assert link.wait_idle(WAIT)
     assert contents(store, "chatty")[-1] == "refused"  # its k rows drained, then its queue
-    with link._lock:
-        assert link._shares.of("chatty") == spooled_bytes(spool, "chatty") == superseded
+    with link.core.lock:
+        assert link.core.shares.of("chatty") == spooled_bytes(spool, "chatty") == superseded
         assert spool.footprint() > link.max_bytes * (1 - budget.RESERVE)  # still the reserve
     sql(store, BREAK)
     with caplog.at_level(logging.WARNING, logger="walspool.hermes"):

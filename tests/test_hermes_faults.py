@@ -90,8 +90,8 @@ class Waits:
             def release(self) -> None:
                 self.lock.release()
 
-        link._settled = Settled(link._lock)
-        link._draining = Draining(link._draining)  # type: ignore[assignment]
+        link.core.settled = Settled(link.core.lock)
+        link.core.draining = Draining(link.core.draining)  # type: ignore[assignment]
         self._record("wait_for_room", bounded=True)
         self._record("notify", bounded=False)
         self._record("call", bounded=False)
@@ -119,8 +119,8 @@ class Waits:
 
 def settle(link: Link, predicate: Callable[[], bool], timeout: float = WAIT) -> bool:
     """Wait on the link's condition (notified at each release and commit) for ``predicate``."""
-    with link._settled:
-        return link._settled.wait_for(predicate, timeout)
+    with link.core.settled:
+        return link.core.settled.wait_for(predicate, timeout)
 
 
 # -- self-healing ----------------------------------------------------------------------
@@ -170,7 +170,7 @@ def test_retries_back_off_up_to_the_retry_interval(store, spool):
 def test_a_retry_interval_of_zero_starts_no_background_retries(store, spool):
     store._db.create_session("s", "telegram")
     link = install(store, spool, retry_interval=0)
-    assert link._thread is None
+    assert link.background.thread is None
 
 
 # -- a spool locked by another process ---------------------------------------------------
@@ -298,7 +298,7 @@ def test_a_lock_held_past_the_bound_takes_the_drop_path_and_the_gateway_goes_on(
         waits = [timed_append(store, "a", f"a{i}") for i in range(205)]
         assert max(waits) < APPEND_BOUND
         # the writer gives up after the bound: every eviction's callback runs
-        assert settle(link, lambda: link._sessions["a"].unconfirmed == 0)
+        assert settle(link, lambda: link.core.sessions["a"].unconfirmed == 0)
     drops = [r.getMessage() for r in caplog.records if "dropping oldest" in r.getMessage()]
     assert len(drops) == 1 and "held its write lock for more than 0.3 s" in drops[0]
     sql(store, HEAL)
@@ -418,7 +418,7 @@ def test_install_returns_at_once_and_recovers_in_the_background(store, spool):
         assert time.monotonic() - started < APPEND_BOUND
         assert timed_append(store, "s", "live") < APPEND_BOUND
         assert contents(store, "s") == []  # live rows wait for the recovery
-        assert link._recovering
+        assert link.core.recovering
         holder.release()
     assert link.wait_idle(WAIT)
     assert contents(store, "s") == [f"old{i}" for i in range(300)] + ["live"]
@@ -548,7 +548,7 @@ def test_one_background_thread_retries_every_session(store, spool):
         for i in range(205):
             store.append_to_transcript(s, msg(f"{s}-{i}"))
     mine = [t for t in threading.enumerate() if t.name == f"walspool-link {spool.path}"]
-    assert mine == [link._thread]
+    assert mine == [link.background.thread]
     sql(store, HEAL)
     assert link.wait_idle(WAIT)  # all 20 healed by that one thread, no new message
     for s in sessions:
@@ -566,7 +566,7 @@ def test_the_links_log_lines_escape_session_ids(store, spool, caplog):
         for i in range(205):
             store.append_to_transcript(evil, msg(f"m{i}"))
         spool.flush()
-        assert settle(link, lambda: link._sessions[evil].unconfirmed == 0)
+        assert settle(link, lambda: link.core.sessions[evil].unconfirmed == 0)
     lines = [r.getMessage() for r in caplog.records if r.name.startswith("walspool")]
     spooled = [line for line in lines if "spooled oldest message" in line]
     assert len(spooled) == 5
@@ -590,15 +590,15 @@ def test_after_an_outage_sessions_with_backlogs_take_turns(store, spool, monkeyp
     for i in range(210):
         store.append_to_transcript("small", msg(f"small-{i}"))
     spool.flush()
-    assert settle(link, lambda: not any(s.unconfirmed for s in link._sessions.values()))
+    assert settle(link, lambda: not any(s.unconfirmed for s in link.core.sessions.values()))
     sql(store, HEAL)
-    with link._lock:  # both due now, "big" longest
+    with link.core.lock:  # both due now, "big" longest
         for session_id, at in (("big", 1.0), ("small", 2.0)):
-            state = link._sessions[session_id]
+            state = link.core.sessions[session_id]
             claim = state.claim(background=True)
             state.due_at(claim, at)
             state.release(claim)
-        link._schedule(0.0)
+        link.core.schedule(0.0)
     assert link.wait_idle(WAIT)
     assert contents(store, "big") == [f"big-{i}" for i in range(700)]
     assert contents(store, "small") == [f"small-{i}" for i in range(210)]

@@ -269,20 +269,20 @@ def test_a_failed_write_never_drops_what_a_waiting_thread_may_still_spool(
     for i in range(1, 400):  # over the cap with the head in flight: nothing evicted
         store.append_to_transcript("s", msg(f"m{i}"))
     waiting = threading.Event()
-    wait_for_head = link._wait_for_head
+    wait_for_head = link.evictions.wait_for_head
 
     def announce(state: Any, deadline: float) -> None:
         waiting.set()  # the store's lock is held until the wait releases it
         wait_for_head(state, deadline)
 
-    link._wait_for_head = announce
+    link.evictions.wait_for_head = announce
     with caplog.at_level(logging.WARNING, logger="walspool.hermes"):
         b = in_thread(lambda: store.append_to_transcript("s", msg("m400")))
         assert waiting.wait(STEP)  # B: 401 queued, past twice the cap, waits for m0
         sql(store, BREAK)
         gate.open()
         assert joined(a)  # m0's write failed; the queue is full: all 401 stay queued
-        with link._lock:
+        with link.core.lock:
             assert len(store._dirty_transcripts["s"]) == 401
         go_on.set()
         assert joined(b)
@@ -398,19 +398,19 @@ def test_gateway_threads_past_twice_the_cap_wait_for_the_head_counted_as_waiters
     link = install(store, spool, retry_interval=0)
     if bound < 1:
         _stop_the_clock(monkeypatch, link)
-    link._settled = counted = _CountedWaits(link._lock)
+    link.core.settled = counted = _CountedWaits(link.core.lock)
     gate = gate_live_writes(store)
     gate.arm()
     a = in_thread(lambda: store.append_to_transcript("s", msg("m0")))
     assert gate.entered.wait(STEP)  # A writes m0
     for i in range(1, 6):  # up to twice the cap: queued at once, nothing evicted
         store.append_to_transcript("s", msg(f"m{i}"))
-    state = link._sessions["s"]
+    state = link.core.sessions["s"]
     b = in_thread(lambda: store.append_to_transcript("s", msg("m6")))
     assert counted.waited_in(b)  # B waits for m0's write to end
     c = in_thread(lambda: store.append_to_transcript("s", msg("m7")))
     assert counted.waited_in(c)  # and C
-    with link._lock:
+    with link.core.lock:
         assert state.waiters == 2
         assert len(store._dirty_transcripts["s"]) == 8
     gate.open()
@@ -535,7 +535,7 @@ def test_a_shutdown_flush_the_spool_has_no_room_for_gives_up_at_its_bound(
         f"could not spool 1 queued transcript message(s) at shutdown: the spool "
         f"{spool.path} had no room for them within 0.5 s"
     ]
-    with link._lock:
+    with link.core.lock:
         assert [m["content"] for m in store._dirty_transcripts["s"]] == ["m0"]
     assert spool.stats().rows == 0
 
@@ -597,10 +597,10 @@ def test_the_start_recovery_writes_as_the_background_thread_and_a_gateway_thread
     gate.arm()
     with store._transcript_retry_lock:  # the recovery looks once this is released
         link = install(store, spool, retry_interval=3600)
-        link._settled = counted = _CountedWaits(link._lock)
+        link.core.settled = counted = _CountedWaits(link.core.lock)
         # What a gateway thread's message did before the recovery looked: queued, and
         # the session's state counts rows spooled by an earlier run.
-        link._session("s")
+        link.core.session("s")
         store._dirty_transcripts["s"] = [msg("live")]
     assert gate.entered.wait(STEP)  # the recovery moved r0 and writes "live"
     assert link.view("s").owner is Owner.BACKGROUND
@@ -644,11 +644,11 @@ def test_a_wait_for_evictions_looks_again_often_and_gives_up_at_its_bound(
             clock[0] += timeout or 0.0  # a look that found nothing
             return False
 
-    settled = link._settled
-    link._settled = Looks(link._lock)
+    settled = link.core.settled
+    link.core.settled = Looks(link.core.lock)
     monkeypatch.setattr(link, "clock", lambda: clock[0])
     store.append_to_transcript("s", msg("m3"))  # evicts m0, then waits for its commit
-    link._settled = settled
+    link.core.settled = settled
     monkeypatch.undo()
     assert looks and all(w is not None and 0 < w <= bounds.BUSY_LOOK_SECONDS for w in looks)
     assert sum(looks) == pytest.approx(bounds.CONFIRM_WAIT)
@@ -669,8 +669,8 @@ def test_a_drain_on_a_closed_spool_fails_quietly_and_the_message_stays_queued(st
     with caplog.at_level(logging.WARNING, logger="walspool.hermes"):
         store.append_to_transcript("s", msg("new"))
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
-    with link._lock:
-        state = link._sessions["s"]
+    with link.core.lock:
+        state = link.core.sessions["s"]
         assert state.writer is None  # the gateway thread gave its role up
         assert state.failures == 1 and state.retry_at > time.monotonic()
         assert state.hold_until == state.retry_at
@@ -699,8 +699,8 @@ def test_a_drain_whose_replay_fails_says_so_and_holds_the_session(store, spool, 
         "its queued messages: replay broke"
     ]
     assert [r for r in caplog.records if r.levelno >= logging.ERROR] == []
-    with link._lock:
-        state = link._sessions["s"]
+    with link.core.lock:
+        state = link.core.sessions["s"]
         assert state.writer is None
         assert state.failures == 1 and state.retry_at > time.monotonic()
         assert state.hold_until == state.retry_at
@@ -732,8 +732,8 @@ def test_a_drain_whose_rows_state_db_refuses_holds_them_and_counts_the_failure(
             "database disk image is malformed"
         ]
         assert [r for r in caplog.records if r.levelno >= logging.ERROR] == []
-        with link._lock:
-            state = link._sessions["s"]
+        with link.core.lock:
+            state = link.core.sessions["s"]
             assert state.writer is None
             assert store._transcript_append_failures["s"] == attempt
             assert state.failures == attempt and state.retry_at > time.monotonic()
@@ -748,8 +748,8 @@ def test_a_drain_whose_rows_state_db_refuses_holds_them_and_counts_the_failure(
     assert [r.getMessage() for r in caplog.records if r.name == "walspool.hermes"] == [
         "Replayed 1 spooled transcript message(s) for s after DB recovery"
     ]
-    with link._lock:  # all written: the store's own failure count is cleared, as it does
-        assert "s" not in store._transcript_append_failures and "s" not in link._sessions
+    with link.core.lock:  # all written: the store's own failure count is cleared, as it does
+        assert "s" not in store._transcript_append_failures and "s" not in link.core.sessions
 
 
 @pytest.mark.parametrize("chunk", [1, 2])
@@ -836,8 +836,8 @@ def test_an_eviction_that_commits_after_its_writer_gave_up_wakes_the_session(
         store.append_to_transcript("s", msg(f"m{i}"))  # queued: A holds the session
     gate.open()
     assert joined(a)
-    with link._lock:
-        state = link._sessions["s"]
+    with link.core.lock:
+        state = link.core.sessions["s"]
         assert state.writer is None and state.unconfirmed == 1 and state.spooled == 1
     go_on.set()
     assert link.wait_idle(STEP)
@@ -859,15 +859,15 @@ def test_a_rewrite_while_an_eviction_is_in_flight_forgets_the_session_once_it_co
     go_on = hold_the_writer(spool)  # the eviction queues behind this
     store.append_to_transcript("s", msg("m3"))  # m0 evicted, not committed yet
     rewriter = in_thread(lambda: store._clear_dirty_transcript("s"))  # its supersede queues
-    with link._lock:
-        assert link._settled.wait_for(lambda: link._sessions["s"].generation == 1, STEP)
-        assert link._sessions["s"].unconfirmed == 1
+    with link.core.lock:
+        assert link.core.settled.wait_for(lambda: link.core.sessions["s"].generation == 1, STEP)
+        assert link.core.sessions["s"].unconfirmed == 1
     with caplog.at_level(logging.WARNING):
         go_on.set()
         assert joined(rewriter)
         spool.flush()
-    with link._lock:
-        assert "s" not in link._sessions
+    with link.core.lock:
+        assert "s" not in link.core.sessions
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
     assert [(r.message["content"], r.status) for r in spool.records()] == [("m0", "superseded")]
 
@@ -995,8 +995,8 @@ def test_a_gateway_thread_waits_for_room_in_the_spool_at_most_its_bound_then_dro
     go_on.set()
     assert filler.result(STEP).seq == 1
     sql(store, HEAL)
-    with link._lock:
-        link._sessions["s"].wake()
+    with link.core.lock:
+        link.core.sessions["s"].wake()
     store.append_to_transcript("s", msg("fin"))
     assert link.wait_idle(STEP)
     assert contents(store, "s") == ["m1", "m2", "m3", "m4", "fin"]
@@ -1021,7 +1021,7 @@ def test_after_a_rewrite_under_a_write_the_new_queue_is_evicted_at_the_cap(
         store.append_to_transcript("s", msg(f"n{i}"))  # queued: A holds the session
     spool.flush()
     assert [r.message["content"] for r in spool.records()] == ["n0"]  # spooled at the cap
-    with link._lock:
+    with link.core.lock:
         assert [m["content"] for m in store._dirty_transcripts["s"]] == ["n1", "n2"]
     gate.open()
     assert joined(a)
@@ -1067,7 +1067,7 @@ def test_an_unexpected_error_while_writing_a_session_is_logged_and_retried(store
     as a failed drain is) and is scheduled for its retry, which writes it."""
     store._db.create_session("s", "telegram")
     link = install(store, spool, retry_interval=3600)
-    write_head = link._write_head
+    write_head = link.writer._write_head
     calls: list[int] = []
 
     def broken_once(*args: Any) -> Any:
@@ -1076,20 +1076,20 @@ def test_an_unexpected_error_while_writing_a_session_is_logged_and_retried(store
             raise RuntimeError("link bug")
         return write_head(*args)
 
-    link._write_head = broken_once
+    link.writer._write_head = broken_once
     with caplog.at_level(logging.ERROR, logger="walspool.hermes"):
         store.append_to_transcript("s", msg("m0"))
     (record,) = [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert record.getMessage() == "walspool could not write session s; its messages stay queued"
     assert record.exc_info and record.exc_info[0] is RuntimeError
-    with link._lock:
-        state = link._sessions["s"]
+    with link.core.lock:
+        state = link.core.sessions["s"]
         assert state.writer is None and state.failures == 1
         assert state.retry_at > time.monotonic() and state.hold_until == 0.0
-        assert link._wake_at == state.retry_at  # the background thread looks then
+        assert link.core.wake_at == state.retry_at  # the background thread looks then
         assert [m["content"] for m in store._dirty_transcripts["s"]] == ["m0"]
         state.wake()  # its retry time has come
-        link._schedule(0.0)
+        link.core.schedule(0.0)
     assert link.wait_idle(STEP)
     assert contents(store, "s") == ["m0"]
 
@@ -1109,12 +1109,12 @@ def test_a_drain_release_with_work_left_wakes_the_background_thread_beside_a_lat
     sql(store, BREAK)
     store.append_to_transcript("t", msg("t0"))  # fails: its retry is minutes away
     sql(store, HEAL)
-    with link._lock:
-        assert link._wake_at is not None and link._wake_at > time.monotonic()
+    with link.core.lock:
+        assert link.core.wake_at is not None and link.core.wake_at > time.monotonic()
     with caplog.at_level(logging.WARNING, logger="walspool.hermes"):
         store.append_to_transcript("s", msg("new"))  # moves 10 rows, then gives up
-        with link._lock:
-            assert link._settled.wait_for(lambda: "s" not in link._sessions, STEP)
+        with link.core.lock:
+            assert link.core.settled.wait_for(lambda: "s" not in link.core.sessions, STEP)
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
     assert contents(store, "s") == [f"old{i}" for i in range(25)] + ["new"]
 
@@ -1125,8 +1125,8 @@ def test_a_message_the_gateway_skips_for_state_db_is_neither_written_nor_queued(
     store._db.create_session("s", "telegram")
     link = install(store, spool, retry_interval=0)
     store.append_to_transcript("s", msg("skipped"), skip_db=True)
-    with link._lock:
-        assert "s" not in store._dirty_transcripts and "s" not in link._sessions
+    with link.core.lock:
+        assert "s" not in store._dirty_transcripts and "s" not in link.core.sessions
     store.append_to_transcript("s", msg("written"))
     assert contents(store, "s") == ["written"]
 
@@ -1148,16 +1148,16 @@ def test_a_failing_sessions_retry_delay_doubles_up_to_the_retry_interval(
     sql(store, BREAK)
     got = []
     for i in range(len(delays)):
-        with link._lock:
-            if "s" in link._sessions:
-                link._sessions["s"].wake()  # due: this message tries again
+        with link.core.lock:
+            if "s" in link.core.sessions:
+                link.core.sessions["s"].wake()  # due: this message tries again
         store.append_to_transcript("s", msg(f"m{i}"))  # fails
-        with link._lock:
-            got.append(link._sessions["s"].retry_at - now)
+        with link.core.lock:
+            got.append(link.core.sessions["s"].retry_at - now)
     assert got == pytest.approx(delays)
     store.append_to_transcript("s", msg("early"))  # before the retry time: queued only
-    with link._lock:
-        state = link._sessions["s"]
+    with link.core.lock:
+        state = link.core.sessions["s"]
         assert state.failures == len(delays) and state.retry_at - now == pytest.approx(delays[-1])
 
 
@@ -1171,12 +1171,12 @@ def test_a_drain_behind_another_of_this_link_gives_up_at_its_bound_quietly(
     store._db.create_session("s", "telegram")
     spool.append("s", msg("old"))  # an earlier run's row: the next message drains it
     link = install(store, spool, recover=False, retry_interval=0)
-    with link._draining:  # another drain of this link has its turn
+    with link.core.draining:  # another drain of this link has its turn
         with caplog.at_level(logging.WARNING, logger="walspool.hermes"):
             store.append_to_transcript("s", msg("new"))
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
-    with link._lock:
-        state = link._sessions["s"]
+    with link.core.lock:
+        state = link.core.sessions["s"]
         assert state.writer is None and state.failures == 0
         assert [m["content"] for m in store._dirty_transcripts["s"]] == ["new"]
     store.append_to_transcript("s", msg("next"))
@@ -1195,11 +1195,11 @@ def test_a_gateway_thread_never_waits_for_another_drain_when_the_background_thre
     store._db.create_session("s", "telegram")
     spool.append("s", msg("old"))  # an earlier run's row: the next message drains it
     link = install(store, spool, recover=False, retry_interval=0.05)
-    with link._draining:  # another drain of this link has its turn
+    with link.core.draining:  # another drain of this link has its turn
         g = threading.Thread(target=lambda: store.append_to_transcript("s", msg("new")))
         g.start()
         assert joined(g), "the gateway thread waited for another session's drain"
-        with link._lock:
+        with link.core.lock:
             assert [m["content"] for m in store._dirty_transcripts["s"]] == ["new"]
     assert link.wait_idle(STEP)
     assert contents(store, "s") == ["old", "new"]
@@ -1240,8 +1240,8 @@ def test_a_flush_while_a_drain_finds_nothing_is_not_taken_for_what_that_drain_sa
     # replay. One that had begun (with this wrapper, or before it was put in place)
     # would otherwise go on unarmed, move m0 itself after the heal, and leave the armed
     # one nothing to find moved by "another process".
-    with link._draining, link._lock:
-        assert link._sessions["s"].spooled == 1
+    with link.core.draining, link.core.lock:
+        assert link.core.sessions["s"].spooled == 1
         armed.set()
         sql(store, HEAL)
     assert link.wait_idle(STEP)
@@ -1276,7 +1276,7 @@ def test_a_message_queued_behind_a_failed_drain_after_a_rewrite_is_written_unask
             return replay(*args, **kw)
         assert joined(in_thread(lambda: store.rewrite_transcript("s", [msg("rewritten")])))
         assert joined(in_thread(lambda: store.append_to_transcript("s", msg("after"))))
-        with link._lock:
+        with link.core.lock:
             assert [m["content"] for m in store._dirty_transcripts["s"]] == ["after"]
         failed.append(threading.current_thread())
         raise failure(spool.path)
@@ -1307,8 +1307,8 @@ def _a_flush_the_spool_refuses(
         go_on = hold_the_writer(spool)  # the flush's rows queue behind this
         flushed: list[int] = []
         flusher = in_thread(lambda: flushed.append(link.flush_queues()))
-        with link._lock:
-            assert link._settled.wait_for(lambda: store._dirty_transcripts.get("s") == [], STEP)
+        with link.core.lock:
+            assert link.core.settled.wait_for(lambda: store._dirty_transcripts.get("s") == [], STEP)
         yield spool, link, go_on, flusher, flushed
 
 
@@ -1324,7 +1324,7 @@ def test_a_shutdown_flush_the_spool_refuses_goes_back_in_front_and_is_retried(
             go_on.set()
             assert joined(flusher)
         assert flushed == [0]
-        with link._lock:
+        with link.core.lock:
             assert [m["content"][:2] for m in store._dirty_transcripts["s"]] == [
                 "m0",
                 "m1",
@@ -1387,8 +1387,8 @@ def _held_by_the_background_thread(store, spool):
     gate.arm(content="old")
     sql(store, HEAL)
     assert gate.entered.wait(STEP)  # the background thread wrote "first", holds "old"
-    assert link._sessions["s"].writer.background
-    link._settled = counted = _CountedWaits(link._lock)
+    assert link.core.sessions["s"].writer.background
+    link.core.settled = counted = _CountedWaits(link.core.lock)
     return link, gate, counted, writers
 
 
@@ -1402,12 +1402,12 @@ def test_a_shutdown_flush_the_spool_refuses_after_a_rewrite_does_not_bring_back_
     with _a_flush_the_spool_refuses(hermes_home, store) as (spool, link, go_on, flusher, flushed):
         # The rewrite's own supersede queues behind the flush: it runs in a thread.
         rewriter = in_thread(lambda: store._clear_dirty_transcript("s"))
-        with link._lock:
-            assert link._settled.wait_for(lambda: link._sessions["s"].generation == 1, STEP)
+        with link.core.lock:
+            assert link.core.settled.wait_for(lambda: link.core.sessions["s"].generation == 1, STEP)
         go_on.set()
         assert joined(flusher) and joined(rewriter)
         assert flushed == [0]
-        with link._lock:
+        with link.core.lock:
             assert not store._dirty_transcripts.get("s")
         sql(store, HEAL)
         store.append_to_transcript("s", msg("after"))
@@ -1423,27 +1423,27 @@ def test_a_rewrite_while_a_writer_holds_the_session_starts_its_bookkeeping_afres
     value a writer may have read, once per rewrite. Its share of the cap stays: the
     superseded rows stay in the spool."""
     link, gate, counted, writers = _held_by_the_background_thread(store, spool)
-    with link._lock:
-        state = link._sessions["s"]
+    with link.core.lock:
+        state = link.core.sessions["s"]
         state.spooled = 3
-        link._shares.accepted("s", 1234)
-        link._shares.settled("s", 1234, row_id=1)
+        link.core.shares.accepted("s", 1234)
+        link.core.shares.settled("s", 1234, row_id=1)
         later = time.monotonic() + 3600
         state.backed_off(state.writer, 2, later, later)  # as its holder
         generations = [state.generation]
     for text in ("rewritten", "rewritten again"):
         assert store.rewrite_transcript("s", [msg(text)])
-        with link._lock:
-            assert link._sessions["s"] is state  # kept: its writer still holds it
+        with link.core.lock:
+            assert link.core.sessions["s"] is state  # kept: its writer still holds it
             assert (state.spooled, state.failures) == (0, 0)
-            assert link._shares.of("s") == 1234
+            assert link.core.shares.of("s") == 1234
             assert state.retry_at == state.hold_until == 0.0
             generations.append(state.generation)
     assert generations == sorted(set(generations))  # rose with each rewrite
     gate.open()  # "old" lands (it was in flight, as in the released store)
     assert link.wait_idle(STEP)
     assert contents(store, "s") == ["rewritten again", "old"]
-    assert "s" not in link._sessions
+    assert "s" not in link.core.sessions
 
 
 def test_a_rewrite_forgets_the_state_of_a_session_it_leaves_idle(store, spool):
@@ -1453,11 +1453,11 @@ def test_a_rewrite_forgets_the_state_of_a_session_it_leaves_idle(store, spool):
     link = install(store, spool, retry_interval=3600)
     sql(store, BREAK)
     store.append_to_transcript("s", msg("first"))  # fails: queued, retried in an hour
-    with link._lock:
-        assert link._sessions["s"].failures == 1 and link._sessions["s"].writer is None
+    with link.core.lock:
+        assert link.core.sessions["s"].failures == 1 and link.core.sessions["s"].writer is None
     store._clear_dirty_transcript("s")  # what a rewrite calls (state.db refuses the rewrite)
-    with link._lock:
-        assert "s" not in link._sessions
+    with link.core.lock:
+        assert "s" not in link.core.sessions
         assert "s" not in store._dirty_transcripts
     link.close()
 
@@ -1503,7 +1503,7 @@ def test_a_session_a_waiter_keeps_after_it_is_written_out_starts_its_bookkeeping
     monkeypatch.setattr(store, "_MAX_PENDING_PER_SESSION", 3, raising=False)
     store._db.create_session("s", "telegram")
     link = install(store, spool, retry_interval=interval)
-    link._settled = held = _HeldAfterWaking(link._lock, "waiter")
+    link.core.settled = held = _HeldAfterWaking(link.core.lock, "waiter")
     gate = gate_live_writes(store)
     gate.arm()
     a = in_thread(lambda: store.append_to_transcript("s", msg("m0")))
@@ -1518,8 +1518,8 @@ def test_a_session_a_waiter_keeps_after_it_is_written_out_starts_its_bookkeeping
     gate.open()
     assert joined(a)  # A wrote m0-m6 and gave the session up
     assert held.woken.is_set() and b.is_alive()
-    with link._lock:
-        state = link._sessions["s"]
+    with link.core.lock:
+        state = link.core.sessions["s"]
         assert state.waiters == 1 and state.writer is None
     assert contents(store, "s") == [f"m{i}" for i in range(7)]
     sql(store, BREAK)
@@ -1527,8 +1527,8 @@ def test_a_session_a_waiter_keeps_after_it_is_written_out_starts_its_bookkeeping
         before = link.clock()
         store.append_to_transcript("s", msg("m7"))  # fails: queued
         after = link.clock()
-        with link._lock:
-            assert link._sessions["s"] is state
+        with link.core.lock:
+            assert link.core.sessions["s"] is state
             first = interval * 2.0 ** (1 - bounds.RETRY_STEPS)
             assert state.failures == 1
             assert before + first <= state.retry_at <= after + first
@@ -1538,10 +1538,10 @@ def test_a_session_a_waiter_keeps_after_it_is_written_out_starts_its_bookkeeping
         held.go_on.set()
         assert joined(b)  # B finds the session failing: its message stays queued
         sql(store, HEAL)
-        with link._lock:
+        with link.core.lock:
             assert state.spooled == 1
             state.wake()  # due now rather than in an hour
-            link._schedule(0.0)
+            link.core.schedule(0.0)
         assert link.wait_idle(STEP)
     assert contents(store, "s") == [f"m{i}" for i in range(11)]
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
@@ -1561,13 +1561,13 @@ def test_a_gateway_thread_takes_the_session_over_and_writes_its_own_message(
     )
     g.start()
     assert counted.waits.acquire(timeout=STEP)  # g waits for the background writer
-    with link._lock:
-        assert link._sessions["s"].waiters == 1
+    with link.core.lock:
+        assert link.core.sessions["s"].waiters == 1
     gate.open()
     assert joined(g)
     assert contents(store, "s") == ["first", "old", "new"]  # written before g returned
     assert writers[-1] == "gateway"
-    assert link.wait_idle(STEP) and "s" not in link._sessions
+    assert link.wait_idle(STEP) and "s" not in link.core.sessions
 
 
 def test_two_gateway_threads_waiting_to_take_a_session_over_are_both_counted(
@@ -1581,22 +1581,22 @@ def test_two_gateway_threads_waiting_to_take_a_session_over_are_both_counted(
     assert counted.waits.acquire(timeout=STEP)
     g2 = in_thread(lambda: store.append_to_transcript("s", msg("new2")))
     assert counted.waits.acquire(timeout=STEP)
-    with link._lock:
-        assert link._sessions["s"].waiters == 2
+    with link.core.lock:
+        assert link.core.sessions["s"].waiters == 2
     gate.open()
     assert joined(g1) and joined(g2)
     assert contents(store, "s") == ["first", "old", "new1", "new2"]
-    assert link.wait_idle(STEP) and "s" not in link._sessions
+    assert link.wait_idle(STEP) and "s" not in link.core.sessions
 
 
 def test_a_wait_for_the_head_takes_only_itself_off_the_waiters(store, spool):
     """``waiters`` counts every thread inside a wait of the session; one that leaves
     (here at once: its deadline has passed) takes only itself off the count."""
     link = install(store, spool)
-    with link._lock:
-        state = link._session("s")
+    with link.core.lock:
+        state = link.core.session("s")
         state.waiters = 2  # two others wait, for the head or to take the session over
-        link._wait_for_head(state, time.monotonic())
+        link.evictions.wait_for_head(state, time.monotonic())
         assert state.waiters == 2
         state.waiters = 0
     link.close()
@@ -1619,10 +1619,10 @@ def test_a_gateway_thread_that_takes_over_a_session_whose_write_just_failed_leav
         assert joined(g)
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
     assert "new" not in gate.contents and gate.contents[-1] == "old"  # nothing tried for g
-    with link._lock:
-        state = link._sessions["s"]
+    with link.core.lock:
+        state = link.core.sessions["s"]
         assert state.writer is None and state.retry_at > time.monotonic()
-        assert link._wake_at is not None and link._wake_at <= state.retry_at
+        assert link.core.wake_at is not None and link.core.wake_at <= state.retry_at
         assert [m["content"] for m in store._dirty_transcripts["s"]] == ["old", "new"]
     sql(store, HEAL)
     link.close()
@@ -1649,8 +1649,8 @@ def test_a_gateway_thread_leaves_a_drain_to_the_background_thread_while_the_spoo
             assert joined(g)  # while the lock is still held
         assert "gateway" not in replays
         assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
-        with link._lock:
-            state = link._sessions["s"]
+        with link.core.lock:
+            state = link.core.sessions["s"]
             assert state.writer is None or state.writer.background
             assert [m["content"] for m in store._dirty_transcripts["s"]] == ["new"]
     assert blocked.result(STEP).seq == 1
@@ -1667,7 +1667,7 @@ def test_a_take_over_waits_at_most_its_bound_then_leaves_the_message_queued(
     g = in_thread(lambda: store.append_to_transcript("s", msg("new")))
     assert joined(g)  # while "old" is still being written
     assert not gate.release.is_set()
-    with link._lock:
+    with link.core.lock:
         assert [m["content"] for m in store._dirty_transcripts["s"]] == ["old", "new"]
     gate.open()
     assert link.wait_idle(STEP)
@@ -1680,12 +1680,12 @@ def test_after_close_a_gateway_thread_never_waits_for_the_background_writer(
 ):
     monkeypatch.setattr(bounds, "HANDOFF_WAIT", STEP)
     link, gate, counted, writers = _held_by_the_background_thread(store, spool)
-    with link._lock:  # what close() does first; its join would wait for the gate
-        link._closed = True
+    with link.core.lock:  # what close() does first; its join would wait for the gate
+        link.core.closed = True
     store.append_to_transcript("s", msg("new"))  # returns at once: queued
     assert not counted.waits.acquire(blocking=False)
     gate.open()
-    assert joined(link._thread)
+    assert joined(link.background.thread)
     store.append_to_transcript("s", msg("after"))  # closed: each message retries at once
     assert contents(store, "s") == ["first", "old", "new", "after"]
 
@@ -1698,7 +1698,7 @@ def test_wait_idle_waits_its_whole_bound_for_a_write_to_end(store, spool, monkey
     gate.arm()
     a = in_thread(lambda: store.append_to_transcript("s", msg("m0")))
     assert gate.entered.wait(STEP)
-    link._settled = counted = _CountedWaits(link._lock)
+    link.core.settled = counted = _CountedWaits(link.core.lock)
     _stop_the_clock(monkeypatch, link)
     idle: list[bool] = []
     w = in_thread(lambda: idle.append(link.wait_idle(0.5)))
@@ -1716,9 +1716,9 @@ def test_close_waits_for_a_busy_background_thread_at_most_its_bound(store, spool
     link, gate, counted, writers = _held_by_the_background_thread(store, spool)
     monkeypatch.setattr(bounds, "HANDOFF_WAIT", 0.2)
     link.close()
-    assert link._thread.is_alive() and not gate.release.is_set()
+    assert link.background.thread.is_alive() and not gate.release.is_set()
     gate.open()
-    assert joined(link._thread)
+    assert joined(link.background.thread)
     assert contents(store, "s") == ["first", "old"]
 
 
@@ -1745,8 +1745,8 @@ def test_a_shutdown_flush_waits_for_a_slow_commit_up_to_its_bound(
     flushed: list[int] = []
     with caplog.at_level(logging.WARNING, logger="walspool.hermes"):
         flusher = in_thread(lambda: flushed.append(link.flush_queues()))
-        with link._lock:
-            assert link._settled.wait_for(lambda: not store._dirty_transcripts.get("s"), STEP)
+        with link.core.lock:
+            assert link.core.settled.wait_for(lambda: not store._dirty_transcripts.get("s"), STEP)
         go_on.set()
         assert joined(flusher)
     assert flushed == [3]
@@ -1793,7 +1793,7 @@ def test_a_shutdown_flush_with_no_room_within_its_bound_keeps_the_queue(
         f"could not spool 3 queued transcript message(s) at shutdown: the spool {spool.path} "
         "had no room for them within 0.01 s"
     ]
-    with link._lock:
+    with link.core.lock:
         assert [m["content"] for m in store._dirty_transcripts["s"]] == ["m0", "m1", "m2"]
     go_on.set()
     assert filler.result(STEP).seq == 1
@@ -1813,7 +1813,7 @@ def test_a_shutdown_flush_leaves_a_session_whose_head_is_being_written_to_that_w
         store.append_to_transcript("s", msg(f"m{i}"))
     assert link.flush_queues() == 0
     assert list(spool.records()) == []
-    with link._lock:
+    with link.core.lock:
         assert [m["content"] for m in store._dirty_transcripts["s"]] == ["m0", "m1", "m2"]
     gate.open()
     assert joined(a)
@@ -1835,7 +1835,7 @@ def test_a_message_the_spool_cannot_take_stays_queued_at_shutdown_the_others_go(
         with caplog.at_level(logging.ERROR, logger="walspool.hermes"):
             assert link.flush_queues() == 2
         assert [r.message["content"] for r in spool.records()] == ["m1", "m2"]
-        with link._lock:
+        with link.core.lock:
             assert store._dirty_transcripts["s"] == [big]
         (error,) = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
         assert error == (
@@ -1854,9 +1854,9 @@ def test_a_shutdown_flush_while_evictions_are_uncommitted_counts_each_once(store
         store.append_to_transcript("s", msg(f"m{i}"))
     flushed: list[int] = []
     flusher = in_thread(lambda: flushed.append(link.flush_queues()))
-    with link._lock:
-        assert link._settled.wait_for(lambda: not store._dirty_transcripts.get("s"), STEP)
-        assert link._sessions["s"].unconfirmed == 3
+    with link.core.lock:
+        assert link.core.settled.wait_for(lambda: not store._dirty_transcripts.get("s"), STEP)
+        assert link.core.sessions["s"].unconfirmed == 3
     go_on.set()
     assert joined(flusher) and flushed == [200]
     sql(store, HEAL)
@@ -1876,8 +1876,8 @@ def test_the_background_thread_retries_a_due_session_while_another_has_a_writer(
     sql(store, BREAK)
     store.append_to_transcript("b", msg("b0"))  # fails: the background thread retries it
     sql(store, HEAL)
-    with link._lock:
-        assert link._settled.wait_for(lambda: "b" not in link._sessions, STEP)
+    with link.core.lock:
+        assert link.core.settled.wait_for(lambda: "b" not in link.core.sessions, STEP)
     assert contents(store, "b") == ["b0"]  # while "a" is still being written
     assert not gate.release.is_set()
     gate.open()
@@ -1899,8 +1899,8 @@ def test_a_rewrite_after_the_writer_chose_to_write_leaves_it_nothing_to_write(
     the next message is written at once."""
     store._db.create_session("s", "telegram")
     link = install(store, spool, retry_interval=0)
-    decided = Gate(link._run)  # called right after each decision, outside the lock
-    monkeypatch.setattr(link, "_run", decided)
+    decided = Gate(link.core.run)  # called right after each decision, outside the lock
+    monkeypatch.setattr(link.core, "run", decided)
     decided.arm(skip=1)  # the first call is the appender's own, before it writes
     caplog.set_level(logging.WARNING, logger="walspool")
     appender = in_thread(lambda: store.append_to_transcript("s", msg("dropped")))
@@ -1908,8 +1908,8 @@ def test_a_rewrite_after_the_writer_chose_to_write_leaves_it_nothing_to_write(
     assert store.rewrite_transcript("s", [msg("rewritten")])
     decided.open()
     assert joined(appender)
-    with link._lock:
-        assert "s" not in link._sessions  # no writer left behind, nothing to do
+    with link.core.lock:
+        assert "s" not in link.core.sessions  # no writer left behind, nothing to do
     store.append_to_transcript("s", msg("next"))
     assert contents(store, "s") == ["rewritten", "next"]
     assert [r.getMessage() for r in caplog.records] == []
@@ -2009,8 +2009,8 @@ def test_without_a_background_thread_a_gateway_thread_drains_itself_once_the_loc
     for the lock with the writer's own bound: the lock is released only after the gateway
     thread has decided, and how long that takes depends on the machine."""
     link, replays = _linked_with_an_earlier_row(store, spool, retry_interval=0)
-    decided = Gate(link._run)  # called right after each decision, outside the lock
-    monkeypatch.setattr(link, "_run", decided)
+    decided = Gate(link.core.run)  # called right after each decision, outside the lock
+    monkeypatch.setattr(link.core, "run", decided)
     with write_lock_held(spool.path):
         blocked = _a_commit_finds_the_write_lock_held(spool)
         decided.arm(skip=1)  # the first call is the appender's own, before it writes

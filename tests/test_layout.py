@@ -12,6 +12,7 @@ import re
 from _helpers import ROOT
 
 from walspool.cli import COMMANDS
+from walspool.link.link import Link
 
 CLI = ROOT / "walspool" / "cli"
 
@@ -101,3 +102,40 @@ def test_no_module_outside_the_store_runs_its_own_statements_on_a_spool():
                 if node.func.attr in hatches:
                     found.append(f"{source.relative_to(ROOT)}:{node.lineno} {node.func.attr}")
     assert found == []
+
+
+#: The gateway's objects, whose private names walspool reads as an adapter must (its
+#: classes name some of theirs alike: ``_lock``, ``_conn``, ``_execute_write``).
+GATEWAY_OBJECTS = re.compile(r"(^|\.)(store|store\._db|session_db)$")
+
+
+def test_no_part_reads_another_parts_private_state():
+    """Parts are composed through public methods and the link's shared ``Core``: no
+    module reads an underscored name that a walspool class defines on an object other
+    than ``self``/``cls`` (the gateway's own objects aside)."""
+    trees = {p: ast.parse(p.read_text()) for p in sorted((ROOT / "walspool").rglob("*.py"))}
+    private = set()
+    for tree in trees.values():
+        for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+            for node in ast.walk(cls):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    private.add(node.name)
+                elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                    if isinstance(node.value, ast.Name) and node.value.id == "self":
+                        private.add(node.attr)
+    private = {name for name in private if name.startswith("_") and not name.startswith("__")}
+    found = []
+    for source, tree in trees.items():
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Attribute) or node.attr not in private:
+                continue
+            base = ast.unparse(node.value)
+            if base in ("self", "cls") or GATEWAY_OBJECTS.search(base):
+                continue
+            found.append(f"{source.relative_to(ROOT)}:{node.lineno} {base}.{node.attr}")
+    assert found == []
+
+
+def test_the_link_is_composed_not_mixed_in():
+    """``Link`` holds its parts; it inherits none of them (no shared ``self``)."""
+    assert Link.__bases__ == (object,)

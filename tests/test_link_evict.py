@@ -83,16 +83,16 @@ def test_a_refused_live_message_is_said_quarantined_and_in_its_share_from_its_ha
     store.append_to_transcript("s", too_deep())
     store.append_to_transcript("s", msg("after"))
     assert contents(store, "s") == ["after"]
-    with link._lock:
-        handed = link._shares.of("s")
+    with link.core.lock:
+        handed = link.core.shares.of("s")
     assert link_lines(caplog, logging.WARNING) == []  # said when it is committed
     go_on.set()
     spool.flush()
     (rec,) = spool.records()
     assert (rec.reason, rec.status, rec.last_error) == (REJECTED, "quarantined", REFUSED)
     [(size,)] = spool.query("SELECT size FROM records", ())
-    with link._lock:
-        assert handed == size == link._shares.of("s")
+    with link.core.lock:
+        assert handed == size == link.core.shares.of("s")
     assert link_lines(caplog, logging.WARNING) == [
         "Session DB transcript append refused a message of s; quarantined it in the spool "
         f"(seq 1, shown by walspool ls), the session goes on: {REFUSED}"
@@ -114,8 +114,8 @@ def test_a_refused_live_message_a_closed_spool_cannot_keep_is_dropped_saying_bot
         "Session DB transcript append refused a message of s and the spool could not keep "
         f"it (spool {spool.path} is closed); dropped it, the session goes on: {REFUSED}"
     ]
-    with link._lock:
-        assert link._shares.of("s") == 0
+    with link.core.lock:
+        assert link.core.shares.of("s") == 0
 
 
 def test_a_refused_live_message_whose_commit_fails_is_said_dropped_and_leaves_no_share(
@@ -150,8 +150,8 @@ def test_a_refused_live_message_whose_commit_fails_is_said_dropped_and_leaves_no
             f"keep it ({spool.path}: injected eio on write #1; check the disk); dropped it, "
             f"the session goes on: {REFUSED}"
         ]
-        with link._lock:
-            assert link._shares.of("s") == 0
+        with link.core.lock:
+            assert link.core.shares.of("s") == 0
         assert spool.stats().rows == 0
         link.close()
 
@@ -313,14 +313,14 @@ def test_an_eviction_whose_commit_fails_is_said_dropped_and_the_session_goes_on(
             f"to make room (on-disk spool unavailable: {spool.path}: injected eio on write "
             "#1; check the disk)"
         ]
-        with link._lock:
-            assert link._unconfirmed_bytes == 0 and link._shares.of("s") == 0
-            assert link._sessions["s"].unconfirmed == 0
+        with link.core.lock:
+            assert link.core.unconfirmed_bytes == 0 and link.core.shares.of("s") == 0
+            assert link.core.sessions["s"].unconfirmed == 0
         store.append_to_transcript("s", msg("m3"))  # evicts m1: spooled
         spool.flush()
-        with link._lock:
+        with link.core.lock:
             [(size,)] = spool.query("SELECT size FROM records", ())
-            assert link._unconfirmed_bytes == 0 and link._shares.of("s") == size
+            assert link.core.unconfirmed_bytes == 0 and link.core.shares.of("s") == size
         sql(store, HEAL)
         link.recover()
         store.append_to_transcript("s", msg("m4"))

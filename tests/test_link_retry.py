@@ -20,6 +20,7 @@ from _helpers import STEP
 import walspool
 import walspool.link.retry as link_retry
 from walspool.hermes import Link, install
+from walspool.link.core import Core
 
 pytest.importorskip("hermes_state")
 
@@ -52,7 +53,7 @@ def test_a_count_of_the_shares_that_fails_is_one_error_and_the_link_goes_on(
     ]
     (record,) = [r for r in caplog.records if r.levelno == logging.ERROR]
     assert record.exc_info is not None and "no index for you" in str(record.exc_info[1])
-    assert not link._shares.counting
+    assert not link.core.shares.counting
     store.append_to_transcript("s", msg("m0"))
     assert contents(store, "s") == ["m0"]
 
@@ -83,7 +84,7 @@ def test_a_spool_closed_before_its_rows_are_counted_is_said_quietly(
         caplog, logging.DEBUG
     )
     assert link_lines(caplog, logging.ERROR) == []
-    assert not link._shares.counting
+    assert not link.core.shares.counting
 
 
 def test_a_recovery_tells_each_sessions_drain_and_the_outage_over_with_the_rows_it_moved(
@@ -138,9 +139,9 @@ def test_a_session_that_waited_for_a_start_recovery_that_failed_is_written(
     failure is said, and the waiting session drains its own rows (none) and writes its
     message with no other message, not after its retry delay."""
     entered, go_on = threading.Event(), threading.Event()
-    replay, calls = Link._replay, []
+    replay, calls = Core.replay, []
 
-    def first_fails(self: Link, **kw: Any) -> Any:
+    def first_fails(self: Core, **kw: Any) -> Any:
         calls.append(kw)
         if len(calls) > 1:  # the sessions' own drains work
             return replay(self, **kw)
@@ -148,7 +149,7 @@ def test_a_session_that_waited_for_a_start_recovery_that_failed_is_written(
         assert go_on.wait(STEP)
         raise RuntimeError("replay failed")
 
-    monkeypatch.setattr(Link, "_replay", first_fails)
+    monkeypatch.setattr(Core, "replay", first_fails)
     spool.append("earlier", msg("x"))  # an earlier run's row: the start recovers
     store._db.create_session("t", "telegram")
     caplog.set_level(logging.ERROR, logger="walspool.hermes")

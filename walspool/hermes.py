@@ -210,7 +210,7 @@ def install(
     # thread counts them (``Link.count_shares``), unless there are none.
     count = max_bytes is not None and not shares.empty(spool)
     store.append_to_transcript = link.append_to_transcript
-    store._clear_dirty_transcript = link._clear_dirty_transcript
+    store._clear_dirty_transcript = link.clear_dirty_transcript
     link.start(recover=recover, recovery=recovery, count=count)
     return link
 

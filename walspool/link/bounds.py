@@ -23,3 +23,6 @@ FLUSH_TIMEOUT = 10.0
 #: Longest the background thread sleeps before it looks for work again (it is woken
 #: whenever there is some; this only bounds the life of a forgotten link's thread).
 IDLE_WAKE_SECONDS = 60.0
+#: Seconds: the cap of a failing session's retry delay (``retry_interval``'s default;
+#: see ``walspool.hermes``), and the least wait before a fresh spool is tried again.
+RETRY_INTERVAL = 1.0

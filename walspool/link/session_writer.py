@@ -5,21 +5,35 @@ rows, write the queue's head, wait for its evictions, or give the claim up.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from ..errors import ReplayBusy
 from ..replay.sinks import rejects_live_row, write_bindable
 from . import bounds, machine, outage
-from .evict import REPLAYED
+from .core import Core, Note
+from .evict import Evictions
+from .lines import REPLAYED, Lines
 from .machine import Facts, Spooled, Step
 from .state import Claim, Session, log
 
 
-class SessionWriter:
-    """The writing half of ``Link`` (a mixin: it shares the link's state)."""
+class Stopping(Protocol):
+    """What the writer tells the shutdown (``walspool.link.shutdown.Shutdown``)."""
 
-    def _write_session(
+    def spool_if_stopping(self) -> None:
+        """A write failed: spool what is queued now if the stop's flush has run."""
+
+
+class SessionWriter:
+    """Writes a session as the holder of its claim."""
+
+    def __init__(self, core: Core, evictions: Evictions, lines: Lines, shutdown: Stopping) -> None:
+        self.core = core
+        self.evictions = evictions
+        self.lines = lines
+        self.shutdown = shutdown
+
+    def write_session(
         self, session_id: str, state: Session, claim: Claim, *, budget: int | None
     ) -> None:
         """Write the session's spooled rows, then its queue, as its writer.
@@ -34,9 +48,9 @@ class SessionWriter:
         moved = 0
         try:
             while True:
-                with self._lock:
+                with self.core.lock:
                     step, notes = self._next_step(session_id, state, claim, moved, budget)
-                self._run(notes)
+                self.core.run(notes)
                 if step is None:
                     return
                 if step is Step.DRAIN:
@@ -50,25 +64,25 @@ class SessionWriter:
             log.exception(
                 "walspool could not write session %s; its messages stay queued", session_id
             )
-            with self._lock:
+            with self.core.lock:
                 if state.writer is claim:
-                    self._failed(state, claim, drain=False)
-                self._release(session_id, state, claim)
+                    self.core.failed(state, claim, drain=False)
+                self.core.release(session_id, state, claim)
 
     def _next_step(
         self, session_id: str, state: Session, claim: Claim, moved: int, budget: int | None
-    ) -> tuple[Step | None, list[Callable[[], None]]]:
+    ) -> tuple[Step | None, list[Note]]:
         """What the writer does next (``Step.DRAIN``, ``Step.WRITE``), or None after
         giving the role up; and the WARNINGs to log. The machine decides
         (``machine.next_step``); this performs its waits and its release. The
         lock is held."""
-        notes: list[Callable[[], None]] = []
-        pending = self.store._dirty_transcripts.get(session_id)
+        notes: list[Note] = []
+        pending = self.core.queue(session_id)
         if pending:
-            notes = self._evict(session_id, state, pending)
+            notes = self.evictions.evict(session_id, state, pending)
         confirm_waited = False
         while True:
-            now = self.clock()
+            now = self.core.clock()
             facts = self._facts(session_id, state, claim, moved, budget, confirm_waited)
             decision = machine.next_step(facts, now)
             if decision.retry_at is not None:
@@ -80,10 +94,10 @@ class SessionWriter:
                 confirm_waited = True
                 continue
             if step is Step.IDLE:
-                self.store._transcript_append_failures.pop(session_id, None)
+                self.core.store._transcript_append_failures.pop(session_id, None)
                 state.idle(claim)
             if step is Step.IDLE or step is Step.YIELD:
-                self._release(session_id, state, claim)
+                self.core.release(session_id, state, claim)
                 return None, notes
             return step, notes
 
@@ -97,23 +111,23 @@ class SessionWriter:
         confirm_waited: bool,
     ) -> Facts:
         """What the machine needs to know of the session, read now; the lock is held."""
-        now = self.clock()
+        now = self.core.clock()
         return Facts(
             owner=claim.owner,
             spooled=Spooled.MAY_HOLD if state.spooled else Spooled.NONE,
             backoff=machine.backoff_of(state.failures, state.hold_until, now),
             unconfirmed=bool(state.unconfirmed),
-            queued=bool(self.store._dirty_transcripts.get(session_id)),
+            queued=bool(self.core.queue(session_id)),
             retry_at=state.retry_at,
             hold_until=state.hold_until,
             waiters=bool(state.waiters),
-            recovering=self._recovering,
-            background_on=self._background_on(),
+            recovering=self.core.recovering,
+            background_on=self.core.background_on(),
             spool_busy=(
                 bool(state.spooled)
                 and not claim.background
-                and self.retry_interval > 0
-                and self.spool.busy()
+                and self.core.retry_interval > 0
+                and self.core.spool.busy()
             ),
             budget_spent=budget is not None and moved >= budget,
             confirm_waited=confirm_waited,
@@ -122,37 +136,39 @@ class SessionWriter:
     def _wait_for_evictions(self, state: Session) -> None:
         """Wait at most ``bounds.CONFIRM_WAIT`` for the session's evictions to commit, and not
         at all once the spool's writer finds its write lock held elsewhere; lock held."""
-        deadline = self.clock() + bounds.CONFIRM_WAIT
+        deadline = self.core.clock() + bounds.CONFIRM_WAIT
         with state.waiting():
-            while state.unconfirmed and not self.spool.busy():
-                left = deadline - self.clock()
+            while state.unconfirmed and not self.core.spool.busy():
+                left = deadline - self.core.clock()
                 if left <= 0:
                     return
                 # A commit notifies; a busy write lock does not, so look again soon.
-                self._settled.wait(min(left, bounds.BUSY_LOOK_SECONDS))
+                self.core.settled.wait(min(left, bounds.BUSY_LOOK_SECONDS))
 
     def _drain_step(self, session_id: str, state: Session, claim: Claim) -> int | None:
         """Replay one chunk of the session's spooled rows; rows moved, or None when the
         writer gave its role up."""
-        with self._lock:
+        with self.core.lock:
             seen, generation = state.spooled, state.generation
-            if self.spool.closed:
+            if self.core.spool.closed:
                 # Nothing to drain from (the spool's owner closed it); the rows wait
                 # for the next start's recovery, and the queue behind them.
-                self._failed(state, claim, drain=True)
-                self._release(session_id, state, claim)
+                self.core.failed(state, claim, drain=True)
+                self.core.release(session_id, state, claim)
                 return None
         # Drains of this link take turns here, each for one chunk. A gateway thread
         # does not wait for another session's turn when the background thread can
         # drain this session later: in an outage each failing drain costs two spool
         # commits, and gateway threads queued here were the slowest calls.
         wait = bounds.HANDOFF_WAIT
-        if not claim.background and self._background_on():
+        if not claim.background and self.core.background_on():
             wait = 0.0
-        if not self._draining.acquire(timeout=wait):
+        if not self.core.draining.acquire(timeout=wait):
             return self._busy(session_id, state, claim)
         try:
-            report = self._replay(session_id=session_id, limit=bounds.DRAIN_CHUNK_ROWS, wait=False)
+            report = self.core.replay(
+                session_id=session_id, limit=bounds.DRAIN_CHUNK_ROWS, wait=False
+            )
         except ReplayBusy:
             # Another replay (the CLI, a recovery) has the spool's replay lock: never
             # wait for it here; try again soon.
@@ -162,46 +178,46 @@ class SessionWriter:
                 "Replay of spooled transcript messages for %s failed in %s; holding back its "
                 "queued messages: %s",
                 session_id,
-                self.spool.path,
+                self.core.spool.path,
                 exc,
             )
-            with self._lock:
-                self._failed(state, claim, drain=True)
-                self._release(session_id, state, claim)
+            with self.core.lock:
+                self.core.failed(state, claim, drain=True)
+                self.core.release(session_id, state, claim)
             return None
         finally:
-            self._draining.release()
-        lines: list[Callable[[], None]] = []
-        with self._lock:
+            self.core.draining.release()
+        lines: list[Note] = []
+        with self.core.lock:
             if state.generation != generation:
                 return 0  # rewritten meanwhile: the next step decides afresh
-            now = self.clock()
+            now = self.core.clock()
             if report.moved:
                 # The first chunk said at once, then a line at most every REPEAT_SECONDS.
-                said = self._repeats.seen((REPLAYED, session_id), now, report.moved)
+                said = self.core.repeats.seen((REPLAYED, session_id), now, report.moved)
                 if said is not None:
-                    lines.append(self._repeat_line((REPLAYED, session_id), said))
+                    lines.append(self.lines.line((REPLAYED, session_id), said))
             if report.held or session_id in report.errors:
-                self._failed(state, claim, drain=True)
-                failures = self.store._transcript_append_failures.get(session_id, 0) + 1
-                self.store._transcript_append_failures[session_id] = failures
-                queued = len(self.store._dirty_transcripts.get(session_id) or ())
+                self.core.failed(state, claim, drain=True)
+                failures = self.core.store._transcript_append_failures.get(session_id, 0) + 1
+                self.core.store._transcript_append_failures[session_id] = failures
+                queued = len(self.core.queue(session_id) or ())
                 say = self._say_again(state, claim, now)
-                self._release(session_id, state, claim)
+                self.core.release(session_id, state, claim)
             else:
                 state.healthy(claim)
-                self._outage.replayed_rows(state.episode, report.moved)
+                self.core.outage.replayed_rows(state.episode, report.moved)
                 touched = report.moved + report.recovered + report.quarantined
                 if not touched and state.spooled == seen:
                     # Nothing left: the rows counted in ``seen`` were all committed
                     # before this replay looked (``unconfirmed`` was 0), so all moved.
                     state.drained(claim)
-                    said = self._repeats.ended((REPLAYED, session_id), now, at_once=True)
+                    said = self.core.repeats.ended((REPLAYED, session_id), now, at_once=True)
                     if said is not None:
-                        lines.append(self._repeat_line((REPLAYED, session_id), said))
-                    lines += self._outage.ended(session_id, state.episode, now)
+                        lines.append(self.lines.line((REPLAYED, session_id), said))
+                    lines += self.core.outage.ended(session_id, state.episode, now)
                     state.episode = None
-        self._run(lines)
+        self.core.run(lines)
         if report.held or session_id in report.errors:
             if not say:
                 return None
@@ -210,7 +226,7 @@ class SessionWriter:
                 "and holding back %d queued message(s): %s",
                 report.held,
                 session_id,
-                self.spool.path,
+                self.core.spool.path,
                 queued,
                 report.errors.get(session_id, "unknown error"),
             )
@@ -229,49 +245,49 @@ class SessionWriter:
     def _busy(self, session_id: str, state: Session, claim: Claim) -> None:
         """Give a drain up for now (another replay runs); the background thread tries
         again after the first retry delay, and a new message may try at once."""
-        with self._lock:
-            self._failed(state, claim, drain=False, count=False)
-            self._release(session_id, state, claim)
+        with self.core.lock:
+            self.core.failed(state, claim, drain=False, count=False)
+            self.core.release(session_id, state, claim)
         return None
 
     def _write_head(self, session_id: str, state: Session, claim: Claim) -> bool:
         """Write the head of the session's queue; True to go on, False when stopped."""
-        with self._lock:
-            pending = self.store._dirty_transcripts.get(session_id)
+        with self.core.lock:
+            pending = self.core.queue(session_id)
             if not pending or state.spooled:
                 return True  # the next step decides again
             message = pending[0]
             state.writing(claim, message)
         error = self._write_one(session_id, message)
-        with self._lock:
+        with self.core.lock:
             state.written(claim)
             if state.waiters:
-                self._settled.notify_all()  # appenders held back by this write
-            pending = self.store._dirty_transcripts.get(session_id)
+                self.core.settled.notify_all()  # appenders held back by this write
+            pending = self.core.queue(session_id)
             if error is None:
                 if pending and pending[0] is message:
                     pending.pop(0)
                 state.healthy(claim)
                 return True
             aside = None
-            if rejects_live_row(error, self.store._db, message):
-                aside = self._set_aside(session_id, pending, message, error)
+            if rejects_live_row(error, self.core.store._db, message):
+                aside = self.evictions.set_aside(session_id, pending, message, error)
             if aside is not None:
                 state.healthy(claim)  # state.db works: the session goes on at once
             else:
-                failures = self.store._transcript_append_failures.get(session_id, 0) + 1
-                self.store._transcript_append_failures[session_id] = failures
+                failures = self.core.store._transcript_append_failures.get(session_id, 0) + 1
+                self.core.store._transcript_append_failures[session_id] = failures
                 queued = len(pending or ())
-                self._failed(state, claim, drain=False)
-                say = self._say_again(state, claim, self.clock())
+                self.core.failed(state, claim, drain=False)
+                say = self._say_again(state, claim, self.core.clock())
                 # Messages that arrived during the write waited for it to be evicted.
-                notes = self._evict(session_id, state, pending) if pending else []
-                self._release(session_id, state, claim)
+                notes = self.evictions.evict(session_id, state, pending) if pending else []
+                self.core.release(session_id, state, claim)
         if aside is not None:
-            self._run(aside)
+            self.core.run(aside)
             return True
-        self._run(notes)
-        self.spool_if_stopping()
+        self.core.run(notes)
+        self.shutdown.spool_if_stopping()
         if not say:
             return False
         log.warning(
@@ -286,7 +302,7 @@ class SessionWriter:
 
     def _write_one(self, session_id: str, message: dict[str, Any]) -> Exception | None:
         """Write one queued message as the released store does, FTS repair included."""
-        store = self.store
+        store = self.core.store
         try:
             write_bindable(store._append_transcript_message, session_id, message)
             return None

@@ -11,10 +11,13 @@ from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any
 
-from ..errors import SpoolReplaced, UnsupportedGateway, WalspoolError
+from ..errors import UnsupportedGateway, WalspoolError
 from ..store.records import AGENT_HISTORY, SHUTDOWN, agent_history_message, slot_message
 from ..store.writer import Request
 from . import bounds
+from .core import Core, Note
+from .follow import Follow
+from .lines import Lines
 from .state import log
 
 #: What 0.19.0's GatewayRunner must have for ``install_runner``.
@@ -28,8 +31,13 @@ RUNNER_ATTRIBUTES = (
 )
 
 
-class ShutdownFlushes:
-    """The shutdown half of ``Link`` (a mixin: it shares the link's state)."""
+class Shutdown:
+    """Spools what the gateway would lose at its stop: slots, queues, histories."""
+
+    def __init__(self, core: Core, lines: Lines, follow: Follow) -> None:
+        self.core = core
+        self.lines = lines
+        self.follow = follow
 
     def flush_pending(self, pending: Mapping[str, Any], *, reason: str = SHUTDOWN) -> int:
         """Spool pending slots (session key -> text or MessageEvent); return how many."""
@@ -45,15 +53,18 @@ class ShutdownFlushes:
         """
         _never_raise(self.flush_queues)
         items = [
-            (_resolve(self.store, key), slot_message(value), key)
+            (_resolve(self.core.store, key), slot_message(value), key)
             for key, value in slots
             if value is not None
         ]
         if not items:
             return 0
-        self.spool.append_many(items, reason=reason)
+        self.core.spool.append_many(items, reason=reason)
         log.info(
-            "Spooled %d pending message(s) to %s (reason=%s)", len(items), self.spool.path, reason
+            "Spooled %d pending message(s) to %s (reason=%s)",
+            len(items),
+            self.core.spool.path,
+            reason,
         )
         return len(items)
 
@@ -61,7 +72,7 @@ class ShutdownFlushes:
         """Spool an agent's unpersisted history as one ``AGENT_HISTORY`` row."""
         if not history:
             return False
-        self.spool.append(
+        self.core.spool.append(
             session_id or "unknown",
             agent_history_message(session_id, history),
             reason=AGENT_HISTORY,
@@ -71,7 +82,7 @@ class ShutdownFlushes:
             "them); recover by hand after repairing state.db",
             len(history),
             session_id,
-            self.spool.path,
+            self.core.spool.path,
         )
         return True
 
@@ -87,26 +98,26 @@ class ShutdownFlushes:
         error the messages go back to the front of their queues, and a message the
         spool cannot take at all stays queued (both logged at ERROR).
         """
-        deadline = self.clock() + bounds.FLUSH_TIMEOUT
+        deadline = self.core.clock() + bounds.FLUSH_TIMEOUT
         committed = threading.Event()
         #: The spool's request, once committed or failed (``_flushed`` adds it).
         requests: list[Request] = []
-        self._stopping = True
-        self._follow_before_flush(deadline)
+        self.core.stopping = True
+        self.follow.before_flush(deadline)
         while True:
-            with self._lock:
+            with self.core.lock:
                 taken, rows, notes = self._queued_rows()
                 if not rows:
-                    self._run(notes)
+                    self.core.run(notes)
                     return 0
                 # Filled below; ``_flushed`` reads it under the lock held here.
                 generations: dict[str, int] = {}
                 try:
                     # A replaced spool is refused before the queue is touched.
-                    self.spool.check_path()
+                    self.core.spool.check_path()
                     # Under the lock, so no message of these sessions is queued, evicted
                     # or written meanwhile: the spool gets them in arrival order.
-                    self.spool.put_nowait(
+                    self.core.spool.put_nowait(
                         rows,
                         partial(self._flushed, taken, generations, committed, requests),
                         single=False,
@@ -119,27 +130,27 @@ class ShutdownFlushes:
                 else:
                     refused = None
                     for row in rows:
-                        self._shares.accepted(row.session_id, row.size)
+                        self.core.shares.accepted(row.session_id, row.size)
                     for session_id, messages in taken.items():
                         ids = {id(m) for m in messages}
-                        pending = self.store._dirty_transcripts[session_id]
+                        pending = self.core.store._dirty_transcripts[session_id]
                         pending[:] = [m for m in pending if id(m) not in ids]
-                        state = self._session(session_id)
+                        state = self.core.session(session_id)
                         state.evicted()
                         generations[session_id] = state.generation
-                    self._settled.notify_all()  # the queues changed: for whoever waits on them
+                    self.core.settled.notify_all()  # the queues changed: for whoever waits on them
                     break
-            if self.clock() >= deadline:
+            if self.core.clock() >= deadline:
                 log.error(
                     "could not spool %d queued transcript message(s) at shutdown: the spool "
                     "%s had no room for them within %g s",
                     len(rows),
-                    self.spool.path,
+                    self.core.spool.path,
                     bounds.FLUSH_TIMEOUT,
                 )
                 return 0
-            self.spool.wait_for_room(max(deadline - self.clock(), 0.0))
-        self._run(notes)
+            self.core.spool.wait_for_room(max(deadline - self.core.clock(), 0.0))
+        self.core.run(notes)
         if refused is not None:
             log.error(
                 "could not spool %d queued transcript message(s) at shutdown; they stay queued: %s",
@@ -147,12 +158,12 @@ class ShutdownFlushes:
                 refused,
             )
             return 0
-        if not committed.wait(max(deadline - self.clock(), 0.0) + bounds.CONFIRM_WAIT):
+        if not committed.wait(max(deadline - self.core.clock(), 0.0) + bounds.CONFIRM_WAIT):
             log.error(
                 "%d queued transcript message(s) were handed to %s at shutdown but not "
                 "committed within %g s; they are spooled if the spool commits them later",
                 len(rows),
-                self.spool.path,
+                self.core.spool.path,
                 bounds.FLUSH_TIMEOUT,
             )
             return 0
@@ -162,44 +173,22 @@ class ShutdownFlushes:
                 "could not spool %d queued transcript message(s) at shutdown to %s; they "
                 "stay queued: %s",
                 len(rows),
-                self.spool.path,
+                self.core.spool.path,
                 request.error,
             )
             return 0
         log.warning(
-            "Spooled %d queued transcript message(s) to %s at shutdown", len(rows), self.spool.path
+            "Spooled %d queued transcript message(s) to %s at shutdown",
+            len(rows),
+            self.core.spool.path,
         )
         return len(rows)
-
-    def _follow_before_flush(self, deadline: float) -> None:
-        """If the spool's path names another file now (deleted, moved): wait (until
-        ``deadline``) for the evictions in the old spool's writer to come back, then open
-        a fresh spool there (``follow_path``), so the queues follow them into it."""
-        try:
-            self.spool.check_path()
-        except SpoolReplaced:
-            pass
-        except WalspoolError:
-            return  # closed: the flush says so
-        else:
-            if not self._replaced:
-                return
-        with self._lock:
-            if self.clock() < self._reopen_after:
-                return  # a fresh spool could not be opened a moment ago
-            self._replaced = True
-            while self._unconfirmed_bytes:
-                left = deadline - self.clock()
-                if left <= 0:
-                    return
-                self._settled.wait(min(left, bounds.BUSY_LOOK_SECONDS))
-        self.follow_path()
 
     def spool_if_stopping(self) -> None:
         """After a failed write: once the shutdown has flushed the queues, spool what
         is queued now (the message that was being written then among it), since no
         later flush comes."""
-        if self._stopping:
+        if self.core.stopping:
             _never_raise(self.flush_queues)
 
     def _flushed(
@@ -212,43 +201,43 @@ class ShutdownFlushes:
     ) -> None:
         """On the spool's writer: a shutdown flush committed (or failed)."""
         receipts = request.result if request.error is None else None
-        with self._lock:
+        with self.core.lock:
             for i, row in enumerate(request.rows):
-                self._shares.settled(
+                self.core.shares.settled(
                     row.session_id, row.size, None if receipts is None else receipts[i].id
                 )
             for session_id, messages in taken.items():
-                state = self._sessions[session_id]  # ``unconfirmed`` keeps it there
+                state = self.core.sessions[session_id]  # ``unconfirmed`` keeps it there
                 state.settled()
                 if request.error is not None and state.generation == generations[session_id]:
                     # Not in the spool: back to the front of their queue, so they stay
                     # with the process as in the released store; unless the transcript
                     # was rewritten meanwhile, which dropped the queue they were in.
-                    self.store._dirty_transcripts.setdefault(session_id, [])[0:0] = messages
-                if state.writer is None and self._has_work(session_id, state):
-                    self._schedule(state.retry_at)
-            self._settled.notify_all()
+                    self.core.store._dirty_transcripts.setdefault(session_id, [])[0:0] = messages
+                if state.writer is None and self.core.has_work(session_id, state):
+                    self.core.schedule(state.retry_at)
+            self.core.settled.notify_all()
         requests.append(request)
         committed.set()
 
     def _queued_rows(
         self,
-    ) -> tuple[dict[str, list[dict[str, Any]]], list[Any], list[Callable[[], None]]]:
+    ) -> tuple[dict[str, list[dict[str, Any]]], list[Any], list[Note]]:
         """Every queue's messages, as spool rows, but the queues of sessions whose
         oldest message is being written (left to that write); lock held."""
         taken: dict[str, list[dict[str, Any]]] = {}
         rows: list[Any] = []
-        notes: list[Callable[[], None]] = []
-        for session_id, pending in self.store._dirty_transcripts.items():
-            state = self._sessions.get(session_id)
+        notes: list[Note] = []
+        for session_id, pending in self.core.store._dirty_transcripts.items():
+            state = self.core.sessions.get(session_id)
             if state is not None and pending and pending[0] is state.inflight:
                 notes.append(partial(_say_writing, session_id))
                 continue
             for message in pending:
                 try:
-                    rows.append(self.spool.prepare(session_id, message, SHUTDOWN))
+                    rows.append(self.core.spool.prepare(session_id, message, SHUTDOWN))
                 except Exception as exc:  # noqa: BLE001 - the others are spooled all the same
-                    notes.append(partial(self._report_unspoolable, session_id, exc))
+                    notes.append(partial(self.lines.report_unspoolable, session_id, exc))
                     continue
                 taken.setdefault(session_id, []).append(message)
         return taken, rows, notes

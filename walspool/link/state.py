@@ -110,7 +110,7 @@ class Session:
         #: Bumped by a transcript rewrite: what a writer learned before it is stale.
         self.generation = 0
         #: Threads waiting on this object (a gateway thread taking over, a writer
-        #: waiting for its evictions): it stays in ``Link._sessions`` meanwhile.
+        #: waiting for its evictions): it stays in ``Core.sessions`` meanwhile.
         self.waiters = 0
         #: Its spooling since its first eviction committed, for the operator's lines.
         self.episode: outage.Episode | None = None
