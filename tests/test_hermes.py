@@ -20,6 +20,7 @@ import walspool
 import walspool.hermes as hermes
 import walspool.link.bounds as bounds
 import walspool.link.outage as outage
+from walspool.gateways.session_store import StoreTranscripts
 from walspool.hermes import Link, install, install_runner
 from walspool.link.state import Claim
 
@@ -734,7 +735,7 @@ def test_close_stops_the_background_thread_and_is_safe_without_one(store, spool,
     link.close()
     assert not thread.is_alive()  # joined before close returned
     link.close()  # idempotent
-    unthreaded = Link(store, spool, retry_interval=0)  # never started a thread
+    unthreaded = Link(StoreTranscripts(store), spool, retry_interval=0)  # never started a thread
     unthreaded.close()
     assert unthreaded.core.closed
 

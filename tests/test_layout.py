@@ -39,7 +39,7 @@ def test_the_top_level_holds_the_public_face_and_the_adapters_only():
         "demo",
     }
     packages = {p.parent.name for p in (ROOT / "walspool").glob("*/__init__.py")}
-    assert packages == {"store", "replay", "link", "cli"}
+    assert packages == {"store", "replay", "link", "gateways", "cli"}
 
 
 def test_every_package_is_in_the_wheel():
@@ -139,3 +139,17 @@ def test_no_part_reads_another_parts_private_state():
 def test_the_link_is_composed_not_mixed_in():
     """``Link`` holds its parts; it inherits none of them (no shared ``self``)."""
     assert Link.__bases__ == (object,)
+
+
+def test_the_link_names_no_gateways_attribute():
+    """The link is gateway-neutral: it reads a store only as ``Transcripts``; the
+    adapters (``walspool.gateways``, ``walspool.hermes``) name the gateway's attributes.
+    So no module of ``walspool/link`` reads an underscored name off another object."""
+    found = []
+    for source in sorted((ROOT / "walspool" / "link").glob("*.py")):
+        for node in ast.walk(ast.parse(source.read_text())):
+            if isinstance(node, ast.Attribute) and re.fullmatch(r"_[^_].*|_", node.attr):
+                base = ast.unparse(node.value)
+                if base not in ("self", "cls"):
+                    found.append(f"{source.relative_to(ROOT)}:{node.lineno} {base}.{node.attr}")
+    assert found == []

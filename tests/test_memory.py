@@ -14,6 +14,7 @@ import apsw
 from _lock_holder import write_lock_held
 
 from walspool.cli import main
+from walspool.gateways.session_store import StoreTranscripts
 from walspool.link.memory import HEARTBEAT_SECONDS, MemoryPublisher
 from walspool.store import memory
 
@@ -34,14 +35,14 @@ def queue(store, session_id: str, *contents: str) -> None:
 
 
 def test_a_process_that_holds_nothing_writes_nothing(store, spool):
-    publisher = MemoryPublisher(lambda: spool, lambda: [store])
+    publisher = MemoryPublisher(lambda: spool, lambda: [StoreTranscripts(store)])
     assert publisher.publish() is None
     assert spool.memory() == []
 
 
 def test_what_the_queues_hold_is_published_with_the_age_of_the_oldest(store, spool):
     clock = Clock()
-    publisher = MemoryPublisher(lambda: spool, lambda: [store], clock=clock)
+    publisher = MemoryPublisher(lambda: spool, lambda: [StoreTranscripts(store)], clock=clock)
     queue(store, "a", "one", "two")
     publisher.publish().result()  # queued, and committed
     clock.now += 30
@@ -64,7 +65,7 @@ def test_what_the_queues_hold_is_published_with_the_age_of_the_oldest(store, spo
 
 def test_an_unchanged_backlog_is_published_again_only_when_due(store, spool):
     clock = Clock()
-    publisher = MemoryPublisher(lambda: spool, lambda: [store], clock=clock)
+    publisher = MemoryPublisher(lambda: spool, lambda: [StoreTranscripts(store)], clock=clock)
     queue(store, "a", "one")
     publisher.publish().result()
     clock.now += HEARTBEAT_SECONDS - 1
@@ -74,7 +75,7 @@ def test_an_unchanged_backlog_is_published_again_only_when_due(store, spool):
 
 
 def test_an_emptied_queue_removes_the_entry(store, spool):
-    publisher = MemoryPublisher(lambda: spool, lambda: [store])
+    publisher = MemoryPublisher(lambda: spool, lambda: [StoreTranscripts(store)])
     queue(store, "a", "one")
     publisher.publish().result()
     with store._transcript_retry_lock:
@@ -86,7 +87,7 @@ def test_an_emptied_queue_removes_the_entry(store, spool):
 def test_nothing_more_is_queued_while_a_publication_waits_for_a_lock_held_elsewhere(store, spool):
     """Another process holds the spool's write lock: the first entry waits in the
     writer, later looks queue nothing, and once the lock goes the newest is published."""
-    publisher = MemoryPublisher(lambda: spool, lambda: [store])
+    publisher = MemoryPublisher(lambda: spool, lambda: [StoreTranscripts(store)])
     with write_lock_held(spool.path):
         queue(store, "a", "one")
         first = publisher.publish()
@@ -173,7 +174,7 @@ def test_a_publication_whose_commit_failed_is_made_again(store):
     """The writer gave up on it (a lock held elsewhere past its bound): the next look
     publishes the same backlog again rather than taking it as published."""
     commits = Commits()
-    publisher = MemoryPublisher(lambda: commits, lambda: [store])
+    publisher = MemoryPublisher(lambda: commits, lambda: [StoreTranscripts(store)])
     queue(store, "a", "one")
     publisher.publish()
     commits.queued[-1][1].set_exception(RuntimeError("database is locked"))

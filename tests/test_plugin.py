@@ -226,7 +226,7 @@ async def main():
         "start_wrapped_once": start.__wrapped__ is not None
             and not hasattr(start.__wrapped__, "__walspool__"),
         "same_link": again is link,
-        "link_of_store": link.store is store,
+        "link_of_store": link.transcripts.store is store,
     }
 
 print(json.dumps(asyncio.run(main())))

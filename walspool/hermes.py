@@ -103,15 +103,20 @@ dropped with a WARNING; so is a refused message the spool cannot take at all.
 The link is built as a pure per-session state machine (``walspool.link.machine``)
 inside a thin shell (``walspool.link.link.Link``) that holds the store's lock,
 performs the machine's steps and logs after unlocking; evictions, the session writer,
-the background thread and shutdown each have their module in ``walspool.link``.
-This module is the link's public face.
+the background thread and shutdown each have their module in ``walspool.link``, and
+none names a gateway's attribute. This module is 0.19.0's adapter and the link's
+public face: it checks the store and the runner, maps the store onto the link's
+``Transcripts`` (``walspool.gateways.session_store``) and hooks the runner's stop.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+from functools import partial
 from typing import Any
 
 from .errors import UnsupportedGateway
+from .gateways.session_store import StoreTranscripts
 from .link import budget, shares
 from .link.bounds import (
     BUSY_LOOK_SECONDS,
@@ -126,8 +131,8 @@ from .link.bounds import (
 )
 from .link.evict import REJECTED
 from .link.link import RETRY_INTERVAL, Link
-from .link.shutdown import RUNNER_ATTRIBUTES, SpoolOnClear, install_runner
-from .store.records import agent_history_message, slot_message
+from .link.shutdown import never_raise
+from .store.records import SHUTDOWN, agent_history_message, slot_message
 from .store.spool import Spool
 
 __all__ = [
@@ -202,7 +207,7 @@ def install(
         raise UnsupportedGateway(
             "the SessionStore has no state.db (store._db is None)", path=spool.path
         )
-    link = Link(store, spool, retry_interval, max_bytes)
+    link = Link(StoreTranscripts(store), spool, retry_interval, max_bytes)
     if max_bytes is not None:
         spool.track_footprint()
     recovery = recover and not _nothing_to_replay(spool)
@@ -213,6 +218,75 @@ def install(
     store._clear_dirty_transcript = link.clear_dirty_transcript
     link.start(recover=recover, recovery=recovery, count=count)
     return link
+
+
+#: What 0.19.0's GatewayRunner must have for ``install_runner``.
+RUNNER_ATTRIBUTES = (
+    "session_store",
+    "adapters",
+    "_pending_messages",
+    "_queued_events",
+    "_bounded_adapter_teardown",
+    "_finalize_shutdown_agents",
+)
+
+
+def install_runner(runner: Any, link: Any) -> None:
+    """Spool a 0.19.0 ``GatewayRunner``'s pending slots and unflushed histories at shutdown."""
+    missing = [name for name in RUNNER_ATTRIBUTES if not hasattr(runner, name)]
+    if missing:
+        raise UnsupportedGateway(
+            f"{type(runner).__name__} lacks {', '.join(missing)}; walspool.hermes supports "
+            "hermes-agent 0.19.0's gateway.run.GatewayRunner",
+            path=link.spool.path,
+        )
+
+    def runner_cleared(slots: dict[str, Any]) -> None:
+        # GatewayRunner.stop() clears its own slots after tearing the adapters down,
+        # so the /queue overflow (each key's tail, after the adapter slot that holds
+        # its head) is spooled here, after them, and what was queued since, last.
+        never_raise(link.flush_pending, slots, reason=SHUTDOWN)
+        queued = runner._queued_events or {}  # checked above: 0.19.0 has it
+        overflow = [(key, event) for key, events in list(queued.items()) for event in events]
+        never_raise(link.flush_slots, overflow, reason="overflow_shutdown")
+        never_raise(link.flush_queues)
+        # The runner closes SessionDB next: no background retry may write into it.
+        never_raise(link.close)
+
+    runner._pending_messages = SpoolOnClear(runner._pending_messages, runner_cleared)
+    teardown = runner._bounded_adapter_teardown
+    finalize = runner._finalize_shutdown_agents
+
+    async def bounded_adapter_teardown(adapter: Any, platform: Any, **kw: Any) -> None:
+        slots = getattr(adapter, "_pending_messages", None)
+        if isinstance(slots, dict) and not isinstance(slots, SpoolOnClear):
+            adapter._pending_messages = SpoolOnClear(
+                slots, partial(link.flush_pending, reason="adapter_shutdown")
+            )
+        await teardown(adapter, platform, **kw)
+
+    async def finalize_shutdown_agents(active_agents: dict[str, Any]) -> None:
+        await finalize(active_agents)
+        for agent in list(active_agents.values()):
+            history = getattr(agent, "_session_messages", None)
+            if isinstance(history, list):
+                unsaved = [m for m in history if isinstance(m, dict) and not m.get("_db_persisted")]
+                never_raise(link.flush_agent_history, getattr(agent, "session_id", None), unsaved)
+
+    runner._bounded_adapter_teardown = bounded_adapter_teardown
+    runner._finalize_shutdown_agents = finalize_shutdown_agents
+
+
+class SpoolOnClear(dict):  # type: ignore[type-arg]
+    """A pending-slot dict whose ``clear()`` hands its contents to ``on_clear`` first."""
+
+    def __init__(self, items: Mapping[str, Any], on_clear: Callable[[dict[str, Any]], Any]) -> None:
+        super().__init__(items)
+        self._on_clear = on_clear
+
+    def clear(self) -> None:
+        never_raise(self._on_clear, dict(self))
+        super().clear()
 
 
 def _nothing_to_replay(spool: Spool) -> bool:

@@ -535,10 +535,13 @@ def _publish_memory() -> None:
     with _lock:
         if _memory is not None:
             return
+        from .gateways.session_store import StoreTranscripts
         from .link.memory import MemoryPublisher
         from .shutdown_flush import shared_spool
 
-        _memory = MemoryPublisher(shared_spool, lambda: list(_stores))
+        _memory = MemoryPublisher(
+            shared_spool, lambda: [StoreTranscripts(s) for s in list(_stores)]
+        )
     _memory.start()
     atexit.register(_memory.stop)  # runs before shutdown_flush's close (registered earlier)
 

@@ -1,6 +1,7 @@
-"""What the gateway link's parts share: the store, its lock and the two conditions on
-it, the session table, the spool with the counts kept of it, and the few steps every
-part takes on a session (claim it, give it up, schedule its retry, forget it).
+"""What the gateway link's parts share: the gateway's store (as
+``walspool.link.transcripts`` names it), its lock and the two conditions on it, the
+session table, the spool with the counts kept of it, and the few steps every part
+takes on a session (claim it, give it up, schedule its retry, forget it).
 
 The parts (``evict``, ``session_writer``, ``follow``, ``retry``, ``shutdown``) are
 given this one object and each other's public methods; none reads another's fields.
@@ -22,6 +23,7 @@ from . import bounds, budget, machine, outage
 from .repeats import Repeats
 from .shares import Moving
 from .state import Claim, Session
+from .transcripts import Message, Transcripts
 
 #: A line to log once the lock is released (gathered while it is held).
 Note = Callable[[], None]
@@ -31,20 +33,25 @@ class Core:
     """A linked SessionStore's shared state; made by ``Link``."""
 
     def __init__(
-        self, store: Any, spool: Spool, retry_interval: float, max_bytes: int | None
+        self,
+        transcripts: Transcripts,
+        spool: Spool,
+        retry_interval: float,
+        max_bytes: int | None,
     ) -> None:
-        self.store = store
+        #: The gateway's store: its queues, their lock, its writes.
+        self.transcripts = transcripts
         #: The link's clock (monotonic seconds), the only one its parts read: the
         #: machine is given ``now`` from it. Waits on conditions still take real time.
         self.clock: Callable[[], float] = time.monotonic
         self.retry_interval = retry_interval
         #: The cap on what evictions may fill (``walspool.link.budget``); None: no cap.
         self.max_bytes = max_bytes
-        self.cap = int(store._MAX_PENDING_PER_SESSION)
+        self.cap = transcripts.cap
         self.outage = outage.OutageLog(spool.path, self.cap)
         #: Repeated conditions of sessions (busy spool, drops, replays), told in a few lines.
         self.repeats = Repeats()
-        self.lock = store._transcript_retry_lock
+        self.lock = transcripts.lock
         #: Notified when a writer gives its role up, evictions commit, a recovery ends:
         #: what waiting gateway threads (and ``Link.wait_idle``) wait for.
         self.settled = threading.Condition(self.lock)
@@ -89,11 +96,11 @@ class Core:
         #: Each session's share of the cap: its bytes in the spool (``walspool.link.budget``).
         self.shares = budget.Shares()
         #: The link's sink: state.db's, noting the rows a replay of the link moves.
-        self.moving = Moving(SessionDBSink(self.store._db), spool, self.shares)
+        self.moving = Moving(SessionDBSink(self.transcripts.db), spool, self.shares)
         self.replayer = Replayer(
             spool,
             self.moving,
-            resolver=self.store.peek_session_id,
+            resolver=self.transcripts.resolve,
             wait_for_bookkeeping=False,
         )
 
@@ -118,10 +125,9 @@ class Core:
             state = self.sessions[session_id] = Session(0 if self.recovered else 1)
         return state
 
-    def queue(self, session_id: str) -> list[dict[str, Any]] | None:
+    def queue(self, session_id: str) -> list[Message] | None:
         """The store's in-memory queue of the session, if it has one."""
-        queued: list[dict[str, Any]] | None = self.store._dirty_transcripts.get(session_id)
-        return queued
+        return self.transcripts.queues.get(session_id)
 
     def has_work(self, session_id: str, state: Session) -> bool:
         return bool(state.spooled or self.queue(session_id))
@@ -136,7 +142,7 @@ class Core:
             and self.sessions.get(session_id) is state
         ):
             del self.sessions[session_id]
-            self.store._dirty_transcripts.pop(session_id, None)
+            self.transcripts.queues.pop(session_id, None)
 
     def claim(self, state: Session, *, background: bool = False) -> Claim | None:
         """Become the session's writer if it has none."""

@@ -38,6 +38,7 @@ from .rewrites import supersede_rewritten
 from .session_writer import SessionWriter
 from .shutdown import Shutdown
 from .state import Claim, Session, SessionView, log, owner_of
+from .transcripts import Message, Transcripts
 
 __all__ = ["RETRY_INTERVAL", "Link"]
 
@@ -47,14 +48,15 @@ class Link:
 
     def __init__(
         self,
-        store: Any,
+        transcripts: Transcripts,
         spool: Spool,
         retry_interval: float = RETRY_INTERVAL,
         max_bytes: int | None = budget.DEFAULT_MAX_BYTES,
     ) -> None:
-        self.store = store
+        #: The gateway's store, as the link sees it (``walspool.link.transcripts``).
+        self.transcripts = transcripts
         #: The state the parts share (the session table, the store's lock, the spool).
-        self.core = core = Core(store, spool, retry_interval, max_bytes)
+        self.core = core = Core(transcripts, spool, retry_interval, max_bytes)
         self.lines = Lines(core)
         self.evictions = Evictions(core, self.lines)
         self.follow = Follow(core, self.evictions, self.lines)
@@ -62,11 +64,11 @@ class Link:
         self.writer = SessionWriter(core, self.evictions, self.lines, self.shutdown)
         self.background = Background(core, self.writer, self.follow, self.lines)
         #: Publishes what the store's queues hold into the spool (``walspool.link.memory``);
-        #: it holds neither the link nor the store, so both go once nothing else holds them.
-        core_ref, store_ref = weakref.ref(core), weakref.ref(store)
+        #: it holds the link's core weakly, so the link goes once nothing else holds it.
+        core_ref = weakref.ref(core)
         self.memory = MemoryPublisher(
             lambda: getattr(core_ref(), "spool", None),
-            lambda: None if (held := store_ref()) is None else (held,),
+            lambda: None if (held := core_ref()) is None else (held.transcripts,),
         )
 
     # -- what the gateway, its operator and the tests read or set -----------------
@@ -175,15 +177,14 @@ class Link:
     # -- the store's two calls -----------------------------------------------------
 
     def append_to_transcript(
-        self, session_id: str, message: dict[str, Any], skip_db: bool = False
+        self, session_id: str, message: Message, skip_db: bool = False
     ) -> None:
         """Queue a message for ``state.db``; spool, never drop, what overflows the cap.
 
         Never raises: an unexpected error is logged with the session id, and the
         message stays queued.
         """
-        store = self.store
-        if not store._db or skip_db:
+        if not self.transcripts.db or skip_db:
             return
         try:
             self._append(session_id, message)
@@ -194,7 +195,7 @@ class Link:
                 session_id,
             )
 
-    def _append(self, session_id: str, message: dict[str, Any]) -> None:
+    def _append(self, session_id: str, message: Message) -> None:
         copy = dict(message)
         notes: list[Note] = []
         claim: Claim | None = None
@@ -207,7 +208,7 @@ class Link:
                 # Looked up again after every wait: a rewrite may have emptied the
                 # queue, and an idle session's state may have been dropped.
                 state = self.core.session(session_id)
-                pending = self.store._dirty_transcripts.setdefault(session_id, [])
+                pending = self.transcripts.queues.setdefault(session_id, [])
                 if not queued:
                     pending.append(copy)
                     queued = True
@@ -237,8 +238,8 @@ class Link:
         """The store's rewrite hook (/retry, /undo, /compress): forget the queue, as the
         released store does, and mark the session's spooled rows superseded."""
         with self.core.lock:
-            self.store._dirty_transcripts.pop(session_id, None)
-            self.store._transcript_append_failures.pop(session_id, None)
+            self.transcripts.queues.pop(session_id, None)
+            self.transcripts.forget_failures(session_id)
             state = self.core.sessions.get(session_id)
             # Its queue is gone, and its spooled rows are not replayed any more.
             ended = self.lines.ended(session_id, (KEPT, UNSPOOLABLE))

@@ -3,9 +3,10 @@ gateway's transcript queues once a second and publishes what they hold into the 
 (``walspool.store.memory``), so that ``stats``, ``ls``, ``watch`` and ``metrics`` show
 what a SIGKILL would lose, and after one, what was lost.
 
-All three released gateways keep a session's queue in ``store._dirty_transcripts``
-under ``store._transcript_retry_lock``; the adapters say which stores and which spool
-(the 0.19.0 link: its own; the plugin on 0.20 and 0.22: every store that wrote). A
+It reads each store as ``Transcripts`` (``walspool.link.transcripts``: its queues and
+their lock); the adapters say which stores and which spool (the 0.19.0 link: its own;
+the plugin on 0.20 and 0.22: every store that wrote, each mapped by
+``walspool.gateways.session_store``). A
 gateway thread never waits for a publication: the look copies the queues' lists under
 the store's lock (what a gateway thread may wait for, as long as that copy takes) and
 does everything else outside it; the entry goes to the spool's writer without waiting
@@ -29,6 +30,7 @@ from ..errors import SpoolClosed
 from ..store import memory
 from ..store.spool import Spool
 from .state import log
+from .transcripts import Transcripts
 
 #: Seconds between looks at the queues.
 PUBLISH_SECONDS = 1.0
@@ -54,7 +56,7 @@ class MemoryPublisher:
     def __init__(
         self,
         spool: Callable[[], Spool | None],
-        stores: Callable[[], Iterable[Any] | None],
+        stores: Callable[[], Iterable[Transcripts] | None],
         *,
         interval: float = PUBLISH_SECONDS,
         clock: Callable[[], float] = time.time,
@@ -85,8 +87,8 @@ class MemoryPublisher:
         if stores is None:
             raise Gone
         for store in list(stores):
-            with store._transcript_retry_lock:
-                queues += [(sid, list(q)) for sid, q in store._dirty_transcripts.items() if q]
+            with store.lock:
+                queues += [(sid, list(q)) for sid, q in store.queues.items() if q]
         seen: dict[int, tuple[Any, float, int]] = {}
         sessions = []
         for session_id, messages in queues:

@@ -5,10 +5,10 @@ rows, write the queue's head, wait for its evictions, or give the claim up.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Protocol
 
 from ..errors import ReplayBusy
-from ..replay.sinks import rejects_live_row, write_bindable
+from ..replay.sinks import rejects_live_row
 from . import bounds, machine, outage
 from .core import Core, Note
 from .evict import Evictions
@@ -94,7 +94,7 @@ class SessionWriter:
                 confirm_waited = True
                 continue
             if step is Step.IDLE:
-                self.core.store._transcript_append_failures.pop(session_id, None)
+                self.core.transcripts.forget_failures(session_id)
                 state.idle(claim)
             if step is Step.IDLE or step is Step.YIELD:
                 self.core.release(session_id, state, claim)
@@ -199,8 +199,7 @@ class SessionWriter:
                     lines.append(self.lines.line((REPLAYED, session_id), said))
             if report.held or session_id in report.errors:
                 self.core.failed(state, claim, drain=True)
-                failures = self.core.store._transcript_append_failures.get(session_id, 0) + 1
-                self.core.store._transcript_append_failures[session_id] = failures
+                self.core.transcripts.count_failure(session_id)
                 queued = len(self.core.queue(session_id) or ())
                 say = self._say_again(state, claim, now)
                 self.core.release(session_id, state, claim)
@@ -258,7 +257,7 @@ class SessionWriter:
                 return True  # the next step decides again
             message = pending[0]
             state.writing(claim, message)
-        error = self._write_one(session_id, message)
+        error = self.core.transcripts.write(session_id, message)
         with self.core.lock:
             state.written(claim)
             if state.waiters:
@@ -270,13 +269,12 @@ class SessionWriter:
                 state.healthy(claim)
                 return True
             aside = None
-            if rejects_live_row(error, self.core.store._db, message):
+            if rejects_live_row(error, self.core.transcripts.db, message):
                 aside = self.evictions.set_aside(session_id, pending, message, error)
             if aside is not None:
                 state.healthy(claim)  # state.db works: the session goes on at once
             else:
-                failures = self.core.store._transcript_append_failures.get(session_id, 0) + 1
-                self.core.store._transcript_append_failures[session_id] = failures
+                failures = self.core.transcripts.count_failure(session_id)
                 queued = len(pending or ())
                 self.core.failed(state, claim, drain=False)
                 say = self._say_again(state, claim, self.core.clock())
@@ -299,18 +297,3 @@ class SessionWriter:
             error,
         )
         return False
-
-    def _write_one(self, session_id: str, message: dict[str, Any]) -> Exception | None:
-        """Write one queued message as the released store does, FTS repair included."""
-        store = self.core.store
-        try:
-            write_bindable(store._append_transcript_message, session_id, message)
-            return None
-        except Exception as exc:  # noqa: BLE001 - the store's own policy: retry later
-            if not (store._is_fts_corruption_error(exc) and store._rebuild_fts_once()):
-                return exc
-        try:
-            write_bindable(store._append_transcript_message, session_id, message)
-            return None
-        except Exception as exc:  # noqa: BLE001
-            return exc

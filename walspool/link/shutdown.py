@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any
 
-from ..errors import UnsupportedGateway, WalspoolError
+from ..errors import WalspoolError
 from ..store.records import AGENT_HISTORY, SHUTDOWN, agent_history_message, slot_message
 from ..store.writer import Request
 from . import bounds
@@ -19,16 +19,7 @@ from .core import Core, Note
 from .follow import Follow
 from .lines import Lines
 from .state import log
-
-#: What 0.19.0's GatewayRunner must have for ``install_runner``.
-RUNNER_ATTRIBUTES = (
-    "session_store",
-    "adapters",
-    "_pending_messages",
-    "_queued_events",
-    "_bounded_adapter_teardown",
-    "_finalize_shutdown_agents",
-)
+from .transcripts import Transcripts
 
 
 class Shutdown:
@@ -51,9 +42,9 @@ class Shutdown:
         now, through the store, while the gateway still knows it; the key is kept too.
         Values that are None are skipped.
         """
-        _never_raise(self.flush_queues)
+        never_raise(self.flush_queues)
         items = [
-            (_resolve(self.core.store, key), slot_message(value), key)
+            (_resolve(self.core.transcripts, key), slot_message(value), key)
             for key, value in slots
             if value is not None
         ]
@@ -133,7 +124,7 @@ class Shutdown:
                         self.core.shares.accepted(row.session_id, row.size)
                     for session_id, messages in taken.items():
                         ids = {id(m) for m in messages}
-                        pending = self.core.store._dirty_transcripts[session_id]
+                        pending = self.core.transcripts.queues[session_id]
                         pending[:] = [m for m in pending if id(m) not in ids]
                         state = self.core.session(session_id)
                         state.evicted()
@@ -189,7 +180,7 @@ class Shutdown:
         is queued now (the message that was being written then among it), since no
         later flush comes."""
         if self.core.stopping:
-            _never_raise(self.flush_queues)
+            never_raise(self.flush_queues)
 
     def _flushed(
         self,
@@ -213,7 +204,7 @@ class Shutdown:
                     # Not in the spool: back to the front of their queue, so they stay
                     # with the process as in the released store; unless the transcript
                     # was rewritten meanwhile, which dropped the queue they were in.
-                    self.core.store._dirty_transcripts.setdefault(session_id, [])[0:0] = messages
+                    self.core.transcripts.queues.setdefault(session_id, [])[0:0] = messages
                 if state.writer is None and self.core.has_work(session_id, state):
                     self.core.schedule(state.retry_at)
             self.core.settled.notify_all()
@@ -228,7 +219,7 @@ class Shutdown:
         taken: dict[str, list[dict[str, Any]]] = {}
         rows: list[Any] = []
         notes: list[Note] = []
-        for session_id, pending in self.core.store._dirty_transcripts.items():
+        for session_id, pending in self.core.transcripts.queues.items():
             state = self.core.sessions.get(session_id)
             if state is not None and pending and pending[0] is state.inflight:
                 notes.append(partial(_say_writing, session_id))
@@ -251,65 +242,7 @@ def _say_writing(session_id: str) -> None:
     )
 
 
-def install_runner(runner: Any, link: Any) -> None:
-    """Spool a 0.19.0 ``GatewayRunner``'s pending slots and unflushed histories at shutdown."""
-    missing = [name for name in RUNNER_ATTRIBUTES if not hasattr(runner, name)]
-    if missing:
-        raise UnsupportedGateway(
-            f"{type(runner).__name__} lacks {', '.join(missing)}; walspool.hermes supports "
-            "hermes-agent 0.19.0's gateway.run.GatewayRunner",
-            path=link.spool.path,
-        )
-
-    def runner_cleared(slots: dict[str, Any]) -> None:
-        # GatewayRunner.stop() clears its own slots after tearing the adapters down,
-        # so the /queue overflow (each key's tail, after the adapter slot that holds
-        # its head) is spooled here, after them, and what was queued since, last.
-        _never_raise(link.flush_pending, slots, reason=SHUTDOWN)
-        queued = runner._queued_events or {}  # checked above: 0.19.0 has it
-        overflow = [(key, event) for key, events in list(queued.items()) for event in events]
-        _never_raise(link.flush_slots, overflow, reason="overflow_shutdown")
-        _never_raise(link.flush_queues)
-        # The runner closes SessionDB next: no background retry may write into it.
-        _never_raise(link.close)
-
-    runner._pending_messages = SpoolOnClear(runner._pending_messages, runner_cleared)
-    teardown = runner._bounded_adapter_teardown
-    finalize = runner._finalize_shutdown_agents
-
-    async def bounded_adapter_teardown(adapter: Any, platform: Any, **kw: Any) -> None:
-        slots = getattr(adapter, "_pending_messages", None)
-        if isinstance(slots, dict) and not isinstance(slots, SpoolOnClear):
-            adapter._pending_messages = SpoolOnClear(
-                slots, partial(link.flush_pending, reason="adapter_shutdown")
-            )
-        await teardown(adapter, platform, **kw)
-
-    async def finalize_shutdown_agents(active_agents: dict[str, Any]) -> None:
-        await finalize(active_agents)
-        for agent in list(active_agents.values()):
-            history = getattr(agent, "_session_messages", None)
-            if isinstance(history, list):
-                unsaved = [m for m in history if isinstance(m, dict) and not m.get("_db_persisted")]
-                _never_raise(link.flush_agent_history, getattr(agent, "session_id", None), unsaved)
-
-    runner._bounded_adapter_teardown = bounded_adapter_teardown
-    runner._finalize_shutdown_agents = finalize_shutdown_agents
-
-
-class SpoolOnClear(dict):  # type: ignore[type-arg]
-    """A pending-slot dict whose ``clear()`` hands its contents to ``on_clear`` first."""
-
-    def __init__(self, items: Mapping[str, Any], on_clear: Callable[[dict[str, Any]], Any]) -> None:
-        super().__init__(items)
-        self._on_clear = on_clear
-
-    def clear(self) -> None:
-        _never_raise(self._on_clear, dict(self))
-        super().clear()
-
-
-def _never_raise(fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+def never_raise(fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
     """Shutdown must go on: log a spool failure at ERROR instead of raising it."""
     try:
         return fn(*args, **kw)
@@ -318,8 +251,8 @@ def _never_raise(fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
         return None
 
 
-def _resolve(store: Any, session_key: str) -> str | None:
+def _resolve(transcripts: Transcripts, session_key: str) -> str | None:
     try:
-        return store.peek_session_id(session_key)
+        return transcripts.resolve(session_key)
     except Exception:  # noqa: BLE001 - an unknown key is resolved again at replay
         return None

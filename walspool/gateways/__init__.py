@@ -1,0 +1,1 @@
+"""The released gateways' stores mapped onto what walspool's parts need of them."""

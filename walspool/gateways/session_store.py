@@ -1,0 +1,69 @@
+"""hermes-agent's ``gateway.session.SessionStore`` mapped onto ``Transcripts``
+(``walspool.link.transcripts``). The queue, its lock, its cap and state.db carry the
+same names in 0.19.0, 0.20 (axisrow) and 0.22 (iot); the write and its FTS repair are
+0.19.0's (the link runs there; the others write with their own loop).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from ..link.transcripts import Message
+from ..replay.sinks import write_bindable
+
+#: What the mapping reads of every released gateway's store.
+QUEUE_ATTRIBUTES = ("_transcript_retry_lock", "_dirty_transcripts")
+
+
+class StoreTranscripts:
+    """One ``SessionStore``, as ``Transcripts``."""
+
+    __slots__ = ("store",)
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+
+    @property
+    def lock(self) -> threading.Lock:
+        lock: threading.Lock = self.store._transcript_retry_lock
+        return lock
+
+    @property
+    def cap(self) -> int:
+        return int(self.store._MAX_PENDING_PER_SESSION)
+
+    @property
+    def queues(self) -> dict[str, list[Message]]:
+        queues: dict[str, list[Message]] = self.store._dirty_transcripts
+        return queues
+
+    @property
+    def db(self) -> Any:
+        return self.store._db
+
+    def resolve(self, session_key: str) -> str | None:
+        session_id: str | None = self.store.peek_session_id(session_key)
+        return session_id
+
+    def count_failure(self, session_id: str) -> int:
+        failures = self.store._transcript_append_failures
+        failures[session_id] = count = failures.get(session_id, 0) + 1
+        return int(count)
+
+    def forget_failures(self, session_id: str) -> None:
+        self.store._transcript_append_failures.pop(session_id, None)
+
+    def write(self, session_id: str, message: Message) -> Exception | None:
+        store = self.store
+        try:
+            write_bindable(store._append_transcript_message, session_id, message)
+            return None
+        except Exception as exc:  # noqa: BLE001 - the store's own policy: retry later
+            if not (store._is_fts_corruption_error(exc) and store._rebuild_fts_once()):
+                return exc
+        try:
+            write_bindable(store._append_transcript_message, session_id, message)
+            return None
+        except Exception as exc:  # noqa: BLE001
+            return exc
