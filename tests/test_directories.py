@@ -38,6 +38,7 @@ import walspool
 from walspool.cli import main
 from walspool.replay.replayer import Replayer
 from walspool.store import open_guard, sqlite_errors
+from walspool.store.directories import open_directory
 
 OWNER = NOBODY
 NEIGHBOUR = 1  # daemon
@@ -685,6 +686,45 @@ def test_a_directory_on_the_way_others_can_write_is_refused_unless_sticky(tmp_pa
     shared.chmod(0o1777)  # as /tmp: only an entry's owner may rename it
     with walspool.Spool(shared / "hermes" / "spool.db") as spool:
         spool.append("s", {"role": "user", "content": "x"})
+
+
+@as_root
+def test_roots_import_never_follows_the_owners_link_into_a_third_users_files(shared_tmp, capsys):
+    """The spool's owner links ``pending_messages`` in her home to another user's
+    JSON spool: root's ``import-json`` of her home refuses the link (it would import the
+    other user's messages into her spool and delete them); the files stay. A link of
+    root's own, or one the other user made to his own directory, is followed."""
+    home = owned_dir(shared_tmp / "owner", OWNER)
+    spool = gateway_spool(home)
+    theirs = owned_dir(shared_tmp / "neighbour" / "pending_messages", NEIGHBOUR)
+    os.chown(theirs.parent, NEIGHBOUR, NEIGHBOUR)
+    os.chmod(theirs.parent, 0o711)
+    message = {"session_key": "t", "reason": "transcript_cap_drop", "ts": 1, "seq": 0}
+    message["data"] = {"session_id": "t", "message": {"role": "user", "content": "theirs"}}
+    pending = theirs / "pending-1.json"
+    pending.write_text(json.dumps(message))
+    os.chown(pending, NEIGHBOUR, NEIGHBOUR)
+    made = as_user(
+        OWNER,
+        "import os, sys; os.symlink(sys.argv[1], sys.argv[2])",
+        str(theirs),
+        str(home / "pending_messages"),
+    )
+    assert made.returncode == 0, made.stderr
+    assert os.lstat(home / "pending_messages").st_uid == OWNER
+    assert main(["import-json", str(spool), str(home / "pending_messages")]) == 1
+    err = capsys.readouterr().err
+    assert f"{home / 'pending_messages'}, on the way to" in err
+    assert f"symbolic link of uid {OWNER} to {theirs}, which belongs to uid {NEIGHBOUR}" in err
+    assert pending.exists()
+    assert [r.session_id for r in walspool.Spool(spool).records()] == ["s"]
+    # The other user's own link to his own directory, or root's, is his or root's word.
+    (home / "pending_messages").unlink()
+    for uid in (NEIGHBOUR, 0):
+        link = shared_tmp / f"link-{uid}"
+        link.symlink_to(theirs)
+        os.chown(link, uid, uid, follow_symlinks=False)
+        open_directory(link, link).close()
 
 
 def test_an_import_directory_others_can_write_is_refused(tmp_path):

@@ -22,8 +22,11 @@ the mode's group bits show once there is an ACL) lets through today.
 
 Symlinks in the directory's own path are resolved once, before the walk (a symlinked
 ``HERMES_HOME`` is common); a component that turns into a link during the walk makes
-the open fail rather than be followed. Not guaranteed: that the directory still has
-the path it was opened by afterwards (a rename of a directory the owner controls).
+the open fail rather than be followed. Each link followed must be root's or the final
+directory's owner's: another user's link could point root (or anyone) at a third
+user's directory, whose files an import would take and delete. Not guaranteed: that
+the directory still has the path it was opened by afterwards (a rename of a directory
+the owner controls).
 """
 
 from __future__ import annotations
@@ -104,7 +107,7 @@ def open_directory(
     effective user's (a spool is written only in a directory of one's own).
     Raises ``UntrustedSpool``, or ``OSError`` when the file system refuses.
     """
-    real = Path(os.path.realpath(directory))
+    real, links = _resolve(directory)
     fd = os.open("/", _WALK)
     try:
         walked = [_looked_at(fd, Path("/"))]
@@ -116,10 +119,58 @@ def open_directory(
             fd = nfd
             walked.append(_looked_at(fd, here))
         owner = _check_walk(walked, about, own)
+        _check_links(links, owner, real, about)
     except BaseException:
         os.close(fd)
         raise
     return Directory(fd, real, owner)
+
+
+#: Links followed in one path before it counts as a loop, as Linux counts them.
+MAX_LINKS = 40
+
+
+def _resolve(directory: Path) -> tuple[Path, list[tuple[Path, int]]]:
+    """``os.path.realpath(directory)``, and each symbolic link followed on the way with
+    its owner. A component that does not exist is taken as written (``create`` makes it)."""
+    todo = list(Path(os.getcwd(), directory).parts[1:])[::-1]  # the next name is last
+    here = Path("/")
+    links: list[tuple[Path, int]] = []
+    while todo:
+        name = todo.pop()
+        if name == "..":
+            here = here.parent
+            continue
+        candidate = here / name
+        try:
+            st = os.lstat(candidate)
+        except (FileNotFoundError, NotADirectoryError):
+            here = candidate
+            continue
+        if not stat.S_ISLNK(st.st_mode):
+            here = candidate
+            continue
+        if len(links) == MAX_LINKS:
+            raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), str(directory))
+        links.append((candidate, st.st_uid))
+        target = Path(os.readlink(candidate))
+        if target.is_absolute():
+            here = Path("/")
+        todo += list(target.parts[1:] if target.is_absolute() else target.parts)[::-1]
+    return here, links
+
+
+def _check_links(links: list[tuple[Path, int]], owner: int, real: Path, about: Path) -> None:
+    """Refuse a path that follows a link of someone but root and the directory's owner."""
+    for link, uid in links:
+        if uid not in (0, owner):
+            raise UntrustedSpool(
+                f"{link}, on the way to {about}, is a symbolic link of uid {uid} to "
+                f"{real}, which belongs to uid {owner}: only root's or the owner's own "
+                "links are followed, or another user could point this at files not theirs; "
+                f"name {real} itself if that is meant",
+                path=about,
+            )
 
 
 def _step(fd: int, name: str, here: Path, create: bool) -> int:
