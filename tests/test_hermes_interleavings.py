@@ -35,7 +35,7 @@ from _lock_holder import write_lock_held
 
 import walspool
 import walspool.link.bounds as bounds
-import walspool.link.shutdown as link_shutdown
+import walspool.link.flush as link_flush
 import walspool.store.writer as writer
 from walspool.errors import ReplayBusy
 from walspool.hermes import Link, install
@@ -494,7 +494,7 @@ def test_a_shutdown_flush_gives_each_wait_only_what_is_left_of_its_bound(store, 
     monkeypatch.setattr(spool._writer, "notify_nowait", full_twice)
     monkeypatch.setattr(spool._writer, "wait_for_room", wait_for_room)
     monkeypatch.setattr(
-        link_shutdown, "threading", SimpleNamespace(**{**vars(threading), "Event": Event})
+        link_flush, "threading", SimpleNamespace(**{**vars(threading), "Event": Event})
     )
     assert link.flush_queues() == 1
     assert room_waits == pytest.approx([0.5, 0.3])

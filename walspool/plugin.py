@@ -471,7 +471,8 @@ def _spool_queues_of_stores() -> None:
 
 def _spool_queues(store: Any) -> int:
     """Spool a store's in-memory transcript queues (``SHUTDOWN``), oldest first, and
-    empty them; how many were spooled.
+    empty them, as the 0.19.0 link does (``walspool.link.flush.spool_queues``); how
+    many were spooled.
 
     The 0.20 and 0.22 ``GatewayRunner.stop()`` clear these with the process (0.22
     spools a stalled backlog itself, but keeps in memory what its spool refused then:
@@ -481,12 +482,13 @@ def _spool_queues(store: Any) -> int:
     waited for at most ``walspool.link.bounds.FLUSH_TIMEOUT`` seconds; past that, nothing is
     spooled now and the queues are left to that write: once it ends (a failed write
     puts its message back at the head), its thread spools them, in order
-    (``_spool_queues_after_writes``). On a spool error the queues stay as they are
-    (ERROR).
+    (``_spool_queues_after_writes``). The drain lock is held until the flush has
+    committed, so no live write overtakes it.
     """
+    from .gateways.session_store import StoreQueues
     from .link.bounds import FLUSH_TIMEOUT
+    from .link.flush import spool_queues
     from .shutdown_flush import shared_spool
-    from .store.records import SHUTDOWN
 
     _stopping.add(store)
     drain_lock = _drain_lock(store)
@@ -498,16 +500,7 @@ def _spool_queues(store: Any) -> int:
         )
         return 0
     try:
-        with store._transcript_retry_lock:
-            items = [
-                (session_id, m)
-                for session_id, pending in store._dirty_transcripts.items()
-                for m in pending
-            ]
-            if items:
-                spool = shared_spool()
-                spool.append_many(items, reason=SHUTDOWN)
-                store._dirty_transcripts.clear()
+        return spool_queues(shared_spool(), StoreQueues(store))
     except Exception as exc:  # noqa: BLE001 - the gateway is stopping all the same
         log.error(
             "walspool could not spool the transcript queues at shutdown; they are lost "
@@ -517,11 +510,6 @@ def _spool_queues(store: Any) -> int:
         return 0
     finally:
         drain_lock.release()
-    if items:
-        log.warning(
-            "Spooled %d queued transcript message(s) to %s at shutdown", len(items), spool.path
-        )
-    return len(items)
 
 
 #: Publishes what the stores' queues hold into the shared spool, once a store wrote.

@@ -10,15 +10,19 @@ exactly where walspool could start one (see ``_gateways_common.DropInWaits``).
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 from _fork import break_db, heal_db
 from _gateway import found_locked
 from _gateways_common import DropInWaits
+from _helpers import STEP
 from _lock_holder import write_lock_held
 
 import walspool.shutdown_flush as wsf
 import walspool.store.writer as writer
+from walspool.gateways.session_store import StoreQueues
+from walspool.link.flush import spool_queues
 
 #: A generous wall-clock bound on one transcript write of a healthy session while the
 #: spool is locked (it was up to 10 s per eviction before; the exact check is the
@@ -96,3 +100,40 @@ def test_a_hand_off_the_lock_outlasts_is_kept_by_the_gateway_and_lands_after_the
     got = [m["content"] for m in store._db.get_messages("a")]
     assert got == [*sent, "a-last"]
     assert spool.stats().rows == 0
+
+
+def test_a_stops_flush_holds_no_gateway_thread_while_the_lock_is_held(home, store, monkeypatch):
+    """At a stop, the queues go to a spool whose write lock another process holds: the
+    flush takes them under the store's lock and waits for the commit outside it, so a
+    gateway thread's message meanwhile queues at once; the flush lands once the lock
+    goes, its messages ahead of the later one."""
+    monkeypatch.setattr(writer, "BUSY_RETRY_SECONDS", 60.0)  # the hold ends first
+    store._db.create_session("a", "telegram")
+    spool = wsf.shared_spool()
+    break_db(store._db, session_id="a")
+    store.append_to_transcript("a", {"role": "user", "content": "a0"})  # stays queued
+    assert [m["content"] for m in store._dirty_transcripts["a"]] == ["a0"]
+    with write_lock_held(spool.path) as holder:
+        flushed: list[int] = []
+        flusher = threading.Thread(
+            target=lambda: flushed.append(spool_queues(spool, StoreQueues(store)))
+        )
+        flusher.start()
+        lock = store._transcript_retry_lock
+        deadline = time.monotonic() + STEP
+        taken = False
+        while not taken and time.monotonic() < deadline:  # until the flush took the queue
+            # Not held across the commit the flush waits for (the old plugin held it).
+            assert lock.acquire(timeout=STEP)
+            taken = store._dirty_transcripts["a"] == []
+            lock.release()
+            time.sleep(0.01)
+        assert taken
+        with lock:  # a gateway thread's message, queued as append_to_transcript queues it
+            store._dirty_transcripts["a"].append({"role": "user", "content": "a1"})
+        assert flusher.is_alive() and spool.stats().rows == 0
+        holder.release()
+        flusher.join(STEP)
+    assert flushed == [1]
+    assert [r.message["content"] for r in spool.records()] == ["a0"]
+    assert [m["content"] for m in store._dirty_transcripts["a"]] == ["a1"]

@@ -1,16 +1,20 @@
 """hermes-agent's ``gateway.session.SessionStore`` mapped onto ``Transcripts``
 (``walspool.link.transcripts``). The queue, its lock, its cap and state.db carry the
 same names in 0.19.0, 0.20 (axisrow) and 0.22 (iot); the write and its FTS repair are
-0.19.0's (the link runs there; the others write with their own loop).
+0.19.0's (the link runs there; the others write with their own loop). ``StoreQueues``
+is a 0.20 or 0.22 store's side of a stop's flush of its queues.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 from ..link.transcripts import Message
 from ..replay.sinks import write_bindable
+from ..store.records import Receipt
+from ..store.writer import Row
 
 #: What the mapping reads of every released gateway's store.
 QUEUE_ATTRIBUTES = ("_transcript_retry_lock", "_dirty_transcripts")
@@ -67,3 +71,27 @@ class StoreTranscripts:
             return None
         except Exception as exc:  # noqa: BLE001
             return exc
+
+
+class StoreQueues:
+    """A 0.20 or 0.22 store's side of a stop's flush (``walspool.link.flush.Queues``),
+    for a caller that holds the store's transcript drain lock meanwhile: no head is
+    being written then, and only a rewrite (/retry, /undo, /compress) replaces a
+    session's queue list, so the list taken is the token."""
+
+    __slots__ = ("transcripts",)
+
+    def __init__(self, store: Any) -> None:
+        self.transcripts = StoreTranscripts(store)
+
+    def writing(self, session_id: str, pending: list[Message]) -> bool:
+        return False
+
+    def taken(self, session_id: str, rows: Sequence[Row]) -> object:
+        return self.transcripts.queues.get(session_id)
+
+    def rewritten(self, session_id: str, token: object) -> bool:
+        return self.transcripts.queues.get(session_id) is not token
+
+    def settled(self, session_id: str, rows: Sequence[Row], receipts: list[Receipt] | None) -> None:
+        return None

@@ -95,7 +95,7 @@ class Lines:
         if said is None:
             return []
         if said.kind is Kind.FIRST:
-            return [partial(self.report_unspoolable, session_id, exc)]
+            return [partial(report_unspoolable, session_id, exc)]
         return [self.line((UNSPOOLABLE, session_id), said)]
 
     def ended(self, session_id: str, conditions: tuple[str, ...]) -> list[Line]:
@@ -186,10 +186,11 @@ class Lines:
             2 * self.core.cap,
         )
 
-    def report_unspoolable(self, session_id: str, exc: BaseException) -> None:
-        log.error(
-            "walspool could not spool the oldest queued message of session %s; it stays in "
-            "memory: %s",
-            session_id,
-            repr(exc),  # formatted here: the log filter makes every argument text first
-        )
+
+def report_unspoolable(session_id: str, exc: BaseException) -> None:
+    """The session's oldest queued message could not be spooled (a bad value)."""
+    log.error(
+        "walspool could not spool the oldest queued message of session %s; it stays in memory: %s",
+        session_id,
+        repr(exc),  # formatted here: the log filter makes every argument text first
+    )

@@ -60,7 +60,7 @@ class Link:
         self.lines = Lines(core)
         self.evictions = Evictions(core, self.lines)
         self.follow = Follow(core, self.evictions, self.lines)
-        self.shutdown = Shutdown(core, self.lines, self.follow)
+        self.shutdown = Shutdown(core, self.follow)
         self.writer = SessionWriter(core, self.evictions, self.lines, self.shutdown)
         self.background = Background(core, self.writer, self.follow, self.lines)
         #: Publishes what the store's queues hold into the spool (``walspool.link.memory``);

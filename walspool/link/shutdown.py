@@ -5,29 +5,24 @@ unflushed agent histories are spooled before the gateway clears them
 
 from __future__ import annotations
 
-import queue
-import threading
-from collections.abc import Callable, Mapping
-from functools import partial
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from ..errors import WalspoolError
-from ..store.records import AGENT_HISTORY, SHUTDOWN, agent_history_message, slot_message
-from ..store.writer import Request
+from ..store.records import AGENT_HISTORY, SHUTDOWN, Receipt, agent_history_message, slot_message
+from ..store.writer import Row
 from . import bounds
-from .core import Core, Note
+from .core import Core
+from .flush import spool_queues
 from .follow import Follow
-from .lines import Lines
 from .state import log
-from .transcripts import Transcripts
+from .transcripts import Message, Transcripts
 
 
 class Shutdown:
     """Spools what the gateway would lose at its stop: slots, queues, histories."""
 
-    def __init__(self, core: Core, lines: Lines, follow: Follow) -> None:
+    def __init__(self, core: Core, follow: Follow) -> None:
         self.core = core
-        self.lines = lines
         self.follow = follow
 
     def flush_pending(self, pending: Mapping[str, Any], *, reason: str = SHUTDOWN) -> int:
@@ -78,102 +73,22 @@ class Shutdown:
         return True
 
     def flush_queues(self) -> int:
-        """Spool every session's in-memory queue (``SHUTDOWN``), oldest first; empty it.
+        """Spool every session's in-memory queue (``SHUTDOWN``), oldest first; empty it
+        (``walspool.link.flush.spool_queues``; how many were spooled).
 
         For a shutdown while state.db refuses writes: what the released gateway loses
         with the process. A session whose oldest message is being written right now is
         left to that write: its whole queue stays, and is spooled in order once the
         write ends (``spool_if_stopping``: the failed message first, or what follows
-        one that landed). Returns how many were spooled. Waits at most
-        ``bounds.FLUSH_TIMEOUT`` for room in the spool and for the commit; on a spool
-        error the messages go back to the front of their queues, and a message the
-        spool cannot take at all stays queued (both logged at ERROR).
+        one that landed). If the spool's path names another file now, the evictions
+        in the old spool's writer come back first and a fresh spool takes them, then
+        the queues (``Follow.before_flush``).
         """
         deadline = self.core.clock() + bounds.FLUSH_TIMEOUT
-        committed = threading.Event()
-        #: The spool's request, once committed or failed (``_flushed`` adds it).
-        requests: list[Request] = []
         self.core.stopping = True
         self.follow.before_flush(deadline)
-        while True:
-            with self.core.lock:
-                taken, rows, notes = self._queued_rows()
-                if not rows:
-                    self.core.run(notes)
-                    return 0
-                # Filled below; ``_flushed`` reads it under the lock held here.
-                generations: dict[str, int] = {}
-                try:
-                    # A replaced spool is refused before the queue is touched.
-                    self.core.spool.check_path()
-                    # Under the lock, so no message of these sessions is queued, evicted
-                    # or written meanwhile: the spool gets them in arrival order.
-                    self.core.spool.put_nowait(
-                        rows,
-                        partial(self._flushed, taken, generations, committed, requests),
-                        single=False,
-                    )
-                except queue.Full:
-                    pass
-                except WalspoolError as exc:  # closed, or its path names another file
-                    refused: WalspoolError | None = exc
-                    break
-                else:
-                    refused = None
-                    for row in rows:
-                        self.core.shares.accepted(row.session_id, row.size)
-                    for session_id, messages in taken.items():
-                        ids = {id(m) for m in messages}
-                        pending = self.core.transcripts.queues[session_id]
-                        pending[:] = [m for m in pending if id(m) not in ids]
-                        state = self.core.session(session_id)
-                        state.evicted()
-                        generations[session_id] = state.generation
-                    self.core.settled.notify_all()  # the queues changed: for whoever waits on them
-                    break
-            if self.core.clock() >= deadline:
-                log.error(
-                    "could not spool %d queued transcript message(s) at shutdown: the spool "
-                    "%s had no room for them within %g s",
-                    len(rows),
-                    self.core.spool.path,
-                    bounds.FLUSH_TIMEOUT,
-                )
-                return 0
-            self.core.spool.wait_for_room(max(deadline - self.core.clock(), 0.0))
-        self.core.run(notes)
-        if refused is not None:
-            log.error(
-                "could not spool %d queued transcript message(s) at shutdown; they stay queued: %s",
-                len(rows),
-                refused,
-            )
-            return 0
-        if not committed.wait(max(deadline - self.core.clock(), 0.0) + bounds.CONFIRM_WAIT):
-            log.error(
-                "%d queued transcript message(s) were handed to %s at shutdown but not "
-                "committed within %g s; they are spooled if the spool commits them later",
-                len(rows),
-                self.core.spool.path,
-                bounds.FLUSH_TIMEOUT,
-            )
-            return 0
-        (request,) = requests
-        if request.error is not None:
-            log.error(
-                "could not spool %d queued transcript message(s) at shutdown to %s; they "
-                "stay queued: %s",
-                len(rows),
-                self.core.spool.path,
-                request.error,
-            )
-            return 0
-        log.warning(
-            "Spooled %d queued transcript message(s) to %s at shutdown",
-            len(rows),
-            self.core.spool.path,
-        )
-        return len(rows)
+        queues = _LinkQueues(self.core)
+        return spool_queues(self.core.spool, queues, clock=self.core.clock, deadline=deadline)
 
     def spool_if_stopping(self) -> None:
         """After a failed write: once the shutdown has flushed the queues, spool what
@@ -181,65 +96,6 @@ class Shutdown:
         later flush comes."""
         if self.core.stopping:
             never_raise(self.flush_queues)
-
-    def _flushed(
-        self,
-        taken: dict[str, list[dict[str, Any]]],
-        generations: dict[str, int],
-        committed: threading.Event,
-        requests: list[Request],
-        request: Request,
-    ) -> None:
-        """On the spool's writer: a shutdown flush committed (or failed)."""
-        receipts = request.result if request.error is None else None
-        with self.core.lock:
-            for i, row in enumerate(request.rows):
-                self.core.shares.settled(
-                    row.session_id, row.size, None if receipts is None else receipts[i].id
-                )
-            for session_id, messages in taken.items():
-                state = self.core.sessions[session_id]  # ``unconfirmed`` keeps it there
-                state.settled()
-                if request.error is not None and state.generation == generations[session_id]:
-                    # Not in the spool: back to the front of their queue, so they stay
-                    # with the process as in the released store; unless the transcript
-                    # was rewritten meanwhile, which dropped the queue they were in.
-                    self.core.transcripts.queues.setdefault(session_id, [])[0:0] = messages
-                if state.writer is None and self.core.has_work(session_id, state):
-                    self.core.schedule(state.retry_at)
-            self.core.settled.notify_all()
-        requests.append(request)
-        committed.set()
-
-    def _queued_rows(
-        self,
-    ) -> tuple[dict[str, list[dict[str, Any]]], list[Any], list[Note]]:
-        """Every queue's messages, as spool rows, but the queues of sessions whose
-        oldest message is being written (left to that write); lock held."""
-        taken: dict[str, list[dict[str, Any]]] = {}
-        rows: list[Any] = []
-        notes: list[Note] = []
-        for session_id, pending in self.core.transcripts.queues.items():
-            state = self.core.sessions.get(session_id)
-            if state is not None and pending and pending[0] is state.inflight:
-                notes.append(partial(_say_writing, session_id))
-                continue
-            for message in pending:
-                try:
-                    rows.append(self.core.spool.prepare(session_id, message, SHUTDOWN))
-                except Exception as exc:  # noqa: BLE001 - the others are spooled all the same
-                    notes.append(partial(self.lines.report_unspoolable, session_id, exc))
-                    continue
-                taken.setdefault(session_id, []).append(message)
-        return taken, rows, notes
-
-
-def _say_writing(session_id: str) -> None:
-    log.warning(
-        "A gateway thread is writing the oldest queued message of %s at shutdown; the "
-        "session's queue is left to that write, and spooled, in order, once it ends",
-        session_id,
-    )
 
 
 def never_raise(fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
@@ -256,3 +112,37 @@ def _resolve(transcripts: Transcripts, session_key: str) -> str | None:
         return transcripts.resolve(session_key)
     except Exception:  # noqa: BLE001 - an unknown key is resolved again at replay
         return None
+
+
+class _LinkQueues:
+    """The link's side of the stop's flush (``walspool.link.flush.Queues``): what a
+    session's state says, and what it counts, of its queue going to the spool."""
+
+    def __init__(self, core: Core) -> None:
+        self.core = core
+        self.transcripts = core.transcripts
+
+    def writing(self, session_id: str, pending: list[Message]) -> bool:
+        state = self.core.sessions.get(session_id)
+        return state is not None and pending[0] is state.inflight
+
+    def taken(self, session_id: str, rows: Sequence[Row]) -> object:
+        for row in rows:
+            self.core.shares.accepted(session_id, row.size)
+        state = self.core.session(session_id)
+        state.evicted()  # its spooled rows drain before its queue
+        self.core.settled.notify_all()  # the queues changed: for whoever waits on them
+        return state.generation
+
+    def rewritten(self, session_id: str, token: object) -> bool:
+        return self.core.sessions[session_id].generation != token  # ``unconfirmed`` keeps it
+
+    def settled(self, session_id: str, rows: Sequence[Row], receipts: list[Receipt] | None) -> None:
+        for i, row in enumerate(rows):
+            committed = None if receipts is None else receipts[i].id
+            self.core.shares.settled(session_id, row.size, committed)
+        state = self.core.sessions[session_id]  # ``unconfirmed`` keeps it there
+        state.settled()
+        if state.writer is None and self.core.has_work(session_id, state):
+            self.core.schedule(state.retry_at)
+        self.core.settled.notify_all()
