@@ -38,7 +38,8 @@ KEY = "agent:main:telegram:dm:42"
 STATS_KEYS = {
     "spool", "rows", "sessions", "bytes", "oldest", "newest", "by_reason", "failing",
     "inflight", "db_bytes", "wal_bytes", "quarantined", "superseded", "oldest_age",
-    "newest_age", "open_by", "last_errors", "drained_total", "quarantined_total", "memory",
+    "newest_age", "open_by", "last_errors", "drained_total", "quarantined_total",
+    "memory_lost_total", "memory",
 }  # fmt: skip
 LS_KEYS = {
     "session_id", "session_key", "rows", "bytes", "oldest", "newest", "max_attempts",

@@ -44,7 +44,7 @@ def spool(tmp_path: Path) -> Path:
 
 
 #: The counters; every other family is a gauge.
-COUNTERS = {"walspool_rows_drained", "walspool_rows_quarantined"}
+COUNTERS = {"walspool_rows_drained", "walspool_rows_quarantined", "walspool_memory_lost_messages"}
 
 
 def values(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -132,6 +133,43 @@ def test_an_entry_of_a_gone_process_says_it_was_lost(spool, capsys):
     assert f"in the memory of pid {dead.pid}, which is gone" in out
     assert main(["ls", str(spool.path)]) == 0
     assert capsys.readouterr().out.splitlines()[-1].startswith("in memory: LOST: 7 messages")
+
+
+def test_a_publisher_starting_takes_in_what_gone_processes_of_its_host_lost(
+    store, spool, capsys, caplog
+):
+    """The next gateway on the host says in its log what each gone process lost, counts
+    it in the total ``memory_lost`` (stats, metrics) and removes its entry; a live
+    process's entry and another host's (whose processes it cannot see) stay."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    host = memory.this_host()
+    top = [memory.Session("a", 5, 50, 990.0), memory.Session("b", 2, 20, 995.0)]
+    lost = memory.Held(dead.pid, host, None, 1_000.0, 2, 7, 70, 990.0, top)
+    alive = memory.Held(os.getpid(), host, None, 1_000.0, 1, 3, 30, 990.0, [])
+    elsewhere = memory.Held(dead.pid, "another-host", None, 1_000.0, 1, 4, 40, 990.0, [])
+    for held in (lost, alive, elsewhere):
+        spool.publish_memory(held.pid, held.host, held).result()
+    publisher = MemoryPublisher(lambda: spool, lambda: [StoreTranscripts(store)])
+    with caplog.at_level(logging.WARNING, logger="walspool.hermes"):
+        assert publisher.take_lost() == [lost]
+        assert publisher.take_lost() == []  # taken once
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line.startswith(
+        f"A gateway process on this host (pid {dead.pid}) ended without a clean stop while "
+        "it held 7 transcript message(s) of 2 session(s) in memory (70 bytes, published "
+    )
+    assert line.endswith("they were lost. Largest: a (5), b (2)")
+    assert sorted((e.held.host, e.held.messages) for e in spool.memory()) == [
+        ("another-host", 4),
+        (host, 3),
+    ]
+    assert main(["stats", str(spool.path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["memory_lost_total"] == 7
+    assert main(["metrics", str(spool.path)]) == 0
+    assert f'walspool_memory_lost_messages_total{{spool="{spool.path}"}} 7' in (
+        capsys.readouterr().out
+    )
 
 
 def test_a_process_given_the_pid_of_a_gone_one_is_not_taken_for_it(spool):

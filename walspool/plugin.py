@@ -131,6 +131,9 @@ def _register() -> str:
     from .shutdown_flush import queues_before_slots
 
     queues_before_slots(_spool_queues_of_stores)
+    # At once, not at the first write: it starts by taking in what gateways of this
+    # host lost in memory when they ended without a clean stop (``link.memory``).
+    _publish_memory()
     return how
 
 
@@ -512,15 +515,17 @@ def _spool_queues(store: Any) -> int:
         drain_lock.release()
 
 
-#: Publishes what the stores' queues hold into the shared spool, once a store wrote.
+#: Publishes what the stores' queues hold into the shared spool (started at ``register``).
 _memory: Any = None
+#: Guards ``_memory`` (``register`` holds ``_lock`` when it starts it).
+_memory_lock = threading.Lock()
 
 
 def _publish_memory() -> None:
     """Start publishing the stores' in-memory backlog (``walspool.link.memory``), once;
     stopped, with a last publication, at interpreter exit before the spool closes."""
     global _memory
-    with _lock:
+    with _memory_lock:
         if _memory is not None:
             return
         from .gateways.session_store import StoreTranscripts

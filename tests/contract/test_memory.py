@@ -1,6 +1,7 @@
 """What a gateway holds in memory is in sight: while it runs, ``stats``, ``ls``,
 ``watch`` and ``metrics`` count the messages in its queues (lost if it is killed);
-after a SIGKILL, exactly those are named as lost; after a clean stop, none."""
+after a SIGKILL, exactly those are named as lost, until the next start says so in its
+log and counts them; after a clean stop, none."""
 
 from __future__ import annotations
 
@@ -8,7 +9,15 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ._gateways import WORKER, Gateway, configure, gateway_process, run_walspool, wait_for
+from ._gateways import (
+    WORKER,
+    Gateway,
+    configure,
+    gateway_process,
+    run_walspool,
+    run_worker,
+    wait_for,
+)
 
 #: Messages sent to each of three sessions while state.db and the spool are locked:
 #: under the cap, so every gateway keeps them all in its queues.
@@ -72,6 +81,16 @@ def test_a_gateways_in_memory_backlog_is_shown_and_after_a_sigkill_named_as_lost
     assert f'walspool_memory_messages{{spool="{spool}",pid="{pid}",alive="false"}} {total}' in (
         metrics
     )
+
+    # The next start says what was lost, counts it, and takes the entry in.
+    started = run_worker(gateway, home, "probe")
+    said = [line for line in started["log"] if f"(pid {pid}) ended without a clean stop" in line]
+    assert len(said) == 1 and said[0].startswith("WARNING"), started["log"]
+    assert f"held {total} transcript message(s) of 3 session(s) in memory" in said[0]
+    stats = json.loads(run_walspool(gateway, home, "stats", spool, "--json").stdout)
+    assert (stats["memory"], stats["memory_lost_total"]) == ([], total)
+    metrics = run_walspool(gateway, home, "metrics", spool).stdout.splitlines()
+    assert f'walspool_memory_lost_messages_total{{spool="{spool}"}} {total}' in metrics
 
 
 def test_a_clean_stop_spools_the_backlog_and_leaves_nothing_in_memory(

@@ -37,8 +37,10 @@ def run(args: argparse.Namespace) -> int:
     walspool_memory_messages, walspool_memory_bytes and
     walspool_memory_oldest_age_seconds. Counters:
     walspool_rows_drained_total (rows a replay or a gateway's drain moved into
-    state.db) and walspool_rows_quarantined_total (rows set aside for what state.db or
-    the spool refused in them), kept in the spool across restarts. Written to a
+    state.db), walspool_rows_quarantined_total (rows set aside for what state.db or
+    the spool refused in them) and walspool_memory_lost_messages_total (messages
+    gateway processes held in memory when they ended without a clean stop, counted at
+    the next start of a gateway on their host), kept in the spool across restarts. Written to a
     file, node_exporter's textfile collector exports them; --listen HOST:PORT serves
     them at /metrics, read afresh at each scrape, until SIGINT or SIGTERM (the first
     line on stdout names the address, port 0 taking a free one). --json prints the
@@ -133,6 +135,13 @@ def read(spool: Path) -> list[Family]:
         "Rows quarantined for what state.db or the spool refused in them, since the spool "
         "was made.",
         [({}, stats["quarantined_total"])],
+        "counter",
+    )
+    family(
+        "walspool_memory_lost_messages",
+        "Messages gateway processes held in memory when they ended without a clean stop "
+        "(counted at the next start of a gateway on their host), since the spool was made.",
+        [({}, stats["memory_lost_total"])],
         "counter",
     )
     if stats["memory"]:  # left out while no gateway process published any

@@ -178,6 +178,7 @@ def read_stats(conn: apsw.Connection, path: Path, now: float) -> dict[str, Any]:
         "last_errors": _latest_per_session(recent, now),
         "drained_total": counted[totals.DRAINED],
         "quarantined_total": counted[totals.QUARANTINED],
+        "memory_lost_total": counted[totals.MEMORY_LOST],
         "memory": in_memory.as_json(held, now),
     }
 

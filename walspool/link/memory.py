@@ -12,6 +12,10 @@ the store's lock (what a gateway thread may wait for, as long as that copy takes
 does everything else outside it; the entry goes to the spool's writer without waiting
 for its commit, and not at all while an earlier one is not committed yet (the spool's
 write lock held elsewhere). A process that holds nothing writes nothing.
+
+First, on that thread, the entries of this host's processes that ended without a clean
+stop are taken in (``Spool.take_lost_memory``): what each lost is said in a WARNING,
+counted in the spool's total ``memory_lost``, and its entry removed.
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ from .transcripts import Transcripts
 PUBLISH_SECONDS = 1.0
 #: Seconds after which an unchanged backlog is published again (its ``at`` renewed).
 HEARTBEAT_SECONDS = 60.0
+#: Sessions a lost process's WARNING names, those that held the most first.
+LOST_NAMED = 5
 #: What was published last when its commit failed: like nothing any look gives.
 _FAILED = ("not committed",)
 
@@ -168,7 +174,37 @@ class MemoryPublisher:
         except Exception as exc:  # noqa: BLE001 - the gateway is stopping all the same
             log.debug("walspool could not publish the in-memory backlog at stop: %s", exc)
 
+    def take_lost(self) -> list[memory.Held]:
+        """Take in the entries of this host's processes that ended holding messages in
+        memory (see the module docstring); what each held."""
+        spool = self._spool()
+        if spool is None:
+            raise Gone
+        try:
+            lost = spool.take_lost_memory()
+        except SpoolClosed as exc:
+            raise Gone from exc
+        for held in lost:
+            log.warning(
+                "A gateway process on this host (pid %d) ended without a clean stop while it "
+                "held %d transcript message(s) of %d session(s) in memory (%d bytes, published "
+                "%s); they were lost. Largest: %s",
+                held.pid,
+                held.messages,
+                held.sessions,
+                held.bytes,
+                time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(held.at)),
+                ", ".join(f"{s.session_id} ({s.messages})" for s in held.top[:LOST_NAMED]),
+            )
+        return lost
+
     def _run(self) -> None:
+        try:
+            self.take_lost()
+        except Gone:
+            return
+        except Exception as exc:  # noqa: BLE001 - the publisher goes on all the same
+            log.warning("walspool could not look for what stopped gateways lost: %s", exc)
         failed = False
         while not self._stop.wait(self.interval):
             try:

@@ -4,9 +4,11 @@ SIGKILL or a power loss would lose, which the spool itself does not hold yet.
 Each gateway process keeps one entry in ``spool_meta``, named ``memory:<pid>@<host>``,
 whose value is a ``Held`` encoded as JSON (``walspool.link.memory`` writes it at most
 once a second while it changes, and removes it at a clean stop). An entry whose
-process is gone is what that process lost: it stays until a process with that name
-publishes again, or an operator deletes it (``DELETE FROM spool_meta WHERE name LIKE
-'memory:%'``). Read and written in the caller's transaction.
+process is gone is what that process lost: readers show it as lost until the next
+gateway on its host starts publishing, which takes it in (``take_lost``): says what
+was lost in its log, adds its messages to the total ``memory_lost``
+(``walspool.store.totals``) and removes it. Read and written in the caller's
+transaction.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import socket
 
 import apsw
 import msgspec
+
+from . import totals
 
 #: The prefix of the entries' names in ``spool_meta``.
 PREFIX = "memory:"
@@ -96,6 +100,17 @@ def read(conn: apsw.Connection) -> list[Entry]:
         found.append(Entry(held, _alive(held)))
     found.sort(key=lambda e: (-e.held.messages, e.held.pid))
     return found
+
+
+def take_lost(conn: apsw.Connection) -> list[Held]:
+    """Remove the entries of processes of this host that are gone, adding their messages
+    to the total ``MEMORY_LOST``; what each held. In the caller's write transaction,
+    so two gateways starting at once take each entry once."""
+    lost = [e.held for e in read(conn) if e.alive is False]
+    for held in lost:
+        conn.execute(_DELETE_SQL, (name_of(held.pid, held.host),))
+        totals.add(conn, totals.MEMORY_LOST, held.messages)
+    return lost
 
 
 def _alive(held: Held) -> bool | None:

@@ -421,6 +421,16 @@ class Spool:
         """What gateway processes published as held in memory (``walspool.store.memory``)."""
         return self._with_reader(memory.read)
 
+    def take_lost_memory(self) -> list[memory.Held]:
+        """Take in the entries of this host's gateway processes that ended holding
+        messages in memory (``walspool.store.memory.take_lost``); what each held.
+        Looks first with a read: only when there is one does it wait for the writer, as
+        ``append`` does (not for a gateway thread)."""
+        if not any(entry.alive is False for entry in self.memory()):
+            return []
+        lost: list[memory.Held] = self.transact(memory.take_lost)
+        return lost
+
     @property
     def uid(self) -> str:
         """The spool's identity, random and fixed when the file was created."""

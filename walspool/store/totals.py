@@ -28,11 +28,17 @@ SELECT (SELECT count(DISTINCT session_id) FROM records)
 #: counters, for a rate of drain or of refusals across restarts.
 DRAINED = "drained"
 QUARANTINED = "quarantined"
+#: Messages gateway processes held in memory when they ended without a clean stop,
+#: counted when the next start of a gateway on their host takes their entry in
+#: (``walspool.store.memory.take_lost``).
+MEMORY_LOST = "memory_lost"
+#: Every total, in the order ``counters`` gives them.
+COUNTERS = (DRAINED, QUARANTINED, MEMORY_LOST)
 _ADD_SQL = """
 INSERT INTO spool_meta (name, value) VALUES (?, ?)
 ON CONFLICT (name) DO UPDATE SET value = value + excluded.value
 """
-_COUNTERS_SQL = "SELECT name, value FROM spool_meta WHERE name IN (?, ?)"
+_COUNTERS_SQL = "SELECT name, value FROM spool_meta WHERE name IN (?, ?, ?)"
 _FAILING_SQL = "SELECT count(*) FROM records WHERE last_error IS NOT NULL"
 _UID_SQL = "SELECT value FROM spool_meta WHERE name = 'uid'"
 _IN_FLIGHT_SQL = "SELECT count(*) FROM records WHERE inflight IS NOT NULL"
@@ -119,16 +125,16 @@ def by_status(conn: apsw.Connection) -> dict[str, int]:
 
 
 def add(conn: apsw.Connection, name: str, rows: int) -> None:
-    """Add ``rows`` to the total ``name`` (``DRAINED``, ``QUARANTINED``), in the
-    caller's transaction."""
+    """Add ``rows`` to the total ``name`` (one of ``COUNTERS``), in the caller's
+    transaction."""
     if rows:
         conn.execute(_ADD_SQL, (name, rows))
 
 
 def counters(conn: apsw.Connection) -> dict[str, int]:
-    """The totals ``DRAINED`` and ``QUARANTINED`` (0 until a row counts)."""
-    found = dict(conn.execute(_COUNTERS_SQL, (DRAINED, QUARANTINED)).fetchall())
-    return {name: int(found.get(name, 0)) for name in (DRAINED, QUARANTINED)}
+    """The totals ``COUNTERS`` (0 until something counts)."""
+    found = dict(conn.execute(_COUNTERS_SQL, COUNTERS).fetchall())
+    return {name: int(found.get(name, 0)) for name in COUNTERS}
 
 
 def appended(conn: apsw.Connection) -> int:
