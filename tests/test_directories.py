@@ -727,6 +727,46 @@ def test_roots_import_never_follows_the_owners_link_into_a_third_users_files(sha
         open_directory(link, link).close()
 
 
+@as_root
+def test_roots_import_leaves_a_hard_link_to_another_users_file_in_place(shared_tmp, capsys):
+    """Where ``fs.protected_hardlinks=0``, the owner of ``pending_messages`` can hard-link
+    another user's pending file into it (made here by root for her): root's import
+    would put that user's message into her spool, which she reads. Only files of the
+    directory's owner are imported; the link stays, named, and her own file goes in."""
+    home = owned_dir(shared_tmp / "owner", OWNER)
+    spool = gateway_spool(home)
+    pending = owned_dir(home / "pending_messages", OWNER)
+    theirs = owned_dir(shared_tmp / "neighbour", NEIGHBOUR)
+
+    def payload(session: str, text: str) -> str:
+        data = {"session_id": session, "message": {"role": "user", "content": text}}
+        return json.dumps(
+            {
+                "session_key": session,
+                "reason": "transcript_cap_drop",
+                "ts": 1,
+                "seq": 0,
+                "data": data,
+            }
+        )
+
+    secret = theirs / "pending-9.json"
+    secret.write_text(payload("t", "theirs"))
+    os.chown(secret, NEIGHBOUR, NEIGHBOUR)
+    os.chmod(secret, 0o600)
+    os.link(secret, pending / "pending-2.json")
+    own = pending / "pending-1.json"
+    own.write_text(payload("s", "hers"))
+    os.chown(own, OWNER, OWNER)
+    assert main(["import-json", str(spool), str(pending)]) == 3
+    out = capsys.readouterr().out
+    refused = f"owned by uid {NEIGHBOUR}, not by the directory's owner (uid {OWNER})"
+    assert f"left in place: pending-2.json: {refused}" in out
+    with walspool.Spool(spool) as s:
+        assert [r.message["content"] for r in s.records()] == ["x", "hers"]
+    assert (pending / "pending-2.json").exists() and not own.exists()
+
+
 def test_an_import_directory_others_can_write_is_refused(tmp_path):
     """Anyone could plant a forged message file there for an import to spool."""
     pending = tmp_path / "pending_messages"

@@ -196,6 +196,8 @@ class _Import:
         self.max_file_bytes = 2 * spool.max_payload_bytes + 64 * 1024
         self.path = path
         self.dir_fd = dir_fd
+        #: The directory's owner: only files of theirs are imported.
+        self.owner = os.fstat(dir_fd).st_uid
         self.progress = progress
         self.batch_files = batch_files
         self.skipped: list[str] = []
@@ -269,7 +271,7 @@ class _Import:
         keyed = []
         for name in names:
             try:
-                payload, _, _ = _read_payload(self.dir_fd, name, self.max_file_bytes)
+                payload, _, _ = _read_payload(self.dir_fd, name, self.max_file_bytes, self.owner)
                 keyed.append((sort_key(payload, name), name))
             except _Refused as exc:
                 self._skip(name, str(exc))
@@ -278,7 +280,7 @@ class _Import:
 
     def _item(self, name: str) -> _Item | None:
         try:
-            payload, st, cost = _read_payload(self.dir_fd, name, self.max_file_bytes)
+            payload, st, cost = _read_payload(self.dir_fd, name, self.max_file_bytes, self.owner)
             item = _item_from(payload, name)
         except _Refused as exc:
             self._skip(name, str(exc))
@@ -448,13 +450,14 @@ def _lock_directory(dir_fd: int, path: Path) -> None:
 
 
 def _read_payload(
-    dir_fd: int, name: str, max_bytes: int
+    dir_fd: int, name: str, max_bytes: int, owner: int
 ) -> tuple[dict[str, Any], os.stat_result, int]:
     """Read and parse one spool file; raise ``_Refused`` saying why it is unusable.
 
     Parsed with the stdlib ``json`` module, which reads what upstream's
-    ``json.dump`` writes (including ``NaN``). Only regular files are read, never
-    through a symbolic link, and a FIFO cannot block the import. A file over
+    ``json.dump`` writes (including ``NaN``). Only regular files of ``owner`` (the
+    directory's) are read, never through a symbolic link, and a FIFO cannot block the
+    import. A file over
     ``max_bytes`` is refused from its size before anything is read, and one nested
     deeper than ``codec.MAX_DEPTH`` or holding more than ``codec.MAX_VALUES`` values
     from its text before it is parsed. Returns the payload, the file's ``fstat`` and
@@ -471,6 +474,13 @@ def _read_payload(
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise _Refused("not a regular file")
+        if st.st_uid != owner:
+            # A hard link to another user's file (where fs.protected_hardlinks=0 lets
+            # the directory's owner make one): importing it would hand its message over.
+            raise _Refused(
+                f"owned by uid {st.st_uid}, not by the directory's owner (uid {owner}): "
+                "only the gateway's own files are imported"
+            )
         if st.st_size > max_bytes:
             raise _Refused(
                 f"{st.st_size} bytes, more than a message within the spool's "
