@@ -1,6 +1,7 @@
-"""The gateway link at shutdown: pending slots, /queue overflow, in-memory queues and
-unflushed agent histories are spooled before the gateway clears them
-(``install_runner``); the next start replays them.
+"""The gateway link at shutdown: pending slots, /queue overflow, in-memory queues
+(``link.flush``) and unflushed agent histories are spooled before the gateway clears
+them (``walspool.hermes.install_runner`` hooks 0.19.0's runner); the next start
+replays them.
 """
 
 from __future__ import annotations
