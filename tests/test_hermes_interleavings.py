@@ -36,6 +36,7 @@ from _lock_holder import write_lock_held
 import walspool
 import walspool.link.bounds as bounds
 import walspool.link.flush as link_flush
+import walspool.link.shares as link_shares
 import walspool.store.writer as writer
 from walspool.errors import ReplayBusy
 from walspool.hermes import Link, install
@@ -1804,10 +1805,13 @@ def test_a_shutdown_flush_with_no_room_within_its_bound_keeps_the_queue(
     assert filler.result(STEP).seq == 1
 
 
-def test_a_shutdown_flush_leaves_a_session_whose_head_is_being_written_to_that_write(store, spool):
+def test_a_shutdown_flush_leaves_a_session_whose_head_is_being_written_to_that_write(
+    store, spool, caplog
+):
     """m0 is being written when the flush runs: the session's whole queue stays with
-    that write (spooling m1 and m2 now would put them before m0 if m0's write failed);
-    m0 lands, and the same thread writes the rest, each once, in order."""
+    that write (spooling m1 and m2 now would put them before m0 if m0's write failed),
+    and a WARNING says so; m0 lands, and the same thread writes the rest, each once, in
+    order."""
     store._db.create_session("s", "telegram")
     link = install(store, spool, retry_interval=0)
     gate = gate_live_writes(store)
@@ -1816,7 +1820,12 @@ def test_a_shutdown_flush_leaves_a_session_whose_head_is_being_written_to_that_w
     assert gate.entered.wait(STEP)  # m0 is being written: it may land
     for i in (1, 2):
         store.append_to_transcript("s", msg(f"m{i}"))
-    assert link.flush_queues() == 0
+    with caplog.at_level(logging.WARNING, logger="walspool.hermes"):
+        assert link.flush_queues() == 0
+    assert [r.getMessage() for r in caplog.records] == [
+        "A gateway thread is writing the oldest queued message of s at shutdown; the "
+        "session's queue is left to that write, and spooled, in order, once it ends"
+    ]
     assert list(spool.records()) == []
     with link.core.lock:
         assert [m["content"] for m in store._dirty_transcripts["s"]] == ["m0", "m1", "m2"]
@@ -1825,6 +1834,25 @@ def test_a_shutdown_flush_leaves_a_session_whose_head_is_being_written_to_that_w
     assert link.wait_idle(STEP)
     assert contents(store, "s") == ["m0", "m1", "m2"]  # each once, in order
     assert gate.most == 1
+
+
+def test_a_shutdown_flush_of_several_sessions_keeps_each_ones_share_exact(store, spool):
+    """Three sessions' queues of 1, 3 and 2 messages of different sizes go to the spool
+    in one flush: once it committed, each session's share of the cap is what the spool
+    holds of it, as the start's count would find (each row settled as its own)."""
+    link = install(store, spool, retry_interval=3600)
+    sql(store, BREAK)
+    for session, n in (("a", 1), ("b", 3), ("c", 2)):
+        store._db.create_session(session, "telegram")
+        for i in range(n):
+            store.append_to_transcript(session, msg(f"{session}{i}" + "x" * (100 * n + i)))
+    assert link.flush_queues() == 6
+    counted, _ = link_shares.count(spool)
+    with link.core.lock:
+        shares = {s: link.core.shares.of(s) for s in ("a", "b", "c")}
+        assert all(not link.core.sessions[s].unconfirmed for s in ("a", "b", "c"))
+    assert shares == counted and sorted(counted) == ["a", "b", "c"]
+    link.close()
 
 
 def test_a_message_the_spool_cannot_take_stays_queued_at_shutdown_the_others_go(

@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
+from itertools import islice
 from typing import Protocol
 
 from ..errors import WalspoolError
@@ -176,13 +177,12 @@ def _settler(
     """The spool writer's callback for the flush (on its thread)."""
 
     def settled(request: Request) -> None:
-        receipts = request.result if request.error is None else None
+        # The receipts in the rows' order: each session's, in turn.
+        receipts = None if request.error is not None else iter(request.result)
         transcripts = queues.transcripts
         with transcripts.lock:
-            done = 0
             for session_id, (messages, rows) in taken.items():
-                mine = None if receipts is None else receipts[done : done + len(rows)]
-                done += len(rows)
+                mine = None if receipts is None else list(islice(receipts, len(rows)))
                 if receipts is None and not queues.rewritten(session_id, tokens[session_id]):
                     transcripts.queues.setdefault(session_id, [])[0:0] = messages
                 queues.settled(session_id, rows, mine)
