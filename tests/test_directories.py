@@ -467,6 +467,17 @@ def replayed_or_refused(code: int, out: str) -> bool:
     return code == 3 and bool(errors) and all("SQLITE_READONLY_DBMOVED" in e for e in errors)
 
 
+def held_why(outcome: tuple[int, str]) -> str:
+    """A refused outcome as the test's failure says it: the exit code, and what the run
+    reported as each session's error (CI's log cuts a long assertion's values short)."""
+    code, out = outcome
+    try:
+        report = json.loads(out)
+    except ValueError:
+        return f"exit {code}: {out}"
+    return f"exit {code}: errors {report.get('errors')}, key errors {report.get('key_errors')}"
+
+
 def test_roots_replay_never_writes_through_a_state_db_link_swapped_in_after_the_check(
     shared_tmp, capfd
 ):
@@ -493,7 +504,8 @@ def test_roots_replay_never_writes_through_a_state_db_link_swapped_in_after_the_
             code = main(argv)
             outcomes.append((code, capfd.readouterr().out))  # the child's, on the descriptor
             assert messages(victim) == 0
-    assert [o for o in outcomes if not replayed_or_refused(*o)] == []
+    refused = [o for o in outcomes if not replayed_or_refused(*o)]
+    assert not refused, "\n".join(map(held_why, refused))  # each run's errors in full
     # every row went into the checked state.db (wherever the swaps left its name) or
     # stayed spooled: none lost, none elsewhere
     (real,) = [p for p in (state_db, home / "link") if not p.is_symlink()]

@@ -688,6 +688,7 @@ def test_sessiondb_setup_never_runs_on_a_file_swapped_in_after_the_check(capfd):
         OWNER,
         TRIES,
         gateway_spool,
+        held_why,
         hermes_state_db,
         owned_dir,
         replayed_or_refused,
@@ -723,4 +724,5 @@ def test_sessiondb_setup_never_runs_on_a_file_swapped_in_after_the_check(capfd):
                 outcomes.append((code, capfd.readouterr().out))  # the replay child's
                 assert victim.read_bytes() == before, f"changed on try {i}"
                 assert sorted(p.name for p in other.iterdir()) == ["data.db"]
-        assert [o for o in outcomes if not replayed_or_refused(*o)] == []
+        refused = [o for o in outcomes if not replayed_or_refused(*o)]
+        assert not refused, "\n".join(map(held_why, refused))  # each run's errors in full
