@@ -41,8 +41,9 @@ def test_an_enabled_plugin_carries_an_outage_into_state_db(gateway: Gateway, hom
     spool = home / "spool.db"
     (line,) = linked_lines(gateway, result["log"])
     assert str(spool) in line
+    said = "\n".join(result["log"][-40:])  # what walspool said, if a session did not land
     for session, sent in result["sent"].items():
-        assert result["landed"][session] == sent, session  # each once, in drop order
+        assert result["landed"][session] == sent, f"{session}:\n{said}"  # each once, in order
     with walspool.Spool(spool) as s:
         assert s.stats().rows == 0
     # The metrics' drained total counts every row the spool took (each stream's next
