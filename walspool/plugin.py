@@ -27,7 +27,11 @@ the gateway installed:
   ``_drain_before_live_writes``), so ``state.db`` keeps drop order there too. On both,
   a transcript rewrite (/retry, /undo, /compress: the store's ``_clear_dirty_transcript``)
   also supersedes the session's spooled rows, and a stop spools the store's in-memory
-  queues before its pending slots, as the 0.19.0 link does.
+  queues before its pending slots, as the 0.19.0 link does. Both gateways try a
+  session's queue again only at its next write; a drain walspool had to skip (another
+  replay running, the spool's write lock held elsewhere, its writer behind) is tried
+  again by a thread of the plugin's with no new message (``walspool.link.deferred``),
+  as the 0.19.0 link's background thread does.
 
 ``register`` never raises into the gateway, does its work once per process however
 often discovery runs, and takes no I/O (the spool opens when the runner starts, or at
@@ -131,6 +135,7 @@ def _register() -> str:
     from .shutdown_flush import queues_before_slots
 
     queues_before_slots(_spool_queues_of_stores)
+    _retry_skipped_drains()
     # At once, not at the first write: it starts by taking in what gateways of this
     # host lost in memory when they ended without a clean stop (``link.memory``).
     _publish_memory()
@@ -488,14 +493,14 @@ def _spool_queues(store: Any) -> int:
     (``_spool_queues_after_writes``). The drain lock is held until the flush has
     committed, so no live write overtakes it.
     """
-    from .gateways.session_store import StoreQueues
+    from .gateways.session_store import StoreQueues, drain_lock
     from .link.bounds import FLUSH_TIMEOUT
     from .link.flush import spool_queues
     from .shutdown_flush import shared_spool
 
     _stopping.add(store)
-    drain_lock = _drain_lock(store)
-    if not drain_lock.acquire(timeout=FLUSH_TIMEOUT):
+    lock = drain_lock(store)
+    if not lock.acquire(timeout=FLUSH_TIMEOUT):
         log.warning(
             "a gateway thread was still writing a transcript message after %g s at "
             "shutdown; the transcript queues are spooled, in order, once its write ends",
@@ -512,7 +517,7 @@ def _spool_queues(store: Any) -> int:
         )
         return 0
     finally:
-        drain_lock.release()
+        lock.release()
 
 
 #: Publishes what the stores' queues hold into the shared spool (started at ``register``).
@@ -539,10 +544,39 @@ def _publish_memory() -> None:
     atexit.register(_memory.stop)  # runs before shutdown_flush's close (registered earlier)
 
 
-def _drain_lock(store: Any) -> Any:
-    """The lock a store's transcript writes hold: 0.22 makes it at first use."""
-    made_on_use = getattr(store, "_get_transcript_drain_lock", None)
-    return made_on_use() if callable(made_on_use) else store._transcript_drain_lock
+#: Tries again the sessions whose drain walspool skipped (started at ``register``).
+_retries: Any = None
+
+
+def _retry_skipped_drains() -> None:
+    """Have every drain skipped for the spool's sake tried again with no new message
+    (``walspool.link.deferred``): 0.20 and 0.22 try a session's queue again only at its
+    next write. Stopped at interpreter exit, before the spool closes."""
+    global _retries
+    from .link.deferred import Deferred
+    from .shutdown_flush import drain_would_run, retry_skipped_drains
+
+    _retries = Deferred(_retry, drain_would_run)
+    retry_skipped_drains(_retries.defer)
+    atexit.register(_retries.close)  # runs before shutdown_flush's close
+
+
+def _retry(key: tuple[Any, str]) -> None:
+    """Write a skipped session's spooled rows and queue in each store that writes it,
+    as its next write would; a store whose stop began meanwhile has its queues spooled
+    after (its stop's flush may have found the drain lock taken by this retry)."""
+    from .gateways.session_store import retry_session
+    from .shutdown_flush import spool_path
+
+    path, session_id = key
+    if spool_path() != path:
+        return  # another home on this thread: the session's next write drains it
+    for store in list(_stores):
+        if store in _stopping:
+            continue
+        retry_session(store, session_id)
+        if store in _stopping and getattr(store, "_dirty_transcripts", None):
+            _spool_queues(store)
 
 
 #: The stores whose queues were spooled at shutdown: a write that ends later spools

@@ -27,7 +27,8 @@ What differs from upstream, on purpose:
   backlog) is answered once committed, within ``HANDOFF_SECONDS`` (else refused with
   nothing written, and the gateway keeps it: a full disk or a lock held elsewhere
   never drops it), as upstream answers once its file is written. Drains skip a locked
-  spool or a running replay and are retried at the session's next write; a start
+  spool or a running replay and are retried at the session's next write (through the
+  plugin, within a second of the spool letting them run: ``retry_skipped_drains``); a start
   finds a running replay before it opens state.db and leaves the rows to it.
 * Without a resolver (0.20's ``recover_pending_to_db()``), session keys are resolved
   from the gateway's routing on disk. A key nobody resolves stays, reported at
@@ -123,6 +124,8 @@ _handoffs = threading.Condition()
 #: session (held, or left to a running replay). The session's drain writes them after
 #: its own rows and counts them as remaining, so its live rows wait behind them.
 _keys_left: dict[Path, dict[str, set[str]]] = {}
+#: Told of every drain skipped for the spool's sake (``retry_skipped_drains``).
+_defer: Callable[[tuple[Path, str]], object] | None = None
 
 
 def home() -> Path:
@@ -361,7 +364,8 @@ def drain_transcript_spool(
     Waits: at most ``CONFIRM_WAIT`` for the spool's writer to commit what was handed
     to it before, and none while another process holds the spool's write lock or a
     replay of the spool runs elsewhere: the drain is skipped (nothing replayed, the
-    rows count as remaining) and the gateway tries again at its next write. A spool
+    rows count as remaining) and the gateway tries again at its next write (the
+    plugin sooner: ``retry_skipped_drains``). A spool
     transaction of the drain itself waits at most ``walspool.store.writer.BUSY_RETRY_SECONDS``
     for a write lock taken elsewhere after that check.
     """
@@ -376,6 +380,7 @@ def drain_transcript_spool(
         return 0, 0
     busy = spool.busy()
     if not _probe(spool, wait=0.0 if busy else CONFIRM_WAIT) or busy:
+        _skipped(spool, session_id)
         remaining = _remaining(spool, session_id)
         log.debug(
             "The spool %s is busy (its write lock is held elsewhere, or its writer is "
@@ -395,6 +400,7 @@ def drain_transcript_spool(
     except InvalidArgument:  # an id the spool cannot hold has no rows in it
         return 0, 0
     except ReplayBusy:
+        _skipped(spool, session_id)
         remaining = _remaining(spool, session_id)
         log.debug(
             "Another replay of %s runs; %s keeps %d row(s)", spool.path, session_id, remaining
@@ -418,7 +424,38 @@ def drain_transcript_spool(
             report.moved + keys_moved,
             session_id,
         )
-    return report.moved + keys_moved, report.held + keys_held + _handed_off(spool, session_id)
+    in_flight = _handed_off(spool, session_id)
+    if in_flight:
+        _skipped(spool, session_id)
+    return report.moved + keys_moved, report.held + keys_held + in_flight
+
+
+def retry_skipped_drains(defer: Callable[[tuple[Path, str]], object] | None) -> None:
+    """From now on, tell ``defer`` the ``(spool path, session id)`` of every drain
+    that left rows for the spool's sake: skipped while its write lock is held
+    elsewhere, its writer is behind or another replay runs, or ended with evictions of
+    the session not committed yet. The gateway tries those sessions again only at
+    their next write; the plugin retries them sooner (``walspool.link.deferred``).
+    None: nobody is told."""
+    global _defer
+    _defer = defer
+
+
+def drain_would_run() -> bool:
+    """Whether a drain would run now: the spool's writer committed what it was handed
+    (waited for at most ``CONFIRM_WAIT``), its write lock is free and no other replay
+    of it runs. For the retries of skipped drains, on their own thread."""
+    try:
+        spool = shared_spool()
+    except Exception:  # noqa: BLE001 - no spool: no drain would run
+        return False
+    return _probe(spool, wait=CONFIRM_WAIT) and not spool.busy() and not _replay_running(spool)
+
+
+def _skipped(spool: Spool, session_id: str) -> None:
+    defer = _defer
+    if defer is not None:
+        defer((spool.path, session_id))
 
 
 def _remaining(spool: Spool, session_id: str) -> int:

@@ -43,6 +43,7 @@ not enable) the plugin the user's way.
                                                  ``walspool replay`` does), state.db
                                                  heals and each session gets a message;
                                                  released, one more to each
+    python _gateway_process.py OUT held-quiet N      the same, nothing sent once released
     python _gateway_process.py OUT spool-locked N    an outage as ``outage N message``, during
                                                  which another process holds the spool's
                                                  write lock (an operator's ``sqlite3``
@@ -269,8 +270,10 @@ async def run(mode: str, n: int, after: str) -> dict[str, Any]:
         result.update(await on_a_full_disk(store, n))
         await runner.stop()
         return result
-    if mode in ("held-replay", "held-start", "locked-start"):
-        result.update(await beside_a_held_replay_lock(store, n, mode != "held-replay", holder))
+    if mode in ("held-replay", "held-quiet", "held-start", "locked-start"):
+        restarted = mode in ("held-start", "locked-start")
+        quiet = mode == "held-quiet"
+        result.update(await beside_a_held_replay_lock(store, n, restarted, holder, quiet=quiet))
         await runner.stop()
         return result
     if mode == "locked-heal-stop":
@@ -398,10 +401,11 @@ class LockHolder:
 
 
 async def beside_a_held_replay_lock(
-    store: Any, n: int, restarted: bool, holder: LockHolder | None
+    store: Any, n: int, restarted: bool, holder: LockHolder | None, *, quiet: bool = False
 ) -> dict[str, Any]:
     """``held-replay``: spooled rows of an outage wait while another process holds the
     spool's replay lock; the live messages sent meanwhile must wait behind them.
+    ``held-quiet``: the same, and nothing is sent once the lock is let go.
     ``held-start``, ``locked-start`` (``restarted``): the rows are from the last run,
     held at this start; ``holder``: the lock held from before the start."""
     db = store._db
@@ -420,7 +424,7 @@ async def beside_a_held_replay_lock(
         holder.release()
     finally:
         holder.kill()
-    for sid in SESSIONS:
+    for sid in SESSIONS if not quiet else ():
         last = {"role": "user", "content": f"{sid}-last", "timestamp": int(time.time())}
         sent[sid].append(last)
         store.append_to_transcript(sid, last)

@@ -2,7 +2,8 @@
 (``walspool.link.transcripts``). The queue, its lock, its cap and state.db carry the
 same names in 0.19.0, 0.20 (axisrow) and 0.22 (iot); the write and its FTS repair are
 0.19.0's (the link runs there; the others write with their own loop). ``StoreQueues``
-is a 0.20 or 0.22 store's side of a stop's flush of its queues.
+is a 0.20 or 0.22 store's side of a stop's flush of its queues; ``retry_session`` the
+next write of such a store's session, with no new message.
 """
 
 from __future__ import annotations
@@ -71,6 +72,45 @@ class StoreTranscripts:
             return None
         except Exception as exc:  # noqa: BLE001
             return exc
+
+
+def drain_lock(store: Any) -> Any:
+    """The lock every transcript write of a 0.20 or 0.22 store holds (its
+    ``append_to_transcript``, its rewrites on 0.22): 0.22 makes it at first use."""
+    made_on_use = getattr(store, "_get_transcript_drain_lock", None)
+    return made_on_use() if callable(made_on_use) else store._transcript_drain_lock
+
+
+def retry_session(store: Any, session_id: str) -> bool:
+    """Write a 0.20 or 0.22 store's session as its next ``append_to_transcript`` would,
+    with no new message: its spooled rows (the store's own ``_drain_spooled_drops``,
+    through walspool's drain), then its queued messages, oldest first, each taken off
+    the queue once written (as the store does). Under the store's drain lock, so no
+    live write of any session runs meanwhile. Stops at the first failure, for the
+    store's next write to try again (it repairs and counts; this does neither). Whether
+    the session was left with nothing queued or marked as spooled."""
+    transcripts = StoreTranscripts(store)
+    with drain_lock(store):
+        store._drain_spooled_drops(session_id)
+        with transcripts.lock:
+            if session_id in (getattr(store, "_spooled_drop_sessions", None) or ()):
+                return False  # rows stay spooled: the queue waits behind them
+        while True:
+            with transcripts.lock:
+                pending = transcripts.queues.get(session_id)
+                if not pending:
+                    return True
+                message = pending[0]
+            # 0.20's live write drains first (``walspool.plugin``): unmarked rows of an
+            # earlier run are drained here, and what remains refuses the write.
+            if transcripts.write(session_id, message) is not None:
+                return False
+            with transcripts.lock:
+                if pending and pending[0] is message:
+                    pending.pop(0)
+                if not pending and transcripts.queues.get(session_id) is pending:
+                    del transcripts.queues[session_id]
+                    transcripts.forget_failures(session_id)
 
 
 class StoreQueues:
