@@ -425,7 +425,7 @@ def drain_transcript_spool(
             session_id,
         )
     in_flight = _handed_off(spool, session_id)
-    if in_flight:
+    if in_flight and not report.held and not keys_held:  # held: state.db's sake, not ours
         _skipped(spool, session_id)
     return report.moved + keys_moved, report.held + keys_held + in_flight
 
