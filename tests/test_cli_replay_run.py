@@ -25,6 +25,7 @@ from _lock_holder import replay_lock_held
 import walspool
 from walspool.cli import main
 from walspool.cli._output import Progress
+from walspool.store.checks import BOOKKEEPING_CHECKS
 
 hermes_state = pytest.importorskip("hermes_state")
 
@@ -423,3 +424,30 @@ def test_progress_forced_shows_rate_and_eta(tmp_path, capsys):
     rc, out, err = run(capsys, "export", path, "--progress")
     assert (rc, out) == (0, "")
     assert re.fullmatch(r"\rexport: 0 rows, took \d+s\n", err), err
+
+
+def test_check_and_vacuum_progress_name_each_step_as_it_begins(tmp_path, capsys):
+    """``check --progress`` and ``vacuum --progress`` (tasks of named steps, with no
+    count to give) draw each step as it begins, numbered, with the time so far, then
+    the steps done and the time taken; stdout is what it is without them."""
+    path = spool_of(tmp_path / "spool.db", 300)
+    rc, plain, _ = run(capsys, "check", path)
+    rc, out, err = run(capsys, "check", path, "--progress")
+    assert (rc, out) == (0, plain)
+    drawn = [d.rstrip() for d in err.split("\r")][1:]
+    total = 4 + len(BOOKKEEPING_CHECKS)
+    assert re.fullmatch(rf"check: step 1/{total}, PRAGMA integrity_check, \d+s", drawn[0])
+    numbers = [int(m[1]) for d in drawn if (m := re.match(rf"check: step (\d+)/{total}, ", d))]
+    assert sorted(set(numbers)) == list(range(1, total + 1)) and numbers == sorted(numbers)
+    assert re.fullmatch(rf"check: {total} steps, took \d+s", drawn[-1]) and err.endswith("\n")
+
+    with walspool.Spool(path) as spool:
+        spool.transact(lambda c: c.execute("DELETE FROM records WHERE id > 10"))
+    rc, out, err = run(capsys, "vacuum", path, "--progress")
+    assert rc == 0 and out.startswith(f"{path}: ")
+    drawn = [d.rstrip() for d in err.split("\r")][1:]
+    assert re.fullmatch(r"vacuum: step 1/2, copying [\d.]+ MiB of rows, \d+s", drawn[0]), drawn
+    assert re.fullmatch(r"vacuum: step 2/2, truncating the -wal, \d+s", drawn[-2]), drawn
+    assert re.fullmatch(r"vacuum: 2 steps, took \d+s", drawn[-1]) and err.endswith("\n")
+    rc, out, err = run(capsys, "vacuum", path, "--progress")  # nothing freed since
+    assert rc == 0 and "vacuum: step 1/2, no free pages" in err

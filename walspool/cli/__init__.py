@@ -119,7 +119,7 @@ COMMANDS: tuple[tuple[str, Command, Callable[[argparse.ArgumentParser], None] | 
     ("replay", replay.run, replay.add_arguments),
     ("export", export.run, export.add_arguments),
     ("import-json", import_json.run, import_json.add_arguments),
-    ("check", check.run, None),
+    ("check", check.run, check.add_arguments),
     ("requeue", requeue.run, requeue.add_arguments),
     ("drop", drop.run, drop.add_arguments),
     ("vacuum", vacuum.run, vacuum.add_arguments),

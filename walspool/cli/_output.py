@@ -226,12 +226,7 @@ class Progress:
             text += f", took {duration(elapsed)}"
         elif rate and total > done:
             text += f", ETA {duration((total - done) / rate)}"
-        # Spaces over what a longer previous line left, and over ``echoed`` characters
-        # the terminal echoed after it (no terminal codes: stderr may be a file when
-        # --progress is forced).
-        self.stream.write(f"\r{text}{' ' * max(self.drawn + echoed - len(text), 0)}")
-        self.stream.flush()
-        self.drawn = len(text)
+        self.drawn = redraw(self.stream, text, self.drawn + echoed)
 
     def close(self, *, interrupted: bool = False) -> None:
         """Draw the final count and time taken; after a Ctrl-C (``interrupted``) over
@@ -243,6 +238,62 @@ class Progress:
 
     def drop(self) -> None:
         if self.enabled and self.drawn:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def redraw(stream: TextIO, text: str, drawn: int) -> int:
+    """Draw ``text`` over the line's last ``drawn`` characters (with ``\\r``); its
+    length. Spaces cover what a longer previous line left (and what the terminal echoed
+    after it): no terminal codes, as stderr may be a file when --progress is forced."""
+    stream.write(f"\r{text}{' ' * max(drawn - len(text), 0)}")
+    stream.flush()
+    return len(text)
+
+
+class Steps:
+    """A one-line report of a task done in named steps of unknown length (``check``'s
+    phases, ``vacuum``'s copy): ``label: step 3/8, what, 5s``, redrawn at each step
+    and, while a step runs, at most every ``PROGRESS_INTERVAL`` seconds (``tick``).
+    Drawn when ``enabled`` (by default, when ``stream`` is a terminal); ``close`` draws
+    the steps done and the time taken, and ends the line."""
+
+    def __init__(self, label: str, stream: TextIO, enabled: bool | None = None) -> None:
+        self.label = label
+        self.stream = stream
+        self.enabled = _isatty(stream) if enabled is None else enabled
+        self.started = self.last = time.monotonic()
+        self.drawn = 0
+        self.state: tuple[int, int, str] = (0, 0, "")
+
+    def __call__(self, what: str, done: int, total: int) -> None:
+        """Step ``done`` of ``total`` (counted from 1), ``what``, begins."""
+        self.state = (done, total, what)
+        self._draw()
+
+    def tick(self) -> None:
+        """The step under way goes on: the time shown is redrawn, at most so often."""
+        if time.monotonic() - self.last >= PROGRESS_INTERVAL:
+            self._draw()
+
+    def _draw(self) -> None:
+        if not self.enabled:
+            return
+        self.last = now = time.monotonic()
+        done, total, what = self.state
+        steps = f"step {done}/{total}, " if total > 1 else ""
+        self.drawn = redraw(
+            self.stream,
+            f"{self.label}: {steps}{what}, {duration(now - self.started)}",
+            self.drawn,
+        )
+
+    def close(self) -> None:
+        if self.enabled:
+            done, total, what = self.state
+            steps = f"{done} steps, " if total > 1 else f"{what}, " if what else ""
+            took = duration(time.monotonic() - self.started)
+            self.drawn = redraw(self.stream, f"{self.label}: {steps}took {took}", self.drawn)
             self.stream.write("\n")
             self.stream.flush()
 

@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import sys
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import apsw
 
 from ..errors import SpoolCorrupt, WalspoolError
 from ..store.checks import check_result, full_check
 from ..text import printable
-from ._output import EXIT_ERROR, EXIT_OK, clip, dump, plural, warn
+from ._output import EXIT_ERROR, EXIT_OK, Steps, add_progress_argument, clip, dump, plural, warn
 from ._reading import reading
 
 
@@ -19,10 +25,12 @@ def run(args: argparse.Namespace) -> int:
     and duplicates, payloads that are not JSON and sizes that are not the payload's, each
     bad row named (id, session, seq). --json prints its object whatever is wrong,
     even when the file is no spool at all. Read-only, like stats, ls, show, export.
+    --progress names each step on stderr as it begins (a million rows take seconds).
     """
+    steps = Steps("check", sys.stderr, enabled=args.progress)
     try:
         with reading(args.spool, cheap_check=False) as reader:
-            result = reader.read(lambda conn: full_check(conn, args.spool))
+            result = reader.read(partial(_checked, steps, args.spool))
     except WalspoolError as exc:
         if not (args.json or isinstance(exc, SpoolCorrupt)):
             raise
@@ -31,6 +39,8 @@ def run(args: argparse.Namespace) -> int:
         # A schema that is not walspool's: each object named, none of its SQL run.
         problems = getattr(exc, "problems", None) or [text]
         result = check_result(args.spool, None, None, None, problems, [])
+    finally:
+        steps.close()
     if args.json:
         print(dump(result))
     else:
@@ -48,3 +58,26 @@ def run(args: argparse.Namespace) -> int:
         warn("check", f"spool {args.spool} has {n}: {clip(result['problems'][0], 200)}")
         return EXIT_ERROR
     return EXIT_OK
+
+
+#: SQLite instructions between two looks at the time a step has taken (``--progress``).
+TICK_STEPS = 100_000
+
+
+def _checked(steps: Steps, path: Path, conn: apsw.Connection) -> dict[str, Any]:
+    """``full_check``, the time of a long step (integrity_check) redrawn as it runs."""
+
+    def tick() -> bool:
+        steps.tick()
+        return False  # go on
+
+    if steps.enabled:
+        conn.set_progress_handler(tick, TICK_STEPS)
+    try:
+        return full_check(conn, path, steps)
+    finally:
+        conn.set_progress_handler(None)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_progress_argument(p)

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 import msgspec
 
 from ..store.maintenance import VACUUM_MAX_LIVE_BYTES, vacuum
 from ..store.spool import Spool
 from ..text import printable
-from ._output import EXIT_OK, dump, size
+from ._output import EXIT_OK, Steps, add_progress_argument, dump, size
 from ._reading import reading, upgraded
 
 
@@ -21,13 +22,17 @@ def run(args: argparse.Namespace) -> int:
     lock while it copies the rows still there, and the gateway's appends wait for it
     (at most 10 s, then they stay in memory and retry), so a spool holding more than
     64 MiB of rows is refused unless --force (stop the gateway first). Safe while the
-    gateway runs otherwise.
+    gateway runs otherwise. --progress says on stderr what it is doing, and for how long.
     """
     upgraded("vacuum", args.spool)
     with reading(args.spool):  # a damaged spool is reported, never moved aside
         pass
-    with Spool(args.spool) as spool:
-        report = vacuum(spool, force=args.force)
+    steps = Steps("vacuum", sys.stderr, enabled=args.progress)
+    try:
+        with Spool(args.spool) as spool:
+            report = vacuum(spool, force=args.force, step=steps, tick=steps.tick)
+    finally:
+        steps.close()
     if args.json:
         print(dump({"spool": str(args.spool), **msgspec.to_builtins(report)}))
         return EXIT_OK
@@ -46,3 +51,4 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help=f"rewrite even a spool holding more than {VACUUM_MAX_LIVE_BYTES // 2**20} MiB "
         "of rows (the gateway's appends wait meanwhile)",
     )
+    add_progress_argument(p)

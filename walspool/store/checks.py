@@ -139,9 +139,16 @@ NAMED_ROWS = 20
 INTEGRITY_LINES = 100
 
 
-def full_check(conn: apsw.Connection, path: Path) -> dict[str, Any]:
+def full_check(
+    conn: apsw.Connection, path: Path, step: Callable[[str, int, int], object] | None = None
+) -> dict[str, Any]:
     """Every problem found in the spool, and notes that are not problems, as the
-    ``check --json`` object (see docs/cli.md): ``check_result``'s keys."""
+    ``check --json`` object (see docs/cli.md): ``check_result``'s keys. ``step`` is
+    told each step as it begins: what it checks, its number from 1, how many there are.
+    """
+    # integrity_check, the schema, the count, each bookkeeping check, rows in flight
+    total = 3 + len(BOOKKEEPING_CHECKS) + 1
+    begun = 0
     problems: list[str] = []
     notes: list[str] = []
     app_id = conn.execute("PRAGMA application_id").get
@@ -153,6 +160,10 @@ def full_check(conn: apsw.Connection, path: Path) -> dict[str, Any]:
     rows: int | None = None
 
     def attempt(what: str, fn: Callable[[], None]) -> None:
+        nonlocal begun
+        begun += 1
+        if step is not None:
+            step(what, begun, total)
         try:
             fn()
         except apsw.Error as exc:

@@ -20,7 +20,7 @@ import getpass
 import os
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -211,9 +211,21 @@ def _exact(text: Any) -> Any:
     return text
 
 
-def vacuum(spool: Spool, *, force: bool = False) -> VacuumReport:
+#: SQLite instructions between two calls of a vacuum's ``tick``.
+TICK_STEPS = 100_000
+
+
+def vacuum(
+    spool: Spool,
+    *,
+    force: bool = False,
+    step: Callable[[str, int, int], object] | None = None,
+    tick: Callable[[], object] | None = None,
+) -> VacuumReport:
     """Rewrite the spool without its free pages, then checkpoint and truncate its
-    ``-wal``: the space drained rows held goes back to the file system.
+    ``-wal``: the space drained rows held goes back to the file system. ``step`` is
+    told each of the two steps as it begins (what, its number, 2), ``tick`` called
+    every ``TICK_STEPS`` SQLite instructions while the copy runs.
 
     Refuses (``InvalidArgument``) a spool with more than ``VACUUM_MAX_LIVE_BYTES`` of
     live pages unless ``force``: the gateway's appends would wait for the copy. Runs on
@@ -234,8 +246,16 @@ def vacuum(spool: Spool, *, force: bool = False) -> VacuumReport:
                 f"or stop the gateway and force it",
                 path=path,
             )
-        if conn.execute(FREELIST_SQL).get:
+        free = conn.execute(FREELIST_SQL).get
+        if step is not None:
+            step(f"copying {live / 2**20:.1f} MiB of rows" if free else "no free pages", 1, 2)
+        if free:
+            if tick is not None:
+                conn.set_progress_handler(lambda: bool(tick()), TICK_STEPS)
             conn.execute("VACUUM")
+            conn.set_progress_handler(None)
+        if step is not None:
+            step("truncating the -wal", 2, 2)
         # A TRUNCATE checkpoint keeps new writers out while it waits for readers; a
         # reader that stays (Litestream holds one between its own checkpoints) would
         # keep the gateway's appends out for the whole busy timeout, past the
