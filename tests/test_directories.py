@@ -24,6 +24,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -37,7 +38,8 @@ from _users import python_as as as_user
 import walspool
 from walspool.cli import main
 from walspool.replay.replayer import Replayer
-from walspool.store import open_guard, sqlite_errors
+from walspool.replay.sinks import RowRejected
+from walspool.store import maintenance, open_guard, sqlite_errors
 from walspool.store.directories import open_directory
 
 OWNER = NOBODY
@@ -672,6 +674,117 @@ def test_roots_replay_ends_a_child_its_owner_stopped(shared_tmp):
         assert sum(1 for _ in spool.records()) == 1
 
 
+@as_root
+def test_every_command_root_runs_on_another_users_spool_runs_as_that_user_from_a_clean_start(
+    shared_tmp,
+):
+    """Root's ``watch`` of the owner's spool (any command on another user's spool, not
+    only a replay into their state.db) runs in a child that has become the owner,
+    with umask 077 and none of root's descriptors above 2, its memory (root's
+    environment in it) unreadable to the owner. SIGTERM to root's process ends both
+    (143)."""
+    home = owned_dir(shared_tmp / "hermes", OWNER)
+    spool_path = gateway_spool(home)
+    secret = owned_dir(shared_tmp / "roots", 0, 0o700) / "secret"
+    secret.write_text("root's own")
+    with secret.open() as roots_file:
+        proc = subprocess.Popen(
+            # Not on a terminal, watch reads, waits --interval, reads again, prints.
+            [sys.executable, "-m", "walspool", "watch", str(spool_path), "--interval", "600"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            pass_fds=(roots_file.fileno(),),
+            start_new_session=True,  # the killer below ends the child too
+            env={**os.environ, "PYTHONPATH": str(ROOT), "ROOTS_TOKEN": "t0k3n", "LANG": "C"},
+        )
+    killer = threading.Timer(BOUND * 2, os.killpg, (proc.pid, signal.SIGKILL))
+    killer.start()
+    try:
+        child, status = owners_child(proc)
+        fds = os.listdir(f"/proc/{child}/fd")
+        opened = {int(fd): os.readlink(f"/proc/{child}/fd/{fd}") for fd in fds if int(fd) > 2}
+        # Its memory began as root's (root's environment is still in it): the owner,
+        # who may signal the child, may not read it.
+        peek = "import sys; print(open(f'/proc/{sys.argv[1]}/environ', 'rb').read()[:1])"
+        peeked = as_user(OWNER, peek, str(child))
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(BOUND) == 143, proc.stderr.read()  # type: ignore[union-attr]
+    finally:
+        killer.cancel()
+    assert status["Uid"].split() == [str(OWNER)] * 4
+    assert status["Gid"].split()[0] == str(pwd.getpwuid(OWNER).pw_gid)
+    assert status["Umask"] == "0077"
+    assert str(secret) not in opened.values(), opened  # open in root's process
+    assert peeked.returncode != 0 and "Permission denied" in peeked.stderr, peeked
+
+
+@as_root
+def test_roots_drop_on_another_users_spool_runs_as_them_and_the_audit_says_root(shared_tmp, capfd):
+    """Root's ``drop`` of a quarantined row in the owner's spool runs as the owner (the
+    files it makes are theirs), and the audit table says root asked for it."""
+    home = owned_dir(shared_tmp / "hermes", OWNER)
+    path = home / "spool.db"
+    sink = MemorySink()
+    sink.refuse = lambda sid, rec: RowRejected("refused")
+    with walspool.Spool(path) as spool:  # made by root, then given to the owner
+        spool.append("s", {"role": "user", "content": "x"})
+        assert Replayer(spool, sink).replay().quarantined == 1
+        (row_id,) = [r.id for r in spool.records()]
+    for made in home.iterdir():
+        os.chown(made, OWNER, OWNER)
+    assert main(["drop", str(path), "--id", str(row_id), "--yes"]) == 0, capfd.readouterr()
+    with apsw.Connection(str(path), flags=apsw.SQLITE_OPEN_READONLY) as conn:
+        (actor,) = [a for (a,) in conn.execute("SELECT actor FROM audit")]
+    name = pwd.getpwuid(OWNER).pw_name
+    assert actor.startswith(f"root as {name} (uid {OWNER}"), actor
+    assert {p.lstat().st_uid for p in home.iterdir()} == {OWNER}
+
+
+@as_root
+def test_the_owners_child_starts_with_an_environment_of_its_own():
+    """What the child of root's command runs with (and would pass on): the owner's
+    HOME, USER and LOGNAME, a plain PATH, of root's only the locale, the terminal, TZ,
+    SUDO_USER and HERMES_HOME; umask 077."""
+    from walspool.cli import _owner
+
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child reports through the pipe
+        os.environ.update(ROOTS_TOKEN="t0k3n", LANG="C", HERMES_HOME="/srv/h")
+        os.dup2(write, 1)  # descriptors above 2 are closed
+        _owner.fresh_start(OWNER)
+        os.write(1, json.dumps([dict(os.environ), os.umask(0)]).encode())
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as pipe:
+        env, umask = json.load(pipe)
+    os.waitpid(pid, 0)
+    entry = pwd.getpwuid(OWNER)
+    assert umask == 0o077
+    assert env.pop("HOME") == entry.pw_dir and env.pop("PATH") == _owner.CHILD_PATH
+    assert env.pop("USER") == env.pop("LOGNAME") == entry.pw_name
+    assert env.pop(maintenance.RUN_BY_ROOT_ENV) == "1"
+    assert set(env) <= set(_owner.KEPT_ENVIRONMENT), env
+    assert env["LANG"] == "C" and env["HERMES_HOME"] == "/srv/h"
+
+
+def owners_child(proc: subprocess.Popen[str]) -> tuple[int, dict[str, str]]:
+    """The child root's process runs its command in, once it has become ``OWNER`` (looked
+    for until then, within ``BOUND``): its pid and ``/proc`` status."""
+    deadline = time.monotonic() + BOUND
+    while time.monotonic() < deadline and proc.poll() is None:
+        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+        for child in map(int, children):
+            with contextlib.suppress(OSError):
+                lines = Path(f"/proc/{child}/status").read_text().splitlines()
+                status = dict(line.split(":\t", 1) for line in lines if ":\t" in line)
+                if status["Uid"].split()[0] == str(OWNER):
+                    return child, status
+        select.select([], [], [], 0.01)  # a short pause between looks
+    raise AssertionError(f"no child became uid {OWNER}: {proc.poll()}")
+
+
 # -- every directory on the way --------------------------------------------------------
 
 
@@ -701,7 +814,7 @@ def test_a_directory_on_the_way_others_can_write_is_refused_unless_sticky(tmp_pa
 
 
 @as_root
-def test_roots_import_never_follows_the_owners_link_into_a_third_users_files(shared_tmp, capsys):
+def test_roots_import_never_follows_the_owners_link_into_a_third_users_files(shared_tmp, capfd):
     """The spool's owner links ``pending_messages`` in her home to another user's
     JSON spool: root's ``import-json`` of her home refuses the link (it would import the
     other user's messages into her spool and delete them); the files stay. A link of
@@ -725,7 +838,7 @@ def test_roots_import_never_follows_the_owners_link_into_a_third_users_files(sha
     assert made.returncode == 0, made.stderr
     assert os.lstat(home / "pending_messages").st_uid == OWNER
     assert main(["import-json", str(spool), str(home / "pending_messages")]) == 1
-    err = capsys.readouterr().err
+    err = capfd.readouterr().err
     assert f"{home / 'pending_messages'}, on the way to" in err
     assert f"symbolic link of uid {OWNER} to {theirs}, which belongs to uid {NEIGHBOUR}" in err
     assert pending.exists()
@@ -740,11 +853,22 @@ def test_roots_import_never_follows_the_owners_link_into_a_third_users_files(sha
 
 
 @as_root
-def test_roots_import_leaves_a_hard_link_to_another_users_file_in_place(shared_tmp, capsys):
+@pytest.mark.parametrize(
+    ("mode", "why"),
+    [
+        (0o600, "cannot read it: Permission denied"),  # root's import runs as her
+        (0o644, f"owned by uid {NEIGHBOUR}, not by the directory's owner (uid {OWNER})"),
+    ],
+)
+def test_roots_import_leaves_a_hard_link_to_another_users_file_in_place(
+    shared_tmp, capfd, mode, why
+):
     """Where ``fs.protected_hardlinks=0``, the owner of ``pending_messages`` can hard-link
     another user's pending file into it (made here by root for her): root's import
-    would put that user's message into her spool, which she reads. Only files of the
-    directory's owner are imported; the link stays, named, and her own file goes in."""
+    would put that user's message into her spool, which she reads. Root's import runs
+    as her, so a file she may not read stays; one she may read is not hers, and stays
+    too: only files of the directory's owner are imported. The link is named, and her
+    own file goes in."""
     home = owned_dir(shared_tmp / "owner", OWNER)
     spool = gateway_spool(home)
     pending = owned_dir(home / "pending_messages", OWNER)
@@ -765,15 +889,14 @@ def test_roots_import_leaves_a_hard_link_to_another_users_file_in_place(shared_t
     secret = theirs / "pending-9.json"
     secret.write_text(payload("t", "theirs"))
     os.chown(secret, NEIGHBOUR, NEIGHBOUR)
-    os.chmod(secret, 0o600)
+    os.chmod(secret, mode)
     os.link(secret, pending / "pending-2.json")
     own = pending / "pending-1.json"
     own.write_text(payload("s", "hers"))
     os.chown(own, OWNER, OWNER)
     assert main(["import-json", str(spool), str(pending)]) == 3
-    out = capsys.readouterr().out
-    refused = f"owned by uid {NEIGHBOUR}, not by the directory's owner (uid {OWNER})"
-    assert f"left in place: pending-2.json: {refused}" in out
+    out = capfd.readouterr().out
+    assert f"left in place: pending-2.json: {why}" in out
     with walspool.Spool(spool) as s:
         assert [r.message["content"] for r in s.records()] == ["x", "hers"]
     assert (pending / "pending-2.json").exists() and not own.exists()

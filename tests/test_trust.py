@@ -110,7 +110,7 @@ needs_private_group = pytest.mark.skipif(
 
 @as_root
 @needs_private_group
-def test_a_home_writable_by_its_owners_private_group_is_trusted(shared_tmp, capsys):
+def test_a_home_writable_by_its_owners_private_group_is_trusted(shared_tmp, capfd):
     """A home under umask 002 on a system of user-private groups (0775, the group the
     owner's alone): the owner spools there, root's commands read it."""
     owner = NEIGHBOUR  # daemon: uid 1, group daemon, which holds nobody else
@@ -118,7 +118,7 @@ def test_a_home_writable_by_its_owners_private_group_is_trusted(shared_tmp, caps
     done = as_user(owner, OPEN_AND_APPEND, str(home / "spool.db"))
     assert (done.returncode, done.stdout) == (0, "ok\n"), done.stdout + done.stderr
     assert main(["stats", str(home / "spool.db"), "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["rows"] == 1
+    assert json.loads(capfd.readouterr().out)["rows"] == 1
     assert (home / "spool.db").stat().st_uid == owner
     assert stat.S_IMODE(home.stat().st_mode) == 0o775  # left as the owner made it
 
@@ -597,7 +597,7 @@ def crafted_spool(home: Path, chars: int) -> Path:
 
 @as_root
 def test_a_statistics_table_made_to_compute_a_huge_value_never_runs_in_roots_commands(
-    shared_tmp, capsys, caplog
+    shared_tmp, capfd, caplog
 ):
     """The owner's sqlite_stat1 computes a 200 MB value whenever SQLite loads the
     schema (root's `walspool check` peaked near 1 GB before): root's commands stop at
@@ -605,11 +605,11 @@ def test_a_statistics_table_made_to_compute_a_huge_value_never_runs_in_roots_com
     open moves the file aside, as a damaged spool, saying why."""
     path = crafted_spool(owned_dir(shared_tmp / "hermes", GATEWAY_USER), 200_000_000)
     assert main(["check", str(path), "--json"]) == 1
-    (problem,) = json.loads(capsys.readouterr().out)["problems"]
+    (problem,) = json.loads(capfd.readouterr().out)["problems"]
     assert "loading its schema made a value too long for walspool's bounds" in problem
     assert "DROP TABLE sqlite_stat1" in problem
     assert main(["stats", str(path)]) == 1
-    assert "loading its schema made a value too long" in capsys.readouterr().err
+    assert "loading its schema made a value too long" in capfd.readouterr().err
     done = as_user(GATEWAY_USER, OPEN_AND_APPEND, str(path))
     assert (done.returncode, done.stdout) == (0, "ok\n"), done.stdout + done.stderr
     assert "loading its schema made a value too long" in done.stderr  # the moved-aside line
@@ -618,12 +618,12 @@ def test_a_statistics_table_made_to_compute_a_huge_value_never_runs_in_roots_com
 
 
 @as_root
-def test_a_statistics_table_sqlite_would_not_make_is_named_by_check(shared_tmp, capsys):
+def test_a_statistics_table_sqlite_would_not_make_is_named_by_check(shared_tmp, capfd):
     """A crafted sqlite_stat1 whose value stays small loads within the bounds: check
     names it, and no command reads the spool; a plain ANALYZE's is no problem."""
     path = crafted_spool(owned_dir(shared_tmp / "hermes", GATEWAY_USER), 10)
     assert main(["check", str(path), "--json"]) == 1
-    assert json.loads(capsys.readouterr().out)["problems"] == [
+    assert json.loads(capfd.readouterr().out)["problems"] == [
         "the table `sqlite_stat1` is not SQLite's definition"
     ]
     plain = owned_dir(shared_tmp / "plain", GATEWAY_USER) / "spool.db"
@@ -632,4 +632,4 @@ def test_a_statistics_table_sqlite_would_not_make_is_named_by_check(shared_tmp, 
     analyze = "import apsw, sys; apsw.Connection(sys.argv[1]).execute('ANALYZE')"
     assert as_user(GATEWAY_USER, analyze, str(plain)).returncode == 0
     assert main(["check", str(plain), "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["problems"] == []
+    assert json.loads(capfd.readouterr().out)["problems"] == []

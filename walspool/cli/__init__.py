@@ -38,7 +38,7 @@ from . import (
 from ._filters import UsageError
 from ._interrupt import Interrupted
 from ._output import EXIT_BUSY, EXIT_ERROR, EXIT_USAGE, SpoolBusy, as_path, dump, log_lines, warn
-from ._owner import run_as, state_db_owner
+from ._owner import command_owner, run_as
 from ._reading import spool_error
 
 #: The gateway's state.db, beside its spool in ``HERMES_HOME``: ``replay``'s default
@@ -226,8 +226,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit(EXIT_USAGE) from None
     if getattr(args, "into", False) is None:  # replay: the state.db beside the spool
         args.into = args.spool.parent / STATE_DB_NAME
-    owner = state_db_owner(args)
-    if owner is not None:  # root, on another user's state.db: see _owner
+    owner = command_owner(args)
+    if owner is not None:  # root, on another user's files: see _owner
         return run_as(owner, args, lambda: _report(args))
     return _report(args)
 

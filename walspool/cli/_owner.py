@@ -1,27 +1,34 @@
-"""Root's ``walspool replay`` runs as the owner of state.db. Not public API.
+"""Root runs a command on another user's files as that user. Not public API.
 
 SQLite opens a database's ``-wal``, ``-shm`` and ``-journal`` by path when it needs
 them, follows a link there, and, run as root, hands each of them to the database
-file's owner (``fchown``) so the gateway can go on using them. Whoever owns
-state.db's directory can put a link, or a hard link to a file root owns, at one of
-those names between any check walspool makes and SQLite's own ``open``: root's
-replay would then give that file away. No check made beforehand closes that race.
-Running as the owner does: SQLite then opens those names with the owner's rights and
-chowns nothing, so the most a swapped name can reach is what the owner could reach
-anyway.
+file's owner (``fchown``) so the gateway can go on using them. Whoever owns the
+directory can put a link, or a hard link to a file root owns, at one of those names
+between any check walspool makes and SQLite's own ``open``. The open hook refuses such
+files on SQLite's own descriptor (``walspool.store.open_guard``); running as the owner
+is the second wall: SQLite then opens every name with the owner's rights and chowns
+nothing, so the most a swapped name can reach is what the owner could reach anyway.
 
-So a replay started as root, into a state.db whose directory another user owns, runs
-in a child process that has given up root for that user (its primary group and
-groups, as ``su`` gives them) before it opens anything; root waits for it and exits
-with its status. The spool must then be that user's too (a replay as root of a spool
-another user owns is refused by the child: run it as the spool's owner). What is not
-done here: a replay as root into root's own state.db runs as root, as before.
+So every command root runs on another user's files runs in a child process that has
+given up root for that user (its primary group and groups, as ``su`` gives them)
+before it opens anything: the owner of state.db's directory for a replay into it
+(``--into``), else the owner of the spool's directory. The child starts clean: every
+descriptor above 2 closed, umask 077, and an environment of its own (the owner's
+``HOME``, ``USER``, ``LOGNAME``, a plain ``PATH``; of root's, only the locale, the
+terminal, ``TZ`` and ``HERMES_HOME``). Root waits for it, passing on its signals, ends
+it if the owner stops it, and exits with its status. A replay as root into another
+user's state.db must find the spool that user's too (else refused: run it as the
+spool's owner). What is not done here: a replay as root into root's own state.db, and
+any command on root's own files, runs as root.
 """
 
 from __future__ import annotations
 
 import argparse
+import codecs
+import importlib
 import os
+import pkgutil
 import pwd
 import signal
 import sys
@@ -31,21 +38,47 @@ from types import FrameType
 
 from ..errors import UntrustedSpool, WalspoolError
 from ..store.directories import open_directory
+from ..store.maintenance import RUN_BY_ROOT_ENV
+from ..text import printable
 
 #: Signals root passes on to the child while it waits (a terminal's Ctrl-C reaches both).
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
-def state_db_owner(args: argparse.Namespace) -> int | None:
-    """The user a command must run as, or None to run in this process: the owner of
-    state.db's directory when root runs a command that opens it (``--into``) and that
-    directory is another user's. Where the directory cannot be checked, None: the
-    command itself reports why."""
+#: What the child keeps of root's environment (everything else is root's business).
+KEPT_ENVIRONMENT = (
+    "HERMES_HOME",
+    "LANG",
+    "LANGUAGE",
+    "LC_ALL",
+    "LC_CTYPE",
+    "LC_MESSAGES",
+    "TERM",
+    "TZ",
+)
+#: The child's ``PATH``.
+CHILD_PATH = "/usr/local/bin:/usr/bin:/bin"
+#: The child's umask: what it creates is the owner's alone.
+CHILD_UMASK = 0o077
+#: Codecs the commands use (each is a module, imported at its first lookup).
+PRELOADED_CODECS = ("ascii", "latin-1", "utf-8")
+#: What a replay imports from the gateway when it runs.
+PRELOADED_ELSEWHERE = ("hermes_state", "gateway.session_transcript")
+
+
+def command_owner(args: argparse.Namespace) -> int | None:
+    """The user a command must run as, or None to run in this process: when root runs
+    it, the owner of state.db's directory for a replay into it (``--into``), else of the
+    spool's directory, where that is another user. Where the directory cannot be
+    checked, None: the command itself reports why."""
+    if os.geteuid() != 0:
+        return None
     into = getattr(args, "into", None)
-    if os.geteuid() != 0 or not isinstance(into, Path):
+    target = into if isinstance(into, Path) else getattr(args, "spool", None)
+    if not isinstance(target, Path):
         return None
     try:
-        with open_directory(into.parent, into) as directory:
+        with open_directory(target.parent, target) as directory:
             owner = directory.owner
     except (OSError, UntrustedSpool):
         return None
@@ -100,14 +133,21 @@ def _refusing_another_owners_spool(
 
 
 def _preload() -> None:
-    """Import, as root, what a replay imports when it runs: a Python installed where
-    the owner may not read (root's own, under a 0700 home) can then still run it."""
-    from . import _replaying  # noqa: F401
-
-    try:
-        import hermes_state  # noqa: F401
-    except ImportError:
-        pass  # the replay says what to install
+    """Import, as root, every module a command may import when it runs: a Python
+    installed where the owner may not read (root's own, under a 0700 home) can then
+    still run it."""
+    for package in ("cli", "replay", "store"):
+        found = importlib.import_module(f"walspool.{package}")
+        for module in pkgutil.iter_modules(found.__path__, f"{found.__name__}."):
+            if not module.name.endswith(".__main__"):  # that one runs the command line
+                importlib.import_module(module.name)
+    for codec in PRELOADED_CODECS:
+        codecs.lookup(codec)
+    for name in PRELOADED_ELSEWHERE:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass  # the replay says what to install
 
 
 def _child(owner: int, command: Callable[[], int]) -> None:
@@ -115,11 +155,12 @@ def _child(owner: int, command: Callable[[], int]) -> None:
     returns into the caller's frames, which are root's."""
     status, doing = 1, "cannot run as"
     try:
+        fresh_start(owner)
         become(owner)
         doing = "failed running as"
         status = command()
     except BaseException as exc:  # the child must reach os._exit
-        print(f"walspool: {doing} uid {owner}: {exc!r}", file=sys.stderr)
+        print(f"walspool: {doing} uid {owner}: {printable(repr(exc))}", file=sys.stderr)
     finally:
         for stream in (sys.stdout, sys.stderr):
             try:
@@ -127,6 +168,42 @@ def _child(owner: int, command: Callable[[], int]) -> None:
             except BaseException:  # exiting regardless
                 pass
         os._exit(status)
+
+
+def fresh_start(owner: int) -> None:
+    """Leave root's process state behind before becoming ``owner``: descriptors above
+    2 closed (none of root's files reach the owner's process; where ``sys.stdout`` or
+    ``sys.stderr`` write elsewhere, those kept), umask ``CHILD_UMASK``,
+    the environment made anew (``KEPT_ENVIRONMENT`` of root's, the owner's ``HOME``,
+    ``USER`` and ``LOGNAME``, ``CHILD_PATH``, and ``RUN_BY_ROOT_ENV``)."""
+    _close_descriptors_above_2()
+    os.umask(CHILD_UMASK)
+    try:
+        entry = pwd.getpwuid(owner)
+        name, home = entry.pw_name, entry.pw_dir
+    except KeyError:
+        name, home = str(owner), "/"
+    kept = {key: os.environ[key] for key in KEPT_ENVIRONMENT if key in os.environ}
+    os.environ.clear()
+    os.environ.update(kept, HOME=home, USER=name, LOGNAME=name, PATH=CHILD_PATH)
+    os.environ[RUN_BY_ROOT_ENV] = "1"  # the audit's actor says who asked
+
+
+def _close_descriptors_above_2() -> None:
+    """Close every descriptor above 2 but those ``sys.stdout`` and ``sys.stderr`` write
+    to: 1 and 2 themselves, but for a caller that put other files there (a test's
+    capture)."""
+    kept = set()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            kept.add(stream.fileno())
+        except (AttributeError, OSError, ValueError):
+            pass
+    start = 3
+    for fd in sorted(fd for fd in kept if fd >= 3):
+        os.closerange(start, fd)
+        start = fd + 1
+    os.closerange(start, os.sysconf("SC_OPEN_MAX"))
 
 
 def become(owner: int) -> None:
@@ -171,10 +248,10 @@ def _wait(pid: int) -> int:
                 os.kill(pid, signal.SIGKILL)
                 os.waitpid(pid, 0)
                 print(
-                    f"walspool: the replay running as state.db's owner (pid {pid}) was stopped "
-                    f"({signal.Signals(os.WSTOPSIG(status)).name}) while root waited for it "
-                    "(its owner may stop it); root ended it. What it committed stays; run "
-                    "the replay again (rows it had out are looked up first)",
+                    f"walspool: the command running as the files' owner (pid {pid}) was "
+                    f"stopped ({signal.Signals(os.WSTOPSIG(status)).name}) while root waited "
+                    "for it (its owner may stop it); root ended it. What it committed stays; "
+                    "run it again (rows a replay had out are looked up first)",
                     file=sys.stderr,
                 )
                 return 1

@@ -92,14 +92,22 @@ class VacuumReport(msgspec.Struct, frozen=True):
     checkpointed: bool
 
 
+#: Set in the environment of a command root runs as the owner of the files
+#: (``walspool.cli._owner``): the actor is then root, through that user.
+RUN_BY_ROOT_ENV = "WALSPOOL_RUN_BY_ROOT"
+
+
 def actor() -> str:
-    """Who runs this: the effective user, the user sudo ran as, the host and pid."""
+    """Who runs this: the effective user (root, when root runs it as the files' owner),
+    the user sudo ran as, the host and pid."""
     try:
         user = getpass.getuser()
     except (KeyError, OSError):
         user = "?"
     via = os.environ.get("SUDO_USER")
     name = f"{user} (uid {os.geteuid()}{f', via sudo from {via}' if via else ''})"
+    if os.environ.get(RUN_BY_ROOT_ENV) == "1":
+        name = f"root as {name}"
     return f"{name} on {socket.gethostname()}, pid {os.getpid()}"
 
 
