@@ -20,7 +20,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _gateway import BREAK, HEAL, contents, fill_the_writer, found_locked, msg, sql, told_drops
+from _gateway import (
+    BREAK,
+    HEAL,
+    Clock,
+    contents,
+    fill_the_writer,
+    found_locked,
+    msg,
+    sql,
+    told_drops,
+)
 from _helpers import ROOT, STEP
 from _lock_holder import replay_lock_held, write_lock_held
 
@@ -598,6 +608,7 @@ def test_after_an_outage_sessions_with_backlogs_take_turns(store, spool, monkeyp
             claim = state.claim(background=True)
             state.due_at(claim, at)
             state.release(claim)
+        link.core.probe_at = 0.0  # and the outage's next probe
         link.core.schedule(0.0)
     assert link.wait_idle(WAIT)
     assert contents(store, "big") == [f"big-{i}" for i in range(700)]
@@ -608,6 +619,58 @@ def test_after_an_outage_sessions_with_backlogs_take_turns(store, spool, monkeyp
     first_big = min(i for sid, i in ids if sid == "big")
     # "small" went after big's first slice, long before big's 500 spooled rows were all in
     assert first_big < last["small"] < last["big"]
+
+
+def test_in_an_outage_the_background_thread_tries_one_failing_session_per_probe(store, spool):
+    """Five sessions each fail a write, then nothing arrives. Once their retry times
+    have passed, the background thread tries one of them (the probe), not all five, and
+    after it fails the others stay untried until the next probe, their own retry times
+    long past. Once state.db heals, the next probe succeeds and the rest follow at once."""
+    sessions = [f"s{i}" for i in range(5)]
+    for s in sessions:
+        store._db.create_session(s, "telegram")
+    link = install(store, spool, retry_interval=8.0)
+    link.clock = clock = Clock()
+    write = store._append_transcript_message
+    attempts: list[str] = []
+    tried = threading.Condition()
+
+    def counted(session_id: str, message: Any) -> Any:
+        with tried:
+            attempts.append(session_id)
+            tried.notify_all()
+        return write(session_id, message)
+
+    store._append_transcript_message = counted
+    sql(store, BREAK)
+    for s in sessions:
+        store.append_to_transcript(s, msg(f"{s}-m"))
+    # each failed on its gateway thread (the first twice: hermes' FTS repair retries)
+    assert sorted(set(attempts)) == sessions
+    first = len(attempts)
+    clock.move(8.0)  # every retry time and the probe time passed
+    with link.core.lock:
+        link.core.due.notify_all()
+    with tried:
+        assert tried.wait_for(lambda: len(attempts) == first + 1, STEP)
+    probe = attempts[-1]
+    assert settle(link, lambda: link.core.sessions[probe].failures == 2)
+    with link.core.lock:
+        now = clock()
+        others = [link.core.sessions[s] for s in sessions if s != probe]
+        assert all(state.retry_at <= now and state.writer is None for state in others)
+        claimed, look_at = link.background.due_sessions()
+        assert claimed == [] and look_at == link.core.probe_at > now
+    assert len(attempts) == first + 1
+    sql(store, HEAL)
+    clock.move(8.0)
+    with link.core.lock:
+        link.core.due.notify_all()
+    assert link.wait_idle(WAIT)
+    for s in sessions:
+        assert contents(store, s) == [f"{s}-m"]
+    assert sorted(attempts[first + 1 :]) == sessions  # once each: the probe, then the rest
+    assert link.core.probe_at is None
 
 
 def test_a_shutdown_flush_whose_commit_fails_puts_the_messages_back_in_order(

@@ -161,6 +161,34 @@ def test_pick_due_takes_the_session_longest_due_and_says_when_to_look_next():
     assert pick_due({}, NOW) == (None, None)
 
 
+@pytest.mark.parametrize(
+    ("probe_at", "picked"),
+    [
+        (None, ("failing long", NOW)),  # state.db works: the one longest due
+        (NOW + 1, ("healthy", NOW)),  # an outage: no failing session before the probe
+        (NOW, ("failing long", NOW)),  # the probe: one failing session, longest due
+        (NOW - 3, ("failing long", NOW)),
+    ],
+)
+def test_pick_due_in_an_outage_tries_one_failing_session_per_probe(probe_at, picked):
+    """While state.db failed the link's last write (``probe_at`` set), failing sessions
+    wait for the probe time, healthy ones with work do not; at the probe time the
+    failing session longest due is the one tried."""
+    idle = dict(owner=Owner.NOBODY, waiters=False, unconfirmed=False, has_work=True)
+    candidates = {
+        "failing": Candidate(**idle, retry_at=NOW - 1, failing=True),
+        "failing long": Candidate(**idle, retry_at=NOW - 9, failing=True),
+        "healthy": Candidate(**idle, retry_at=NOW - 2),
+    }
+    assert pick_due(candidates, NOW, probe_at) == picked
+    del candidates["healthy"]
+    expected = (None, probe_at) if probe_at is not None and probe_at > NOW else picked
+    assert pick_due(candidates, NOW, probe_at) == expected
+    # a failing session's own retry time still counts when it is later than the probe
+    later = {"failing": Candidate(**idle, retry_at=NOW + 7, failing=True)}
+    assert pick_due(later, NOW, probe_at) == (None, max(NOW + 7, probe_at or 0))
+
+
 def test_pick_due_at_the_edges():
     """Due at its retry time exactly; the soonest of several later retries, whatever
     their order; a skipped session does not end the search; of two equally due, the

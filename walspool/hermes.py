@@ -67,9 +67,12 @@ Self-healing: while a session has queued or spooled work, the background thread
 retries it when its retry time passes, with no new message needed, a slice of at most
 ``GATEWAY_DRAIN_ROWS`` spooled rows at a time, the session longest due first. The delay after
 the k-th failure in a row is ``retry_interval`` * 2 ** (k - 4), capped at
-``retry_interval``: 1/8, 1/4, 1/2, then every ``retry_interval``, so a healed
-``state.db`` receives everything within ``retry_interval`` plus the time the writes
-take. Meanwhile, from its first failed write or drain until a retry succeeds, a
+``retry_interval``: 1/8, 1/4, 1/2, then every ``retry_interval``. While ``state.db``
+fails, failing sessions are tried one at a time (the probe, ``machine.pick_due``), so a
+long outage with many sessions and no messages costs one failing write per interval;
+the first success lets every due session go on at once, so a healed ``state.db``
+receives everything within ``retry_interval`` plus the time the writes take.
+Meanwhile, from its first failed write or drain until a retry succeeds, a
 session's gateway threads only queue its new messages (and spool at the cap): an
 outage costs no failing write, and no wait, per message. ``retry_interval=0`` turns
 the background thread off (as does ``Link.close``): each message retries at once, as

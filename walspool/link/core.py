@@ -77,6 +77,11 @@ class Core:
         self.stopping = False
         #: When the background thread will look next (None: only when notified).
         self.wake_at: float | None = None
+        #: Set while state.db failed the link's last write or drain: failing sessions
+        #: are tried again one at a time (``machine.pick_due``), the next at this clock
+        #: time (the last failure's retry time: at most ``retry_interval`` away);
+        #: cleared by the next write or drain that succeeds.
+        self.probe_at: float | None = None
         #: Set once an eviction failed because the spool's path names another file
         #: (deleted, moved): the background thread opens a fresh spool there
         #: (``Follow.follow_path``) once no eviction is left in the old one's writer.
@@ -165,8 +170,20 @@ class Core:
         delay = machine.retry_delay(
             failures, self.retry_interval, bounds.RETRY_STEPS, bounds.MIN_RETRY_SECONDS
         )
-        retry_at = self.clock() + delay
+        now = self.clock()
+        retry_at = now + delay
         state.backed_off(claim, failures, retry_at, retry_at if drain else None)
+        if count and self.retry_interval > 0:
+            self.probe_at = retry_at  # the next probe: as this session's backoff says
+
+    def succeeded(self, state: Session, claim: Claim) -> None:
+        """A write or drain of the session succeeded, as the holder of ``claim``: it has
+        no failures in a row, and state.db works, so every failing session is due again
+        at its own retry time."""
+        state.healthy(claim)
+        if self.probe_at is not None:
+            self.probe_at = None
+            self.schedule(self.clock())
 
     def failing(self, state: Session) -> bool:
         """The session's last write or drain failed, and the background thread retries

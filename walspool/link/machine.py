@@ -190,18 +190,31 @@ class Candidate:
     unconfirmed: bool
     has_work: bool
     retry_at: float
+    #: Its last write or drain failed (it has failures in a row).
+    failing: bool = False
 
 
-def pick_due(candidates: dict[str, Candidate], now: float) -> tuple[str | None, float | None]:
+def pick_due(
+    candidates: dict[str, Candidate], now: float, probe_at: float | None = None
+) -> tuple[str | None, float | None]:
     """The session the background thread claims (the one longest due), and when to
-    look next (``now`` after a claim; the soonest retry otherwise, None for never)."""
+    look next (``now`` after a claim; the soonest retry otherwise, None for never).
+
+    ``probe_at`` (not None while state.db failed the link's last write or drain): a
+    failing session is not due before it, so in an outage the background thread tries
+    one failing session at a time (the probe, the one longest due), each failure
+    putting the next probe at that session's retry time, not every session each
+    interval; the first that succeeds clears it and the others follow at once."""
     due: tuple[float, str] | None = None
     later: float | None = None
     for session_id, c in candidates.items():
         if c.owner is not Owner.NOBODY or c.waiters or c.unconfirmed or not c.has_work:
             continue
-        if c.retry_at > now:
-            later = c.retry_at if later is None else min(later, c.retry_at)
+        at = c.retry_at
+        if c.failing and probe_at is not None:
+            at = max(at, probe_at)
+        if at > now:
+            later = at if later is None else min(later, at)
         elif due is None or c.retry_at < due[0]:
             due = (c.retry_at, session_id)
     if due is None:

@@ -70,10 +70,12 @@ class Background:
                 unconfirmed=bool(state.unconfirmed),
                 has_work=self.core.has_work(session_id, state),
                 retry_at=state.retry_at,
+                # Woken (the reason it waited ended): due now, not held for the probe.
+                failing=state.failures > 0 and not state.woken,
             )
             for session_id, state in self.core.sessions.items()
         }
-        session_id, look_at = machine.pick_due(candidates, now)
+        session_id, look_at = machine.pick_due(candidates, now, self.core.probe_at)
         if session_id is None:
             return [], look_at
         state = self.core.sessions[session_id]
@@ -158,6 +160,8 @@ class Background:
         with self.core.lock:
             now = self.core.clock()
             self.core.recovered = True
+            if report.moved:
+                self.core.probe_at = None  # state.db took rows: no outage to probe
             for session_id in held:
                 state = self.core.session(session_id)
                 state.may_hold()

@@ -204,7 +204,7 @@ class SessionWriter:
                 say = self._say_again(state, claim, now)
                 self.core.release(session_id, state, claim)
             else:
-                state.healthy(claim)
+                self.core.succeeded(state, claim)
                 self.core.outage.replayed_rows(state.episode, report.moved)
                 touched = report.moved + report.recovered + report.quarantined
                 if not touched and state.spooled == seen:
@@ -266,13 +266,13 @@ class SessionWriter:
             if error is None:
                 if pending and pending[0] is message:
                     pending.pop(0)
-                state.healthy(claim)
+                self.core.succeeded(state, claim)
                 return True
             aside = None
             if rejects_live_row(error, self.core.transcripts.db, message):
                 aside = self.evictions.set_aside(session_id, pending, message, error)
             if aside is not None:
-                state.healthy(claim)  # state.db works: the session goes on at once
+                self.core.succeeded(state, claim)  # state.db works: the session goes on at once
             else:
                 failures = self.core.transcripts.count_failure(session_id)
                 queued = len(pending or ())

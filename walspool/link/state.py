@@ -156,6 +156,11 @@ class Session:
         return self._retry_at if self._seen == (self._resets, self._wakes) else 0.0
 
     @property
+    def woken(self) -> bool:
+        """Woken (``wake``) since its holder last set its backoff: due now."""
+        return self._seen[1] != self._wakes
+
+    @property
     def hold_until(self) -> float:
         """Until then, after a failed drain, new messages only queue (and spool)."""
         return self._hold_until if self._seen == (self._resets, self._wakes) else 0.0
