@@ -396,3 +396,69 @@ def test_latency_walspool_slowest(
 ) -> None:
     with walspool.Spool(tmp_path / "spool.db") as spool:
         _slowest(store, spool, "walspool", monkeypatch)
+
+
+#: Sessions waiting through an outage in the many-sessions cases (issue 45's scale).
+MANY_SESSIONS = 3_000
+#: Wall seconds over which the CPU of a quiet outage is measured.
+QUIET_SECONDS = 5.0
+
+
+def _many_sessions_failing(store: Any) -> list[str]:
+    """MANY_SESSIONS sessions, each with one message that state.db refused (queued)."""
+    sessions = [f"m{n}" for n in range(MANY_SESSIONS)]
+    with store._db._lock:
+        store._db._conn.execute("DROP TRIGGER broken")
+    for session in sessions:
+        store._db.create_session(session, "telegram")
+    with store._db._lock:
+        store._db._conn.execute(BREAK)
+    for session in sessions:
+        store.append_to_transcript(session, {"role": "user", "content": f"first {PAD}"})
+    return sessions
+
+
+def _quiet_outage(benchmark: Any, name: str, store: Any) -> None:
+    """With MANY_SESSIONS sessions waiting through an outage and nobody writing: the
+    process's CPU seconds over QUIET_SECONDS of wall time; then one more message to
+    each session, timed (messages/s)."""
+    sessions = _many_sessions_failing(store)
+
+    def quiet_then_one_each() -> float:
+        cpu = time.process_time()
+        time.sleep(QUIET_SECONDS)  # nobody writes: what the process does by itself
+        quiet_cpu = time.process_time() - cpu
+        started = time.perf_counter()
+        for session in sessions:
+            store.append_to_transcript(session, {"role": "user", "content": f"next {PAD}"})
+        benchmark.extra_info["quiet_cpu_s"] = quiet_cpu
+        return time.perf_counter() - started
+
+    seconds = benchmark.pedantic(quiet_then_one_each, rounds=1, iterations=1)
+    quiet_cpu = benchmark.extra_info["quiet_cpu_s"]
+    record(
+        f"test_quiet_outage_{name}",
+        "gateway",
+        MANY_SESSIONS,
+        seconds,
+        quiet_cpu_per_wall_s=quiet_cpu / QUIET_SECONDS,
+    )
+    benchmark.extra_info.update(msgs_per_round=MANY_SESSIONS, msgs_per_s=MANY_SESSIONS / seconds)
+    print(
+        f"\n{name}: {MANY_SESSIONS:,} sessions in an outage, nobody writing: "
+        f"{quiet_cpu / QUIET_SECONDS:.3f} CPU s per s; then one message each: "
+        f"{MANY_SESSIONS / seconds:,.0f} msg/s"
+    )
+
+
+@pytest.mark.benchmark(group="quiet outage")
+def test_quiet_outage_released(benchmark: Any, store: Any) -> None:
+    _quiet_outage(benchmark, "released", store)
+
+
+@pytest.mark.benchmark(group="quiet outage")
+def test_quiet_outage_walspool(benchmark: Any, store: Any, tmp_path: Path) -> None:
+    with walspool.Spool(tmp_path / "spool.db") as spool:
+        link = install(store, spool)
+        _quiet_outage(benchmark, "walspool", store)
+        link.close()
