@@ -21,6 +21,7 @@ from walspool.link.machine import (
     Spooled,
     Step,
     backoff_of,
+    due_at,
     entry,
     failing,
     next_step,
@@ -159,6 +160,21 @@ def test_pick_due_takes_the_session_longest_due_and_says_when_to_look_next():
     del candidates["later"], candidates["late"]
     assert pick_due(candidates, NOW) == (None, NOW + 50)
     assert pick_due({}, NOW) == (None, None)
+
+
+@pytest.mark.parametrize(
+    ("retry_at", "failing", "probe_at", "due"),
+    [
+        (NOW + 1, False, NOW + 5, NOW + 1),  # healthy: its own retry time
+        (NOW + 1, True, None, NOW + 1),  # failing, state.db not known failing
+        (NOW + 1, True, NOW + 5, NOW + 5),  # failing in an outage: the next probe
+        (NOW + 9, True, NOW + 5, NOW + 9),  # its own later retry time still counts
+    ],
+)
+def test_due_at_holds_a_failing_session_for_the_outages_next_probe(
+    retry_at, failing, probe_at, due
+):
+    assert due_at(retry_at, failing, probe_at) == due
 
 
 @pytest.mark.parametrize(

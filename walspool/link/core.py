@@ -79,9 +79,12 @@ class Core:
         self.wake_at: float | None = None
         #: Set while state.db failed the link's last write or drain: failing sessions
         #: are tried again one at a time (``machine.pick_due``), the next at this clock
-        #: time (the last failure's retry time: at most ``retry_interval`` away);
-        #: cleared by the next write or drain that succeeds.
+        #: time (at most ``retry_interval`` away); cleared by the next write or drain
+        #: that succeeds.
         self.probe_at: float | None = None
+        #: Writes and drains that failed in a row, whatever their session: the probe's
+        #: backoff.
+        self.probe_failures = 0
         #: Set once an eviction failed because the spool's path names another file
         #: (deleted, moved): the background thread opens a fresh spool there
         #: (``Follow.follow_path``) once no eviction is left in the old one's writer.
@@ -159,7 +162,7 @@ class Core:
             return
         state.release(claim)
         if self.has_work(session_id, state):
-            self.schedule(state.retry_at)
+            self.schedule(self.due_at(state))
         else:
             self.forget_if_idle(session_id, state)
         self.settled.notify_all()
@@ -174,13 +177,22 @@ class Core:
         retry_at = now + delay
         state.backed_off(claim, failures, retry_at, retry_at if drain else None)
         if count and self.retry_interval > 0:
-            self.probe_at = retry_at  # the next probe: as this session's backoff says
+            # The next probe backs off as one session would, by the failures in a row
+            # of state.db as a whole: 1/8, 1/4, 1/2 of the interval, then every interval.
+            self.probe_failures += 1
+            self.probe_at = now + machine.retry_delay(
+                self.probe_failures,
+                self.retry_interval,
+                bounds.RETRY_STEPS,
+                bounds.MIN_RETRY_SECONDS,
+            )
 
     def succeeded(self, state: Session, claim: Claim) -> None:
         """A write or drain of the session succeeded, as the holder of ``claim``: it has
         no failures in a row, and state.db works, so every failing session is due again
         at its own retry time."""
         state.healthy(claim)
+        self.probe_failures = 0
         if self.probe_at is not None:
             self.probe_at = None
             self.schedule(self.clock())
@@ -208,6 +220,18 @@ class Core:
     def background_on(self) -> bool:
         """Whether the background thread retries failing sessions."""
         return self.retry_interval > 0 and not self.closed
+
+    def due_at(self, state: Session) -> float:
+        """When the background thread may take the session (``machine.due_at``): in
+        an outage a failing session waits for the next probe, and is not woken for
+        before it (a look at every session, under the store's lock, each time)."""
+        return machine.due_at(state.retry_at, self.is_failing_for_probe(state), self.probe_at)
+
+    @staticmethod
+    def is_failing_for_probe(state: Session) -> bool:
+        """Whether the session waits for the outage's probe: it has failures in a row
+        and was not woken since (``Session.wake``: due now)."""
+        return state.failures > 0 and not state.woken
 
     def schedule(self, at: float) -> None:
         """Make the background thread look at ``at`` (monotonic) or sooner."""

@@ -194,7 +194,7 @@ class Evictions:
             return False
         if state.writer is None:
             if self.core.has_work(session_id, state):
-                self.core.schedule(state.retry_at)
+                self.core.schedule(self.core.due_at(state))
             else:
                 self.core.forget_if_idle(session_id, state)
         return True

@@ -194,6 +194,14 @@ class Candidate:
     failing: bool = False
 
 
+def due_at(retry_at: float, failing: bool, probe_at: float | None) -> float:
+    """When the background thread may take a session: its retry time, and for a
+    failing session in an outage (``probe_at`` set) not before the next probe."""
+    if failing and probe_at is not None:
+        return max(retry_at, probe_at)
+    return retry_at
+
+
 def pick_due(
     candidates: dict[str, Candidate], now: float, probe_at: float | None = None
 ) -> tuple[str | None, float | None]:
@@ -202,17 +210,15 @@ def pick_due(
 
     ``probe_at`` (not None while state.db failed the link's last write or drain): a
     failing session is not due before it, so in an outage the background thread tries
-    one failing session at a time (the probe, the one longest due), each failure
-    putting the next probe at that session's retry time, not every session each
-    interval; the first that succeeds clears it and the others follow at once."""
+    one failing session at a time (the probe, the one longest due), the probes
+    backing off as one session's retries do, not every session each interval; the
+    first that succeeds clears it and the others follow at once."""
     due: tuple[float, str] | None = None
     later: float | None = None
     for session_id, c in candidates.items():
         if c.owner is not Owner.NOBODY or c.waiters or c.unconfirmed or not c.has_work:
             continue
-        at = c.retry_at
-        if c.failing and probe_at is not None:
-            at = max(at, probe_at)
+        at = due_at(c.retry_at, c.failing, probe_at)
         if at > now:
             later = at if later is None else min(later, at)
         elif due is None or c.retry_at < due[0]:

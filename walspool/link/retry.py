@@ -70,8 +70,7 @@ class Background:
                 unconfirmed=bool(state.unconfirmed),
                 has_work=self.core.has_work(session_id, state),
                 retry_at=state.retry_at,
-                # Woken (the reason it waited ended): due now, not held for the probe.
-                failing=state.failures > 0 and not state.woken,
+                failing=self.core.is_failing_for_probe(state),
             )
             for session_id, state in self.core.sessions.items()
         }

@@ -145,5 +145,5 @@ class _LinkQueues:
         state = self.core.sessions[session_id]  # ``unconfirmed`` keeps it there
         state.settled()
         if state.writer is None and self.core.has_work(session_id, state):
-            self.core.schedule(state.retry_at)
+            self.core.schedule(self.core.due_at(state))
         self.core.settled.notify_all()
