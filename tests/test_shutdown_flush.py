@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sqlite3
 import stat
 import sys
 import threading
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from _helpers import STEP, run_python
+from _lock_holder import replay_lock_held
 
 import walspool
 from walspool import AGENT_HISTORY, CAP_DROP
@@ -92,6 +94,33 @@ def test_drain_stops_at_first_failure_and_keeps_rows(home, caplog):
     with caplog.at_level(logging.WARNING, logger="walspool"):
         assert sf.drain_transcript_spool("s", replay, db_known_failing=True) == (0, 2)
     assert "keeping" not in caplog.text
+
+
+def test_a_drain_skipped_for_the_spools_sake_is_told_one_that_failed_on_state_db_is_not(home):
+    """Who retries what: a drain that met another process's replay lock left its rows
+    for the spool's sake, and its session is told to ``retry_skipped_drains``' callback
+    (the plugin retries it with no new message); a drain whose write failed (state.db's
+    sake) is not: the gateway tries it at its next write, as released."""
+    told: list[tuple[Path, str]] = []
+    sf.retry_skipped_drains(told.append)
+    try:
+        for sid in ("skipped", "failing"):
+            assert sf.spool_dropped_transcript_message(sid, {"content": f"{sid}-0"})
+        with replay_lock_held(home / "spool.db"):
+            assert sf.drain_transcript_spool("skipped", lambda m: None) == (0, 1)
+            assert not sf.drain_would_run()  # the retries' round waits for it
+        assert told == [(home / "spool.db", "skipped")]
+
+        def locked(message):
+            raise sqlite3.OperationalError("database is locked")
+
+        assert sf.drain_transcript_spool("failing", locked, db_known_failing=True) == (0, 1)
+        assert told == [(home / "spool.db", "skipped")]
+        assert sf.drain_would_run()
+        assert sf.drain_transcript_spool("skipped", lambda m: None) == (1, 0)
+        assert told == [(home / "spool.db", "skipped")]
+    finally:
+        sf.retry_skipped_drains(None)
 
 
 def test_spool_failure_returns_none(home, monkeypatch):
