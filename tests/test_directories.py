@@ -751,7 +751,7 @@ def test_the_owners_child_starts_with_an_environment_of_its_own():
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child reports through the pipe
-        os.environ.update(ROOTS_TOKEN="t0k3n", LANG="C", HERMES_HOME="/srv/h")
+        os.environ.update(ROOTS_TOKEN="t0k3n", LANG="C", HERMES_HOME="/srv/h", SUDO_USER="ops")
         os.dup2(write, 1)  # descriptors above 2 are closed
         _owner.fresh_start(OWNER)
         os.write(1, json.dumps([dict(os.environ), os.umask(0)]).encode())
@@ -766,7 +766,8 @@ def test_the_owners_child_starts_with_an_environment_of_its_own():
     assert env.pop("USER") == env.pop("LOGNAME") == entry.pw_name
     assert env.pop(maintenance.RUN_BY_ROOT_ENV) == "1"
     assert set(env) <= set(_owner.KEPT_ENVIRONMENT), env
-    assert env["LANG"] == "C" and env["HERMES_HOME"] == "/srv/h"
+    assert env["LANG"] == "C" and env["HERMES_HOME"] == "/srv/h" and env["SUDO_USER"] == "ops"
+    assert "ROOTS_TOKEN" not in env
 
 
 def owners_child(proc: subprocess.Popen[str]) -> tuple[int, dict[str, str]]:

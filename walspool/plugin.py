@@ -544,21 +544,16 @@ def _publish_memory() -> None:
     atexit.register(_memory.stop)  # runs before shutdown_flush's close (registered earlier)
 
 
-#: Tries again the sessions whose drain walspool skipped (started at ``register``).
-_retries: Any = None
-
-
 def _retry_skipped_drains() -> None:
     """Have every drain skipped for the spool's sake tried again with no new message
     (``walspool.link.deferred``): 0.20 and 0.22 try a session's queue again only at its
     next write. Stopped at interpreter exit, before the spool closes."""
-    global _retries
     from .link.deferred import Deferred
     from .shutdown_flush import drain_would_run, retry_skipped_drains
 
-    _retries = Deferred(_retry, drain_would_run)
-    retry_skipped_drains(_retries.defer)
-    atexit.register(_retries.close)  # runs before shutdown_flush's close
+    retries = Deferred(_retry, drain_would_run)
+    retry_skipped_drains(retries.defer)
+    atexit.register(retries.close)  # runs before shutdown_flush's close
 
 
 def _retry(key: tuple[Any, str]) -> None:
@@ -575,8 +570,15 @@ def _retry(key: tuple[Any, str]) -> None:
         if store in _stopping:
             continue
         retry_session(store, session_id)
-        if store in _stopping and getattr(store, "_dirty_transcripts", None):
-            _spool_queues(store)
+        _spool_if_stopping(store)
+
+
+def _spool_if_stopping(store: Any) -> None:
+    """Spool what a store queues now if its stop's flush has begun (``_stopping``): a
+    write that ended after the flush (a failed one puts its message back at the head)
+    has no later flush to take it."""
+    if store in _stopping and getattr(store, "_dirty_transcripts", None):
+        _spool_queues(store)
 
 
 #: The stores whose queues were spooled at shutdown: a write that ends later spools
@@ -601,8 +603,7 @@ def _spool_queues_after_writes(store_class: type) -> None:
         try:
             return append(self, *args, **kwargs)
         finally:
-            if self in _stopping and getattr(self, "_dirty_transcripts", None):
-                _spool_queues(self)
+            _spool_if_stopping(self)
 
     setattr(appended, MARK, True)
     store_class.append_to_transcript = appended

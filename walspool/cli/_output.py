@@ -17,7 +17,7 @@ import re
 import shlex
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -275,6 +275,12 @@ class Steps:
         """The step under way goes on: the time shown is redrawn, at most so often."""
         if time.monotonic() - self.last >= PROGRESS_INTERVAL:
             self._draw()
+
+    @property
+    def ticker(self) -> Callable[[], None] | None:
+        """``tick`` for a long statement to call (``store.connections.ticking``), or None
+        when nothing is drawn (then SQLite calls nothing)."""
+        return self.tick if self.enabled else None
 
     def _draw(self) -> None:
         if not self.enabled:

@@ -15,11 +15,11 @@ before it opens anything: the owner of state.db's directory for a replay into it
 (``--into``), else the owner of the spool's directory. The child starts clean: every
 descriptor above 2 closed, umask 077, and an environment of its own (the owner's
 ``HOME``, ``USER``, ``LOGNAME``, a plain ``PATH``; of root's, only the locale, the
-terminal, ``TZ`` and ``HERMES_HOME``). Root waits for it, passing on its signals, ends
-it if the owner stops it, and exits with its status. A replay as root into another
-user's state.db must find the spool that user's too (else refused: run it as the
-spool's owner). What is not done here: a replay as root into root's own state.db, and
-any command on root's own files, runs as root.
+terminal, ``TZ``, ``SUDO_USER`` and ``HERMES_HOME``). Root waits for it, passing on its
+signals, ends it if the owner stops it, and exits with its status. A replay as root
+into another user's state.db must find the spool that user's too (else refused: run it
+as the spool's owner). What is not done here: a replay as root into root's own
+state.db, and any command on root's own files, runs as root.
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ KEPT_ENVIRONMENT = (
     "LC_ALL",
     "LC_CTYPE",
     "LC_MESSAGES",
+    "SUDO_USER",
     "TERM",
     "TZ",
 )

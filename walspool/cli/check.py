@@ -4,11 +4,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from functools import partial
-from pathlib import Path
-from typing import Any
-
-import apsw
 
 from ..errors import SpoolCorrupt, WalspoolError
 from ..store.checks import check_result, full_check
@@ -30,7 +25,7 @@ def run(args: argparse.Namespace) -> int:
     steps = Steps("check", sys.stderr, enabled=args.progress)
     try:
         with reading(args.spool, cheap_check=False) as reader:
-            result = reader.read(partial(_checked, steps, args.spool))
+            result = reader.read(lambda conn: full_check(conn, args.spool, steps, steps.ticker))
     except WalspoolError as exc:
         if not (args.json or isinstance(exc, SpoolCorrupt)):
             raise
@@ -58,25 +53,6 @@ def run(args: argparse.Namespace) -> int:
         warn("check", f"spool {args.spool} has {n}: {clip(result['problems'][0], 200)}")
         return EXIT_ERROR
     return EXIT_OK
-
-
-#: SQLite instructions between two looks at the time a step has taken (``--progress``).
-TICK_STEPS = 100_000
-
-
-def _checked(steps: Steps, path: Path, conn: apsw.Connection) -> dict[str, Any]:
-    """``full_check``, the time of a long step (integrity_check) redrawn as it runs."""
-
-    def tick() -> bool:
-        steps.tick()
-        return False  # go on
-
-    if steps.enabled:
-        conn.set_progress_handler(tick, TICK_STEPS)
-    try:
-        return full_check(conn, path, steps)
-    finally:
-        conn.set_progress_handler(None)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -30,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
     steps = Steps("vacuum", sys.stderr, enabled=args.progress)
     try:
         with Spool(args.spool) as spool:
-            report = vacuum(spool, force=args.force, step=steps, tick=steps.tick)
+            report = vacuum(spool, force=args.force, step=steps, tick=steps.ticker)
     finally:
         steps.close()
     if args.json:

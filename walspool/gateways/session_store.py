@@ -81,30 +81,29 @@ def drain_lock(store: Any) -> Any:
     return made_on_use() if callable(made_on_use) else store._transcript_drain_lock
 
 
-def retry_session(store: Any, session_id: str) -> bool:
+def retry_session(store: Any, session_id: str) -> None:
     """Write a 0.20 or 0.22 store's session as its next ``append_to_transcript`` would,
     with no new message: its spooled rows (the store's own ``_drain_spooled_drops``,
     through walspool's drain), then its queued messages, oldest first, each taken off
     the queue once written (as the store does). Under the store's drain lock, so no
     live write of any session runs meanwhile. Stops at the first failure, for the
-    store's next write to try again (it repairs and counts; this does neither). Whether
-    the session was left with nothing queued or marked as spooled."""
+    store's next write to try again (it repairs and counts; this does neither)."""
     transcripts = StoreTranscripts(store)
     with drain_lock(store):
         store._drain_spooled_drops(session_id)
         with transcripts.lock:
             if session_id in (getattr(store, "_spooled_drop_sessions", None) or ()):
-                return False  # rows stay spooled: the queue waits behind them
+                return  # rows stay spooled: the queue waits behind them
         while True:
             with transcripts.lock:
                 pending = transcripts.queues.get(session_id)
                 if not pending:
-                    return True
+                    return
                 message = pending[0]
             # 0.20's live write drains first (``walspool.plugin``): unmarked rows of an
             # earlier run are drained here, and what remains refuses the write.
             if transcripts.write(session_id, message) is not None:
-                return False
+                return
             with transcripts.lock:
                 if pending and pending[0] is message:
                     pending.pop(0)

@@ -170,28 +170,29 @@ class Core:
     def failed(self, state: Session, claim: Claim, *, drain: bool, count: bool = True) -> None:
         """Schedule the next attempt after a failure, as the holder of ``claim``."""
         failures = state.failures + (1 if count else 0)
-        delay = machine.retry_delay(
-            failures, self.retry_interval, bounds.RETRY_STEPS, bounds.MIN_RETRY_SECONDS
-        )
         now = self.clock()
-        retry_at = now + delay
+        retry_at = now + self._retry_delay(failures)
         state.backed_off(claim, failures, retry_at, retry_at if drain else None)
         if count and self.retry_interval > 0:
             # The next probe backs off as one session would, by the failures in a row
             # of state.db as a whole: 1/8, 1/4, 1/2 of the interval, then every interval.
             self.probe_failures += 1
-            self.probe_at = now + machine.retry_delay(
-                self.probe_failures,
-                self.retry_interval,
-                bounds.RETRY_STEPS,
-                bounds.MIN_RETRY_SECONDS,
-            )
+            self.probe_at = now + self._retry_delay(self.probe_failures)
+
+    def _retry_delay(self, failures: int) -> float:
+        return machine.retry_delay(
+            failures, self.retry_interval, bounds.RETRY_STEPS, bounds.MIN_RETRY_SECONDS
+        )
 
     def succeeded(self, state: Session, claim: Claim) -> None:
         """A write or drain of the session succeeded, as the holder of ``claim``: it has
-        no failures in a row, and state.db works, so every failing session is due again
-        at its own retry time."""
+        no failures in a row, and state.db works (``state_db_works``)."""
         state.healthy(claim)
+        self.state_db_works()
+
+    def state_db_works(self) -> None:
+        """state.db took a write: no outage to probe, so every failing session is due
+        again at its own retry time (the background thread looks at once)."""
         self.probe_failures = 0
         if self.probe_at is not None:
             self.probe_at = None

@@ -160,7 +160,7 @@ class Background:
             now = self.core.clock()
             self.core.recovered = True
             if report.moved:
-                self.core.probe_at = None  # state.db took rows: no outage to probe
+                self.core.state_db_works()
             for session_id in held:
                 state = self.core.session(session_id)
                 state.may_hold()

@@ -17,7 +17,7 @@ from typing import Any
 
 import apsw
 
-from . import schema, totals
+from . import connections, schema, totals
 from .paging import LARGE_PAYLOAD, SMALL_PAYLOAD, as_text, rows_not_json, undecodable
 from .reader import SpoolReader
 from .schema import APPLICATION_ID, SCHEMA_VERSION
@@ -140,12 +140,23 @@ INTEGRITY_LINES = 100
 
 
 def full_check(
-    conn: apsw.Connection, path: Path, step: Callable[[str, int, int], object] | None = None
+    conn: apsw.Connection,
+    path: Path,
+    step: Callable[[str, int, int], object] | None = None,
+    tick: Callable[[], object] | None = None,
 ) -> dict[str, Any]:
     """Every problem found in the spool, and notes that are not problems, as the
     ``check --json`` object (see docs/cli.md): ``check_result``'s keys. ``step`` is
-    told each step as it begins: what it checks, its number from 1, how many there are.
+    told each step as it begins: what it checks, its number from 1, how many there are;
+    ``tick`` is called while a step runs (``connections.ticking``).
     """
+    with connections.ticking(conn, tick):
+        return _full_check(conn, path, step)
+
+
+def _full_check(
+    conn: apsw.Connection, path: Path, step: Callable[[str, int, int], object] | None
+) -> dict[str, Any]:
     # integrity_check, the schema, the count, each bookkeeping check, rows in flight
     total = 3 + len(BOOKKEEPING_CHECKS) + 1
     begun = 0

@@ -12,7 +12,7 @@ import contextlib
 import ctypes
 import fcntl
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from urllib.parse import quote
 
@@ -234,6 +234,30 @@ def connect(path: Path, owner: int, flags: int, query: str = "") -> apsw.Connect
 
     conn.set_progress_handler(budget, 1000)
     return conn
+
+
+#: SQLite instructions between two calls of a long statement's ``tick`` (``ticking``).
+TICK_STEPS = 100_000
+
+
+@contextlib.contextmanager
+def ticking(conn: apsw.Connection, tick: Callable[[], object] | None) -> Iterator[None]:
+    """For the block, call ``tick`` every ``TICK_STEPS`` SQLite instructions (a
+    command's progress line redrawn while one statement runs long: ``check``'s
+    integrity_check, ``vacuum``'s copy); None: nothing. Never interrupts."""
+    if tick is None:
+        yield
+        return
+
+    def go_on() -> bool:
+        tick()
+        return False
+
+    conn.set_progress_handler(go_on, TICK_STEPS)
+    try:
+        yield
+    finally:
+        conn.set_progress_handler(None)
 
 
 def schema_verified(conn: apsw.Connection) -> None:

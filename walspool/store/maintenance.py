@@ -219,10 +219,6 @@ def _exact(text: Any) -> Any:
     return text
 
 
-#: SQLite instructions between two calls of a vacuum's ``tick``.
-TICK_STEPS = 100_000
-
-
 def vacuum(
     spool: Spool,
     *,
@@ -233,7 +229,7 @@ def vacuum(
     """Rewrite the spool without its free pages, then checkpoint and truncate its
     ``-wal``: the space drained rows held goes back to the file system. ``step`` is
     told each of the two steps as it begins (what, its number, 2), ``tick`` called
-    every ``TICK_STEPS`` SQLite instructions while the copy runs.
+    while the copy runs (``connections.ticking``).
 
     Refuses (``InvalidArgument``) a spool with more than ``VACUUM_MAX_LIVE_BYTES`` of
     live pages unless ``force``: the gateway's appends would wait for the copy. Runs on
@@ -258,10 +254,8 @@ def vacuum(
         if step is not None:
             step(f"copying {live / 2**20:.1f} MiB of rows" if free else "no free pages", 1, 2)
         if free:
-            if tick is not None:
-                conn.set_progress_handler(lambda: bool(tick()), TICK_STEPS)
-            conn.execute("VACUUM")
-            conn.set_progress_handler(None)
+            with connections.ticking(conn, tick):
+                conn.execute("VACUUM")
         if step is not None:
             step("truncating the -wal", 2, 2)
         # A TRUNCATE checkpoint keeps new writers out while it waits for readers; a
