@@ -111,8 +111,9 @@ import os
 import sqlite3
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 #: A deterministic outage every gateway treats as transient: inserts fail until healed.
 BREAK = (
@@ -120,6 +121,7 @@ BREAK = (
     "BEGIN SELECT RAISE(ABORT, 'walspool test outage'); END"
 )
 HEAL = "DROP TRIGGER IF EXISTS walspool_test_broken"
+T = TypeVar("T")
 #: The sessions a process sends to; ``WALSPOOL_TEST_PREFIX`` names them apart when two
 #: gateways share one home.
 SESSIONS = tuple(f"{os.environ.get('WALSPOOL_TEST_PREFIX', 's')}{i}" for i in (1, 2, 3))
@@ -140,24 +142,37 @@ class Lines(logging.Handler):
         self.lines.append(f"{record.levelname} {record.getMessage()}")
 
 
-def messages(db: Any, session_id: str) -> list[dict[str, Any]]:
-    """A session's rows in state.db, read through the gateway's ``SessionDB``. Another
-    process writing state.db (a second gateway, its drain) may hold its lock past the
-    read's busy timeout (0.20 runs state.db in rollback-journal mode on this SQLite,
-    where a write keeps readers out): the read is tried again, for ``SETTLE_SECONDS``."""
+def beside_other_writers(do: Callable[[], T]) -> T:
+    """``do()``, tried again while state.db is locked, for ``SETTLE_SECONDS``: another
+    process writing state.db (a second gateway, its drain or retry) may hold its lock
+    past the gateway connection's busy timeout (0.20 runs state.db in rollback-journal
+    mode on this SQLite, where a write keeps readers and other writers out), as an
+    operator's statement beside a running gateway waits for it."""
     deadline = time.monotonic() + SETTLE_SECONDS
     while True:
         try:
-            return db.get_messages(session_id)
+            return do()
         except sqlite3.OperationalError as exc:
             if "locked" not in str(exc) or time.monotonic() > deadline:
                 raise
             time.sleep(0.05)
 
 
+def messages(db: Any, session_id: str) -> list[dict[str, Any]]:
+    """A session's rows in state.db, read through the gateway's ``SessionDB``
+    (``beside_other_writers``)."""
+    return beside_other_writers(lambda: db.get_messages(session_id))
+
+
 def sql(db: Any, statement: str) -> None:
-    with db._lock:
-        db._conn.execute(statement)
+    """``statement`` on state.db through the gateway's own connection (a trigger that
+    breaks every insert, dropped to heal), ``beside_other_writers``."""
+
+    def run() -> None:
+        with db._lock:
+            db._conn.execute(statement)
+
+    beside_other_writers(run)
 
 
 def traffic(n: int) -> dict[str, list[dict[str, Any]]]:
