@@ -6,6 +6,8 @@ As a script (``python _lock_holder.py write|replay PATH``) it takes the lock, pr
 * ``write``: PATH's SQLite write lock, with apsw ``BEGIN IMMEDIATE`` (as an
   operator's ``sqlite3 spool.db`` shell in a transaction, or another writer of a
   ``state.db``, would hold it);
+* ``exclusive``: PATH's SQLite lock with ``BEGIN EXCLUSIVE`` (in rollback-journal
+  mode, as 0.20's state.db, readers wait too; in WAL mode, writers only);
 * ``replay``: the exclusive ``flock`` on ``PATH.replay-lock``, as a running
   ``walspool replay`` holds it (with its pid written in the file, as walspool does;
   ``replay-anonymous``: without, as a process that is not walspool might);
@@ -32,11 +34,12 @@ CHILD_TIMEOUT = 60.0
 
 
 def main(kind: str, path: str) -> None:
-    if kind == "write":
+    if kind in ("write", "exclusive"):
         import apsw
 
         conn = apsw.Connection(path)
-        conn.execute("BEGIN IMMEDIATE")
+        conn.set_busy_timeout(int(CHILD_TIMEOUT * 1000))
+        conn.execute("BEGIN IMMEDIATE" if kind == "write" else "BEGIN EXCLUSIVE")
         release = lambda: (conn.execute("ROLLBACK"), conn.close())  # noqa: E731
     elif kind == "read":
         import apsw

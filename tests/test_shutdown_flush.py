@@ -96,29 +96,45 @@ def test_drain_stops_at_first_failure_and_keeps_rows(home, caplog):
     assert "keeping" not in caplog.text
 
 
-def test_a_drain_skipped_for_the_spools_sake_is_told_one_that_failed_on_state_db_is_not(home):
+def test_a_drain_skipped_for_the_spools_sake_or_a_lock_is_told_one_that_failed_on_state_db_is_not(
+    home,
+):
     """Who retries what: a drain that met another process's replay lock left its rows
-    for the spool's sake, and its session is told to ``retry_skipped_drains``' callback
-    (the plugin retries it with no new message); a drain whose write failed (state.db's
-    sake) is not: the gateway tries it at its next write, as released."""
+    for the spool's sake, and one whose write met state.db's lock held by another
+    process past the busy timeout left them for that lock's: each session is told to
+    ``retry_skipped_drains``' callback (the plugin retries it with no new message). A
+    drain whose write failed for state.db's own sake (an outage) is not: the gateway
+    tries it at its next write, as released."""
     told: list[tuple[Path, str]] = []
     sf.retry_skipped_drains(told.append)
     try:
-        for sid in ("skipped", "failing"):
+        for sid in ("skipped", "failing", "locked"):
             assert sf.spool_dropped_transcript_message(sid, {"content": f"{sid}-0"})
         with replay_lock_held(home / "spool.db"):
             assert sf.drain_transcript_spool("skipped", lambda m: None) == (0, 1)
             assert not sf.drain_would_run()  # the retries' round waits for it
         assert told == [(home / "spool.db", "skipped")]
 
-        def locked(message):
-            raise sqlite3.OperationalError("database is locked")
+        def failing(message):
+            raise sqlite3.OperationalError("disk I/O error")
 
-        assert sf.drain_transcript_spool("failing", locked, db_known_failing=True) == (0, 1)
+        assert sf.drain_transcript_spool("failing", failing, db_known_failing=True) == (0, 1)
         assert told == [(home / "spool.db", "skipped")]
+
+        state_db = home / "state.db"
+        holder = sqlite3.connect(state_db, isolation_level=None)
+        holder.execute("BEGIN EXCLUSIVE")
+        waiter = sqlite3.connect(state_db, timeout=0, isolation_level=None)
+
+        def locked(message):
+            waiter.execute("CREATE TABLE t (x)")
+
+        assert sf.drain_transcript_spool("locked", locked, db_known_failing=True) == (0, 1)
+        holder.execute("ROLLBACK")
+        assert told == [(home / "spool.db", "skipped"), (home / "spool.db", "locked")]
         assert sf.drain_would_run()
         assert sf.drain_transcript_spool("skipped", lambda m: None) == (1, 0)
-        assert told == [(home / "spool.db", "skipped")]
+        assert len(told) == 2
     finally:
         sf.retry_skipped_drains(None)
 

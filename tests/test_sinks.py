@@ -23,6 +23,7 @@ from walspool.replay.sinks import (
     as_rejection,
     bindable,
     is_row_rejection,
+    met_a_lock,
     raised_by_value,
     rejects_content,
     rejects_live_row,
@@ -834,3 +835,25 @@ def test_the_gateway_mapping_keeps_its_own_message_uid_and_gets_none_it_lacks():
         kwargs = append_kwargs(record({"role": "user", "message_uid": uid}), mapping)
         assert "message_uid" not in kwargs, uid
     assert "message_uid" not in append_kwargs(record({"role": "user"}), mapping)
+
+
+def test_a_lock_held_elsewhere_is_told_from_other_state_db_failures(tmp_path):
+    """``met_a_lock``: what a statement on state.db raises when another process keeps its
+    lock past the busy timeout (SQLITE_BUSY), and only that, by the error's code."""
+    path = tmp_path / "state.db"
+    holder = sqlite3.connect(path, isolation_level=None)
+    holder.execute("CREATE TABLE t (x)")
+    holder.execute("BEGIN EXCLUSIVE")
+    waiter = sqlite3.connect(path, timeout=0, isolation_level=None)
+    with pytest.raises(sqlite3.OperationalError) as locked:
+        waiter.execute("SELECT * FROM t")
+    holder.execute("ROLLBACK")
+    with pytest.raises(sqlite3.OperationalError) as missing:
+        waiter.execute("SELECT * FROM nowhere")
+    with pytest.raises(sqlite3.IntegrityError) as refused:
+        holder.execute("CREATE TABLE u (x NOT NULL)")
+        holder.execute("INSERT INTO u VALUES (NULL)")
+    assert met_a_lock(locked.value)
+    assert not met_a_lock(missing.value)
+    assert not met_a_lock(refused.value)
+    assert met_a_lock(RuntimeError("database is locked"))  # no code: by its text

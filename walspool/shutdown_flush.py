@@ -27,8 +27,9 @@ What differs from upstream, on purpose:
   backlog) is answered once committed, within ``HANDOFF_SECONDS`` (else refused with
   nothing written, and the gateway keeps it: a full disk or a lock held elsewhere
   never drops it), as upstream answers once its file is written. Drains skip a locked
-  spool or a running replay and are retried at the session's next write (through the
-  plugin, within a second of the spool letting them run: ``retry_skipped_drains``); a start
+  spool or a running replay, and hold what met state.db's lock held by another process;
+  both are retried at the session's next write (through the plugin, within a second of
+  the spool letting them run: ``retry_skipped_drains``); a start
   finds a running replay before it opens state.db and leaves the rows to it.
 * Without a resolver (0.20's ``recover_pending_to_db()``), session keys are resolved
   from the gateway's routing on disk. A key nobody resolves stays, reported at
@@ -390,10 +391,11 @@ def drain_transcript_spool(
             remaining,
         )
         return 0, remaining
+    sink = upstream.DrainSink(replay, session_id, spool)
     try:
-        report = Replayer(
-            spool, upstream.DrainSink(replay, session_id, spool), wait_for_bookkeeping=False
-        ).replay(session_id=session_id, wait=False)
+        report = Replayer(spool, sink, wait_for_bookkeeping=False).replay(
+            session_id=session_id, wait=False
+        )
         keys_moved = keys_held = 0
         if not report.held and not _handed_off(spool, session_id):
             keys_moved, keys_held = _drain_keys_left(spool, session_id, replay)
@@ -425,16 +427,20 @@ def drain_transcript_spool(
             session_id,
         )
     in_flight = _handed_off(spool, session_id)
-    if in_flight and not report.held and not keys_held:  # held: state.db's sake, not ours
+    if (report.held and sink.met_a_lock) or (in_flight and not report.held and not keys_held):
+        # Held for a lock another process kept on state.db (a second gateway, an
+        # operator), or for evictions not committed yet: what waits is a lock or the
+        # spool's writer, not state.db's repair, which the gateway's next write awaits.
         _skipped(spool, session_id)
     return report.moved + keys_moved, report.held + keys_held + in_flight
 
 
 def retry_skipped_drains(defer: Callable[[tuple[Path, str]], object] | None) -> None:
     """From now on, tell ``defer`` the ``(spool path, session id)`` of every drain
-    that left rows for the spool's sake: skipped while its write lock is held
-    elsewhere, its writer is behind or another replay runs, or ended with evictions of
-    the session not committed yet. The gateway tries those sessions again only at
+    that left rows for a lock's or the spool's sake: skipped while its write lock is
+    held elsewhere, its writer is behind or another replay runs, held where a statement
+    met state.db's lock held by another process, or ended with evictions of the session
+    not committed yet. The gateway tries those sessions again only at
     their next write; the plugin retries them sooner (``walspool.link.deferred``).
     None: nobody is told."""
     global _defer

@@ -44,6 +44,11 @@ not enable) the plugin the user's way.
                                                  heals and each session gets a message;
                                                  released, one more to each
     python _gateway_process.py OUT held-quiet N      the same, nothing sent once released
+    python _gateway_process.py OUT statedb-locked-quiet N
+                                                 an outage past the cap; state.db heals,
+                                                 another process holds its lock and each
+                                                 session gets a message; nothing is sent
+                                                 once the lock goes
     python _gateway_process.py OUT spool-locked N    an outage as ``outage N message``, during
                                                  which another process holds the spool's
                                                  write lock (an operator's ``sqlite3``
@@ -175,6 +180,18 @@ def sql(db: Any, statement: str) -> None:
     beside_other_writers(run)
 
 
+#: The line ``healed`` logs: what follows it says how the heal went.
+HEALED = "test: state.db healed"
+
+
+def healed(db: Any) -> None:
+    """``HEAL`` on state.db (``sql``); from here walspool logs at DEBUG too (a skipped
+    drain says why), after a line ``HEALED``, for a test that fails to show."""
+    sql(db, HEAL)
+    logging.getLogger("walspool").setLevel(logging.DEBUG)
+    logging.getLogger("walspool").info(HEALED)
+
+
 def traffic(n: int) -> dict[str, list[dict[str, Any]]]:
     """What real traffic looks like: each turn is a user message with a whole-second
     timestamp and an assistant reply stamped with the same time; identical messages
@@ -293,6 +310,8 @@ async def run(mode: str, n: int, after: str) -> dict[str, Any]:
         return result
     if mode == "locked-heal-stop":
         result.update(await heal_beside_a_locked_spool(store, n))
+    if mode == "statedb-locked-quiet":
+        result.update(await heal_beside_a_locked_state_db(store, n))
         await runner.stop()
         return result
     if mode in ("outage-stop", "deleted-stop"):
@@ -324,7 +343,7 @@ async def run(mode: str, n: int, after: str) -> dict[str, Any]:
         if mode == "operator":
             result["replay_status"] = operator_replay(db.db_path)
         await together("heal")
-        sql(db, HEAL)
+        healed(db)
         if after == "message" or mode != "outage":
             for sid in SESSIONS:
                 last = {"role": "user", "content": f"{sid}-last", "timestamp": int(time.time())}
@@ -384,14 +403,16 @@ class LockHolder:
     """Another process holding one of the spool's locks (``tests/_lock_holder.py``:
     ``write``, its SQLite write lock, as an operator's ``sqlite3`` shell in a
     transaction; ``replay``, its replay lock, as a running ``walspool replay``) until
-    ``release``. The spool is made first if the gateway has not made it yet."""
+    ``release``. The spool is made first if the gateway has not made it yet. With
+    ``path``, that database's lock instead (``exclusive``: state.db's, as another
+    gateway's write holds it)."""
 
-    def __init__(self, kind: str) -> None:
+    def __init__(self, kind: str, path: str | None = None) -> None:
         import subprocess
 
         import walspool
 
-        path = f"{os.environ['HERMES_HOME']}/spool.db"
+        path = path or f"{os.environ['HERMES_HOME']}/spool.db"
         if kind == "write":
             walspool.Spool(path).close()
         self.process = subprocess.Popen(
@@ -430,7 +451,7 @@ async def beside_a_held_replay_lock(
     # The replay lock is taken before state.db heals: no drain can run in between.
     holder = holder or LockHolder("replay")
     try:
-        sql(db, HEAL)
+        healed(db)
         for sid in SESSIONS:
             live = {"role": "user", "content": f"{sid}-while-held", "timestamp": int(time.time())}
             sent[sid].append(live)
@@ -462,7 +483,7 @@ async def heal_beside_a_locked_spool(store: Any, n: int) -> dict[str, Any]:
     sent = await during_an_outage(store, n)
     holder = LockHolder("write")
     try:
-        sql(db, HEAL)
+        healed(db)
         for sid in SESSIONS:
             last = {"role": "user", "content": f"{sid}-last", "timestamp": int(time.time())}
             sent[sid].append(last)
@@ -476,6 +497,39 @@ async def heal_beside_a_locked_spool(store: Any, n: int) -> dict[str, Any]:
     }
 
 
+async def heal_beside_a_locked_state_db(store: Any, n: int) -> dict[str, Any]:
+    """``statedb-locked-quiet``: an outage of ``n`` messages a session; state.db heals,
+    then another process takes its lock (``BEGIN EXCLUSIVE``, as a second gateway's
+    write holds it: on 0.20's rollback journal readers wait too) and each session's next
+    message meets it. The lock goes ``HOLD_SECONDS`` after it was taken and nothing more
+    is sent: everything must land all the same."""
+    import threading
+
+    db = store._db
+    sent = await during_an_outage(store, n)
+    healed(db)
+    holder = LockHolder("exclusive", str(db.db_path))
+    letting_go = threading.Timer(HOLD_SECONDS, holder.release)
+    letting_go.start()
+    try:
+        for sid in SESSIONS:
+            last = {"role": "user", "content": f"{sid}-last", "timestamp": int(time.time())}
+            sent[sid].append(last)
+            await asyncio.to_thread(store.append_to_transcript, sid, last)
+        letting_go.join()
+    finally:
+        letting_go.cancel()
+        holder.kill()
+    await settle(db, sent)
+    return {
+        "sent": {sid: [(m["role"], m["content"]) for m in sent[sid]] for sid in SESSIONS},
+        "landed": {sid: [(m["role"], m["content"]) for m in messages(db, sid)] for sid in SESSIONS},
+    }
+
+
+#: Seconds ``statedb-locked-quiet`` holds state.db's lock: past 0.20's busy timeout
+#: of 1 s, so the first sessions' drains give up on it.
+HOLD_SECONDS = 2.5
 #: Holds one of a spool's locks in another process until told (``tests/_lock_holder.py``).
 LOCK_HOLDER = Path(__file__).resolve().parent.parent / "_lock_holder.py"
 
@@ -658,7 +712,7 @@ async def killed_in_the_drain(store: Any, n: int, commits: int) -> None:
         return row
 
     hermes_state.SessionDB.append_message = append_message
-    sql(db, HEAL)
+    healed(db)
     for sid in SESSIONS:  # 0.20 and 0.22 drain at a session's next write
         store.append_to_transcript(sid, {"role": "user", "content": f"{sid}-last"})
     threading.Event().wait()

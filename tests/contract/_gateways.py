@@ -26,6 +26,8 @@ from _helpers import ROOT
 
 from walspool import plugin
 
+from ._gateway_process import HEALED
+
 WORKER = Path(__file__).resolve().parent / "_gateway_process.py"
 #: Bound on one gateway process, and on any wait for one (an import of the 0.22
 #: gateway alone takes seconds on a loaded machine).
@@ -221,6 +223,18 @@ def run_workers_together(
     )
     assert all(p.returncode == 0 for p in processes), said
     return [json.loads(out.read_text()) for out in outs]
+
+
+def after_the_heal(result: dict[str, Any], session: str) -> str:
+    """What a worker's walspool said from its heal on (``HEALED``, DEBUG lines too), of
+    ``session`` or of no session of the worker's: why a session did not land."""
+    log: list[str] = result["log"]
+    start = next((i for i, line in enumerate(log) if line.endswith(HEALED)), 0)
+    others = [s for s in result["sent"] if s != session]
+    said = [
+        line for line in log[start:] if not any(repr(s) in line or f" {s} " in line for s in others)
+    ]
+    return "\n".join(said[-80:])
 
 
 def run_walspool(gateway: Gateway, home: Path, *argv: str) -> subprocess.CompletedProcess[str]:

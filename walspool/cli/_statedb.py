@@ -15,6 +15,7 @@ from pathlib import Path
 from urllib.parse import quote
 
 from ..errors import UntrustedSpool, WalspoolError
+from ..replay.sinks import met_a_lock
 from ..store.directories import open_directory
 from ..store.files import SQLITE_MAGIC
 
@@ -232,7 +233,7 @@ def state_db_message(exc: sqlite3.Error, path: Path) -> str:
     """One line saying what is wrong with state.db, for any stdlib sqlite3 error."""
     text = str(exc)
     low = text.lower()
-    if "locked" in low or "busy" in low:
+    if met_a_lock(exc):
         return (
             f"state.db at {path} is locked by another process ({text}); wait for the "
             "gateway to finish writing, or stop it, and run the replay again"

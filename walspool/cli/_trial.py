@@ -24,7 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from ..replay.sinks import SessionDBSink
+from ..replay.sinks import SessionDBSink, met_a_lock
 from ..store.records import Record
 
 T = TypeVar("T")
@@ -122,6 +122,5 @@ class Trial:
     def _lock_met(self, exc: BaseException) -> None:
         """After one wait for a lock, later trials do not wait again: each would meet
         the same gateway, and a dry run of many sessions would take minutes."""
-        text = str(exc).lower()
-        if "locked" in text or "busy" in text:
+        if met_a_lock(exc):
             self.conn.execute("PRAGMA busy_timeout = 0")

@@ -3,14 +3,16 @@
 On 0.20 and 0.22 the gateway owns its write loop and tries a session's queue again
 only when that session's next message arrives. A drain of the session's spooled rows
 that walspool skips for the spool's sake (its write lock held by another process, its
-writer behind, another replay running) leaves the session's queue waiting: without a
+writer behind, another replay running), or holds where one of its statements met
+state.db's lock held by another process, leaves the session's queue waiting: without a
 retry, a heal with nobody writing would leave it in memory until the next message or
 the stop. ``Deferred`` collects such sessions and, on a thread of its own, once per
 ``interval`` and only while the spool would let a drain run (``ready``), gives each to
 ``retry`` (the adapter's: the store's own drain and writes, under its lock; see
 ``walspool.gateways.session_store.retry_session``). A retry skipped again defers its
-session again. Sessions whose writes failed for state.db's sake are not collected:
-those wait for the gateway's own next try, as released.
+session again. Sessions whose writes failed for state.db's own sake (an outage, not
+its lock held by another process) are not collected: those wait for the gateway's
+own next try, as released.
 
 Not guaranteed: a retry within ``interval`` of the reason clearing (it runs at the
 next round after it); anything once ``close`` ran.

@@ -188,6 +188,21 @@ class ForgetsTickets(Protocol):
     def forget(self, spool: str, below: int, keep: Sequence[int]) -> None: ...
 
 
+#: SQLite's result codes for a lock held elsewhere: SQLITE_BUSY, SQLITE_LOCKED.
+_LOCK_CODES = (5, 6)
+
+
+def met_a_lock(exc: BaseException) -> bool:
+    """Whether ``exc`` says a database's lock was held elsewhere past the wait allowed
+    ("database is locked", busy): a wait that ran out, not a fault of the database or
+    of a row. By the stdlib error's code where it has one, else by its text."""
+    code = getattr(exc, "sqlite_errorcode", None)
+    if isinstance(code, int):
+        return code & 0xFF in _LOCK_CODES
+    text = str(exc).lower()
+    return "locked" in text or "busy" in text
+
+
 class RowRejected(ValueError):
     """A write the gateway's own rule says failed for the message itself.
 

@@ -26,18 +26,26 @@ Errors the newer gateway blames on the row (``sinks.is_row_rejection``) become
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from .. import text
 from ..store import tickets
 from ..store.records import Record
 from .replayer import UNKNOWN_LANDING
-from .sinks import SessionDBSink, Ticket, as_rejection, transcript_message, write_bindable
+from .sinks import (
+    SessionDBSink,
+    Ticket,
+    as_rejection,
+    met_a_lock,
+    transcript_message,
+    write_bindable,
+)
 
 log = text.logger("walspool._upstream")
 
@@ -165,6 +173,9 @@ class DrainSink:
         self.spool = spool
         self._store = store_of(replay)
         self._checked = False
+        #: Whether a statement on state.db met its lock held elsewhere (``met_a_lock``):
+        #: what the drain held then waits for the lock, not for state.db to heal.
+        self.met_a_lock = False
 
     def _tracker(self) -> SessionDBSink | None:
         if self._store is None:
@@ -172,7 +183,20 @@ class DrainSink:
         db = db_of(self._store, self.session_id)
         return None if db is None else tracker(db)
 
+    @contextlib.contextmanager
+    def _noting_locks(self) -> Iterator[None]:
+        try:
+            yield
+        except Exception as exc:
+            if met_a_lock(exc):
+                self.met_a_lock = True
+            raise
+
     def write(self, session_id: str, record: Record, ticket: Ticket) -> None:
+        with self._noting_locks():
+            self._write(session_id, record, ticket)
+
+    def _write(self, session_id: str, record: Record, ticket: Ticket) -> None:
         track = self._tracker()
         # Outside the try: a state.db whose tickets cannot be set up holds the row, whatever
         # the error's type (never a rejection of the row).
@@ -228,12 +252,14 @@ class DrainSink:
 
     def landed(self, tickets: Sequence[Ticket]) -> set[Ticket] | None:
         track = self._tracker()
-        return None if track is None else track.landed(tickets)
+        with self._noting_locks():
+            return None if track is None else track.landed(tickets)
 
     def forget(self, spool: str, below: int, keep: Sequence[int]) -> None:
         track = self._tracker()
         if track is not None:
-            track.forget(spool, below, keep)
+            with self._noting_locks():
+                track.forget(spool, below, keep)
 
     def __repr__(self) -> str:
         return f"DrainSink({self.session_id!r}, tracked={self._store is not None})"
