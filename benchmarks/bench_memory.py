@@ -1,4 +1,5 @@
-"""Peak memory of the paths issue 15 bounded by bytes, each measured in a child process.
+"""Peak memory of the paths bounded by bytes or by a page (issues 15, 43), each measured
+in a child process.
 
 Every case runs in a fresh process and reports its peak RSS growth (the kernel's
 ``VmHWM`` in that process), next to the bound the code now holds and the figure the
@@ -26,6 +27,12 @@ SQLite), so it does not grow with the number of rows or files.
 * 6, ``walspool import-json``: a 2 GiB sparse ``pending-*.json`` (refused from its
   ``fstat`` size, left in place, reported; before: 2.6 GiB) and 16 files of ~60 MiB
   (batches end at ``BATCH_BYTES``; before: one batch held all 16).
+
+* 7, ``walspool ls`` (table and ``--json``) and ``watch --json`` on 300,000 sessions of
+  one row each: a listing is read a line at a time, laid out a page of lines at a time
+  and held as text up to ``JSON_IN_MEMORY`` before a temporary file takes it. Before:
+  353 MiB for ``ls`` (every stream's line in memory, then sorted), growing with the
+  number of sessions.
 
 A command's growth is its peak RSS less that of the same command on a one-row input
 (the interpreter and its imports). The 60 MiB of each row sit in its message's
@@ -60,6 +67,7 @@ from _rss import peak_rss, reset_peak_rss
 from report import record
 
 import walspool
+from walspool.cli import _streams
 from walspool.replay import jsonspool
 from walspool.store import codec, paging, spool, writer
 
@@ -486,6 +494,69 @@ def test_import_json_batches_by_bytes(benchmark: Any, scratch: Path) -> None:
         msgs=FILES,
     )
     within("import-json of 16 files", measured, bound)
+
+
+# -- 7: ls and watch hold a page of streams, whatever the number of sessions ------------
+
+#: Sessions of one row each in ``many_sessions``' spool (issue 43: 353 MiB for ``ls``).
+SESSIONS = 300_000
+#: What a listing may hold besides the interpreter: its text until the reading is done
+#: (``JSON_IN_MEMORY``, then a temporary file), a page of lines (``ls.PAGE_LINES``), or
+#: ``watch``'s 500, and SQLite's page cache and sorter (2 MiB each by default).
+LISTING_BOUND = _streams.JSON_IN_MEMORY + 24 * MIB
+
+
+@pytest.fixture(scope="module")
+def many_sessions(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Path]]:
+    """A spool of ``SESSIONS`` sessions of one small row each, and a one-row spool."""
+    root = tmp_path_factory.mktemp("sessions")
+    paths = {"big": root / "big" / "spool.db", "small": root / "small" / "spool.db"}
+    with walspool.Spool(paths["big"], durability="normal") as s:
+        for start in range(0, SESSIONS, 10_000):
+            s.append_many(
+                (f"session-{i:07d}", {"role": "user", "content": f"m {i}"})
+                for i in range(start, start + 10_000)
+            )
+    with walspool.Spool(paths["small"], durability="normal") as s:
+        s.append("session-0000000", {"role": "user", "content": "m 0"})
+    paths["big_state"] = paths["small_state"] = root / "unused"
+    yield paths
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.mark.parametrize(
+    "argv", [["ls", "{spool}"], ["ls", "{spool}", "--json"], ["watch", "{spool}", "--json"]]
+)
+@pytest.mark.benchmark(group=GROUP)
+def test_listings_hold_a_page_of_streams(
+    benchmark: Any, many_sessions: dict[str, Path], argv: list[str]
+) -> None:
+    """``ls`` (table and ``--json``) and ``watch --json`` (one reading when stdout is not a
+    terminal) on ``SESSIONS`` sessions: each lists or counts every one of them."""
+    small = command(*[{"{spool}": many_sessions["small"]}.get(a, a) for a in argv])
+    out = many_sessions["big"].with_name("listing.txt")
+    big: dict[str, Any] = {}
+    filled = [{"{spool}": many_sessions["big"]}.get(a, a) for a in argv]
+    benchmark.pedantic(lambda: big.update(run=command(*filled, stdout=out)), rounds=1)
+    text = big["run"][2]
+    if argv[0] == "watch":
+        assert json.loads(text)["sessions"] == SESSIONS
+    elif "--json" in argv:
+        assert len(json.loads(text)) == SESSIONS
+    else:
+        assert len(text.splitlines()) == SESSIONS + 1  # and the header
+    measured = growth(big["run"], small)
+    what = " ".join(argv[:1] + argv[2:])
+    report(
+        benchmark,
+        f"test_listings_hold_a_page_of_streams[{what}]",
+        f"7: walspool {what}, {SESSIONS:,} sessions of one row",
+        measured,
+        f"JSON_IN_MEMORY (8 MiB) of text + 24 MiB (a page of lines, SQLite) = {mib(LISTING_BOUND)}",
+        "353 MiB (ls)",
+        msgs=SESSIONS,
+    )
+    within(f"walspool {what}", measured, LISTING_BOUND)
 
 
 def command_child(peak_file: Path, argv: list[str]) -> None:

@@ -564,3 +564,57 @@ def test_payloads_not_json_are_found_on_both_sides_of_the_scan_bound(tmp_path):
         large = f"SELECT id FROM records WHERE {paging.LARGE_PAYLOAD} ORDER BY id"
         found = [row[0] for row in paging.rows_not_json(conn, small, large, ())]
     assert found == ids[:-1]
+
+
+def test_ls_and_watch_list_streams_oldest_first_a_page_at_a_time(tmp_path, capsys, monkeypatch):
+    """Streams come oldest first, key streams before id streams at the same age, then
+    by name, whichever way they were read: short names grouped by SQLite, names past
+    ``CHARS`` by their unique index, merged at their place. ``ls`` lays them out a page
+    at a time (``PAGE_LINES``, 2 here): the headers once, a column as wide as the widest
+    cell so far, so a wide name on a later page moves the columns from its line on.
+    ``ls --json`` and ``watch --json`` give the same order."""
+    monkeypatch.setattr(ls, "PAGE_LINES", 2)
+    long_id, long_key = "L" * (ls.CHARS + 3), "K" * (ls.CHARS + 2)
+    wide = "w" * 40
+    # (session id, session key, created_at): ties at 20 and 30, long names among them.
+    streams = [
+        ("b", None, 30.0), (None, "k1", 30.0), ("a", None, 30.0), (long_id, None, 20.0),
+        ("c", None, 20.0), (None, long_key, 20.0), (wide, None, 40.0), ("d", None, 10.0),
+        (None, "k0", 12.0),
+    ]  # fmt: skip
+    path = tmp_path / "spool.db"
+    with walspool.Spool(path) as spool:
+        for sid, key, _ in streams:
+            spool.append(sid, {"role": "user", "content": "x"}, session_key=key)
+    for sid, key, at in streams:
+        where = "session_id = ?" if sid is not None else "session_id IS NULL AND session_key = ?"
+        edit(path, (f"UPDATE records SET created_at = ? WHERE {where}", (at, sid or key)))
+    order = sorted(streams, key=lambda s: (s[2], s[0] is not None, s[0] or "", s[1] or ""))
+    names = [sid if sid is not None else key for sid, key, _ in order]
+
+    assert main(["ls", str(path), "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert [
+        s["session_id"] if s["session_id"] is not None else s["session_key"] for s in listed
+    ] == names
+    assert main(["watch", str(path), "--json", "--interval", "0.1"]) == 0
+    watched = json.loads(capsys.readouterr().out)
+    assert watched["sessions"] == len(streams)
+    assert [s["session_id"] or s["session_key"] for s in watched["streams"]] == names
+
+    assert main(["ls", str(path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert (
+        lines[0].startswith("SESSION ") and sum(line.startswith("SESSION ") for line in lines) == 1
+    )
+    shown = [line.split()[0] for line in lines[1 : len(streams) + 1]]
+    expected = [
+        (sid if sid is not None else f"key:{key}")[: CELL_WIDTH - 1] for sid, key, _ in order
+    ]
+    assert [name.rstrip("…") for name in shown] == expected
+    rows_at = [line.index("  1  ") for line in lines[1 : len(streams) + 1]]
+    # Page 1 (d, key:k0) is as wide as its headers; page 2 brings the long names,
+    # clipped to CELL_WIDTH, and SESSION is that wide from there on.
+    assert names[:3] == ["d", "k0", long_key]
+    assert rows_at[:2] == [len("SESSION")] * 2 == [lines[0].index("ROWS") - 2] * 2
+    assert rows_at[2:] == [CELL_WIDTH] * (len(streams) - 2)

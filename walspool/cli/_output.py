@@ -17,7 +17,7 @@ import re
 import shlex
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -116,10 +116,21 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 
 def table_lines(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> Iterator[str]:
     """``table`` a line at a time: each column as wide as its widest clipped cell."""
-    cells = [[str(h) for h in headers]] + [[_cell(c) for c in row] for row in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    for r in cells:
-        yield "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
+    return table_pages(headers, [rows])
+
+
+def table_pages(headers: Sequence[str], pages: Iterable[Sequence[Sequence[Any]]]) -> Iterator[str]:
+    """``table_lines`` a page of rows at a time, the headers once above the first: each
+    column as wide as its widest clipped cell so far, so a wider cell on a later page
+    widens its column from that page on. What is held is one page's cells."""
+    widths = [len(str(h)) for h in headers]
+    above: list[list[str]] = [[str(h) for h in headers]]
+    for rows in pages:
+        cells = above + [[_cell(c) for c in row] for row in rows]
+        above = []
+        widths = [max([w, *(len(r[i]) for r in cells)]) for i, w in enumerate(widths)]
+        for r in cells:
+            yield "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
 
 
 def _cell(value: Any) -> str:

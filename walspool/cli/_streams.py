@@ -66,9 +66,9 @@ def latest_error(conn: apsw.Connection, line: Line, first: str | None) -> str | 
     return line.latest_error
 
 
-def json_text() -> IO[str]:
-    """Where ``--json`` text waits until its reading is done: memory up to
-    ``JSON_IN_MEMORY``, then a temporary file (in ``TMPDIR``)."""
+def held_text() -> IO[str]:
+    """Where a listing's text (``--json``, or ``ls``'s table) waits until its reading is
+    done: memory up to ``JSON_IN_MEMORY``, then a temporary file (in ``TMPDIR``)."""
     return tempfile.SpooledTemporaryFile(JSON_IN_MEMORY, "w+", encoding="utf-8", newline="")
 
 

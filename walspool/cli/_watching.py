@@ -7,6 +7,7 @@ creating no file, holding nothing between readings.
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 from collections.abc import Callable
@@ -18,7 +19,7 @@ import msgspec
 
 from ..errors import WalspoolError
 from ..store import memory, totals
-from ..store.backlog import Line, read_lines
+from ..store.backlog import Line, iter_lines
 from ..store.records import QUARANTINED, SUPERSEDED
 from ._holders import Holder, holders
 from ._reading import reading
@@ -140,9 +141,11 @@ def _read(
             appended = totals.appended(conn)
             uid = totals.uid(conn)
             held = memory.read(conn)
-            lines = read_lines(conn)
+            lines = iter_lines(conn)
+            oldest = list(itertools.islice(lines, MAX_STREAMS))
             if out is not None:
-                write_array(out, (_json_stream(conn, line, at) for line in lines[:MAX_STREAMS]))
+                write_array(out, (_json_stream(conn, line, at) for line in oldest))
+            sessions = len(oldest) + sum(1 for _ in lines)  # counted, never held
     finally:
         conn.set_progress_handler(None)
     return Snapshot(
@@ -151,7 +154,7 @@ def _read(
         at=at,
         uid=str(uid),
         rows=s.rows,
-        sessions=len(lines),
+        sessions=sessions,
         bytes=s.bytes,
         oldest=s.oldest,
         inflight=inflight,
@@ -161,7 +164,7 @@ def _read(
         appended=appended,
         db_bytes=s.db_bytes,
         wal_bytes=s.wal_bytes,
-        streams=tuple(_stream(line) for line in lines[:MAX_STREAMS]),
+        streams=tuple(_stream(line) for line in oldest),
         memory=tuple(held),
     )
 

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import shutil
 import sys
 import time
+from collections.abc import Iterator
 from typing import IO, Any
 
 import apsw
@@ -13,7 +15,7 @@ import apsw
 # ls's own names still: the keys of its --json objects and what it holds of a name.
 from ..store import memory
 from ..store.backlog import CHARS as CHARS
-from ..store.backlog import Line, read_lines
+from ..store.backlog import Line, iter_lines
 from ..text import printable
 from . import _memory as in_memory
 from ._output import (
@@ -26,11 +28,11 @@ from ._output import (
     shell_word,
     size,
     stream_name,
-    table_lines,
+    table_pages,
 )
 from ._reading import reading
 from ._streams import BACKLOG_KEYS as BACKLOG_KEYS
-from ._streams import backlog_object, json_text, write_array
+from ._streams import backlog_object, held_text, write_array
 
 
 def run(args: argparse.Namespace) -> int:
@@ -46,33 +48,28 @@ def run(args: argparse.Namespace) -> int:
     session id, or `key:<KEY>` for rows spooled by session key only, quoted as a shell
     word when it needs to be: pasted into `walspool show` it names the same rows. A cell
     wider than 120 characters (once escaped) is clipped, its last character "…": a last
-    line then says how many sessions are, whose names --json has whole. A last line
+    line then says how many sessions are, whose names --json has whole. Sessions are
+    laid out a thousand at a time, so a listing of any length takes the same memory: a
+    column wider on a later thousand widens from there on. A last line
     says what linked gateways hold in memory, not spooled yet (lost if the process is
     killed; `stats --json` names those sessions), or once such a process is gone, what
     it lost.
     """
     now = time.time()
-    if args.json:
-        with json_text() as out:
-            with reading(args.spool, walk=True) as reader:
+    with held_text() as out:
+        with reading(args.spool, walk=True) as reader:
+            if args.json:
                 reader.read(lambda conn: write_json(conn, out, now))
-            out.seek(0)
-            shutil.copyfileobj(out, sys.stdout)
+            else:
+                (listed, clipped), held = reader.read(
+                    lambda conn: (write_table(conn, out, now), memory.read(conn))
+                )
+        if not args.json and not listed:
+            print(f"no rows in {printable(args.spool)}")
+        out.seek(0)
+        shutil.copyfileobj(out, sys.stdout)
+    if args.json:
         return EXIT_OK
-    with reading(args.spool, walk=True) as reader:
-        lines, held = reader.read(lambda conn: (read_lines(conn), memory.read(conn)))
-    if not lines:
-        print(f"no rows in {printable(args.spool)}")
-        _print_memory(held, now)
-        return EXIT_OK
-    headers = (
-        "SESSION", "ROWS", "RETRYING", "QUARANTINED", "SUPERSEDED", "IN FLIGHT", "BYTES",
-        "OLDEST", "NEWEST", "ATTEMPTS", "LAST ERROR",
-    )  # fmt: skip
-    cells = [_cells(line, now) for line in lines]
-    for text in table_lines(headers, cells):
-        print(text)
-    clipped = sum(len(c[0]) > CELL_WIDTH for c in cells)  # a name is printable already
     if clipped:
         them = "it" if clipped == 1 else "them"
         print(
@@ -81,6 +78,36 @@ def run(args: argparse.Namespace) -> int:
         )
     _print_memory(held, now)
     return EXIT_OK
+
+
+#: Streams laid out at a time (``table_pages``): what ``ls`` holds of a listing,
+#: however many sessions the spool has.
+PAGE_LINES = 1000
+HEADERS = (
+    "SESSION", "ROWS", "RETRYING", "QUARANTINED", "SUPERSEDED", "IN FLIGHT", "BYTES", "OLDEST",
+    "NEWEST", "ATTEMPTS", "LAST ERROR",
+)  # fmt: skip
+
+
+def write_table(conn: apsw.Connection, out: IO[str], now: float) -> tuple[int, int]:
+    """The table of every stream into ``out`` (emptied first: a reading may be done
+    again), a page of ``PAGE_LINES`` streams at a time, from one read transaction;
+    ``(streams listed, names clipped)``."""
+    out.seek(0)
+    out.truncate()
+    listed = clipped = 0
+
+    def pages(lines: Iterator[Line]) -> Iterator[list[tuple[Any, ...]]]:
+        nonlocal listed, clipped
+        while page := [_cells(line, now) for line in itertools.islice(lines, PAGE_LINES)]:
+            listed += len(page)
+            clipped += sum(len(cells[0]) > CELL_WIDTH for cells in page)  # printable already
+            yield page
+
+    with conn:
+        for text in table_pages(HEADERS, pages(iter_lines(conn))):
+            out.write(text + "\n")
+    return listed, clipped
 
 
 def _print_memory(held: list[memory.Entry], now: float) -> None:
@@ -94,7 +121,7 @@ def write_json(conn: apsw.Connection, out: IO[str], now: float) -> None:
     """The ``ls --json`` array into ``out`` (emptied first: a reading may be done
     again), an object at a time, from one read transaction."""
     with conn:
-        write_array(out, (backlog_object(conn, line, now) for line in read_lines(conn)))
+        write_array(out, (backlog_object(conn, line, now) for line in iter_lines(conn)))
     out.write("\n")
 
 

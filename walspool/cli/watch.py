@@ -25,7 +25,7 @@ from ._frame import drain_eta, render, render_reading
 from ._interrupt import Interrupted, interruptible
 from ._near import near_files
 from ._output import EXIT_OK, dump, iso
-from ._streams import json_text
+from ._streams import held_text
 from ._watching import Rates, Snapshot, rates, read_snapshot, try_snapshot
 
 #: Shortest --interval, in seconds: each reading opens the spool and counts its rows.
@@ -132,7 +132,7 @@ def _once(args: argparse.Namespace) -> int:
         last = read_snapshot(args.spool)
         print("\n".join(render(last, rates(first, last), "walspool watch")))  # no colour
         return EXIT_OK
-    with json_text() as streams:
+    with held_text() as streams:
         last = read_snapshot(args.spool, streams=streams)
         head = dump(_json(last, rates(first, last)))
         sys.stdout.write(head[:-1] + ',"streams":')  # the last key, as read: whole

@@ -1,10 +1,11 @@
 """A spool's streams as a listing (``ls``, ``watch``): one ``Line`` per stream, its
 name and errors at most ``CHARS`` characters long whatever their length, read from
-indexes only, in one read transaction of the caller's.
+indexes only, in one read transaction, a line at a time (``iter_lines``).
 """
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Iterator
 from typing import Any
 
@@ -15,57 +16,67 @@ from .paging import as_text, with_text
 
 #: At most this many characters of a stream's name (session id, or key) and of its
 #: first and latest error are read per stream; a session id may be 64 MiB. SQLite sorts
-#: names up to this long to group rows by stream; the rows of longer ones are found in
-#: their unique index's order instead (``LONG_SQL``, no sort), since a sort of huge
-#: names holds most of them at once. ``--json`` reads a longer name or error whole when
+#: names up to this long to group rows by stream; the rows of longer ones are grouped
+#: in their unique index's order instead (``LONG_SQL``, no sort of whole names), since a
+#: sort of huge names holds most of them at once. ``--json`` reads a longer name or error whole when
 #: it writes that stream's object, by the id of a row holding it, one at a time.
 CHARS = 4096
 #: Rows whose stream's name is at most ``CHARS`` long: every query but ``LONG_SQL``.
 _SHORT = "length(coalesce(session_id, session_key)) <= :chars"
-#: The ``backlog`` view's columns from indexes only, never a row's page: rows, bytes and
-#: times per stream from the statistics index (covering, so one walk of it and a sort);
-#: set-aside counts from the status index; attempts, failing rows and each stream's
-#: first and latest error from the index of rows with an error (a row's attempts grow
-#: only with an error). The view reads every row instead. Times stay epoch seconds
-#: until printed, by one rule (``iso``).
-#: The rows of streams named longer than ``CHARS`` make one group (NULL, NULL), a name
-#: no stream has: it says ``LONG_SQL`` has streams to read. The names are clipped in a
-#: subquery that LIMIT keeps apart (SQLite does not merge a subquery with a LIMIT into
-#: an aggregate): merged, the sort would carry every row's name whole again.
-STREAMS_SQL = """
-SELECT CAST(session_id AS BLOB), CAST(session_key AS BLOB), count(*), sum(size), min(created_at),
-       max(created_at)
+#: A failed attempt's time: when it was made, or (never recorded) when the row came.
+_ATTEMPT_AT = "coalesce(last_attempt_at, created_at)"
+#: Every stream's line but its errors' texts, oldest first, in one statement over
+#: indexes only, never a row's page: a row per stream (or one per failing row, where a
+#: failing row's attempt is dated) from a union of the statistics index (rows, bytes,
+#: times; covering), the status index (set-aside counts), the in-flight index and the
+#: index of rows with an error (attempts, failing rows, each stream's first error: its
+#: lowest seq, and latest: its most recent failed attempt, a row never attempted dated
+#: by its arrival; by row id, read after), grouped by stream. SQLite sorts the union
+#: and the groups in its temporary files, not in memory: what a listing holds is a
+#: line at a time, however many streams there are (``iter_lines``). Times stay epoch
+#: seconds until printed, by one rule (``iso``).
+#: A name is at most ``CHARS`` long here; rows of streams named longer make one group
+#: (NULL, NULL), a name no stream has, ordered by the oldest of them: from it on
+#: ``LONG_SQL`` has streams to read. The names are clipped in subqueries that LIMIT
+#: keeps apart (SQLite does not merge a subquery with a LIMIT into an aggregate):
+#: merged, the sort would carry every row's name whole again. The view reads every
+#: row instead.
+LINES_SQL = f"""
+SELECT CAST(session_id AS BLOB), CAST(session_key AS BLOB), sum(n), sum(size), min(created_at),
+       max(created_at), max(attempts), sum(quarantined), sum(superseded), sum(inflight),
+       sum(failed), sum(failing), sum(replayable_inflight), max(first_id), max(latest_id)
 FROM (
     SELECT iif(length(session_id) > :chars, NULL, session_id) AS session_id,
            CASE WHEN session_id IS NULL AND length(session_key) <= :chars
                 THEN session_key END AS session_key,
-           size, created_at
+           1 AS n, size, created_at, 0 AS attempts, 0 AS quarantined, 0 AS superseded,
+           0 AS inflight, 0 AS failed, 0 AS failing, 0 AS replayable_inflight,
+           NULL AS first_id, NULL AS latest_id
     FROM records INDEXED BY records_reason_created_at_size_session_id_session_key_idx
+    UNION ALL
+    SELECT session_id, CASE WHEN session_id IS NULL THEN session_key END,
+           0, 0, NULL, 0, status = 'quarantined', status = 'superseded', 0, 0, 0, 0, NULL, NULL
+    FROM records INDEXED BY records_status_idx WHERE status IS NOT NULL AND {_SHORT}
+    UNION ALL
+    SELECT session_id, CASE WHEN session_id IS NULL THEN session_key END,
+           0, 0, NULL, 0, 0, 0, 1, 0, 0, status IS NULL, NULL, NULL
+    FROM records INDEXED BY records_inflight_idx WHERE inflight IS NOT NULL AND {_SHORT}
+    UNION ALL
+    SELECT session_id, session_key, 0, 0, NULL, attempts, 0, 0, 0, status IS NULL, 1, 0,
+           iif(row_number() OVER (PARTITION BY session_id, session_key ORDER BY seq) = 1,
+               id, NULL),
+           iif(row_number() OVER (PARTITION BY session_id, session_key
+                                  ORDER BY attempt_at DESC, id DESC) = 1, id, NULL)
+    FROM (
+        SELECT session_id, CASE WHEN session_id IS NULL THEN session_key END AS session_key,
+               seq, id, attempts, status, {_ATTEMPT_AT} AS attempt_at
+        FROM records INDEXED BY records_last_error_idx
+        WHERE last_error IS NOT NULL AND {_SHORT} LIMIT -1
+    )
     LIMIT -1
 )
-GROUP BY 1, 2
-"""
-SET_ASIDE_SQL = f"""
-SELECT CAST(session_id AS BLOB), CAST(CASE WHEN session_id IS NULL THEN session_key END AS BLOB),
-       status, count(*)
-FROM records INDEXED BY records_status_idx WHERE status IS NOT NULL AND {_SHORT} GROUP BY 1, 2, 3
-"""
-#: In-flight rows per stream, and of them the replayable ones (a page read per row in
-#: flight: a replay's batch at most).
-INFLIGHT_BY_STREAM_SQL = f"""
-SELECT CAST(session_id AS BLOB), CAST(CASE WHEN session_id IS NULL THEN session_key END AS BLOB),
-    count(*),
-    count(*) FILTER (WHERE status IS NULL)
-FROM records INDEXED BY records_inflight_idx WHERE inflight IS NOT NULL AND {_SHORT}
-GROUP BY 1, 2
-"""
-#: A failed attempt's time: when it was made, or (never recorded) when the row came.
-_ATTEMPT_AT = "coalesce(last_attempt_at, created_at)"
-ERRORS_SQL = f"""
-SELECT CAST(session_id AS BLOB), CAST(CASE WHEN session_id IS NULL THEN session_key END AS BLOB),
-       seq, attempts, status, id, CAST(substr(last_error, 1, :chars) AS BLOB), length(last_error),
-       {_ATTEMPT_AT}
-FROM records INDEXED BY records_last_error_idx WHERE last_error IS NOT NULL AND {_SHORT}
+GROUP BY session_id, session_key
+ORDER BY min(created_at), session_id IS NOT NULL, session_id, session_key
 """
 #: A line's columns over one stream's rows; its first error as the least of its seq and
 #: row id, zero-padded (two min() would each pick a row of their own for a bare column).
@@ -77,16 +88,19 @@ _LONG_COLUMNS = """min(id), count(*), sum(size), min(created_at), max(created_at
     count(*) FILTER (WHERE status IS NULL AND inflight IS NULL),
     count(*) FILTER (WHERE last_error IS NOT NULL)"""
 #: Streams named longer than ``CHARS``, by id and by key: walked in their unique
-#: index's order, so a stream's rows come together and nothing is sorted.
+#: index's order, so a stream's rows come together unsorted; the streams then sorted
+#: as ``iter_lines`` lists them, by SQLite (its temporary files, not memory).
 LONG_SQL = (
     f"""SELECT CAST(substr(session_id, 1, :chars) AS BLOB), NULL, length(session_id),
     {_LONG_COLUMNS}
     FROM records INDEXED BY sqlite_autoindex_records_1
-    WHERE session_id IS NOT NULL AND length(session_id) > :chars GROUP BY session_id""",
+    WHERE session_id IS NOT NULL AND length(session_id) > :chars GROUP BY session_id
+    ORDER BY min(created_at), 1, 3, min(id)""",
     f"""SELECT NULL, CAST(substr(session_key, 1, :chars) AS BLOB), length(session_key),
     {_LONG_COLUMNS}
     FROM records INDEXED BY records_session_key_seq_idx
-    WHERE session_id IS NULL AND length(session_key) > :chars GROUP BY session_key""",
+    WHERE session_id IS NULL AND length(session_key) > :chars GROUP BY session_key
+    ORDER BY min(created_at), 2, 3, min(id)""",
 )
 #: The latest error of a stream named longer than ``CHARS``, by id and by key, the
 #: stream named by one of its rows (its name read once): a sort its LIMIT bounds.
@@ -147,57 +161,60 @@ class Line(msgspec.Struct, frozen=True):
     latest_row: int | None = None
 
 
-def read_lines(conn: apsw.Connection) -> list[Line]:
-    """Every stream's ``Line``, oldest first; on a tie, key streams first, as the view
-    orders them. What it holds per stream is bounded by ``CHARS``, whatever the names."""
+def iter_lines(conn: apsw.Connection) -> Iterator[Line]:
+    """Every stream's ``Line``, oldest first; on a tie, key streams first, then by name,
+    as the view orders them. One line is held at a time, and what it holds is bounded
+    by ``CHARS`` whatever the names: the caller's memory does not grow with the number
+    of streams. In a read transaction of its own unless the caller is in one."""
     params = {"chars": CHARS}
-    streams: dict[tuple[str | None, str | None], list[Any]] = {}
     with conn:
-        for session_id, key, rows, size, oldest, newest in _named(conn, STREAMS_SQL, params):
-            # rows, bytes, oldest, newest, max attempts, first error (seq, row, text,
-            # length), quarantined, superseded, in flight, replayable rows that failed,
-            # failing, latest error (time, row, text, length), replayable in flight
-            streams[session_id, key] = [
-                rows, size, oldest, newest, 0, None, 0, 0, 0, 0, 0, None, 0,
-            ]  # fmt: skip
-        long_names = streams.pop((None, None), None) is not None
-        for session_id, key, status, n in _named(conn, SET_ASIDE_SQL, params):
-            streams[session_id, key][6 if status == "quarantined" else 7] += n
-        for session_id, key, n, replayable in _named(conn, INFLIGHT_BY_STREAM_SQL, params):
-            streams[session_id, key][8] = n
-            streams[session_id, key][12] = replayable
-        for session_id, key, seq, attempts, status, row, *error, at in _named(
-            conn, ERRORS_SQL, params, 6
-        ):
-            s = streams[session_id, key]
-            s[4] = max(s[4], attempts)
-            if s[5] is None or seq < s[5][0]:
-                s[5] = (seq, row, *error)
-            s[9] += status is None
-            s[10] += 1
-            if s[11] is None or (at, row) > s[11][:2]:
-                s[11] = (at, row, *error)
-        lines = [
-            Line(sid, key, rows, size, oldest, newest, attempts, first and first[2], quarantined,
-                 superseded, inflight,
-                 held(failed, rows - quarantined - superseded - replayable_inflight),
-                 len(sid if sid is not None else key),
-                 error_chars=first[3] if first else 0, error_row=first and first[1],
-                 failing=failing, latest_error=latest and latest[2],
-                 latest_chars=latest[3] if latest else 0, latest_row=latest and latest[1])
-            for (sid, key), (rows, size, oldest, newest, attempts, first, quarantined, superseded,
-                             inflight, failed, failing, latest, replayable_inflight)
-            in streams.items()
-        ]  # fmt: skip
-        if long_names:
-            # each walk done before a stream's errors are looked up: its memory then freed
-            found = [row for sql in LONG_SQL for row in _named(conn, sql, params)]
-            lines += [_long_line(conn, row) for row in found]
-    lines.sort(
-        key=lambda s: (s.oldest, s.session_id is not None, s.session_id or "",
-                       s.session_key or "", s.name_chars, s.name_row or 0)
+        lines = (_line(conn, row) for row in _named(conn, LINES_SQL, params))
+        for line in lines:
+            if line.session_id is None and line.session_key is None:
+                # Streams named longer than CHARS, none older than this group: from here
+                # on their lines, each walk in its own order, merge with the rest.
+                walks = [
+                    (_long_line(conn, row) for row in _named(conn, sql, params)) for sql in LONG_SQL
+                ]
+                yield from heapq.merge(lines, *walks, key=order)
+                return
+            yield line
+
+
+def order(line: Line) -> tuple[Any, ...]:
+    """Where ``line`` comes in a listing (``iter_lines``)."""
+    return (
+        line.oldest, line.session_id is not None, line.session_id or "", line.session_key or "",
+        line.name_chars, line.name_row or 0,
     )  # fmt: skip
-    return lines
+
+
+def _line(conn: apsw.Connection, row: tuple[Any, ...]) -> Line:
+    sid, key, rows, size, oldest, newest, attempts, *counts, first_row, latest_row = row
+    quarantined, superseded, inflight, failed, failing, replayable_inflight = counts
+    waiting = rows - quarantined - superseded - replayable_inflight
+    line = Line(
+        sid, key, rows, size, oldest, newest, attempts, None, quarantined, superseded, inflight,
+        held(failed, waiting), 0 if sid is None and key is None else len(sid or key),
+        failing=failing,
+    )  # fmt: skip
+    if first_row is None:
+        return line
+    error, error_chars = _error_at(conn, first_row)
+    latest, latest_chars = (
+        (error, error_chars) if latest_row == first_row else _error_at(conn, latest_row)
+    )
+    return msgspec.structs.replace(
+        line, last_error=error, error_chars=error_chars, error_row=first_row,
+        latest_error=latest, latest_chars=latest_chars, latest_row=latest_row,
+    )  # fmt: skip
+
+
+def _error_at(conn: apsw.Connection, row_id: int) -> tuple[str | None, int]:
+    """Row ``row_id``'s error, at most ``CHARS`` characters, and its whole length."""
+    params = {"chars": CHARS, "id": row_id}
+    error, chars = next(_named(conn, ERROR_AT_SQL, params, 0, names=()))
+    return error, chars
 
 
 def _long_line(conn: apsw.Connection, row: tuple[Any, ...]) -> Line:
@@ -211,9 +228,8 @@ def _long_line(conn: apsw.Connection, row: tuple[Any, ...]) -> Line:
     if error_at is None:
         return line
     error_row = int(error_at.split()[1])
-    params = {"chars": CHARS, "id": error_row}
-    error, error_chars = next(_named(conn, ERROR_AT_SQL, params, 0, names=()))
-    params["id"] = first
+    error, error_chars = _error_at(conn, error_row)
+    params = {"chars": CHARS, "id": first}
     latest_row, latest, latest_chars = next(
         _named(conn, LATEST_SQL[sid is None], params, 1, names=())
     )
@@ -240,5 +256,9 @@ def _named(
     stored bytes, with those made text (``paging.as_text``): a name or an error that
     is not UTF-8 is one odd line, not a failed listing."""
     columns = (*names, *texts)
+    if columns == (0, 1):  # a stream's name alone: the listing's every line
+        for session_id, session_key, *rest in conn.execute(sql, params):
+            yield (as_text(session_id), as_text(session_key), *rest)
+        return
     for selected in conn.execute(sql, params):
         yield with_text(selected, columns)
