@@ -781,3 +781,35 @@ def test_colour_marks_what_needs_a_look_only_when_asked_for():
     assert render(held, None, "t", 200, 40, colour=True)[2] == "open by      pid 7 (hermes gateway)"
     failed = snap(error="no spool there: not created yet, or moved aside")
     assert render(failed, None, "t", colour=True)[2] == red + failed.error + reset
+
+
+def test_who_has_the_spool_open_is_read_from_the_lock_table_a_line_at_a_time(tmp_path):
+    """``holders`` finds the processes holding the spool's open lock among every lock
+    of every user (here 200,000 others, a waiter and a garbled line), holding a line
+    of the table at a time: its peak allocation stays far below the table's size."""
+    import tracemalloc
+
+    from walspool.cli._holders import holders
+
+    path = tmp_path / "spool.db"
+    walspool.Spool(path).close()
+    st = os.stat(f"{path}.open-lock")
+    device = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    other = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino + 1}"
+    table = tmp_path / "locks"
+    with table.open("w") as f:
+        for i in range(200_000):
+            f.write(f"{i}: FLOCK  ADVISORY  WRITE {1000 + i} {other} 0 EOF\n")
+        f.write(f"7: FLOCK  ADVISORY  READ  4242 {device} 0 EOF\n")
+        f.write(f"7: -> FLOCK  ADVISORY  WRITE 4343 {device} 0 EOF\n")  # waits: not a holder
+        f.write("8: \xff garbled\n")
+        f.write(f"9: FLOCK  ADVISORY  READ  4141 {device} 0 EOF\n")
+        f.write(f"10: POSIX  ADVISORY  READ  4040 {device} 0 EOF\n")  # not walspool's lock
+    tracemalloc.start()
+    try:
+        found = holders(path, table)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert [h.pid for h in found or ()] == [4141, 4242]
+    assert peak < table.stat().st_size // 20, peak

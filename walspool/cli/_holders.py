@@ -45,20 +45,21 @@ def holders(spool: Path, locks: Path = PROC_LOCKS) -> list[Holder] | None:
         return []
     except OSError:
         return None
+    device = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    pids: set[int] = set()
     try:
-        table = locks.read_text(encoding="ascii", errors="replace")
+        # A line at a time: every lock of every user is listed, however many there are.
+        with locks.open(encoding="ascii", errors="replace") as table:
+            for line in table:
+                if device not in line:
+                    continue
+                fields = line.split()
+                # "1: FLOCK  ADVISORY  READ  1234 08:01:5678 0 EOF"; "1: -> FLOCK ..." waits.
+                if len(fields) < 6 or fields[1] != "FLOCK" or fields[5] != device:
+                    continue
+                pids.add(int(fields[4]) if fields[4].lstrip("-").isdigit() else 0)
     except OSError:
         return None
-    device = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
-    pids: list[int] = []
-    for line in table.splitlines():
-        fields = line.split()
-        # "1: FLOCK  ADVISORY  READ  1234 08:01:5678 0 EOF"; "1: -> FLOCK ..." waits.
-        if len(fields) < 6 or fields[1] != "FLOCK" or fields[5] != device:
-            continue
-        pid = int(fields[4]) if fields[4].lstrip("-").isdigit() else 0
-        if pid not in pids:
-            pids.append(pid)
     return [Holder(pid, command_of(pid)) for pid in sorted(pids)]
 
 
