@@ -621,47 +621,68 @@ def test_after_an_outage_sessions_with_backlogs_take_turns(store, spool, monkeyp
     assert first_big < last["small"] < last["big"]
 
 
-def test_in_an_outage_the_background_thread_tries_one_failing_session_per_probe(store, spool):
-    """Five sessions each fail a write, then nothing arrives. Once their retry times
-    have passed, the background thread tries one of them (the probe), not all five, and
-    after it fails the others stay untried until the next probe, their own retry times
-    long past. Once state.db heals, the next probe succeeds and the rest follow at once."""
+class Attempts:
+    """Each write of a message hermes' store tries (``_append_transcript_message``), by
+    session, waited for with ``wait``."""
+
+    def __init__(self, store: Any) -> None:
+        self.sessions: list[str] = []
+        self.tried = threading.Condition()
+        write = store._append_transcript_message
+
+        def counted(session_id: str, message: Any) -> Any:
+            with self.tried:
+                self.sessions.append(session_id)
+                self.tried.notify_all()
+            return write(session_id, message)
+
+        store._append_transcript_message = counted
+
+    def wait(self, count: int) -> bool:
+        with self.tried:
+            return self.tried.wait_for(lambda: len(self.sessions) == count, STEP)
+
+
+def five_failing_then_a_probe(store: Any, spool: Any) -> tuple[Any, Clock, Attempts, str]:
+    """Five sessions each fail a write; once their retry times have passed, the
+    background thread tries one of them (the probe), which fails. The link, its clock,
+    the attempts and the probe's session."""
     sessions = [f"s{i}" for i in range(5)]
     for s in sessions:
         store._db.create_session(s, "telegram")
     link = install(store, spool, retry_interval=8.0)
     link.clock = clock = Clock()
-    write = store._append_transcript_message
-    attempts: list[str] = []
-    tried = threading.Condition()
-
-    def counted(session_id: str, message: Any) -> Any:
-        with tried:
-            attempts.append(session_id)
-            tried.notify_all()
-        return write(session_id, message)
-
-    store._append_transcript_message = counted
+    attempts = Attempts(store)
     sql(store, BREAK)
     for s in sessions:
         store.append_to_transcript(s, msg(f"{s}-m"))
     # each failed on its gateway thread (the first twice: hermes' FTS repair retries)
-    assert sorted(set(attempts)) == sessions
-    first = len(attempts)
+    assert sorted(set(attempts.sessions)) == sessions
+    first = len(attempts.sessions)
     clock.move(8.0)  # every retry time and the probe time passed
     with link.core.lock:
         link.core.due.notify_all()
-    with tried:
-        assert tried.wait_for(lambda: len(attempts) == first + 1, STEP)
-    probe = attempts[-1]
+    assert attempts.wait(first + 1)
+    probe = attempts.sessions[-1]
     assert settle(link, lambda: link.core.sessions[probe].failures == 2)
+    return link, clock, attempts, probe
+
+
+def test_in_an_outage_the_background_thread_tries_one_failing_session_per_probe(store, spool):
+    """Five sessions each fail a write, then nothing arrives. Once their retry times
+    have passed, the background thread tries one of them (the probe), not all five, and
+    after it fails the others stay untried until the next probe, their own retry times
+    long past. Once state.db heals, the next probe succeeds and the rest follow at once."""
+    link, clock, attempts, probe = five_failing_then_a_probe(store, spool)
+    sessions = sorted(link.core.sessions)
+    tried = len(attempts.sessions)
     with link.core.lock:
         now = clock()
         others = [link.core.sessions[s] for s in sessions if s != probe]
         assert all(state.retry_at <= now and state.writer is None for state in others)
         claimed, look_at = link.background.due_sessions()
         assert claimed == [] and look_at == link.core.probe_at > now
-    assert len(attempts) == first + 1
+    assert len(attempts.sessions) == tried
     sql(store, HEAL)
     clock.move(8.0)
     with link.core.lock:
@@ -669,8 +690,33 @@ def test_in_an_outage_the_background_thread_tries_one_failing_session_per_probe(
     assert link.wait_idle(WAIT)
     for s in sessions:
         assert contents(store, s) == [f"{s}-m"]
-    assert sorted(attempts[first + 1 :]) == sessions  # once each: the probe, then the rest
+    assert sorted(attempts.sessions[tried:]) == sessions  # once each: the probe, then the rest
     assert link.core.probe_at is None
+
+
+def test_in_an_outage_a_message_to_a_failing_session_waits_for_the_probe(store, spool):
+    """As above, after the probe failed: a message to another failing session, whose
+    own retry time has passed, is queued behind its earlier one on the gateway thread
+    with no write tried (a failing write per message would cost each message of an
+    outage hermes' whole failing transaction, under the store's lock). Once state.db
+    heals, the next probe lands both, in order."""
+    link, clock, attempts, probe = five_failing_then_a_probe(store, spool)
+    other = next(s for s in sorted(link.core.sessions) if s != probe)
+    tried = len(attempts.sessions)
+    with link.core.lock:
+        assert link.core.sessions[other].retry_at <= clock() < link.core.probe_at
+    store.append_to_transcript(other, msg(f"{other}-next"))
+    assert len(attempts.sessions) == tried
+    assert [m["content"] for m in store._dirty_transcripts[other]] == [
+        f"{other}-m",
+        f"{other}-next",
+    ]
+    sql(store, HEAL)
+    clock.move(8.0)
+    with link.core.lock:
+        link.core.due.notify_all()
+    assert link.wait_idle(WAIT)
+    assert contents(store, other) == [f"{other}-m", f"{other}-next"]
 
 
 def test_a_shutdown_flush_whose_commit_fails_puts_the_messages_back_in_order(

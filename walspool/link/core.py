@@ -200,13 +200,14 @@ class Core:
 
     def failing(self, state: Session) -> bool:
         """The session's last write or drain failed, and the background thread retries
-        it when its delay ends: a gateway thread only queues its messages (and spools
-        at the cap), so an outage costs no failing write, and no wait, per message.
+        it when its delay ends, in an outage not before the next probe (``due_at``): a
+        gateway thread only queues its messages (and spools at the cap), so an outage
+        costs no failing write, and no wait, per message, however many sessions wait.
         Once the link is closed (no background thread), each message retries again."""
         now = self.clock()
         return machine.failing(
             machine.backoff_of(state.failures, state.hold_until, now),
-            state.retry_at,
+            self.due_at(state),
             self.background_on(),
             now,
         )
