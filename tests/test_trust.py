@@ -582,15 +582,24 @@ conn.execute(
     " WHERE name = 'sqlite_stat1'"
 )
 conn.close()
+conn = apsw.Connection(sys.argv[1])  # the crafted schema loaded: rows of it, if asked
+conn.execute(
+    "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < ?) "
+    "INSERT INTO sqlite_stat1 (tbl, idx, st) SELECT 'records', 'no_such_index_' || i, '1' "
+    "FROM n",
+    (int(sys.argv[3]) - 1,),
+)
+conn.close()
 """
 
 
-def crafted_spool(home: Path, chars: int) -> Path:
-    """The owner's spool holding one row, its ``sqlite_stat1`` crafted (``CRAFT_STAT1``)."""
+def crafted_spool(home: Path, chars: int, rows: int = 1) -> Path:
+    """The owner's spool holding one row, its ``sqlite_stat1`` crafted (``CRAFT_STAT1``)
+    to compute ``chars`` characters for each of its ``rows`` rows."""
     path = home / "spool.db"
     done = as_user(GATEWAY_USER, OPEN_AND_APPEND, str(path))
     assert (done.returncode, done.stdout) == (0, "ok\n"), done.stdout + done.stderr
-    done = as_user(GATEWAY_USER, CRAFT_STAT1, str(path), str(chars))
+    done = as_user(GATEWAY_USER, CRAFT_STAT1, str(path), str(chars), str(rows))
     assert done.returncode == 0, done.stderr
     return path
 
@@ -615,6 +624,20 @@ def test_a_statistics_table_made_to_compute_a_huge_value_never_runs_in_roots_com
     assert "loading its schema made a value too long" in done.stderr  # the moved-aside line
     moved = path.parent.glob("spool.db.damaged-*")
     assert [p for p in moved if not p.name.endswith(("-wal", "-shm"))]
+
+
+@as_root
+def test_a_statistics_table_of_many_costly_values_stops_at_walspools_cpu_bound(shared_tmp, capfd):
+    """The owner's sqlite_stat1 holds 100,000 rows, each computing a megabyte (within
+    the bound on values, and few steps each: about 35 s of CPU in all for every
+    command, every watch reading and every start before this bound): root's commands
+    stop once the schema's load used UNVERIFIED_CPU_SECONDS and say what to do."""
+    path = crafted_spool(owned_dir(shared_tmp / "hermes", GATEWAY_USER), 1_000_000, 100_000)
+    for argv in (["stats", str(path)], ["check", str(path)]):
+        assert main(argv) == 1, argv
+        said = capfd.readouterr()
+        assert "loading its schema took too long for walspool's bounds" in said.out + said.err
+        assert "DROP TABLE sqlite_stat1" in said.out + said.err
 
 
 @as_root

@@ -12,6 +12,8 @@ import contextlib
 import ctypes
 import fcntl
 import os
+import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from urllib.parse import quote
@@ -200,13 +202,19 @@ def _made(
 
 
 #: Until a connection's schema is known to be walspool's (``schema_verified``): the
-#: longest string or blob SQLite may make for it, and how many thousand virtual machine
-#: steps its statements may take in all. SQLite reads the file's statistics tables
-#: while it loads the schema, before walspool's first statement: a crafted
-#: ``sqlite_stat1`` (a generated column computing a huge value, or many rows) would
-#: otherwise run with SQLite's own bounds (1 GB strings, no time limit).
+#: longest string or blob SQLite may make for it, how many thousand virtual machine
+#: steps its statements may take in all, and how many seconds of CPU they may use on
+#: the threads that run them (a step may be costly: a ``printf`` of a megabyte). SQLite
+#: reads the file's statistics tables while it loads the schema, before walspool's
+#: first statement: a crafted ``sqlite_stat1`` (a generated column computing a huge
+#: value, or many rows of large ones) would otherwise run with SQLite's own bounds (1 GB
+#: strings, no time limit). A genuine spool's schema loads in a few thousand steps and
+#: milliseconds.
 UNVERIFIED_LENGTH = 1 << 20
 UNVERIFIED_KILOSTEPS = 20_000
+UNVERIFIED_CPU_SECONDS = 1.0
+#: Steps between two looks at the budget while the schema is unverified.
+_BUDGET_STEPS = 100
 
 
 def connect(path: Path, owner: int, flags: int, query: str = "") -> apsw.Connection:
@@ -226,14 +234,31 @@ def connect(path: Path, owner: int, flags: int, query: str = "") -> apsw.Connect
     uri = f"file:{quote(name)}" + (f"?{query}" if query else "")
     conn = apsw.Connection(uri, flags=flags | apsw.SQLITE_OPEN_URI | apsw.SQLITE_OPEN_NOFOLLOW)
     conn.limit(apsw.SQLITE_LIMIT_LENGTH, UNVERIFIED_LENGTH)
-    left = [UNVERIFIED_KILOSTEPS]
-
-    def budget() -> bool:
-        left[0] -= 1
-        return left[0] < 0  # True interrupts the statement
-
-    conn.set_progress_handler(budget, 1000)
+    conn.set_progress_handler(_Budget(), _BUDGET_STEPS)
     return conn
+
+
+class _Budget:
+    """``connect``'s progress handler until the schema is verified: True (interrupt)
+    once the connection's statements took ``UNVERIFIED_KILOSTEPS`` thousand steps or
+    ``UNVERIFIED_CPU_SECONDS`` of CPU, counted on each thread between two of its calls
+    (a connection may be used by more than one thread; what a thread does between its
+    calls, outside SQLite, is small next to the bound)."""
+
+    __slots__ = ("steps", "cpu", "last")
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self.cpu = 0.0
+        self.last: dict[int, float] = {}
+
+    def __call__(self) -> bool:
+        self.steps += _BUDGET_STEPS
+        now = time.thread_time()
+        thread = threading.get_ident()
+        self.cpu += now - self.last.get(thread, now)
+        self.last[thread] = now
+        return self.steps > UNVERIFIED_KILOSTEPS * 1000 or self.cpu > UNVERIFIED_CPU_SECONDS
 
 
 #: SQLite instructions between two calls of a long statement's ``tick`` (``ticking``).
@@ -273,8 +298,8 @@ class SchemaOverBudget(SpoolCorrupt):
         what = "made a value too long" if isinstance(exc, apsw.TooBigError) else "took too long"
         super().__init__(
             f"{path}: loading its schema {what} for walspool's bounds before any check "
-            f"({UNVERIFIED_LENGTH} bytes, {UNVERIFIED_KILOSTEPS} thousand steps): "
-            + _OVER_BUDGET_ADVICE,
+            f"({UNVERIFIED_LENGTH} bytes, {UNVERIFIED_KILOSTEPS} thousand steps, "
+            f"{UNVERIFIED_CPU_SECONDS:g} s of CPU): " + _OVER_BUDGET_ADVICE,
             path=path,
         )
 
