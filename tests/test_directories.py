@@ -282,6 +282,24 @@ from walspool.cli import main
 codes = {main(["stats", sys.argv[1], "--json"]) for _ in range(int(sys.argv[2]))}
 print("codes", sorted(codes))
 """
+#: ``READ_LOOP`` through the library, in root's own process (the CLI runs root's
+#: commands on another user's spool in a child that became the owner): SQLite opens
+#: every file as root here, and only the open hook stands between it and a chown.
+LIBRARY_READ_LOOP = """
+import sys
+import walspool
+
+def read():
+    try:
+        with walspool.Spool(sys.argv[1]) as spool:
+            spool.stats()
+        return 0
+    except walspool.WalspoolError:
+        return 1
+
+codes = {read() for _ in range(int(sys.argv[2]))}
+print("codes", sorted(codes))
+"""
 
 
 @as_root
@@ -369,13 +387,16 @@ def test_a_hard_link_planted_as_the_journal_is_never_given_away(shared_tmp, comm
 
 
 @as_root
+@pytest.mark.parametrize("reader", ["cli", "library"])
 @pytest.mark.parametrize("name", ["spool.db-journal", "spool.db-wal"])
-def test_a_hard_link_swapped_in_after_the_check_is_never_given_away(shared_tmp, name):
+def test_a_hard_link_swapped_in_after_the_check_is_never_given_away(shared_tmp, name, reader):
     """The owner puts a hard link to a file of root's at ``-journal`` (linked and
     unlinked) or exchanges it with the running gateway's genuine ``-wal``, as fast as
-    it can, while root runs ``stats`` over and over: every reading returns (read or
-    refused) and root's file stays root's (before: given to the owner within a few
-    hundred readings; SQLite's open is now checked on its own descriptor)."""
+    it can, while root reads the spool over and over: with ``stats`` (run in a child
+    that became the owner) or the library in root's own process (``walspool.Spool``,
+    SQLite opening files as root: only the open hook, checking SQLite's own descriptor,
+    refuses the link). Every reading returns (read or refused) and root's file stays
+    root's (before: given to the owner within a few hundred readings)."""
     home = owned_dir(shared_tmp / "hermes", OWNER)
     spool_path = gateway_spool(home)
     victim = root_file(shared_tmp, 0o666)
@@ -400,9 +421,10 @@ def test_a_hard_link_swapped_in_after_the_check_is_never_given_away(shared_tmp, 
             else:
                 os.link("link", "spool.db-journal")
         """
+    loop = READ_LOOP if reader == "cli" else LIBRARY_READ_LOOP
     with gateway_running(spool_path), swapping(home, name, "link", setup):
         done = subprocess.run(
-            [sys.executable, "-c", READ_LOOP, str(spool_path), str(TRIES)],
+            [sys.executable, "-c", loop, str(spool_path), str(TRIES)],
             capture_output=True,
             text=True,
             timeout=BOUND * 3,
