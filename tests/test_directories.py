@@ -594,6 +594,42 @@ def test_roots_replay_into_another_users_state_db_runs_as_that_user(shared_tmp, 
 
 
 @as_root
+def test_roots_replay_shows_a_payload_of_raw_bytes_escaped_and_moves_the_rest(
+    shared_tmp, capfdbinary
+):
+    """The owner's spool holds a row whose payload is bytes that are not UTF-8, with a
+    terminal's escape sequence among them (a hand edit), before a good row. Root's
+    replay into the owner's state.db, run in a child as the owner, quarantines that
+    row and moves the other; nothing root's terminal receives (the child's lines, and
+    root's own) carries the raw bytes: the escape and the bad byte arrive escaped."""
+    home = owned_dir(shared_tmp / "hermes", OWNER)
+    spool_path = gateway_spool(home)
+    done = as_user(
+        OWNER,
+        "import sys, apsw, walspool\n"
+        "with walspool.Spool(sys.argv[1]) as s: s.append('s', {'role': 'user', 'content': 'y'})\n"
+        "conn = apsw.Connection(sys.argv[1])\n"
+        "conn.execute(\"UPDATE records SET payload = CAST(X'ff1b5b33316d7b' AS TEXT) \"\n"
+        '             "WHERE seq = 1")\n'
+        "conn.close()",
+        str(spool_path),
+    )
+    assert done.returncode == 0, done.stderr
+    state_db = hermes_state_db(home / "state.db", OWNER)
+    code = main(["replay", str(spool_path), "--into", str(state_db)])
+    said = capfdbinary.readouterr()
+    shown = said.out + said.err
+    assert code != 0 and messages(state_db) == 1, shown
+    assert b"\x1b" not in shown and b"\xff" not in shown, shown
+    assert b"quarantined" in shown, shown
+    assert main(["show", str(spool_path), "s"]) == 1  # one bad row among them
+    said = capfdbinary.readouterr()
+    shown = said.out + said.err
+    assert b"\x1b" not in shown and b"\xff" not in shown, shown
+    assert b"[NOT JSON]" in shown and b"\\x1b" in shown, shown
+
+
+@as_root
 def test_roots_replay_of_its_own_spool_into_another_users_state_db_says_why_it_cannot(
     shared_tmp, capfd
 ):
