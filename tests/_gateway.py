@@ -80,14 +80,16 @@ def told_drops(caplog: pytest.LogCaptureFixture, session_id: str) -> int:
 
 
 class Clock:
-    """A link's clock (``link.clock = Clock()``): monotonic time plus what the test
-    moved it by."""
+    """A link's clock (``link.clock = Clock()``): the monotonic time it was made at plus
+    what the test moved it by, and nothing else: no result depends on real time
+    passing beside it (a loaded machine's slow step is no second on this clock)."""
 
     def __init__(self) -> None:
+        self.start = time.monotonic()
         self.moved = 0.0
 
     def __call__(self) -> float:
-        return time.monotonic() + self.moved
+        return self.start + self.moved
 
     def move(self, seconds: float) -> None:
         self.moved += seconds
