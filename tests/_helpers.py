@@ -27,10 +27,10 @@ CHILD_DEADLINE = 120.0
 
 def doc_section(title: str) -> str:
     """The text of the ``## title`` section of README.md or of a page in docs/, up to
-    the next ``## `` heading."""
+    the next ``## `` heading; or of the page titled ``# title``, up to its first."""
     for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
         text = path.read_text(encoding="utf-8")
-        start = text.find(f"\n## {title}\n")
+        start = 0 if text.startswith(f"# {title}\n") else text.find(f"\n## {title}\n")
         if start != -1:
             end = text.find("\n## ", start + 1)
             return text[start : end if end != -1 else len(text)]

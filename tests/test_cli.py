@@ -158,7 +158,7 @@ def damaged_copy(tmp_path: Path) -> Path:
 
 
 def test_every_command_has_help_and_a_readme_entry(capsys: pytest.CaptureFixture[str]) -> None:
-    commands = section("Command line")
+    commands = section("Commands")
     assert {name for name, *_ in COMMANDS} == {
         "stats", "ls", "show", "replay", "export", "import-json", "check", "requeue",
         "drop", "vacuum", "watch", "metrics", "demo",
@@ -171,7 +171,7 @@ def test_every_command_has_help_and_a_readme_entry(capsys: pytest.CaptureFixture
         out = capsys.readouterr().out
         assert f"usage: walspool {name}" in out
         assert fn.__doc__.strip().splitlines()[0] in out
-        assert f"`walspool {name}" in commands, f"README's Command line lacks walspool {name}"
+        assert f"`walspool {name}" in commands, f"docs/cli.md's Commands lack walspool {name}"
     with pytest.raises(SystemExit) as exit_:
         main(["--help"])
     assert exit_.value.code == 0
@@ -210,7 +210,7 @@ def test_bad_usage_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_json_contract_is_documented() -> None:
-    contract = section("Command line")
+    contract = section("Commands")
     for keys in (
         STATS_KEYS,
         LS_KEYS,

@@ -268,7 +268,9 @@ def test_the_replay_snippet_moves_rows_into_a_real_session_db_as_printed(
             ("s2", msg("where is it?")),
             ("s3", msg("after")),
         ])  # fmt: skip
-        report = run_snippet("Replaying", {"spool": spool, "session_db": session_db})["report"]
+        report = run_snippet("How a replay moves rows", {"spool": spool, "session_db": session_db})[
+            "report"
+        ]
         missing = (
             "session s2 does not exist in state.db (FOREIGN KEY constraint failed); "
             "replay with create_missing=True to create it"
