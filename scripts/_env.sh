@@ -30,7 +30,7 @@ make_venv() {
 venv="$root/.venv"
 upstream_venv="$root/.venv-upstream"
 axisrow_venv="$root/.venv-axisrow"
-make_venv "$venv" "test,hermes"
+make_venv "$venv" "test,hermes,package"
 upstream_venv() { make_venv "$upstream_venv" "test,upstream"; }
 axisrow_venv() { make_venv "$axisrow_venv" "test,axisrow"; }
 export PATH="$venv/bin:$PATH"

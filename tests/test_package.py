@@ -50,16 +50,19 @@ def sources(files: list[str], prefix: str) -> set[str]:
 
 
 def test_the_sdist_builds_a_wheel_that_installs_alone_and_works_in_the_gateway(tmp_path):
-    """``python -m build`` makes the sdist and the wheel from it; both hold every module of
-    the tree's package; the wheel installed with ``pip --no-deps`` (the gateway has apsw
-    and msgspec) runs the plugin and the demo from its own files, with the console
-    script beside them."""
+    """``python -m build`` makes the sdist and the wheel from it; both pass ``twine check
+    --strict`` and hold every module of the tree's package; the wheel installed with
+    ``pip --no-deps`` (the gateway has apsw and msgspec) runs the plugin and the demo
+    from its own files, with the console script beside them."""
     tree = {str(p.relative_to(ROOT)) for p in (ROOT / "walspool").rglob("*")}
     expected = {name for name in tree if name.endswith((".py", "py.typed"))}
     dist = tmp_path / "dist"
     run([sys.executable, "-m", "build", "--outdir", str(dist), str(ROOT)])
     (sdist,) = dist.glob("walspool-*.tar.gz")
     (wheel,) = dist.glob("walspool-*-py3-none-any.whl")
+    # The package index's own check of both: metadata, and the README as their page.
+    checked = run([sys.executable, "-m", "twine", "check", "--strict", str(sdist), str(wheel)])
+    assert checked.stdout.count("PASSED") == 2, checked.stdout
     with tarfile.open(sdist) as archive:
         top = archive.getnames()[0].split("/")[0] + "/"
         assert sources(archive.getnames(), top) == expected
