@@ -36,8 +36,9 @@ from walspool.store.schema import SCHEMA_VERSION
 KEY = "agent:main:telegram:dm:42"
 
 STATS_KEYS = {
-    "spool", "rows", "sessions", "bytes", "oldest", "newest", "by_reason", "failing",
-    "inflight", "db_bytes", "wal_bytes", "quarantined", "superseded", "oldest_age",
+    "spool", "rows", "sessions", "bytes", "oldest", "newest", "by_reason", "bytes_by_reason",
+    "failing", "failing_sessions", "inflight", "db_bytes", "wal_bytes", "quarantined",
+    "superseded", "quarantined_bytes", "superseded_bytes", "oldest_age",
     "newest_age", "open_by", "last_errors", "drained_total", "quarantined_total",
     "memory_lost_total", "memory",
 }  # fmt: skip

@@ -69,6 +69,27 @@ def test_the_metrics_say_what_stats_says_and_parse_as_openmetrics(spool, capsys)
     assert got[("walspool_rows", (("reason", walspool.AGENT_HISTORY),))] == 1
     assert got[("walspool_sessions", ())] == 3
     assert (got[("walspool_failing_rows", ())], got[("walspool_quarantined_rows", ())]) == (2, 1)
+    # Bytes by reason add up to the payload bytes stats counts; by status, the set-aside
+    # rows' own; failing sessions, the streams with a failing row.
+    assert main(["stats", str(spool), "--json"]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    by_reason = {
+        labels[0][1]: v for (name, labels), v in got.items() if name == "walspool_payload_bytes"
+    }
+    assert by_reason == stats["bytes_by_reason"] and sum(by_reason.values()) == stats["bytes"]
+    with walspool.Spool(spool) as s:
+        (set_aside,) = s.query(
+            "SELECT coalesce(sum(size), 0) FROM records WHERE status = 'quarantined'", ()
+        )
+        (failing,) = s.query(
+            "SELECT count(DISTINCT coalesce(session_id, 'key:' || session_key)) FROM records "
+            "WHERE last_error IS NOT NULL",
+            (),
+        )
+    quarantined = (("status", "quarantined"),)
+    assert got[("walspool_set_aside_payload_bytes", quarantined)] == set_aside[0] > 0
+    assert got[("walspool_set_aside_payload_bytes", (("status", "superseded"),))] == 0
+    assert got[("walspool_failing_sessions", ())] == failing[0] == stats["failing_sessions"]
     assert (got[("walspool_in_flight_rows", ())], got[("walspool_superseded_rows", ())]) == (1, 0)
     assert 3600 <= got[("walspool_oldest_row_age_seconds", ())] < 3600 + 600
     assert 30 <= got[("walspool_last_error_age_seconds", ())] < 90

@@ -25,10 +25,12 @@ CONTENT_TYPE = "application/openmetrics-text; version=1.0.0; charset=utf-8"
 def run(args: argparse.Namespace) -> int:
     """Print the spool's metrics in OpenMetrics text; --listen serves them instead.
 
-    Gauges, each labelled with the spool's path: walspool_rows (by reason),
-    walspool_sessions, walspool_payload_bytes, walspool_file_bytes (file="db", "wal"),
+    Gauges, each labelled with the spool's path: walspool_rows and
+    walspool_payload_bytes (by reason), walspool_set_aside_payload_bytes (by status:
+    quarantined, superseded), walspool_sessions, walspool_file_bytes (file="db", "wal"),
     walspool_oldest_row_age_seconds (0 for an empty spool), walspool_failing_rows (a
-    write of theirs failed), walspool_in_flight_rows, walspool_quarantined_rows,
+    write of theirs failed) and walspool_failing_sessions (with such a row),
+    walspool_in_flight_rows, walspool_quarantined_rows,
     walspool_superseded_rows, walspool_last_error_age_seconds (only while rows with an
     error are there), walspool_open_processes (processes that have the spool open: 0
     means no gateway drains it; left out where the system cannot tell), and, per
@@ -106,7 +108,16 @@ def read(spool: Path) -> list[Family]:
         [({"reason": reason}, n) for reason, n in stats["by_reason"].items()],
     )
     family("walspool_sessions", "Sessions with rows in the spool.", [({}, stats["sessions"])])
-    family("walspool_payload_bytes", "Payload bytes of the rows.", [({}, stats["bytes"])])
+    family(
+        "walspool_payload_bytes",
+        "Payload bytes of the rows, by the reason they were spooled.",
+        [({"reason": reason}, n) for reason, n in stats["bytes_by_reason"].items()],
+    )
+    family(
+        "walspool_set_aside_payload_bytes",
+        "Payload bytes of the rows set aside, by status: quarantined, superseded.",
+        [({"status": s}, stats[f"{s}_bytes"]) for s in ("quarantined", "superseded")],
+    )
     family(
         "walspool_file_bytes",
         "Bytes of the spool's database file and of its write-ahead log.",
@@ -119,6 +130,7 @@ def read(spool: Path) -> list[Family]:
     )
     for name, key, help in (
         ("walspool_failing_rows", "failing", "Rows whose last write failed, with its error."),
+        ("walspool_failing_sessions", "failing_sessions", "Sessions with a failing row."),
         ("walspool_in_flight_rows", "inflight", "Rows out with a replay or a gateway's drain."),
         ("walspool_quarantined_rows", "quarantined", "Rows state.db refused: never replayed."),
         ("walspool_superseded_rows", "superseded", "Rows a transcript rewrite replaced."),

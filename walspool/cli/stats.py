@@ -155,7 +155,8 @@ def read_stats(conn: apsw.Connection, path: Path, now: float) -> dict[str, Any]:
     with conn:
         s = totals.stats(conn, path)
         inflight = totals.in_flight(conn)
-        by_status = totals.by_status(conn)
+        set_aside = totals.set_aside(conn)
+        failing_sessions = totals.failing_streams(conn)
         recent = totals.recent_errors(conn, CHARS, LAST_ERRORS * 40)
         counted = totals.counters(conn)
         held = memory.read(conn)
@@ -167,12 +168,16 @@ def read_stats(conn: apsw.Connection, path: Path, now: float) -> dict[str, Any]:
         "oldest": iso(s.oldest),
         "newest": iso(s.newest),
         "by_reason": dict(sorted(s.by_reason.items())),
+        "bytes_by_reason": dict(sorted(s.bytes_by_reason.items())),
         "failing": s.failing,
+        "failing_sessions": failing_sessions,
         "inflight": inflight,
         "db_bytes": s.db_bytes,
         "wal_bytes": s.wal_bytes,
-        "quarantined": by_status.get(QUARANTINED, 0),
-        "superseded": by_status.get(SUPERSEDED, 0),
+        "quarantined": set_aside.get(QUARANTINED, (0, 0))[0],
+        "superseded": set_aside.get(SUPERSEDED, (0, 0))[0],
+        "quarantined_bytes": set_aside.get(QUARANTINED, (0, 0))[1],
+        "superseded_bytes": set_aside.get(SUPERSEDED, (0, 0))[1],
         "oldest_age": None if s.oldest is None else max(now - s.oldest, 0.0),
         "newest_age": None if s.newest is None else max(now - s.newest, 0.0),
         "last_errors": _latest_per_session(recent, now),

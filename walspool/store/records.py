@@ -77,3 +77,5 @@ class Stats(msgspec.Struct, frozen=True):
     failing: int
     db_bytes: int
     wal_bytes: int
+    #: Payload bytes by reason (``by_reason`` counts the rows).
+    bytes_by_reason: dict[str, int] = msgspec.field(default_factory=dict)

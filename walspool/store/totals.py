@@ -43,7 +43,17 @@ _FAILING_SQL = "SELECT count(*) FROM records WHERE last_error IS NOT NULL"
 _UID_SQL = "SELECT value FROM spool_meta WHERE name = 'uid'"
 _IN_FLIGHT_SQL = "SELECT count(*) FROM records WHERE inflight IS NOT NULL"
 _IN_FLIGHT_TICKETS_SQL = "SELECT id, inflight FROM records WHERE inflight IS NOT NULL"
-_STATUS_COUNT_SQL = "SELECT status, count(*) FROM records WHERE status IS NOT NULL GROUP BY status"
+_STATUS_SQL = """
+SELECT status, count(*), coalesce(sum(size), 0) FROM records INDEXED BY records_status_idx
+WHERE status IS NOT NULL GROUP BY status
+"""
+#: Streams with a row whose last write failed (read from the index of those rows).
+_FAILING_STREAMS_SQL = """
+SELECT count(*) FROM (
+    SELECT DISTINCT session_id, CASE WHEN session_id IS NULL THEN session_key END
+    FROM records INDEXED BY records_last_error_idx WHERE last_error IS NOT NULL
+)
+"""
 #: Rows ever appended: an append takes its stream's next seq (1, 2, 3, ...), so a
 #: stream has had as many rows as the highest seq it handed out: the larger of its
 #: highest seq still in ``records`` and the next seq ``sequences`` keeps for it, less
@@ -101,6 +111,7 @@ def stats(conn: apsw.Connection, path: Path, *, sessions: bool = True) -> Stats:
         failing=failing,
         db_bytes=_size(path),
         wal_bytes=_size(Path(f"{path}-wal")),
+        bytes_by_reason={r[0]: r[2] or 0 for r in by_reason},
     )
 
 
@@ -121,7 +132,17 @@ def in_flight_tickets(conn: apsw.Connection) -> list[tuple[int, int]]:
 
 def by_status(conn: apsw.Connection) -> dict[str, int]:
     """Rows set aside, by status (quarantined, superseded)."""
-    return dict(conn.execute(_STATUS_COUNT_SQL).fetchall())
+    return {status: rows for status, (rows, _) in set_aside(conn).items()}
+
+
+def set_aside(conn: apsw.Connection) -> dict[str, tuple[int, int]]:
+    """Rows set aside and their payload bytes, by status (quarantined, superseded)."""
+    return {status: (rows, size) for status, rows, size in conn.execute(_STATUS_SQL)}
+
+
+def failing_streams(conn: apsw.Connection) -> int:
+    """Sessions (streams: by id, or by key only) with a row whose last write failed."""
+    return int(conn.execute(_FAILING_STREAMS_SQL).get)
 
 
 def add(conn: apsw.Connection, name: str, rows: int) -> None:
