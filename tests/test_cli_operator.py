@@ -346,9 +346,10 @@ def test_ids_that_read_as_one_number_with_thousands_separators_are_refused(
     assert digest(set_aside) == before
     if command == "drop":
         rc, out, err = run(capsys, "drop", set_aside, "--id", "1198,1199,12", "--json")
-        assert json.loads(out)["missing"] == []
-        assert json.loads(out)["would_drop"] == [1198, 1199]
-        assert rc == 1 and "12 (replayable, not set aside)" in err  # all or none
+        got = json.loads(out)
+        assert got["missing"] == [] and sorted(r["id"] for r in got["rows"]) == [12, 1198, 1199]
+        assert got["would_drop"] == []  # all or none: 12 is refused
+        assert rc == 1 and "12 (replayable, not set aside)" in err
 
 
 def test_drop_without_yes_shows_what_it_would_drop_and_says_what_yes_would_refuse(
@@ -356,7 +357,8 @@ def test_drop_without_yes_shows_what_it_would_drop_and_says_what_yes_would_refus
 ):
     """Without --yes: the rows it would drop, and exit 3 ("pass --yes") when --yes would
     drop them all; when it would refuse (a row missing, replayable or in flight: all or
-    none), exit 1 with the error --yes would give, never "pass --yes"."""
+    none), it would drop none (each row still listed with its state), and exits 1 with
+    the error --yes would give, never "pass --yes"."""
     before = digest(set_aside)
     rc, out, err = run(capsys, "drop", set_aside, "--id", "1198,1199")
     assert rc == 3 and "pass --yes" in err
@@ -367,7 +369,7 @@ def test_drop_without_yes_shows_what_it_would_drop_and_says_what_yes_would_refus
         "1201 (a replay has it out)\n"
     )
     lines = out.splitlines()
-    assert lines[0] == f"drop would take 3 rows of {set_aside}:"
+    assert lines[0] == f"drop would take no rows of {set_aside} (all or none, and 1 row refused):"
     assert lines[1].split() == ["ID", "SESSION", "SEQ", "STATUS", "REASON", "LAST", "ERROR"]
     assert [line.split()[:4] for line in lines[2:]] == [
         ["1198", "s", "1198", "quarantined"],
@@ -380,7 +382,7 @@ def test_drop_without_yes_shows_what_it_would_drop_and_says_what_yes_would_refus
     got = json.loads(out)
     assert rc == 1 and (got["command"], got["exit"]) == ("drop", 1)
     assert got["error"].endswith("9999 (no such row), 5 (replayable, not set aside)")
-    assert (got["would_drop"], got["missing"]) == ([1000], [9999])
+    assert (got["would_drop"], got["missing"]) == ([], [9999])  # all or none: none
     rc, _, err = run(capsys, "drop", set_aside, "--id", "5,1000,9999", "--yes")
     assert rc == 1 and "9999 (no such row)" in err and "5 (replayable, not set aside)" in err
     assert [(r["id"], r["status"]) for r in got["rows"]] == [(5, None), (1000, "superseded")]

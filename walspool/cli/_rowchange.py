@@ -93,25 +93,32 @@ def run_change(args: argparse.Namespace, command: str, change: Change, done: str
 
 def preview(args: argparse.Namespace, command: str) -> dict[str, Any]:
     """What ``command`` would change, printed (a table, or with --json one object), and
-    returned: ``{"spool", "would_<command>": ids, "rows": [...], "missing": ids}``."""
+    returned: ``{"spool", "would_<command>": ids, "rows": [...], "missing": ids}``. All
+    the rows named or none: when --yes would refuse one (``problems``), it would take
+    none, and ``rows`` still shows each selected row's state."""
     with reading(args.spool) as reader:
         rows = selected(reader, args)
     found = {row["id"] for row in rows}
     missing = [i for i in dict.fromkeys(args.ids or ()) if i not in found]
-    out = {
-        "spool": str(args.spool),
-        f"would_{command}": [row["id"] for row in rows if _set_aside(row)],
-        "rows": rows,
-        "missing": missing,
-    }
     #: Why the change with --yes would refuse (all or none): "ID (why)" for each row.
-    out["problems"] = [f"{i} (no such row)" for i in missing] + [
+    problems = [f"{i} (no such row)" for i in missing] + [
         f"{r['id']} ({_refused_because(r)})" for r in rows if not _set_aside(r)
     ]
+    out = {
+        "spool": str(args.spool),
+        f"would_{command}": [] if problems else [row["id"] for row in rows],
+        "rows": rows,
+        "missing": missing,
+        "problems": problems,
+    }
     if args.json:
         return out
-    taken = plural(len(out[f"would_{command}"]), "row")
-    print(f"{command} would take {taken} of {printable(args.spool)}:")
+    spool = printable(args.spool)
+    if problems:
+        refused = plural(len(problems), "row")
+        print(f"{command} would take no rows of {spool} (all or none, and {refused} refused):")
+    else:
+        print(f"{command} would take {plural(len(rows), 'row')} of {spool}:")
     lines = [
         (
             str(r["id"]),
