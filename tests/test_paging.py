@@ -618,3 +618,21 @@ def test_ls_and_watch_list_streams_oldest_first_a_page_at_a_time(tmp_path, capsy
     assert names[:3] == ["d", "k0", long_key]
     assert rows_at[:2] == [len("SESSION")] * 2 == [lines[0].index("ROWS") - 2] * 2
     assert rows_at[2:] == [CELL_WIDTH] * (len(streams) - 2)
+
+
+def test_ls_and_watch_list_a_session_id_edited_to_the_empty_string(tmp_path, capsys):
+    """A hand edit leaves a session id empty (''): a name like any other, listed by
+    ``ls`` (as ``''``, pasteable), ``ls --json`` and ``watch --json``, not taken for
+    the group of names too long to sort."""
+    path = tmp_path / "spool.db"
+    with walspool.Spool(path) as spool:
+        spool.append("x", {"role": "user", "content": "a"})
+        spool.append("y", {"role": "user", "content": "b"})
+    edit(path, ("UPDATE records SET session_id = '' WHERE session_id = 'x'", ()))
+    assert main(["ls", str(path)]) == 0
+    assert [line.split()[0] for line in capsys.readouterr().out.splitlines()[1:]] == ["''", "y"]
+    assert main(["ls", str(path), "--json"]) == 0
+    assert [s["session_id"] for s in json.loads(capsys.readouterr().out)] == ["", "y"]
+    assert main(["watch", str(path), "--json", "--interval", "0.1"]) == 0
+    watched = json.loads(capsys.readouterr().out)
+    assert (watched["sessions"], [s["session_id"] for s in watched["streams"]]) == (2, ["", "y"])

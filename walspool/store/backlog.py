@@ -193,10 +193,10 @@ def _line(conn: apsw.Connection, row: tuple[Any, ...]) -> Line:
     sid, key, rows, size, oldest, newest, attempts, *counts, first_row, latest_row = row
     quarantined, superseded, inflight, failed, failing, replayable_inflight = counts
     waiting = rows - quarantined - superseded - replayable_inflight
+    name = sid if sid is not None else key  # None: the group of names past CHARS
     line = Line(
         sid, key, rows, size, oldest, newest, attempts, None, quarantined, superseded, inflight,
-        held(failed, waiting), 0 if sid is None and key is None else len(sid or key),
-        failing=failing,
+        held(failed, waiting), 0 if name is None else len(name), failing=failing,
     )  # fmt: skip
     if first_row is None:
         return line
