@@ -345,10 +345,7 @@ async def run(mode: str, n: int, after: str) -> dict[str, Any]:
         await together("heal")
         healed(db)
         if after == "message" or mode != "outage":
-            for sid in SESSIONS:
-                last = {"role": "user", "content": f"{sid}-last", "timestamp": int(time.time())}
-                sent[sid].append(last)
-                store.append_to_transcript(sid, last)
+            await one_more_each(store, sent)
         if mode == "spool-deleted":  # fewer land than were sent: each session's last, then
             await settle_last(db)
         else:
@@ -364,10 +361,7 @@ async def run(mode: str, n: int, after: str) -> dict[str, Any]:
                 sent[sid].append(after_drop)
                 store.append_to_transcript(sid, after_drop)
             await settle(db, sent)
-        result["sent"] = {sid: [(m["role"], m["content"]) for m in sent[sid]] for sid in SESSIONS}
-        result["landed"] = {
-            sid: [(m["role"], m["content"]) for m in messages(db, sid)] for sid in SESSIONS
-        }
+        result.update(sent_and_landed(db, sent))
     await runner.stop()
     return result
 
@@ -452,26 +446,17 @@ async def beside_a_held_replay_lock(
     holder = holder or LockHolder("replay")
     try:
         healed(db)
-        for sid in SESSIONS:
-            live = {"role": "user", "content": f"{sid}-while-held", "timestamp": int(time.time())}
-            sent[sid].append(live)
-            store.append_to_transcript(sid, live)
+        await one_more_each(store, sent, "while-held")
         while_held = {sid: len(messages(db, sid)) for sid in SESSIONS}
         holder.release()
     finally:
         holder.kill()
-    for sid in SESSIONS if not quiet else ():
-        last = {"role": "user", "content": f"{sid}-last", "timestamp": int(time.time())}
-        sent[sid].append(last)
-        store.append_to_transcript(sid, last)
+    if not quiet:
+        await one_more_each(store, sent)
     # A restart's rows were sent by the last run: n of them a session, before these.
     earlier = n if restarted else 0
     await settle(db, {sid: [{}] * earlier + rows for sid, rows in sent.items()})
-    return {
-        "while_held": while_held,
-        "sent": {sid: [(m["role"], m["content"]) for m in sent[sid]] for sid in SESSIONS},
-        "landed": {sid: [(m["role"], m["content"]) for m in messages(db, sid)] for sid in SESSIONS},
-    }
+    return {"while_held": while_held, **sent_and_landed(db, sent)}
 
 
 async def heal_beside_a_locked_spool(store: Any, n: int) -> dict[str, Any]:
@@ -484,17 +469,11 @@ async def heal_beside_a_locked_spool(store: Any, n: int) -> dict[str, Any]:
     holder = LockHolder("write")
     try:
         healed(db)
-        for sid in SESSIONS:
-            last = {"role": "user", "content": f"{sid}-last", "timestamp": int(time.time())}
-            sent[sid].append(last)
-            await asyncio.to_thread(store.append_to_transcript, sid, last)
+        await one_more_each(store, sent, threads=True)
         holder.release()
     finally:
         holder.kill()
-    return {
-        "sent": {sid: [(m["role"], m["content"]) for m in sent[sid]] for sid in SESSIONS},
-        "landed": {sid: [(m["role"], m["content"]) for m in messages(db, sid)] for sid in SESSIONS},
-    }
+    return sent_and_landed(db, sent)
 
 
 async def heal_beside_a_locked_state_db(store: Any, n: int) -> dict[str, Any]:
@@ -512,19 +491,13 @@ async def heal_beside_a_locked_state_db(store: Any, n: int) -> dict[str, Any]:
     letting_go = threading.Timer(HOLD_SECONDS, holder.release)
     letting_go.start()
     try:
-        for sid in SESSIONS:
-            last = {"role": "user", "content": f"{sid}-last", "timestamp": int(time.time())}
-            sent[sid].append(last)
-            await asyncio.to_thread(store.append_to_transcript, sid, last)
+        await one_more_each(store, sent, threads=True)
         letting_go.join()
     finally:
         letting_go.cancel()
         holder.kill()
     await settle(db, sent)
-    return {
-        "sent": {sid: [(m["role"], m["content"]) for m in sent[sid]] for sid in SESSIONS},
-        "landed": {sid: [(m["role"], m["content"]) for m in messages(db, sid)] for sid in SESSIONS},
-    }
+    return sent_and_landed(db, sent)
 
 
 #: Seconds ``statedb-locked-quiet`` holds state.db's lock: past 0.20's busy timeout
@@ -561,16 +534,9 @@ async def on_a_full_disk(store: Any, n: int) -> dict[str, Any]:
             store.append_to_transcript(sid, sent[sid][i])
     during = {sid: len(messages(db, sid)) for sid in SESSIONS}
     os.unlink(filler)
-    for sid in SESSIONS:
-        last = {"role": "user", "content": f"{sid}-last", "timestamp": int(time.time())}
-        sent[sid].append(last)
-        store.append_to_transcript(sid, last)
+    await one_more_each(store, sent)
     await settle_last(db)
-    return {
-        "during": during,
-        "sent": {sid: [(m["role"], m["content"]) for m in sent[sid]] for sid in SESSIONS},
-        "landed": {sid: [(m["role"], m["content"]) for m in messages(db, sid)] for sid in SESSIONS},
-    }
+    return {"during": during, **sent_and_landed(db, sent)}
 
 
 #: Holds a SQLite database's write lock (``argv[1]``) from "locked" to a line on stdin.
@@ -800,6 +766,29 @@ async def settle_last(db: Any) -> None:
         any(m["content"] == f"{sid}-last" for m in messages(db, sid)) for sid in SESSIONS
     ):
         await asyncio.sleep(0.05)
+
+
+async def one_more_each(
+    store: Any, sent: dict[str, list[dict[str, Any]]], label: str = "last", *, threads: bool = False
+) -> None:
+    """One more message to each session (``SESSIONS``), ``PREFIXn-label``, kept in
+    ``sent``; each on a thread of its own with ``threads`` (a call that may wait for a
+    lock held elsewhere, while the loop goes on)."""
+    for sid in SESSIONS:
+        message = {"role": "user", "content": f"{sid}-{label}", "timestamp": int(time.time())}
+        sent[sid].append(message)
+        if threads:
+            await asyncio.to_thread(store.append_to_transcript, sid, message)
+        else:
+            store.append_to_transcript(sid, message)
+
+
+def sent_and_landed(db: Any, sent: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """What was sent to each session and what state.db holds of it, as (role, content)."""
+    return {
+        "sent": {sid: [(m["role"], m["content"]) for m in sent[sid]] for sid in SESSIONS},
+        "landed": {sid: [(m["role"], m["content"]) for m in messages(db, sid)] for sid in SESSIONS},
+    }
 
 
 #: The file the result is written to (``sys.argv[1]``).

@@ -7,6 +7,7 @@ creating no file, holding nothing between readings.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import time
@@ -135,17 +136,18 @@ def _read(
         conn.set_progress_handler(stop, STOP_STEPS)
     try:
         with conn:  # one read transaction: every count from the same moment
-            s = totals.stats(conn, path, sessions=False)
+            s = totals.stats(conn, path)
             inflight = totals.in_flight(conn)
             by_status = totals.by_status(conn)
             appended = totals.appended(conn)
             uid = totals.uid(conn)
             held = memory.read(conn)
-            lines = iter_lines(conn)
-            oldest = list(itertools.islice(lines, MAX_STREAMS))
+            # The oldest lines only: the sessions are counted by the totals, not by
+            # reading each one's line (and its errors) to drop it.
+            with contextlib.closing(iter_lines(conn)) as lines:
+                oldest = list(itertools.islice(lines, MAX_STREAMS))
             if out is not None:
                 write_array(out, (_json_stream(conn, line, at) for line in oldest))
-            sessions = len(oldest) + sum(1 for _ in lines)  # counted, never held
     finally:
         conn.set_progress_handler(None)
     return Snapshot(
@@ -154,7 +156,7 @@ def _read(
         at=at,
         uid=str(uid),
         rows=s.rows,
-        sessions=sessions,
+        sessions=s.sessions,
         bytes=s.bytes,
         oldest=s.oldest,
         inflight=inflight,

@@ -94,12 +94,12 @@ ORDER BY 5 DESC, id DESC LIMIT :limit
 """
 
 
-def stats(conn: apsw.Connection, path: Path, *, sessions: bool = True) -> Stats:
-    """Rows, sessions (0 without ``sessions``: a count of distinct names), bytes, ages,
-    by reason, failing rows; the file sizes of ``path`` and its ``-wal``."""
+def stats(conn: apsw.Connection, path: Path) -> Stats:
+    """Rows, sessions (a count of distinct names), bytes, ages, by reason, failing rows;
+    the file sizes of ``path`` and its ``-wal``."""
     with conn:
         by_reason = [with_text(r, (0,)) for r in conn.execute(_BY_REASON_SQL)]
-        count = conn.execute(_SESSIONS_SQL).get if sessions else 0
+        count = conn.execute(_SESSIONS_SQL).get
         failing = conn.execute(_FAILING_SQL).get
     return Stats(
         rows=sum(r[1] for r in by_reason),
