@@ -948,7 +948,7 @@ def test_the_background_thread_claims_only_the_session_longest_due_with_nothing_
                 store._dirty_transcripts[session_id] = [{"role": "user", "content": "q"}]
         states["writing"].writer = Claim(background=False)
         states["waited"].waiters = 1
-        states["unconfirmed"].unconfirmed = 1
+        link.core.handoffs.handed("unconfirmed")
         for session_id, at in (("later", 100), ("sooner", 50), ("due", -1), ("first", -2)):
             claim = states[session_id].claim(background=True)
             states[session_id].due_at(claim, now + at)
@@ -960,7 +960,8 @@ def test_the_background_thread_claims_only_the_session_longest_due_with_nothing_
         assert [sid for sid, _, _ in claimed] == ["due"]
         assert link.background.due_sessions() == ([], now + 50)
         for state in states.values():  # leave nothing for the store's own shutdown
-            state.writer, state.waiters, state.unconfirmed = None, 0, 0
+            state.writer, state.waiters = None, 0
+        link.core.handoffs.settled("unconfirmed")
         store._dirty_transcripts.clear()
 
 

@@ -308,7 +308,7 @@ def test_a_lock_held_past_the_bound_takes_the_drop_path_and_the_gateway_goes_on(
         waits = [timed_append(store, "a", f"a{i}") for i in range(205)]
         assert max(waits) < APPEND_BOUND
         # the writer gives up after the bound: every eviction's callback runs
-        assert settle(link, lambda: link.core.sessions["a"].unconfirmed == 0)
+        assert settle(link, lambda: link.core.handoffs.pending("a") == 0)
     drops = [r.getMessage() for r in caplog.records if "dropping oldest" in r.getMessage()]
     assert len(drops) == 1 and "held its write lock for more than 0.3 s" in drops[0]
     sql(store, HEAL)
@@ -576,7 +576,7 @@ def test_the_links_log_lines_escape_session_ids(store, spool, caplog):
         for i in range(205):
             store.append_to_transcript(evil, msg(f"m{i}"))
         spool.flush()
-        assert settle(link, lambda: link.core.sessions[evil].unconfirmed == 0)
+        assert settle(link, lambda: link.core.handoffs.pending(evil) == 0)
     lines = [r.getMessage() for r in caplog.records if r.name.startswith("walspool")]
     spooled = [line for line in lines if "spooled oldest message" in line]
     assert len(spooled) == 5
@@ -600,7 +600,7 @@ def test_after_an_outage_sessions_with_backlogs_take_turns(store, spool, monkeyp
     for i in range(210):
         store.append_to_transcript("small", msg(f"small-{i}"))
     spool.flush()
-    assert settle(link, lambda: not any(s.unconfirmed for s in link.core.sessions.values()))
+    assert settle(link, lambda: not any(link.core.handoffs.pending(s) for s in link.core.sessions))
     sql(store, HEAL)
     with link.core.lock:  # both due now, "big" longest
         for session_id, at in (("big", 1.0), ("small", 2.0)):

@@ -645,11 +645,11 @@ def test_a_wait_for_evictions_looks_again_often_and_gives_up_at_its_bound(
             clock[0] += timeout or 0.0  # a look that found nothing
             return False
 
-    settled = link.core.settled
-    link.core.settled = Looks(link.core.lock)
+    settled = link.core.handoffs.condition
+    link.core.handoffs.condition = Looks(link.core.lock)
     monkeypatch.setattr(link, "clock", lambda: clock[0])
     store.append_to_transcript("s", msg("m3"))  # evicts m0, then waits for its commit
-    link.core.settled = settled
+    link.core.handoffs.condition = settled
     monkeypatch.undo()
     assert looks and all(w is not None and 0 < w <= bounds.BUSY_LOOK_SECONDS for w in looks)
     assert sum(looks) == pytest.approx(bounds.CONFIRM_WAIT)
@@ -839,7 +839,8 @@ def test_an_eviction_that_commits_after_its_writer_gave_up_wakes_the_session(
     assert joined(a)
     with link.core.lock:
         state = link.core.sessions["s"]
-        assert state.writer is None and state.unconfirmed == 1 and state.spooled == 1
+        assert state.writer is None and state.spooled == 1
+        assert link.core.handoffs.pending("s") == 1
     go_on.set()
     assert link.wait_idle(STEP)
     assert contents(store, "s") == ["m0", "m1", "m2", "m3", "m4"]
@@ -862,7 +863,7 @@ def test_a_rewrite_while_an_eviction_is_in_flight_forgets_the_session_once_it_co
     rewriter = in_thread(lambda: store._clear_dirty_transcript("s"))  # its supersede queues
     with link.core.lock:
         assert link.core.settled.wait_for(lambda: link.core.sessions["s"].generation == 1, STEP)
-        assert link.core.sessions["s"].unconfirmed == 1
+        assert link.core.handoffs.pending("s") == 1
     with caplog.at_level(logging.WARNING):
         go_on.set()
         assert joined(rewriter)
@@ -1850,7 +1851,7 @@ def test_a_shutdown_flush_of_several_sessions_keeps_each_ones_share_exact(store,
     counted, _ = link_shares.count(spool)
     with link.core.lock:
         shares = {s: link.core.shares.of(s) for s in ("a", "b", "c")}
-        assert all(not link.core.sessions[s].unconfirmed for s in ("a", "b", "c"))
+        assert all(not link.core.handoffs.pending(s) for s in ("a", "b", "c"))
     assert shares == counted and sorted(counted) == ["a", "b", "c"]
     link.close()
 
@@ -1889,7 +1890,7 @@ def test_a_shutdown_flush_while_evictions_are_uncommitted_counts_each_once(store
     flusher = in_thread(lambda: flushed.append(link.flush_queues()))
     with link.core.lock:
         assert link.core.settled.wait_for(lambda: not store._dirty_transcripts.get("s"), STEP)
-        assert link.core.sessions["s"].unconfirmed == 3
+        assert link.core.handoffs.pending("s") == 3
     go_on.set()
     assert joined(flusher) and flushed == [200]
     sql(store, HEAL)

@@ -315,7 +315,7 @@ def test_an_eviction_whose_commit_fails_is_said_dropped_and_the_session_goes_on(
         ]
         with link.core.lock:
             assert link.core.unconfirmed_bytes == 0 and link.core.shares.of("s") == 0
-            assert link.core.sessions["s"].unconfirmed == 0
+            assert link.core.handoffs.pending("s") == 0
         store.append_to_transcript("s", msg("m3"))  # evicts m1: spooled
         spool.flush()
         with link.core.lock:

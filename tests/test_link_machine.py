@@ -426,7 +426,6 @@ def test_only_the_claims_holder_changes_its_fields(change, holder):
 # (3, 150.0, 160.0), and on spooled from 2)
 EVENTS = [
     ("evicted", (3, 150.0, 160.0), 3),
-    ("settled", (3, 150.0, 160.0), 2),
     ("may_hold", (3, 150.0, 160.0), 2),
     ("wake", (3, 0.0, 0.0), 2),
     ("recovered", (0, 0.0, 0.0), 0),
@@ -444,7 +443,6 @@ def test_an_event_changes_what_the_holder_reads_never_what_it_wrote(event, backo
     state.backed_off(claim, 3, 150.0, 160.0)
     state.writing(claim, message := {"role": "user"})
     state.said(claim, 99.0)
-    state.unconfirmed = 1
     getattr(state, event)()
     assert (state.failures, state.retry_at, state.hold_until) == backoff
     assert state.spooled == spooled and state.writer is claim
@@ -548,44 +546,17 @@ SessionRecord.TestCase.settings = settings(max_examples=200, stateful_step_count
 TestSessionRecord = SessionRecord.TestCase
 
 
-@pytest.mark.parametrize(
-    "before, after, superseded",
-    [
-        # (evictions handed over before the rewrite, after it) -> the settles, in
-        # order, that find the eviction superseded
-        (0, 2, [False, False]),
-        (3, 0, [True, True, True]),
-        (2, 2, [True, True, False, False]),
-    ],
-)
-def test_the_evictions_a_rewrite_supersedes_are_the_first_to_settle(before, after, superseded):
-    """The spool's writer settles a session's evictions in the order they were handed
-    over: those handed over before a rewrite settle first, and only they read as
-    superseded (a replaced spool's return of them is not kept for a fresh spool)."""
-    state = LinkSession(spooled=0)
-    for _ in range(before):
-        state.evicted()
-    state.rewritten()
-    for _ in range(after):
-        state.evicted()
-    seen = []
-    for _ in range(before + after):
-        seen.append(state.superseded > 0)
-        state.settled()
-    assert seen == superseded
-    assert (state.unconfirmed, state.superseded) == (0, 0)
-
-
 def test_a_sessions_view_says_who_holds_it_and_what_waits():
     """``Session.view``: the holder, the evictions and rewrites, the backoff as the
     holder set it, and whether a queued message is out being written."""
     state = LinkSession(spooled=1)
-    assert state.view() == SessionView(Owner.NOBODY, 1, 0, 0, 0, 0.0, False)
+    assert state.view(0) == SessionView(Owner.NOBODY, 1, 0, 0, 0, 0.0, False)
     claim = state.claim(background=True)
     assert claim is not None
     state.writing(claim, {"role": "user", "content": "x"})
     state.rewritten()
-    view = state.view()
+    view = state.view(2)
+    assert view.unconfirmed == 2
     assert view.owner is Owner.BACKGROUND and view.writing and view.generation == 1
     gateway = Claim(background=False)
     assert gateway.owner is Owner.GATEWAY

@@ -971,3 +971,38 @@ def test_a_routing_mirror_others_can_replace_is_not_read(home, db, caplog):
         f"Not reading the gateway's routing mirror {path} (the directory {path.parent} of "
         "sessions.json is writable by group or others (mode 777)"
     )
+
+
+@pytest.mark.parametrize("rewritten", [False, True])
+def test_a_hand_off_that_fails_after_a_rewrite_of_its_session_is_not_reported_lost(
+    home, caplog, monkeypatch, rewritten
+):
+    """The drop-in keeps the link's account of hand-offs (``walspool.link.handoffs``): an
+    eviction handed to the writer meets the spool's write lock held by another process
+    and fails when the spool closes. Reported dropped, with a WARNING; but not when the
+    session's transcript was rewritten after it was handed off, as its row would have
+    been superseded."""
+    from _gateway import found_locked
+    from _lock_holder import write_lock_held
+
+    import walspool.store.writer as writer
+
+    monkeypatch.setattr(writer, "BUSY_RETRY_SECONDS", 3600.0)  # it fails at the close
+    monkeypatch.setattr(writer, "CLOSE_TIMEOUT", 0.1)
+    spool = sf.shared_spool()
+    rewrite = None
+    with write_lock_held(spool.path), caplog.at_level(logging.WARNING, "walspool"):
+        assert sf.spool_dropped_transcript_message("s", {"role": "user", "content": "m"})
+        assert found_locked(spool) and sf._handed_off(spool, "s") == 1
+        if rewritten:  # its supersede queues behind the eviction: on a thread
+            rewrite = threading.Thread(target=sf.transcript_rewritten, args=("s",))
+            rewrite.start()
+            with sf._handoffs:
+                assert sf._handoffs.wait_for(lambda: sf._handed.superseded((spool.path, "s")), STEP)
+        sf.close_shared_spools()
+        if rewrite is not None:
+            rewrite.join(STEP)
+            assert not rewrite.is_alive()
+    assert sf._handed_off(spool, "s") == 0
+    dropped = [m for m in logged(caplog, logging.WARNING) if "could not be committed" in m]
+    assert len(dropped) == (0 if rewritten else 1), dropped

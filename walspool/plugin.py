@@ -360,19 +360,9 @@ def _supersede_on_rewrite(store_class: type) -> None:
     @wraps(clear)
     def clear_and_supersede(self: Any, session_id: str) -> None:
         clear(self, session_id)
-        from .link.rewrites import supersede_rewritten
-        from .shutdown_flush import shared_spool
+        from .shutdown_flush import transcript_rewritten
 
-        try:
-            spool = shared_spool()
-        except Exception:  # noqa: BLE001 - the rewrite goes on; the rows stay, reported
-            log.exception(
-                "walspool could not supersede the spooled rows of session %s after its "
-                "transcript was rewritten (no spool); a replay would put them after it",
-                session_id,
-            )
-            return
-        supersede_rewritten(spool, session_id, log)
+        transcript_rewritten(session_id)
 
     setattr(clear_and_supersede, MARK, True)
     store_class._clear_dirty_transcript = clear_and_supersede

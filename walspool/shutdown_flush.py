@@ -67,7 +67,10 @@ from typing import Any
 
 from . import text
 from .errors import InvalidArgument, ReplayBusy, SpoolReplaced, UntrustedSpool, WalspoolError
+from .link import machine
 from .link.bounds import BUSY_LOOK_SECONDS, CONFIRM_WAIT
+from .link.handoffs import HandOffs
+from .link.rewrites import supersede_rewritten
 from .replay import upstream
 from .replay.jsonspool import FILE_PATTERN, QUARANTINE_PATTERN, import_json_spool
 from .replay.replayer import Replayer, ReplayReport
@@ -109,18 +112,19 @@ IMPORT_SOURCE_KEY = "_walspool_import"
 
 # CONFIRM_WAIT: seconds a drain waits for the spool's writer to commit what was handed
 # to it before (this session's evictions); none once the spool's write lock is found
-# held elsewhere. BUSY_LOOK_SECONDS: how often that wait looks. The link's bounds.
+# held elsewhere. BUSY_LOOK_SECONDS: how often a probe's wait looks. The link's bounds.
 #: Seconds a gateway that keeps what the spool refuses (0.22) waits for an eviction's
 #: commit; past it nothing is written and the gateway keeps the message.
 HANDOFF_SECONDS = 1.0
 
 _spools: dict[Path, Spool] = {}
 _spools_lock = threading.Lock()
+#: Guards the hand-offs, the probes and the keys left for drains below.
+_handoffs = threading.Condition()
 #: Evictions handed to a spool's writer and not yet committed, per (spool, session).
-_unconfirmed: dict[tuple[Path, str], int] = {}
+_handed = HandOffs(_handoffs)
 #: Spools with an empty transaction queued to learn whether their write lock is free.
 _probing: dict[Path, threading.Event] = {}
-_handoffs = threading.Condition()
 #: Per spool, by session: the routing keys whose spooled rows a start left for that
 #: session (held, or left to a running replay). The session's drain writes them after
 #: its own rows and counts them as remaining, so its live rows wait behind them.
@@ -241,7 +245,7 @@ def spool_dropped_transcript_message(session_id: str, message: dict[str, Any]) -
         spool.check_path()
         key = (spool.path, session_id)
         with _handoffs:
-            _unconfirmed[key] = _unconfirmed.get(key, 0) + 1
+            _handed.handed(key)
         try:
             if keeps:
                 try:
@@ -279,9 +283,12 @@ def _keeps_what_is_refused() -> bool:
 
 
 def _evicted(key: tuple[Path, str], request: Any) -> None:
-    """The writer's word on a hand-off (on whichever thread committed it)."""
-    _settled(key)
-    if request.error is not None:
+    """The writer's word on a hand-off (on whichever thread committed it). One that
+    failed after a rewrite of its session would have been superseded: not lost."""
+    with _handoffs:
+        superseded = _handed.superseded(key)
+        _handed.settled(key)
+    if request.error is not None and not superseded:
         log.warning(
             "Session DB transcript message evicted for %s could not be committed to %s; "
             "dropped: %s",
@@ -293,17 +300,38 @@ def _evicted(key: tuple[Path, str], request: Any) -> None:
 
 def _settled(key: tuple[Path, str]) -> None:
     with _handoffs:
-        left = _unconfirmed.get(key, 0) - 1
-        if left > 0:
-            _unconfirmed[key] = left
-        else:
-            _unconfirmed.pop(key, None)
-        _handoffs.notify_all()
+        _handed.settled(key)
 
 
 def _handed_off(spool: Spool, session_id: str) -> int:
     with _handoffs:
-        return _unconfirmed.get((spool.path, session_id), 0)
+        return _handed.pending((spool.path, session_id))
+
+
+def _drain_runs(spool: Spool, session_id: str) -> bool:
+    """Whether a gateway thread's drain of ``session_id`` runs now, decided as the
+    link's writer decides a drain (``walspool.link.machine.next_step``): once the
+    session's hand-offs committed (waited for at most ``CONFIRM_WAIT``, and not at all
+    once the spool's write lock is found held elsewhere), and while no other process
+    holds that lock. Otherwise the drain is left for later (the machine's yield)."""
+    key = (spool.path, session_id)
+    confirm_waited = False
+    with _handoffs:
+        while True:
+            facts = machine.Facts(
+                owner=machine.Owner.GATEWAY,
+                spooled=machine.Spooled.MAY_HOLD,
+                backoff=machine.Backoff.HEALTHY,
+                unconfirmed=bool(_handed.pending(key)),
+                queued=True,
+                spool_busy=spool.busy(),
+                confirm_waited=confirm_waited,
+            )
+            step = machine.next_step(facts, time.monotonic()).step
+            if step is not machine.Step.CONFIRM:
+                return step is machine.Step.DRAIN
+            _handed.wait(key, CONFIRM_WAIT, spool.busy, time.monotonic)
+            confirm_waited = True
 
 
 def _probe(spool: Spool, *, wait: float) -> bool:
@@ -362,8 +390,9 @@ def drain_transcript_spool(
     spool's writer and not yet committed. With ``db_known_failing`` a failure logs
     at DEBUG, not WARNING.
 
-    Waits: at most ``CONFIRM_WAIT`` for the spool's writer to commit what was handed
-    to it before, and none while another process holds the spool's write lock or a
+    Waits: at most ``CONFIRM_WAIT`` for the spool's writer to commit the session's
+    hand-offs, then as long for it to commit an empty transaction (the write lock is
+    free), and none while another process holds the spool's write lock or a
     replay of the spool runs elsewhere: the drain is skipped (nothing replayed, the
     rows count as remaining) and the gateway tries again at its next write (the
     plugin sooner: ``retry_skipped_drains``). A spool
@@ -379,8 +408,11 @@ def drain_transcript_spool(
         check_lookup(session_id, "session_id", spool.path)
     except InvalidArgument:  # an id the spool cannot hold has no rows in it
         return 0, 0
-    busy = spool.busy()
-    if not _probe(spool, wait=0.0 if busy else CONFIRM_WAIT) or busy:
+    if spool.busy():
+        _probe(spool, wait=0.0)  # a probe that commits ends the busy state
+    # Then an empty transaction says the write lock is free now (the drain's own
+    # transactions would wait up to BUSY_RETRY_SECONDS for a lock held elsewhere).
+    if not _drain_runs(spool, session_id) or not _probe(spool, wait=CONFIRM_WAIT):
         _skipped(spool, session_id)
         remaining = _remaining(spool, session_id)
         log.debug(
@@ -433,6 +465,25 @@ def drain_transcript_spool(
         # spool's writer, not state.db's repair, which the gateway's next write awaits.
         _skipped(spool, session_id)
     return report.moved + keys_moved, report.held + keys_held + in_flight
+
+
+def transcript_rewritten(session_id: str) -> None:
+    """After the gateway rewrote ``session_id``'s transcript (/retry, /undo, /compress)
+    and forgot its queue: its spooled rows are superseded (``walspool.link.rewrites``),
+    and so are its hand-offs not committed yet (one that fails is not reported as
+    lost). Never raises. Not upstream's API: the plugin's."""
+    try:
+        spool = shared_spool()
+    except Exception:  # noqa: BLE001 - the rewrite goes on; the rows stay, reported
+        log.exception(
+            "walspool could not supersede the spooled rows of session %s after its "
+            "transcript was rewritten (no spool); a replay would put them after it",
+            session_id,
+        )
+        return
+    with _handoffs:
+        _handed.rewritten((spool.path, session_id))
+    supersede_rewritten(spool, session_id, log)
 
 
 def retry_skipped_drains(defer: Callable[[tuple[Path, str]], object] | None) -> None:

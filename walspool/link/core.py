@@ -20,6 +20,7 @@ from ..replay.sinks import SessionDBSink
 from ..store.spool import Spool
 from ..store.writer import Row
 from . import bounds, budget, machine, outage
+from .handoffs import HandOffs
 from .repeats import Repeats
 from .shares import Moving
 from .state import Claim, Session
@@ -58,6 +59,9 @@ class Core:
         #: Notified when the background thread has work sooner than it planned.
         self.due = threading.Condition(self.lock)
         self.sessions: dict[str, Session] = {}
+        #: Each session's evictions and stop flushes handed to the spool's writer and
+        #: not committed yet; the last of a session's commits notifies ``settled``.
+        self.handoffs = HandOffs(self.settled)
         #: Payload bytes of evictions the spool's writer accepted and has not committed.
         self.unconfirmed_bytes = 0
         #: Held by a drain step of this link, not under ``lock`` (see
@@ -145,7 +149,7 @@ class Core:
         if (
             state.writer is None
             and not state.waiters
-            and not state.unconfirmed
+            and not self.handoffs.pending(session_id)
             and not self.has_work(session_id, state)
             and self.sessions.get(session_id) is state
         ):

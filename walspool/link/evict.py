@@ -110,6 +110,7 @@ class Evictions:
             # Off the queue only now that the spool's writer has accepted it.
             pending.pop(0)
             state.evicted()
+            self.core.handoffs.handed(session_id)
             self.core.shares.accepted(session_id, row.size)
             self.core.unconfirmed_bytes += row.size
             notes += self.lines.ended(session_id, (KEPT, DROPPED, UNSPOOLABLE))
@@ -139,15 +140,18 @@ class Evictions:
                 self.core.shares.settled(session_id, nbytes, committed)
                 said: list[Note] = []
                 lines.append(said)
-                if self._returns(request, state := self.core.sessions.get(session_id)):
+                state = self.core.sessions.get(session_id)
+                superseded = self.core.handoffs.superseded(session_id)
+                if self._returns(request, superseded):
                     # Still the session's unconfirmed eviction: it goes to the fresh
                     # spool ahead of anything evicted later (``Follow.follow_path``).
                     self.core.returned.extend(request.rows)
                     self.core.replaced = True
                     continue
-                if request.error is not None and not _superseded(request, state):
+                if request.error is not None and not superseded:
                     said += self.lines.dropped(session_id, str(request.error))
-                if state is None:  # never: ``unconfirmed`` keeps it there
+                if state is None:  # never: its pending hand-off keeps it there
+                    self.core.handoffs.settled(session_id)
                     continue
                 if request.error is None and state.spooled:
                     state.episode, said[:] = self.core.outage.evicted(
@@ -174,14 +178,14 @@ class Evictions:
                 request.result.seq,
             )
 
-    def _returns(self, request: Request, state: Session | None) -> bool:
+    def _returns(self, request: Request, superseded: bool) -> bool:
         """Whether a failed eviction goes to a fresh spool rather than being dropped:
         it failed because the spool's path names another file now (deleted, moved),
         the background thread is there to open one, the last try did not fail, and
-        no rewrite of its session came after it (then it is superseded)."""
+        no rewrite of its session came after it (``superseded``)."""
         return (
             isinstance(request.error, SpoolReplaced)
-            and not _superseded(request, state)
+            and not superseded
             and self.core.background_on()
             and self.core.clock() >= self.core.reopen_after
         )
@@ -189,8 +193,7 @@ class Evictions:
     def settled(self, session_id: str, state: Session) -> bool:
         """One of the session's evictions committed or failed for good: the session
         goes on once none is left; whether none is. The lock is held."""
-        state.settled()
-        if state.unconfirmed:
+        if not self.core.handoffs.settled(session_id):
             return False
         if state.writer is None:
             if self.core.has_work(session_id, state):
@@ -212,6 +215,8 @@ class Evictions:
                 state = self.core.sessions.get(session_id)
                 if state is not None:
                     self.settled(session_id, state)
+                else:  # never: its pending hand-off keeps it there
+                    self.core.handoffs.settled(session_id)
                 continue
             self.core.shares.accepted(session_id, row.size)
             self.core.unconfirmed_bytes += row.size
@@ -277,12 +282,6 @@ class Evictions:
             exc,
             why,
         )
-
-
-def _superseded(request: Request, state: Session | None) -> bool:
-    """A failed eviction the session's transcript rewrite came after: it would have been
-    superseded in the spool, so it is neither kept nor reported as lost."""
-    return request.error is not None and state is not None and state.superseded > 0
 
 
 def _payload_bytes(request: Any) -> int:

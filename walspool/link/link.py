@@ -111,7 +111,7 @@ class Link:
         lock: not for a caller that holds it."""
         with self.core.lock:
             state = self.core.sessions.get(session_id)
-            return None if state is None else state.view()
+            return None if state is None else state.view(self.core.handoffs.pending(session_id))
 
     def wait_idle(self, timeout: float) -> bool:
         """Wait at most ``timeout`` seconds until the start's count and recovery are
@@ -124,7 +124,7 @@ class Link:
                 core.recovering
                 or core.shares.counting
                 or any(
-                    s.writer is not None or s.unconfirmed or core.has_work(sid, s)
+                    s.writer is not None or core.handoffs.pending(sid) or core.has_work(sid, s)
                     for sid, s in core.sessions.items()
                 )
             ):
@@ -254,9 +254,10 @@ class Link:
                 # Its evictions a replaced spool returned would land after the rewrite.
                 kept = [row for row in self.core.returned if row.session_id != session_id]
                 for _ in range(len(self.core.returned) - len(kept)):
-                    state.settled()
+                    self.core.handoffs.settled(session_id)
                 self.core.returned = kept
                 state.rewritten()
+                self.core.handoffs.rewritten(session_id)
                 ended += self.core.outage.ended(
                     session_id, state.episode, self.core.clock(), superseded=True
                 )

@@ -67,7 +67,7 @@ class Background:
             session_id: machine.Candidate(
                 owner=owner_of(state),
                 waiters=bool(state.waiters),
-                unconfirmed=bool(state.unconfirmed),
+                unconfirmed=bool(self.core.handoffs.pending(session_id)),
                 has_work=self.core.has_work(session_id, state),
                 retry_at=state.retry_at,
                 failing=self.core.is_failing_for_probe(state),

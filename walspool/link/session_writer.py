@@ -90,7 +90,10 @@ class SessionWriter:
             step = decision.step
             if step is Step.CONFIRM:
                 # Decided again on the state after the wait.
-                self._wait_for_evictions(state)
+                with state.waiting():  # a waiter keeps the session known
+                    self.core.handoffs.wait(
+                        session_id, bounds.CONFIRM_WAIT, self.core.spool.busy, self.core.clock
+                    )
                 confirm_waited = True
                 continue
             if step is Step.IDLE:
@@ -116,7 +119,7 @@ class SessionWriter:
             owner=claim.owner,
             spooled=Spooled.MAY_HOLD if state.spooled else Spooled.NONE,
             backoff=machine.backoff_of(state.failures, state.hold_until, now),
-            unconfirmed=bool(state.unconfirmed),
+            unconfirmed=bool(self.core.handoffs.pending(session_id)),
             queued=bool(self.core.queue(session_id)),
             retry_at=state.retry_at,
             hold_until=state.hold_until,
@@ -132,18 +135,6 @@ class SessionWriter:
             budget_spent=budget is not None and moved >= budget,
             confirm_waited=confirm_waited,
         )
-
-    def _wait_for_evictions(self, state: Session) -> None:
-        """Wait at most ``bounds.CONFIRM_WAIT`` for the session's evictions to commit, and not
-        at all once the spool's writer finds its write lock held elsewhere; lock held."""
-        deadline = self.core.clock() + bounds.CONFIRM_WAIT
-        with state.waiting():
-            while state.unconfirmed and not self.core.spool.busy():
-                left = deadline - self.core.clock()
-                if left <= 0:
-                    return
-                # A commit notifies; a busy write lock does not, so look again soon.
-                self.core.settled.wait(min(left, bounds.BUSY_LOOK_SECONDS))
 
     def _drain_step(self, session_id: str, state: Session, claim: Claim) -> int | None:
         """Replay one chunk of the session's spooled rows; rows moved, or None when the

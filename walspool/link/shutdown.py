@@ -132,18 +132,20 @@ class _LinkQueues:
             self.core.shares.accepted(session_id, row.size)
         state = self.core.session(session_id)
         state.evicted()  # its spooled rows drain before its queue
+        self.core.handoffs.handed(session_id)
         self.core.settled.notify_all()  # the queues changed: for whoever waits on them
         return state.generation
 
     def rewritten(self, session_id: str, token: object) -> bool:
-        return self.core.sessions[session_id].generation != token  # ``unconfirmed`` keeps it
+        # Its pending hand-off keeps the session there.
+        return self.core.sessions[session_id].generation != token
 
     def settled(self, session_id: str, rows: Sequence[Row], receipts: list[Receipt] | None) -> None:
         for i, row in enumerate(rows):
             committed = None if receipts is None else receipts[i].id
             self.core.shares.settled(session_id, row.size, committed)
-        state = self.core.sessions[session_id]  # ``unconfirmed`` keeps it there
-        state.settled()
+        state = self.core.sessions[session_id]  # its pending hand-off keeps it there
+        self.core.handoffs.settled(session_id)
         if state.writer is None and self.core.has_work(session_id, state):
             self.core.schedule(self.core.due_at(state))
         self.core.settled.notify_all()

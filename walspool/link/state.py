@@ -41,7 +41,8 @@ class Claim:
 class SessionView(NamedTuple):
     """One session of the link as it stands (``Link.view``): who holds its writer role,
     its evictions since its spooled rows were last all written (``spooled``) and those
-    not yet committed (``unconfirmed``), its rewrites (``generation``), its failed
+    not yet committed (``unconfirmed``, from ``Core.handoffs``), its rewrites
+    (``generation``), its failed
     attempts in a row and when the background thread retries (``time.monotonic()``;
     0: due now), and whether a queued message is being written to state.db now."""
 
@@ -67,7 +68,7 @@ class Session:
       ``healthy``, ``idle``, ``said``, ``drained``, ``release``.
     * Events, recorded by anyone for the holder to read at its next step (it re-reads
       the session after every write or wait): evictions and shutdown flushes handed to
-      the spool (``spooled``) and those not yet committed (``unconfirmed``), rewrites
+      the spool (``spooled``; those not yet committed are counted in ``Core.handoffs``), rewrites
       (``generation``), resets and wakes of the backoff, and threads waiting on the
       session (``waiters``). An event never writes the holder's fields: a reset (a
       rewrite, a recovery that moved the session's rows) or a wake (the start's recovery
@@ -80,8 +81,6 @@ class Session:
     __slots__ = (
         "writer",
         "spooled",
-        "unconfirmed",
-        "superseded",
         "generation",
         "waiters",
         "episode",
@@ -101,12 +100,6 @@ class Session:
         #: Evictions (and shutdown flushes) since the session's spooled rows were last
         #: all written: while not 0 they go to state.db before its in-memory rows.
         self.spooled = spooled
-        #: Evictions handed to the spool's writer and not yet committed (or failed).
-        self.unconfirmed = 0
-        #: How many of those came before the last rewrite: the next ones to settle
-        #: (the writer settles in order). Superseded: one the spool returns is not
-        #: handed to a fresh spool (``Link.follow_path``).
-        self.superseded = 0
         #: Bumped by a transcript rewrite: what a writer learned before it is stale.
         self.generation = 0
         #: Threads waiting on this object (a gateway thread taking over, a writer
@@ -126,13 +119,14 @@ class Session:
 
     # -- read by anyone --------------------------------------------------------
 
-    def view(self) -> SessionView:
-        """The session as it stands (the caller holds the store's lock)."""
+    def view(self, unconfirmed: int) -> SessionView:
+        """The session as it stands, with its ``unconfirmed`` hand-offs (the caller
+        holds the store's lock)."""
         owner = Owner.NOBODY if self.writer is None else self.writer.owner
         return SessionView(
             owner,
             self.spooled,
-            self.unconfirmed,
+            unconfirmed,
             self.generation,
             self.failures,
             self.retry_at,
@@ -247,14 +241,9 @@ class Session:
     # -- events ----------------------------------------------------------------
 
     def evicted(self) -> None:
-        """A row of the session was handed to the spool's writer (not yet committed)."""
+        """A row of the session was handed to the spool's writer (counted, until it
+        commits, in ``Core.handoffs``)."""
         self.spooled += 1
-        self.unconfirmed += 1
-
-    def settled(self) -> None:
-        """A row handed to the spool's writer committed or failed."""
-        self.unconfirmed -= 1
-        self.superseded = max(self.superseded - 1, 0)
 
     def may_hold(self) -> None:
         """The spool may hold rows of the session (a recovery held them)."""
@@ -265,7 +254,6 @@ class Session:
         learned before is stale, and the backoff is reset."""
         self.generation += 1
         self.spooled = 0
-        self.superseded = self.unconfirmed
         self._resets += 1
 
     def recovered(self) -> None:
