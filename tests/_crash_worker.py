@@ -290,7 +290,7 @@ def report_evictions(spool: Any) -> None:
         if r.error is None and hasattr(r, "rows"):
             receipts = r.result if isinstance(r.result, list) else [r.result]
             for row, receipt in zip(r.rows, receipts, strict=True):
-                session_id, payload = row[0], msgspec.json.decode(row[4])
+                session_id, payload = row.session_id, msgspec.json.decode(row.payload)
                 run_, i = parse(payload["content"])
                 # the record's id: commit order, which the order of these lines is not
                 # (a group committed on a caller's thread reports after it lets go)

@@ -6,7 +6,7 @@ released ``SessionStore`` as it is, once linked to a spool. Every insert into
 image is malformed", as FTS corruption does); then the database heals and each session
 gets one more message, which is when the released store writes its queue. The
 linked store also drains by itself after a heal (it retries a failing session at
-least every ``RETRY_INTERVAL`` seconds); the demo waits for it to be idle, at most
+least every ``DEMO_RETRY_INTERVAL`` seconds); the demo waits for it to be idle, at most
 ``IDLE_WAIT`` seconds, before it counts.
 """
 
@@ -31,7 +31,7 @@ BREAK_SQL = (
 )
 HEAL_SQL = "DROP TRIGGER walspool_demo_outage"
 QUIET_LOGGERS = ("gateway", "hermes_state", "walspool", "agent", "root")
-RETRY_INTERVAL = 0.25
+DEMO_RETRY_INTERVAL = 0.25
 #: Seconds the demo waits, after the heal, for the linked store to drain everything.
 IDLE_WAIT = 120.0
 
@@ -91,7 +91,7 @@ def _run(sessions: int, messages: int, threads: int, *, linked: bool) -> Outcome
             if spool is not None:
                 from .hermes import install
 
-                link = install(store, spool, retry_interval=RETRY_INTERVAL)
+                link = install(store, spool, retry_interval=DEMO_RETRY_INTERVAL)
             _sql(store, BREAK_SQL)
             started = time.perf_counter()
             _burst(store, names, messages, threads)

@@ -13,9 +13,11 @@ from urllib.parse import quote
 
 from ..errors import ReplayBusy, WalspoolError
 from ..replay.replayer import Replayer, ReplayReport
-from ..replay.sinks import ForgetsTickets, Sink, Ticket
+from ..replay.sinks import ForgetsTickets, SessionDBSink, Sink, Ticket
+from ..shutdown_flush import routing_resolver
 from ..store import totals
 from ..store.records import Record
+from ..store.spool import Spool
 from ._dryrun import landed
 from ._interrupt import raise_kept
 from ._lockwait import say_waiting
@@ -45,9 +47,6 @@ def replay_into(
         import hermes_state
     except ImportError as exc:
         raise WalspoolError("replay needs hermes-agent: pip install 'walspool[hermes]'") from exc
-    from ..replay.sinks import SessionDBSink
-    from ..shutdown_flush import routing_resolver
-    from ..store.spool import Spool
 
     checked = check_state_db(args.into)
     before = open_descriptors()

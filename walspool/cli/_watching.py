@@ -21,6 +21,7 @@ import msgspec
 from ..errors import WalspoolError
 from ..store import memory, totals
 from ..store.backlog import Line, iter_lines
+from ..store.connections import stoppable
 from ..store.records import QUARANTINED, SUPERSEDED
 from ._holders import Holder, holders
 from ._reading import reading
@@ -132,24 +133,20 @@ def _read(
     stop: Callable[[], bool] | None,
     out: IO[str] | None,
 ) -> Snapshot:
-    if stop is not None:
-        conn.set_progress_handler(stop, STOP_STEPS)
-    try:
-        with conn:  # one read transaction: every count from the same moment
-            s = totals.stats(conn, path)
-            inflight = totals.in_flight(conn)
-            by_status = totals.by_status(conn)
-            appended = totals.appended(conn)
-            uid = totals.uid(conn)
-            held = memory.read(conn)
-            # The oldest lines only: the sessions are counted by the totals, not by
-            # reading each one's line (and its errors) to drop it.
-            with contextlib.closing(iter_lines(conn)) as lines:
-                oldest = list(itertools.islice(lines, MAX_STREAMS))
-            if out is not None:
-                write_array(out, (_json_stream(conn, line, at) for line in oldest))
-    finally:
-        conn.set_progress_handler(None)
+    # One read transaction: every count from the same moment.
+    with stoppable(conn, stop, STOP_STEPS), conn:
+        s = totals.stats(conn, path)
+        inflight = totals.in_flight(conn)
+        by_status = totals.by_status(conn)
+        appended = totals.appended(conn)
+        uid = totals.uid(conn)
+        held = memory.read(conn)
+        # The oldest lines only: the sessions are counted by the totals, not by
+        # reading each one's line (and its errors) to drop it.
+        with contextlib.closing(iter_lines(conn)) as lines:
+            oldest = list(itertools.islice(lines, MAX_STREAMS))
+        if out is not None:
+            write_array(out, (_json_stream(conn, line, at) for line in oldest))
     return Snapshot(
         spool=str(path),
         taken=taken,

@@ -27,7 +27,7 @@ from ._watching import Rates, rates, read_snapshot
 LAST_ERRORS = 5
 #: Characters of a session's name and of its error read per row (a session id may be
 #: 64 MiB): enough to name and show it; ``ls``/``show`` have it whole.
-CHARS = 1024
+LAST_ERROR_CHARS = 1024
 
 
 def run(args: argparse.Namespace) -> int:
@@ -157,7 +157,7 @@ def read_stats(conn: apsw.Connection, path: Path, now: float) -> dict[str, Any]:
         inflight = totals.in_flight(conn)
         set_aside = totals.set_aside(conn)
         failing_sessions = totals.failing_streams(conn)
-        recent = totals.recent_errors(conn, CHARS, LAST_ERRORS * 40)
+        recent = totals.recent_errors(conn, LAST_ERROR_CHARS, LAST_ERRORS * 40)
         counted = totals.counters(conn)
         held = memory.read(conn)
     return {
@@ -182,7 +182,7 @@ def read_stats(conn: apsw.Connection, path: Path, now: float) -> dict[str, Any]:
         "newest_age": None if s.newest is None else max(now - s.newest, 0.0),
         "last_errors": _latest_per_session(recent, now),
         "drained_total": counted[totals.DRAINED],
-        "quarantined_total": counted[totals.QUARANTINED],
+        "quarantined_total": counted[totals.QUARANTINED_COUNTER],
         "memory_lost_total": counted[totals.MEMORY_LOST],
         "memory": in_memory.as_json(held, now),
     }

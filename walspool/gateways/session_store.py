@@ -17,9 +17,6 @@ from ..replay.sinks import write_bindable
 from ..store.records import Receipt
 from ..store.writer import Row
 
-#: What the mapping reads of every released gateway's store.
-QUEUE_ATTRIBUTES = ("_transcript_retry_lock", "_dirty_transcripts")
-
 
 class StoreTranscripts:
     """One ``SessionStore``, as ``Transcripts``."""

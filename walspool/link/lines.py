@@ -63,6 +63,22 @@ REPEAT_LINES: dict[tuple[str, bool], tuple[int, str]] = {
         "%(seconds).1f s (%(count)d not said before)",
     ),
 }
+#: The INFO lines of a session's spooled rows replayed, by ``Kind``: the first chunk,
+#: a summary of the chunks since the last line, and the end (said only if it has
+#: rows not said yet). Fields as in ``REPEAT_LINES``.
+REPLAYED_LINES: dict[Kind, str] = {
+    Kind.FIRST: (
+        "Replayed %(count)d spooled transcript message(s) for %(session)s after DB recovery"
+    ),
+    Kind.AGAIN: (
+        "Replayed %(count)d more spooled transcript message(s) for %(session)s after DB "
+        "recovery (%(total)d in %(seconds).0f s)"
+    ),
+    Kind.ENDED: (
+        "Replayed %(count)d more spooled transcript message(s) for %(session)s after DB "
+        "recovery (%(total)d in all, in %(seconds).1f s)"
+    ),
+}
 
 
 class Lines:
@@ -141,30 +157,15 @@ class Lines:
         log.log(level, line, fields)
 
     def _report_replayed(self, session_id: str, said: Said) -> None:
-        if said.kind is Kind.FIRST:
-            log.info(
-                "Replayed %d spooled transcript message(s) for %s after DB recovery",
-                said.count,
-                session_id,
-            )
-        elif said.kind is Kind.AGAIN:
-            log.info(
-                "Replayed %d more spooled transcript message(s) for %s after DB recovery "
-                "(%d in %.0f s)",
-                said.count,
-                session_id,
-                said.total,
-                said.seconds,
-            )
-        elif said.count:
-            log.info(
-                "Replayed %d more spooled transcript message(s) for %s after DB recovery "
-                "(%d in all, in %.1f s)",
-                said.count,
-                session_id,
-                said.total,
-                said.seconds,
-            )
+        if said.kind is Kind.ENDED and not said.count:
+            return
+        fields = {
+            "session": session_id,
+            "count": said.count,
+            "total": said.total,
+            "seconds": said.seconds,
+        }
+        log.info(REPLAYED_LINES[said.kind], fields)
 
     def report_drop(self, session_id: str, why: str) -> None:
         log.warning(

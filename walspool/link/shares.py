@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Collection, Iterator, Sequence
 
+from ..replay.sinks import SessionDBSink, Ticket
 from ..store import streams
+from ..store.records import Record
 from ..store.spool import Spool
 from .budget import Shares
 
@@ -38,7 +39,7 @@ class Moving:
     replay hands it or finds landed, read from the spool while the row is still there.
     Afterwards, the rows noted that are no longer in the spool are those that left."""
 
-    def __init__(self, sink: Any, spool: Spool, shares: Shares) -> None:
+    def __init__(self, sink: SessionDBSink, spool: Spool, shares: Shares) -> None:
         self.sink = sink
         self.spool = spool
         self.shares = shares
@@ -55,24 +56,24 @@ class Moving:
         finally:
             self._local.noted = None
 
-    def write(self, session_id: str, record: Any, ticket: Any) -> None:
+    def write(self, session_id: str, record: Record, ticket: Ticket) -> None:
         self._note([record.id])
         self.sink.write(session_id, record, ticket)
 
-    def write_many(self, session_id: str, items: Any) -> None:
+    def write_many(self, session_id: str, items: Sequence[tuple[Record, Ticket]]) -> None:
         self._note([record.id for record, _ in items])
         self.sink.write_many(session_id, items)
 
-    def landed(self, tickets: Any) -> Any:
+    def landed(self, tickets: Sequence[Ticket]) -> Collection[Ticket] | None:
         found = self.sink.landed(tickets)
         if found:
-            self._note([ticket[2] for ticket in found])  # (spool uid, ticket, row id)
+            self._note([ticket[2] for ticket in found])  # (spool uid, number, row id)
         return found
 
-    def batchable(self, record: Any) -> bool:
+    def batchable(self, record: Record) -> bool:
         return self.sink.batchable(record)
 
-    def forget(self, spool: str, below: int, keep: Any) -> None:
+    def forget(self, spool: str, below: int, keep: Sequence[int]) -> None:
         self.sink.forget(spool, below, keep)
 
     def __str__(self) -> str:

@@ -52,7 +52,7 @@ from ..store.records import QUARANTINED, SUPERSEDED, Record
 from ..store.replay_lock import replay_lock
 from ..store.spool import Spool, check_lookup, reasons_filter
 from ..store.tickets import Scope, Settlement, Stream, Taken, stream_of
-from .sinks import ForgetsTickets, Sink, WritesMany, rejects_content
+from .sinks import ForgetsTickets, Sink, Ticket, WritesMany, rejects_content
 
 log = text.logger("walspool.replay")
 
@@ -314,7 +314,7 @@ class _Run:
         ``more``: later rows of the stream may be in flight still (a later page).
         """
         try:
-            found = self.sink.landed([(self.uid, ticket, rec.id) for rec, ticket in taken])
+            found = self.sink.landed([Ticket(self.uid, ticket, rec.id) for rec, ticket in taken])
         except Exception as exc:  # noqa: BLE001 - the rows stay in flight, reported
             # Whether they landed is unknown for now: they stay in flight, and
             # nothing later in their stream may move before them.
@@ -330,8 +330,8 @@ class _Run:
             for rec, _ in taken:
                 self._quarantine(stream, rec, UNKNOWN_LANDING, done)
             return
-        landed = [rec.id for rec, ticket in taken if (self.uid, ticket, rec.id) in found]
-        unlanded = [(rec, t) for rec, t in taken if (self.uid, t, rec.id) not in found]
+        landed = [rec.id for rec, ticket in taken if Ticket(self.uid, ticket, rec.id) in found]
+        unlanded = [(rec, t) for rec, t in taken if Ticket(self.uid, t, rec.id) not in found]
         if landed:
             done.delete += landed
             self.recovered += len(landed)
@@ -454,7 +454,7 @@ class _Run:
                 self._quarantine(stream, rec, self.undecodable[rec.id], done)
                 continue
             try:
-                self.sink.write(target, rec, (self.uid, ticket, rec.id))
+                self.sink.write(target, rec, Ticket(self.uid, ticket, rec.id))
             except Exception as exc:  # noqa: BLE001 - sorted below: quarantine or hold
                 if rejects_content(exc):
                     self._quarantine(stream, rec, _describe(exc), done)
@@ -491,7 +491,7 @@ class _Run:
         transaction). False: nothing of it landed, and it is written row by row. None:
         the write raised and whether it landed could not be looked up: it is written
         row by row too, and each row's ticket keeps it from landing twice."""
-        items = [(rec, (self.uid, ticket, rec.id)) for rec, ticket in run]
+        items = [(rec, Ticket(self.uid, ticket, rec.id)) for rec, ticket in run]
         tickets = [t for _, t in items]
         try:
             cast(WritesMany, self.sink).write_many(target, items)  # ``_batchable_run`` saw it
@@ -523,13 +523,13 @@ class _Run:
         raise is trusted and the row is freed by ``_fail``'s caller.
         """
         try:
-            found = self.sink.landed([(self.uid, ticket, rec.id)])
+            found = self.sink.landed([Ticket(self.uid, ticket, rec.id)])
         except Exception:  # noqa: BLE001 - unknown for now: stays in flight, looked up later
             return False
         if found is None:
             self._untracked.append(rec.id)
             return False
-        return (self.uid, ticket, rec.id) in found
+        return Ticket(self.uid, ticket, rec.id) in found
 
     def _fail(self, stream: Stream, rec: Record, error: str, done: Settlement) -> None:
         """Record a failed row and hold its stream; the caller frees the later rows."""

@@ -25,7 +25,7 @@ import sqlite3
 import threading
 from collections.abc import Callable, Collection, Iterator, Sequence
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 from .. import text
 from ..errors import NotAMessage, SessionMissing
@@ -60,10 +60,19 @@ MESSAGE_UID = "message_uid"
 #: ``source`` of a session that ``create_missing=True`` creates.
 CREATED_SOURCE = "walspool"
 
-#: A replay ticket: (the spool's uid, a number no other row of that spool gets, the
-#: spool row's id). The row id keeps the answer exact even if an operator copies an
-#: in-flight number onto another row by hand.
-Ticket = tuple[str, int, int]
+
+class Ticket(NamedTuple):
+    """A replay ticket. The row id keeps the answer exact even if an operator copies an
+    in-flight number onto another row by hand. Equal to the plain tuple of its fields
+    (state.db's ``walspool_landed`` rows are read back as such)."""
+
+    #: The spool's uid.
+    spool: str
+    #: A number no other row of that spool gets.
+    number: int
+    #: The spool row's id.
+    row_id: int
+
 
 #: In state.db: one row per replayed message whose spool row may still exist, written
 #: by a TEMP trigger in the same transaction as the message row.
@@ -473,17 +482,19 @@ class SessionDBSink:
                 raise NotBatchable(f"record {record.id} is not a transcript message")
             kwargs = self._filter(bindable(append_kwargs(record, self.mapping)))
             messages.append({k: v for k, v in kwargs.items() if k not in _NOT_MESSAGE_FIELDS})
-        spool = items[0][1][0]
-        if any(ticket[0] != spool for _, ticket in items):
+        # A sink is also handed plain (spool, number, row id) tuples: read by position.
+        tickets = [Ticket(*ticket) for _, ticket in items]
+        spool = tickets[0].spool
+        if any(ticket.spool != spool for ticket in tickets):
             raise NotBatchable("a batch's tickets come from one spool")
         prune = self._prune if self._prune is not None and self._prune[0] == spool else None
-        first = items[0][1]
-        numbers = codec.encode([[t[1], t[2]] for _, t in items]).decode()
+        first = tickets[0]
+        numbers = codec.encode([[t.number, t.row_id] for t in tickets]).decode()
         _thread.batch = (
             spool,
             numbers,
-            first[1],
-            first[2],
+            first.number,
+            first.row_id,
             *(prune[1:] if prune else (None, "[]")),
         )
         try:
@@ -545,7 +556,8 @@ class SessionDBSink:
         if ticket is None:
             yield
             return
-        prune = self._prune if self._prune is not None and self._prune[0] == ticket[0] else None
+        ticket = Ticket(*ticket)
+        prune = self._prune if self._prune is not None and self._prune[0] == ticket.spool else None
         _thread.parts = (*ticket, *(prune[1:] if prune else (None, "[]")))
         try:
             yield

@@ -47,7 +47,7 @@ from .sinks import (
     write_bindable,
 )
 
-log = text.logger("walspool._upstream")
+log = text.logger("walspool.upstream")
 
 #: Stores ``recover_gateway_pending`` saw: a drain callback of theirs is tracked.
 _stores: weakref.WeakSet[Any] = weakref.WeakSet()

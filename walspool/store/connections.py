@@ -25,7 +25,7 @@ from ..errors import SchemaTooOld, SpoolCorrupt, SpoolIOError, WalspoolError
 from . import files, open_guard, open_lock, schema
 from .sqlite_errors import sqlite_error
 
-log = text.logger("walspool.schema")
+log = text.logger("walspool.connections")
 
 # Every file SQLite opens for a spool is checked on its own descriptor (see open_guard).
 open_guard.install()
@@ -279,6 +279,20 @@ def ticking(conn: apsw.Connection, tick: Callable[[], object] | None) -> Iterato
         return False
 
     conn.set_progress_handler(go_on, TICK_STEPS)
+    try:
+        yield
+    finally:
+        conn.set_progress_handler(None)
+
+
+@contextlib.contextmanager
+def stoppable(conn: apsw.Connection, stop: Callable[[], bool] | None, steps: int) -> Iterator[None]:
+    """For the block, ask ``stop`` every ``steps`` SQLite instructions whether to end
+    the running statement (True: it raises ``apsw.InterruptError``); None: never."""
+    if stop is None:
+        yield
+        return
+    conn.set_progress_handler(stop, steps)
     try:
         yield
     finally:

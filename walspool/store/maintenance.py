@@ -57,7 +57,7 @@ CHANGE_WAIT = 30.0
 
 #: A row whole, its text as stored bytes (made text by ``paging.as_text``: one that is
 #: not UTF-8 can be dropped too).
-ROW_SQL = """
+RAW_ROW_SQL = """
 SELECT id, CAST(session_id AS BLOB), CAST(session_key AS BLOB), seq, CAST(reason AS BLOB),
        created_at, CAST(payload AS BLOB), attempts, CAST(last_error AS BLOB), last_attempt_at,
        status, inflight
@@ -149,7 +149,7 @@ def _change(
         rows = {}
         problems = []
         for record_id in wanted:
-            row = conn.execute(ROW_SQL, (record_id,)).fetchone()
+            row = conn.execute(RAW_ROW_SQL, (record_id,)).fetchone()
             if row is not None:
                 row = with_text(row, _ROW_TEXTS)
             if row is None:

@@ -57,14 +57,14 @@ FROM records WHERE ({_STREAM_WHERE})"""
 BAD_SMALL_SQL = f"{_BAD_PAYLOAD_ROWS} AND {SMALL_PAYLOAD} AND NOT json_valid(payload) ORDER BY id"
 BAD_LARGE_SQL = f"{_BAD_PAYLOAD_ROWS} AND {LARGE_PAYLOAD} ORDER BY id"
 # Rows in flight without their payloads (the sort holds ids, names and seqs only); each
-# payload is then read and decoded on its own (``ROW_SQL``) and let go.
+# payload is then read and decoded on its own (``JSON_RECORD_SQL``) and let go.
 INFLIGHT_ROWS_SQL = """
 SELECT id, CAST(session_id AS BLOB), inflight FROM records
 WHERE inflight IS NOT NULL AND session_id IS NOT NULL
   AND (:session_id IS NULL OR session_id = CAST(:session_id AS TEXT))
 ORDER BY session_id, seq
 """
-ROW_SQL = f"SELECT {RECORD_COLUMNS} FROM records WHERE id = ? AND json_valid(payload)"
+JSON_RECORD_SQL = f"SELECT {RECORD_COLUMNS} FROM records WHERE id = ? AND json_valid(payload)"
 # A stream's rows in seq order, ids only: the first whose payload is JSON is its first
 # row (each payload checked on its own, ``paging.payload_is_json``).
 STREAM_IDS_SQL = f"""
@@ -167,6 +167,6 @@ def plan(
 def fetch_record(conn: apsw.Connection, row_id: int) -> Record | None:
     """Row ``row_id``'s record, or None when it is gone or its payload is not JSON or
     too costly to decode."""
-    for row in conn.execute(ROW_SQL, (row_id,)):
+    for row in conn.execute(JSON_RECORD_SQL, (row_id,)):
         return _decoded(as_selected(row))
     return None

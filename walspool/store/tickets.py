@@ -295,7 +295,7 @@ def _settle(conn: apsw.Connection, done: Settlement) -> None:
     totals.add(conn, totals.DRAINED, len(done.delete))
     conn.executemany(_RELEASE_SQL, [(i,) for i in done.release])
     conn.executemany(_QUARANTINE_SQL, done.quarantine)
-    totals.add(conn, totals.QUARANTINED, len(done.quarantine))
+    totals.add(conn, totals.QUARANTINED_COUNTER, len(done.quarantine))
     _record_failures(conn, done.failures)
 
 

@@ -27,13 +27,13 @@ SELECT (SELECT count(DISTINCT session_id) FROM records)
 #: (``quarantined``; a row requeued and refused again counts again). They only grow:
 #: counters, for a rate of drain or of refusals across restarts.
 DRAINED = "drained"
-QUARANTINED = "quarantined"
+QUARANTINED_COUNTER = "quarantined"
 #: Messages gateway processes held in memory when they ended without a clean stop,
 #: counted when the next start of a gateway on their host takes their entry in
 #: (``walspool.store.memory.take_lost``).
 MEMORY_LOST = "memory_lost"
 #: Every total, in the order ``counters`` gives them.
-COUNTERS = (DRAINED, QUARANTINED, MEMORY_LOST)
+COUNTERS = (DRAINED, QUARANTINED_COUNTER, MEMORY_LOST)
 _ADD_SQL = """
 INSERT INTO spool_meta (name, value) VALUES (?, ?)
 ON CONFLICT (name) DO UPDATE SET value = value + excluded.value

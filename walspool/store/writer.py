@@ -296,7 +296,7 @@ class Quarantined(Append):
         super().run(group)
         group.flush()  # the row exists before its status is set
         group.conn.execute(QUARANTINE_NEW_SQL, (self.why, time.time(), self.result.id))
-        totals.add(group.conn, totals.QUARANTINED, 1)
+        totals.add(group.conn, totals.QUARANTINED_COUNTER, 1)
 
 
 class Operation(Request):
