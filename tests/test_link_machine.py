@@ -146,7 +146,7 @@ def test_failing_only_before_the_retry_time_and_with_a_background_thread():
 
 
 def test_pick_due_takes_the_session_longest_due_and_says_when_to_look_next():
-    idle = dict(owner=Owner.NOBODY, waiters=False, unconfirmed=False, has_work=True)
+    idle = dict(owner=Owner.NOBODY, waiters=False, unconfirmed=False, has_work=True, failing=False)
     candidates = {
         "late": Candidate(**idle, retry_at=NOW - 1),
         "later": Candidate(**idle, retry_at=NOW - 5),
@@ -194,7 +194,7 @@ def test_pick_due_in_an_outage_tries_one_failing_session_per_probe(probe_at, pic
     candidates = {
         "failing": Candidate(**idle, retry_at=NOW - 1, failing=True),
         "failing long": Candidate(**idle, retry_at=NOW - 9, failing=True),
-        "healthy": Candidate(**idle, retry_at=NOW - 2),
+        "healthy": Candidate(**idle, retry_at=NOW - 2, failing=False),
     }
     assert pick_due(candidates, NOW, probe_at) == picked
     del candidates["healthy"]
@@ -209,7 +209,7 @@ def test_pick_due_at_the_edges():
     """Due at its retry time exactly; the soonest of several later retries, whatever
     their order; a skipped session does not end the search; of two equally due, the
     one the link has known longest (first in its dict)."""
-    idle = dict(owner=Owner.NOBODY, waiters=False, unconfirmed=False, has_work=True)
+    idle = dict(owner=Owner.NOBODY, waiters=False, unconfirmed=False, has_work=True, failing=False)
     assert pick_due({"s": Candidate(**idle, retry_at=NOW)}, NOW) == ("s", NOW)
     soon, late = Candidate(**idle, retry_at=NOW + 2), Candidate(**idle, retry_at=NOW + 5)
     assert pick_due({"soon": soon, "late": late}, NOW) == (None, NOW + 2)
@@ -303,11 +303,12 @@ class Session(RuleBasedStateMachine):
     @rule()
     def background_looks(self) -> None:
         candidate = Candidate(
-            self.owner,
-            False,
-            bool(self.evicting),
-            self.spooled is HOLD or bool(self.queue),
-            self.retry_at,
+            owner=self.owner,
+            waiters=False,
+            retry_at=self.retry_at,
+            failing=False,
+            unconfirmed=bool(self.evicting),
+            has_work=self.spooled is HOLD or bool(self.queue),
         )
         chosen, _ = pick_due({"s": candidate}, self.now)
         if chosen is not None:

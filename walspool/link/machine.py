@@ -26,7 +26,9 @@ records events (evictions, commits, rewrites, recoveries, waiters) it reads.
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import NamedTuple
 
 
 class Owner(enum.Enum):
@@ -181,17 +183,18 @@ def backoff_of(failures: int, hold_until: float, now: float) -> Backoff:
     return Backoff.HELD if now < hold_until else Backoff.FAILING
 
 
-@dataclass(frozen=True, slots=True)
-class Candidate:
-    """A session as the background thread sees it when it looks for work."""
+class Candidate(NamedTuple):
+    """A session as the background thread sees it when it looks for work. The thread
+    makes one for every session at every look: it passes plain tuples of these fields,
+    in this order (a named tuple costs several times as much to make)."""
 
     owner: Owner
     waiters: bool
+    retry_at: float
+    #: Its last write or drain failed (it has failures in a row), and it was not woken.
+    failing: bool
     unconfirmed: bool
     has_work: bool
-    retry_at: float
-    #: Its last write or drain failed (it has failures in a row).
-    failing: bool = False
 
 
 def due_at(retry_at: float, failing: bool, probe_at: float | None) -> float:
@@ -203,10 +206,13 @@ def due_at(retry_at: float, failing: bool, probe_at: float | None) -> float:
 
 
 def pick_due(
-    candidates: dict[str, Candidate], now: float, probe_at: float | None = None
+    candidates: Mapping[str, tuple[Owner, bool, float, bool, bool, bool]],
+    now: float,
+    probe_at: float | None = None,
 ) -> tuple[str | None, float | None]:
-    """The session the background thread claims (the one longest due), and when to
-    look next (``now`` after a claim; the soonest retry otherwise, None for never).
+    """The session the background thread claims (the one longest due) of
+    ``candidates`` (``Candidate``s, or plain tuples of their fields), and when to look
+    next (``now`` after a claim; the soonest retry otherwise, None for never).
 
     ``probe_at`` (not None while state.db failed the link's last write or drain): a
     failing session is not due before it, so in an outage the background thread tries
@@ -215,14 +221,17 @@ def pick_due(
     first that succeeds clears it and the others follow at once."""
     due: tuple[float, str] | None = None
     later: float | None = None
-    for session_id, c in candidates.items():
-        if c.owner is not Owner.NOBODY or c.waiters or c.unconfirmed or not c.has_work:
+    nobody = Owner.NOBODY
+    for session_id, facts in candidates.items():
+        owner, waiters, retry_at, failing, unconfirmed, has_work = facts
+        if owner is not nobody or waiters or unconfirmed or not has_work:
             continue
-        at = due_at(c.retry_at, c.failing, probe_at)
+        at = retry_at if not failing or probe_at is None else max(retry_at, probe_at)  # due_at
         if at > now:
-            later = at if later is None else min(later, at)
-        elif due is None or c.retry_at < due[0]:
-            due = (c.retry_at, session_id)
+            if later is None or at < later:
+                later = at
+        elif due is None or retry_at < due[0]:
+            due = (retry_at, session_id)
     if due is None:
         return None, later
     return due[1], now

@@ -14,7 +14,7 @@ from .core import Core, Note
 from .follow import Follow
 from .lines import Lines
 from .session_writer import SessionWriter
-from .state import Claim, Session, log, owner_of
+from .state import Claim, Session, log
 
 
 class Background:
@@ -63,15 +63,12 @@ class Background:
         of ``bounds.GATEWAY_DRAIN_ROWS`` rows is due again from then on, so sessions with
         backlogs take turns. Lock held."""
         now = self.core.clock()
-        candidates = {
-            session_id: machine.Candidate(
-                owner=owner_of(state),
-                waiters=bool(state.waiters),
-                unconfirmed=bool(self.core.handoffs.pending(session_id)),
-                has_work=self.core.has_work(session_id, state),
-                retry_at=state.retry_at,
-                failing=self.core.is_failing_for_probe(state),
-            )
+        # Every session at every look: read with as few calls as can be (in an outage
+        # with thousands of sessions waiting, this is the background thread's work).
+        pending, queues = self.core.handoffs.pending, self.core.transcripts.queues
+        candidates = {  # machine.Candidate's fields, as a plain tuple
+            session_id: state.schedule_facts()
+            + (pending(session_id) > 0, bool(state.spooled or queues.get(session_id)))
             for session_id, state in self.core.sessions.items()
         }
         session_id, look_at = machine.pick_due(candidates, now, self.core.probe_at)

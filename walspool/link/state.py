@@ -149,6 +149,17 @@ class Session:
         after a reset or a wake: due now)."""
         return self._retry_at if self._seen == (self._resets, self._wakes) else 0.0
 
+    def schedule_facts(self) -> tuple[Owner, bool, float, bool]:
+        """Who holds the claim, whether a thread waits on the session, ``retry_at``, and
+        whether it waits for an outage's probe (failures in a row, not woken since): the
+        first fields of a ``machine.Candidate``, read together at each look of the
+        background thread at every session (``walspool.link.retry``)."""
+        owner = Owner.NOBODY if self.writer is None else self.writer.owner
+        seen = self._seen
+        if seen[0] != self._resets or seen[1] != self._wakes:
+            return owner, self.waiters > 0, 0.0, False  # reset or woken: due now
+        return owner, self.waiters > 0, self._retry_at, self._failures > 0
+
     @property
     def woken(self) -> bool:
         """Woken (``wake``) since its holder last set its backoff: due now."""
