@@ -249,14 +249,15 @@ def test_the_gateway_link_snippet_links_a_real_runner_as_printed(
 def test_the_replay_snippet_moves_rows_into_a_real_session_db_as_printed(
     hermes_home: Path,
 ) -> None:
-    """docs/replay.md's snippet, given only ``spool`` and ``session_db`` (a real 0.19.0
-    SessionDB): s1's rows move in order; s2, missing from state.db, stays with its error
-    (its second row held behind the first); s3's row without a role is quarantined and
-    the row after it moves."""
+    """docs/replay.md's snippet, run as printed with only HERMES_HOME set, on the home's
+    spool and state.db (a real 0.19.0 SessionDB): s1's rows move in order; s2, missing
+    from state.db, stays with its error (its second row held behind the first); s3's
+    row without a role is quarantined and the row after it moves."""
     from hermes_state import SessionDB
 
     session_db = SessionDB(db_path=hermes_home / "state.db")
     spool = walspool.Spool(hermes_home / "spool.db")
+    ran: dict[str, Any] = {}
     try:
         session_db.create_session("s1", "telegram")
         session_db.create_session("s3", "telegram")
@@ -268,9 +269,12 @@ def test_the_replay_snippet_moves_rows_into_a_real_session_db_as_printed(
             ("s2", msg("where is it?")),
             ("s3", msg("after")),
         ])  # fmt: skip
-        report = run_snippet("How a replay moves rows", {"spool": spool, "session_db": session_db})[
-            "report"
-        ]
+        session_db.close()  # the snippet opens the home's own
+        ran = run_snippet("How a replay moves rows", {})
+        assert ran["spool"].path == spool.path
+        assert ran["session_db"].db_path == hermes_home / "state.db"
+        report = ran["report"]
+        session_db = ran["session_db"]
         missing = (
             "session s2 does not exist in state.db (FOREIGN KEY constraint failed); "
             "replay with create_missing=True to create it"
@@ -290,5 +294,7 @@ def test_the_replay_snippet_moves_rows_into_a_real_session_db_as_printed(
             ("s2", None, None),
         ]
     finally:
+        if "spool" in ran:
+            ran["spool"].close()
         spool.close()
         session_db.close()
