@@ -1,115 +1,26 @@
-"""The gateway link: walspool as the overflow and shutdown sink of hermes-agent 0.19.0.
+"""hermes-agent 0.19.0's adapter: walspool as the overflow and shutdown sink of its
+``SessionStore`` and ``GatewayRunner``, and the gateway link's public face.
 
-In the released gateway, ``SessionStore.append_to_transcript`` queues each message
-per session, drops the oldest past 200 while ``state.db`` refuses writes, and the
-runner and adapters clear their pending slots at shutdown. ``install`` changes
-exactly that on one live store (and, with ``install_runner``, one runner):
+In the released gateway, ``SessionStore.append_to_transcript`` queues each message per
+session, drops the oldest past 200 while ``state.db`` refuses writes, and the runner and
+adapters clear their pending slots at shutdown. ``install`` links one live store to a
+spool; ``install_runner`` hooks one runner's stop. What changes is exactly that: an
+eviction at the cap is spooled, not dropped; a session's spooled rows are written
+before its in-memory ones; a live message ``state.db`` refuses for its content is set
+aside, quarantined, and its session goes on; a rewrite supersedes the session's spooled
+rows; a stop spools the in-memory queues and pending slots, which the next ``install``
+replays in the background. docs/gateway.md states each promise, every wait a gateway
+thread can meet because of walspool with its bound (the names below, from
+``walspool.link.bounds``), the self-healing schedule, the logs, and what is not
+guaranteed.
 
-* a message evicted at the cap is spooled (``CAP_DROP``), not dropped; if the spool
-  cannot take it, the old drop-and-warn behaviour remains;
-* a session's spooled rows (every reason but ``AGENT_HISTORY``, in seq order) are
-  written before its in-memory rows, so ``state.db`` (``ORDER BY id``) holds the
-  transcript in arrival order;
-* pending slots and unflushed agent histories are spooled before they are cleared,
-  and the next ``install`` replays them, in the background;
-* a live message ``state.db`` refuses for its content (``sinks.rejects_live_row``: a
-  value it cannot bind or serialise) never blocks its session: it is set aside in the
-  spool as a quarantined row (reason ``REJECTED``; ``walspool ls`` shows it, replayed
-  only when asked for) and the session's next message is written at once;
-* a transcript rewrite (/retry, /undo, /compress: the store's ``_clear_dirty_transcript``)
-  marks the session's spooled rows superseded: kept in the spool for operators, never
-  replayed unless asked for, as the released store forgets its queue.
-
-One writer per session. A session's writer is whoever claimed ``Session.writer``
-under the store's ``_transcript_retry_lock``: the gateway thread whose message found
-the session idle, or the link's one background thread. Only the holder of the claim
-writes the session or gives the claim up, and it makes every decision on the state it
-reads under the lock after each write or wait. By construction, only the holder changes
-the session's decision state (its message in flight and its backoff); evictions,
-commits, rewrites and recoveries are recorded as events it reads, which never write
-what the holder set (``walspool.link.state.Session``). A session's state object is never
-replaced, and is dropped only when nobody refers to it (no writer, no waiter, no
-uncommitted eviction, no work); a thread that waited without a claim looks its
-session up again, so every thread wakes to the current state.
-
-Waits a gateway thread can meet because of walspool, with their bounds:
-
-* the store's lock, held only for in-memory work: never a blocking put, never SQLite
-  or file I/O (not even a ``stat``: one releases the GIL, and every other gateway
-  thread would then wait on the lock for it). An eviction is handed to the spool's
-  writer with ``Spool.put_nowait``; when its queue is full, or the oldest message is
-  being written right now, the message stays in memory over the cap (WARNING when the
-  spool is the reason). An eviction gets the checks ``Spool.append`` gets: a closed
-  spool refuses it at once (the drop-and-warn path), and one whose path no longer names
-  its file (deleted, moved) fails it when its group commits (the writer's check, once
-  per group): the background thread then opens a fresh spool at the path and hands it
-  those evictions first (``Link.follow_path``), later ones staying queued meanwhile;
-* past twice the cap only (messages arriving faster than the spool or one state.db
-  write takes them): at most ``HANDOFF_WAIT`` for room in the spool writer's queue or
-  for that write to end, and no wait at all while another process holds the spool's
-  write lock; then the oldest takes the old drop-and-warn path (WARNING);
-* as the writer of a healthy session, its own ``state.db`` writes (as in the released
-  store) and a drain of its spooled rows: at most ``GATEWAY_DRAIN_ROWS`` rows per call, then the
-  background thread goes on. Before a drain it waits at most ``CONFIRM_WAIT`` for its
-  own evictions to commit, and at most ``HANDOFF_WAIT`` for this link's drain of
-  another session to finish its batch; a drain never waits for a replay lock held
-  elsewhere (``ReplayBusy``: retried later) and is left to the background thread
-  while another process holds the spool's write lock. A spool transaction of a
-  drain waits at most ``walspool.store.writer.BUSY_RETRY_SECONDS`` for that lock;
-* taking a session over from the background thread: at most ``HANDOFF_WAIT``, in
-  practice the rest of one ``state.db`` write or one drain batch of
-  ``DRAIN_CHUNK_ROWS`` rows; none while another process holds the spool's write lock;
-* a transcript rewrite: at most ``HANDOFF_WAIT`` for a drain batch of this link,
-  then its supersede transaction (at most ``BUSY_RETRY_SECONDS``); shutdown's
-  ``flush_queues`` waits at most ``FLUSH_TIMEOUT`` (plus ``CONFIRM_WAIT``).
-
-Self-healing: while a session has queued or spooled work, the background thread
-retries it when its retry time passes, with no new message needed, a slice of at most
-``GATEWAY_DRAIN_ROWS`` spooled rows at a time, the session longest due first. The delay after
-the k-th failure in a row is ``retry_interval`` * 2 ** (k - 4), capped at
-``retry_interval``: 1/8, 1/4, 1/2, then every ``retry_interval``. While ``state.db``
-fails, failing sessions are tried one at a time (the probe, ``machine.pick_due``), so a
-long outage with many sessions and no messages costs one failing write per interval;
-the first success lets every due session go on at once, so a healed ``state.db``
-receives everything within ``retry_interval`` plus the time the writes take.
-Meanwhile, from its first failed write or drain until a retry succeeds, a
-session's gateway threads only queue its new messages (and spool at the cap): an
-outage costs no failing write, and no wait, per message. ``retry_interval=0`` turns
-the background thread off (as does ``Link.close``): each message retries at once, as
-in the released store.
-
-The cap on the spool (``max_bytes``, ``walspool.link.budget``) keeps room for quiet sessions
-by each session's share: the bytes its rows hold in the spool, superseded ones and those
-of earlier runs included. When the spool holds rows at ``install``, the background thread
-first counts them (one walk of an index, 0.6 to 0.8 s for a million rows);
-``wait_idle`` waits for it, no gateway thread does.
-
-Logs (``walspool.link.outage``): one WARNING when a session starts spooling (naming the
-spool), one when its spooled rows are all written back and one when the outage is over,
-with counts and durations; a progress line at most once a minute; the released store's
-retry WARNING for the first ``outage.QUIET_AFTER`` failures in a row, then at most once a
-minute. A session's repeated condition (its spool busy, so the oldest message stays in
-memory; its oldest dropped or not spoolable; its spooled rows replayed, chunk by chunk)
-is said in full at its first occurrence, then at most once per ``REPEAT_SECONDS`` (60 s)
-with the count since its last line, and once when it ends; every occurrence is counted
-in one line, and ``close`` says what is held back (``walspool.link.repeats``). A drop
-for the message's own fault (a session id or a size the spool refuses) is said each
-time, with its detail. The line per eviction is DEBUG.
-
-Not guaranteed: messages still in memory when the process is killed are lost, as in
-the released gateway (only spooled rows are durable). A message the store or a drain
-is writing at the moment of a rewrite may land after the rewritten transcript, as in
-the released store. An eviction or a quarantined message the spool accepted but then
-failed to commit (disk full, its write lock held elsewhere past the bound, closed) is
-dropped with a WARNING; so is a refused message the spool cannot take at all.
-
-The link is built as a pure per-session state machine (``walspool.link.machine``)
-inside a thin shell (``walspool.link.link.Link``) that holds the store's lock,
-performs the machine's steps and logs after unlocking; evictions, the session writer,
-the background thread and shutdown each have their module in ``walspool.link``, and
-none names a gateway's attribute. This module is 0.19.0's adapter and the link's
-public face: it checks the store and the runner, maps the store onto the link's
-``Transcripts`` (``walspool.gateways.session_store``) and hooks the runner's stop.
+The behaviour itself is the gateway-neutral link (``walspool.link``: a pure
+per-session machine in a thin shell that holds the store's lock, performs the
+machine's steps and logs after unlocking). This module only checks that the store and
+the runner have the 0.19.0 internals it relies on (``UnsupportedGateway`` otherwise),
+maps the store onto the link's ``Transcripts`` (``walspool.gateways.session_store``),
+replaces the store's ``append_to_transcript`` and ``_clear_dirty_transcript``, and
+hooks the runner's ``stop``.
 """
 
 from __future__ import annotations

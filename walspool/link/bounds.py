@@ -1,5 +1,5 @@
 """The gateway link's bounds and tunables, in one place: every wait a gateway thread
-can meet because of walspool is bounded by one of these (see ``walspool.hermes``).
+can meet because of walspool is bounded by one of these (docs/gateway.md lists them).
 The link's modules read them at each use (``bounds.NAME``), so there is one value."""
 
 #: Failures in a row until the retry delay reaches ``retry_interval``.
@@ -24,5 +24,5 @@ FLUSH_TIMEOUT = 10.0
 #: whenever there is some; this only bounds the life of a forgotten link's thread).
 IDLE_WAKE_SECONDS = 60.0
 #: Seconds: the cap of a failing session's retry delay (``retry_interval``'s default;
-#: see ``walspool.hermes``), and the least wait before a fresh spool is tried again.
+#: see docs/gateway.md), and the least wait before a fresh spool is tried again.
 RETRY_INTERVAL = 1.0

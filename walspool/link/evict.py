@@ -1,6 +1,6 @@
 """The gateway link's evictions: the oldest queued messages past the cap go to the
 spool's writer without blocking, and a live message state.db refuses for its content is
-set aside there as a quarantined row (see ``walspool.hermes`` for the bounds); and
+set aside there as a quarantined row (docs/gateway.md has the bounds); and
 the writer's report of each group of them, which settles their sessions.
 """
 
