@@ -436,13 +436,26 @@ def _drain_before_live_writes(store_class: type) -> None:
 
 
 def _drain_first(store: Any, write: Callable[..., Any], session_id: str) -> None:
-    """Drain ``session_id``'s spooled rows if it may have some; raise if rows remain."""
+    """Drain ``session_id``'s spooled rows if it may have some; raise if rows remain.
+
+    0.20's marks map onto the link's machine: a session the store marked, or not yet
+    looked at in this process, may hold spooled rows; only one that may not is
+    written at once (``machine.next_step``: WRITE only when ``Spooled.NONE``). The
+    drain then decides its own steps the same way (``drain_transcript_spool``)."""
+    from .link import machine
     from .replay.upstream import StoreWrite
     from .shutdown_flush import drain_transcript_spool
 
     marked = getattr(store, "_spooled_drop_sessions", None) or set()
     looked = store.__dict__.setdefault("_walspool_drained", set())
-    if session_id in looked and session_id not in marked:
+    may_hold = session_id not in looked or session_id in marked
+    facts = machine.Facts(
+        owner=machine.Owner.GATEWAY,
+        spooled=machine.Spooled.MAY_HOLD if may_hold else machine.Spooled.NONE,
+        backoff=machine.Backoff.HEALTHY,
+        queued=True,
+    )
+    if machine.next_step(facts, 0.0).step is machine.Step.WRITE:
         return
     _draining.on = True
     try:
