@@ -89,23 +89,24 @@ class Ticks:
         return self.now
 
 
-def test_a_wait_for_hand_offs_ends_at_its_bound_when_none_commits():
+@pytest.mark.parametrize(
+    "seconds, busy, looked_until",
+    [
+        # none commits: the start, three looks, the one past the bound
+        (0.35, False, 0.5),
+        # a write lock held elsewhere notifies nobody and may be held long: no wait
+        (60.0, True, 0.1),
+    ],
+)
+def test_a_wait_for_hand_offs_ends_at_its_bound_or_at_once_while_the_spool_is_busy(
+    seconds, busy, looked_until
+):
     handoffs = account()
     clock = Ticks(0.1)
     with handoffs.condition:
         handoffs.handed("s")
-        assert handoffs.wait("s", 0.35, lambda: False, clock) is False
-    assert clock.now == pytest.approx(0.5)  # the start, three looks, the one past the bound
-
-
-def test_a_wait_for_hand_offs_ends_at_once_while_the_spool_is_busy():
-    """A write lock held elsewhere notifies nobody and may be held long: no wait."""
-    handoffs = account()
-    clock = Ticks(0.1)
-    with handoffs.condition:
-        handoffs.handed("s")
-        assert handoffs.wait("s", 60.0, lambda: True, clock) is False
-    assert clock.now == pytest.approx(0.1)
+        assert handoffs.wait("s", seconds, lambda: busy, clock) is False
+    assert clock.now == pytest.approx(looked_until)
 
 
 def test_a_wait_for_hand_offs_ends_when_the_last_one_of_its_key_settles():
