@@ -125,10 +125,11 @@ def env(home: Path, **extra: str) -> dict[str, str]:
 
 
 def configure(gateway: Gateway, home: Path, command: tuple[str, ...]) -> None:
-    """Run one of the gateway's own commands, as its user would."""
+    """Run one of the gateway's own commands, as its user would (by the environment's
+    own python: a copied environment's scripts still name the original's)."""
     tool = ROOT / gateway.venv / "bin" / command[0]
     done = subprocess.run(
-        [str(tool), *command[1:]],
+        [str(gateway.python()), str(tool), *command[1:]],
         env=env(home),
         capture_output=True,
         text=True,
