@@ -205,26 +205,29 @@ def run_snippet(section: str, namespace: dict[str, Any]) -> dict[str, Any]:
 def test_the_gateway_link_snippet_links_a_real_runner_as_printed(
     hermes_home: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """docs/gateway.md's snippet, given only ``runner`` (a real 0.19.0 GatewayRunner):
-    its spool is <HERMES_HOME>/spool.db and its link a ``Link`` installed on the runner's
-    store, which replays what an earlier run spooled; during an outage the evicted
-    messages land in the spool, and the runner's own ``stop()`` spools the store's
-    in-memory queue and its pending slot behind them, in that order."""
-    from gateway.config import GatewayConfig, Platform
-    from gateway.run import GatewayRunner
+    """docs/gateway.md's snippet, run as printed with only HERMES_HOME set: its runner a
+    real 0.19.0 GatewayRunner of the home, its spool <HERMES_HOME>/spool.db and its link
+    a ``Link`` installed on the runner's store, which replays what an earlier run
+    spooled; during an outage the evicted messages land in the spool, and the runner's
+    own ``stop()`` spools the store's in-memory queue and its pending slot behind them,
+    in that order."""
+    from gateway.config import Platform
     from gateway.session import SessionSource
+    from hermes_state import SessionDB
 
     # stop() marks a clean shutdown in the home gateway.run read at its import.
     monkeypatch.setattr("gateway.run._hermes_home", hermes_home)
     with walspool.Spool(hermes_home / "spool.db") as earlier:
         earlier.append("s1", msg("spooled by an earlier run"))
-    runner = GatewayRunner(GatewayConfig(sessions_dir=hermes_home / "sessions"))
+    earlier_db = SessionDB()  # what an earlier run left in the home's state.db
+    earlier_db.create_session("s1", "telegram")
+    earlier_db.close()
+    found = run_snippet("Linking it into the gateway", {})
+    runner, spool, link = found["runner"], found["spool"], found["link"]
     store = runner.session_store
-    store._db.create_session("s1", "telegram")
     chat = store.get_or_create_session(SessionSource(platform=Platform.TELEGRAM, chat_id="42"))
-    found = run_snippet("Linking it into the gateway", {"runner": runner})
-    spool, link = found["spool"], found["link"]
     try:
+        assert store.sessions_dir == hermes_home / "sessions"
         assert spool.path == hermes_home / "spool.db"
         assert isinstance(link, Link) and store.append_to_transcript.__self__ is link
         assert link.wait_idle(STEP)  # the recovery, in the background
