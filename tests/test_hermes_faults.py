@@ -259,13 +259,14 @@ def test_past_twice_the_cap_behind_a_full_spool_queue_a_gateway_thread_waits_its
     monkeypatch.setattr(bounds, "HANDOFF_WAIT", 0.2)
     store._db.create_session("a", "telegram")
     link = install(store, spool, retry_interval=3600)
-    later = [0.0]
-    link.clock = lambda: time.monotonic() + later[0]
+    # Frozen but for the test's move: the wait's bound is measured in real time
+    # (``Core.timer``), the lines' interval on this clock.
+    link.clock = clock = Clock()
     sql(store, BREAK)
     go_on, fillers = fill_the_writer(spool)
     for i in range(4):  # up to twice the cap: kept in memory, no room in the spool
         store.append_to_transcript("a", msg(f"a{i}"))
-    later[0] = REPEAT_SECONDS  # the next keep is summed up at once
+    clock.move(REPEAT_SECONDS)  # the next keep is summed up at once
     recorded: list[Waits] = []
 
     def past_twice_the_cap() -> None:

@@ -458,17 +458,17 @@ def test_a_gateway_thread_waits_for_the_head_at_most_its_bound_then_drops(
 
 
 def test_a_shutdown_flush_gives_each_wait_only_what_is_left_of_its_bound(store, spool, monkeypatch):
-    """On a clock the test moves: the spool's queue is full twice, then takes the
-    flush. Each wait for room gets what is left of ``FLUSH_TIMEOUT``, and the wait for
-    the commit what is left of it plus ``CONFIRM_WAIT``, so the flush as a whole stays
-    within its bound."""
+    """On a timer the test moves (``Core.timer``, which bounded waits are measured on): the
+    spool's queue is full twice, then takes the flush. Each wait for room gets what is
+    left of ``FLUSH_TIMEOUT``, and the wait for the commit what is left of it plus
+    ``CONFIRM_WAIT``, so the flush as a whole stays within its bound."""
     monkeypatch.setattr(bounds, "FLUSH_TIMEOUT", 0.5)
     clock = [1000.0]
     store._db.create_session("s", "telegram")
     link = install(store, spool, retry_interval=3600)
     sql(store, BREAK)
     store.append_to_transcript("s", msg("m0"))  # fails: queued, retried in an hour
-    monkeypatch.setattr(link, "clock", lambda: clock[0])
+    monkeypatch.setattr(link.core, "timer", lambda: clock[0])
     full = [2]
     notify_nowait = spool._writer.notify_nowait
 
@@ -506,16 +506,16 @@ def test_a_shutdown_flush_gives_each_wait_only_what_is_left_of_its_bound(store, 
 def test_a_shutdown_flush_the_spool_has_no_room_for_gives_up_at_its_bound(
     store, spool, monkeypatch, caplog
 ):
-    """On a clock the test moves: the spool's queue stays full. The flush waits for
-    room until ``FLUSH_TIMEOUT`` is reached exactly, no longer, then says so; the
-    message stays queued in memory."""
+    """On a timer the test moves (``Core.timer``, which bounded waits are measured on): the
+    spool's queue stays full. The flush waits for room until ``FLUSH_TIMEOUT`` is
+    reached exactly, no longer, then says so; the message stays queued in memory."""
     monkeypatch.setattr(bounds, "FLUSH_TIMEOUT", 0.5)
     clock = [1000.0]
     store._db.create_session("s", "telegram")
     link = install(store, spool, retry_interval=3600)
     sql(store, BREAK)
     store.append_to_transcript("s", msg("m0"))  # fails: queued, retried in an hour
-    monkeypatch.setattr(link, "clock", lambda: clock[0])
+    monkeypatch.setattr(link.core, "timer", lambda: clock[0])
 
     def full(request: Any, callback: Any) -> None:
         raise queue.Full
@@ -622,10 +622,11 @@ def test_the_start_recovery_writes_as_the_background_thread_and_a_gateway_thread
 def test_a_wait_for_evictions_looks_again_often_and_gives_up_at_its_bound(
     store, spool, monkeypatch
 ):
-    """On a clock the test moves: a gateway thread's eviction cannot commit (the
-    spool's writer is busy). Before it drains, the thread waits for it in looks of at
-    most ``BUSY_LOOK_SECONDS`` (a write lock held elsewhere would not wake it),
-    ``CONFIRM_WAIT`` in all; then it goes on and leaves its message queued."""
+    """On a timer the test moves (``Core.timer``, which bounded waits are measured on): a
+    gateway thread's eviction cannot commit (the spool's writer is busy). Before it
+    drains, the thread waits for it in looks of at most ``BUSY_LOOK_SECONDS`` (a write
+    lock held elsewhere would not wake it), ``CONFIRM_WAIT`` in all; then it goes on and
+    leaves its message queued."""
     monkeypatch.setattr(store, "_MAX_PENDING_PER_SESSION", 3, raising=False)
     store._db.create_session("s", "telegram")
     link = install(store, spool, retry_interval=0)
@@ -647,7 +648,7 @@ def test_a_wait_for_evictions_looks_again_often_and_gives_up_at_its_bound(
 
     settled = link.core.handoffs.condition
     link.core.handoffs.condition = Looks(link.core.lock)
-    monkeypatch.setattr(link, "clock", lambda: clock[0])
+    monkeypatch.setattr(link.core, "timer", lambda: clock[0])
     store.append_to_transcript("s", msg("m3"))  # evicts m0, then waits for its commit
     link.core.handoffs.condition = settled
     monkeypatch.undo()

@@ -42,9 +42,12 @@ class Core:
     ) -> None:
         #: The gateway's store: its queues, their lock, its writes.
         self.transcripts = transcripts
-        #: The link's clock (monotonic seconds), the only one its parts read: the
-        #: machine is given ``now`` from it. Waits on conditions still take real time.
+        #: The link's clock (monotonic seconds), which its decisions read: the machine
+        #: is given ``now`` from it, retry times and the lines' intervals are on it.
         self.clock: Callable[[], float] = time.monotonic
+        #: The clock the bounds of its waits are measured on: real time, whatever
+        #: ``clock`` says (a test's frozen clock never ends a wait, nor shortens one).
+        self.timer: Callable[[], float] = time.monotonic
         self.retry_interval = retry_interval
         #: The cap on what evictions may fill (``walspool.link.budget``); None: no cap.
         self.max_bytes = max_bytes

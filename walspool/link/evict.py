@@ -119,9 +119,10 @@ class Evictions:
         return notes
 
     def wait_for_head(self, state: Session, deadline: float) -> None:
-        """Wait until the write of the queue's head ends (or ``deadline``); lock held."""
+        """Wait until the write of the queue's head ends (or ``deadline``, on
+        ``Core.timer``); lock held."""
         with state.waiting():
-            left = deadline - self.core.clock()
+            left = deadline - self.core.timer()
             if left > 0:
                 self.core.settled.wait(left)
 

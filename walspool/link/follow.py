@@ -73,7 +73,7 @@ class Follow:
                 return  # a fresh spool could not be opened a moment ago
             core.replaced = True
             while core.unconfirmed_bytes:
-                left = deadline - core.clock()
+                left = deadline - core.timer()
                 if left <= 0:
                     return
                 core.settled.wait(min(left, bounds.BUSY_LOOK_SECONDS))

@@ -118,7 +118,7 @@ class Link:
         done and no session has a writer, queued or spooled work; True if so (for
         tests and shutdowns)."""
         core = self.core
-        deadline = core.clock() + timeout
+        deadline = core.timer() + timeout
         with core.lock:
             while (
                 core.recovering
@@ -128,7 +128,7 @@ class Link:
                     for sid, s in core.sessions.items()
                 )
             ):
-                left = deadline - core.clock()
+                left = deadline - core.timer()
                 if left <= 0:
                     return False
                 core.settled.wait(left)
@@ -202,7 +202,7 @@ class Link:
         queued = False
         # Past twice the cap (messages arriving faster than the spool or one state.db
         # write takes them), wait at most this long, then drop the oldest with a WARNING.
-        deadline = self.core.clock() + bounds.HANDOFF_WAIT
+        deadline = self.core.timer() + bounds.HANDOFF_WAIT
         while True:
             with self.core.lock:
                 # Looked up again after every wait: a rewrite may have emptied the
@@ -212,7 +212,7 @@ class Link:
                 if not queued:
                     pending.append(copy)
                     queued = True
-                late = self.core.clock() >= deadline
+                late = self.core.timer() >= deadline
                 notes += self.evictions.evict(session_id, state, pending, drops=late)
                 if len(pending) <= 2 * self.core.cap or late:
                     claim = self._enter(state)
@@ -226,7 +226,7 @@ class Link:
             if self.core.spool.busy() or self.core.spool.has_room():
                 deadline = 0.0
             else:
-                self.core.spool.wait_for_room(max(deadline - self.core.clock(), 0.0))
+                self.core.spool.wait_for_room(max(deadline - self.core.timer(), 0.0))
         try:
             self.core.run(notes)
         finally:
@@ -295,10 +295,10 @@ class Link:
             # The background writer may be waiting for the spool's write lock held by
             # another process: do not wait behind it; the message stays queued.
             return None
-        deadline = self.core.clock() + bounds.HANDOFF_WAIT
+        deadline = self.core.timer() + bounds.HANDOFF_WAIT
         with state.waiting():  # the background writer sees it at its next step
             while state.writer is not None and state.writer.background:
-                left = deadline - self.core.clock()
+                left = deadline - self.core.timer()
                 if left <= 0:
                     return None
                 self.core.settled.wait(left)

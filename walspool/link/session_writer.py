@@ -92,7 +92,7 @@ class SessionWriter:
                 # Decided again on the state after the wait.
                 with state.waiting():  # a waiter keeps the session known
                     self.core.handoffs.wait(
-                        session_id, bounds.CONFIRM_WAIT, self.core.spool.busy, self.core.clock
+                        session_id, bounds.CONFIRM_WAIT, self.core.spool.busy, self.core.timer
                     )
                 confirm_waited = True
                 continue

@@ -85,11 +85,11 @@ class Shutdown:
         in the old spool's writer come back first and a fresh spool takes them, then
         the queues (``Follow.before_flush``).
         """
-        deadline = self.core.clock() + bounds.FLUSH_TIMEOUT
+        deadline = self.core.timer() + bounds.FLUSH_TIMEOUT
         self.core.stopping = True
         self.follow.before_flush(deadline)
         queues = _LinkQueues(self.core)
-        return spool_queues(self.core.spool, queues, clock=self.core.clock, deadline=deadline)
+        return spool_queues(self.core.spool, queues, clock=self.core.timer, deadline=deadline)
 
     def spool_if_stopping(self) -> None:
         """After a failed write: once the shutdown has flushed the queues, spool what
