@@ -12,6 +12,9 @@ DRAIN_CHUNK_ROWS = 128
 #: Spooled rows a gateway thread drains in one ``append_to_transcript`` before it leaves
 #: the rest to the background thread (about 0.6 s of writes on the reference machine).
 GATEWAY_DRAIN_ROWS = 1024
+#: Evictions the spool writer's report of a group settles per take of the store's lock
+#: (a group may hold thousands): a gateway thread waits for the lock behind this many.
+SETTLE_CHUNK = 64
 #: Seconds a gateway thread waits for its session's evictions to commit before a drain.
 CONFIRM_WAIT = 0.25
 #: How often that wait looks whether the spool's write lock is held elsewhere.

@@ -14,7 +14,7 @@ from ..errors import InvalidArgument, PayloadTooLarge, SpoolReplaced, WalspoolEr
 from ..replay.sinks import is_row_rejection, rejects_content
 from ..store.records import CAP_DROP
 from ..store.writer import Batched, Request, Row
-from . import budget
+from . import bounds, budget
 from .core import Core, Note
 from .lines import DROPPED, KEPT, UNSPOOLABLE, Lines
 from .state import Session, log
@@ -128,9 +128,32 @@ class Evictions:
 
     def _done(self, requests: list[Request]) -> None:
         """On the spool's writer: a group of evictions committed (or failed); count
-        them under one take of the lock, then log each."""
-        settled = False
+        them, ``bounds.SETTLE_CHUNK`` at a time under the lock, then log each."""
         lines: list[list[Note]] = []  # the operator's lines, per request
+        for start in range(0, len(requests), bounds.SETTLE_CHUNK):
+            # A group may hold thousands: a gateway thread waits for the lock behind
+            # one chunk at most. Each settle is whole on its own, in the writer's order.
+            lines += self._settle(requests[start : start + bounds.SETTLE_CHUNK])
+        for request, said in zip(requests, lines, strict=True):
+            self.core.run(said)
+            if request.error is not None:
+                continue
+            # One line per eviction only for debugging: operators get the session's
+            # start, progress and drained lines (``walspool.link.outage``).
+            log.debug(
+                "Session DB transcript pending queue full for %s (cap=%d); spooled oldest "
+                "message to %s (seq %d) for replay after DB recovery",
+                request.session_id,
+                self.core.cap,
+                self.core.spool.path,
+                request.result.seq,
+            )
+
+    def _settle(self, requests: list[Request]) -> list[list[Note]]:
+        """Count ``requests`` (settled by the writer, in order) under one take of the
+        lock; the lines to log for each."""
+        settled = False
+        lines: list[list[Note]] = []
         now = self.core.clock()
         with self.core.lock:
             for request in requests:
@@ -164,20 +187,7 @@ class Evictions:
             if self.core.replaced and not self.core.unconfirmed_bytes:
                 self.core.settled.notify_all()  # a stop's flush waits for this
                 self.core.due.notify()  # the background thread opens the fresh spool
-        for request, said in zip(requests, lines, strict=True):
-            self.core.run(said)
-            if request.error is not None:
-                continue
-            # One line per eviction only for debugging: operators get the session's
-            # start, progress and drained lines (``walspool.link.outage``).
-            log.debug(
-                "Session DB transcript pending queue full for %s (cap=%d); spooled oldest "
-                "message to %s (seq %d) for replay after DB recovery",
-                request.session_id,
-                self.core.cap,
-                self.core.spool.path,
-                request.result.seq,
-            )
+        return lines
 
     def _returns(self, request: Request, superseded: bool) -> bool:
         """Whether a failed eviction goes to a fresh spool rather than being dropped:
