@@ -9,6 +9,7 @@ import sqlite3
 import stat
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -993,16 +994,18 @@ def test_a_hand_off_that_fails_after_a_rewrite_of_its_session_is_not_reported_lo
     rewrite = None
     with write_lock_held(spool.path), caplog.at_level(logging.WARNING, "walspool"):
         assert sf.spool_dropped_transcript_message("s", {"role": "user", "content": "m"})
-        assert found_locked(spool) and sf._handed_off(spool, "s") == 1
+        assert found_locked(spool) and sf.hand_offs("s") == (1, 0)
         if rewritten:  # its supersede queues behind the eviction: on a thread
             rewrite = threading.Thread(target=sf.transcript_rewritten, args=("s",))
             rewrite.start()
-            with sf._handoffs:
-                assert sf._handoffs.wait_for(lambda: sf._handed.superseded((spool.path, "s")), STEP)
+            marked = time.monotonic() + STEP
+            while sf.hand_offs("s") != (1, 1):  # marked before its supersede waits
+                assert time.monotonic() < marked, sf.hand_offs("s")
+                time.sleep(0.001)
         sf.close_shared_spools()
         if rewrite is not None:
             rewrite.join(STEP)
             assert not rewrite.is_alive()
-    assert sf._handed_off(spool, "s") == 0
+    assert sf.hand_offs("s") == (0, 0)
     dropped = [m for m in logged(caplog, logging.WARNING) if "could not be committed" in m]
     assert len(dropped) == (0 if rewritten else 1), dropped

@@ -303,6 +303,15 @@ def _settled(key: tuple[Path, str]) -> None:
         _handed.settled(key)
 
 
+def hand_offs(session_id: str) -> tuple[int, int]:
+    """The session's messages handed to the current home's spool writer and not
+    committed yet, and how many of them a rewrite of the session superseded since (a
+    failure of those is not reported lost). For tests and forensics; not upstream's
+    API."""
+    with _handoffs:
+        return _handed.counts((spool_path(), session_id))
+
+
 def _handed_off(spool: Spool, session_id: str) -> int:
     with _handoffs:
         return _handed.pending((spool.path, session_id))

@@ -88,7 +88,7 @@ def test_a_hand_off_the_lock_outlasts_is_kept_by_the_gateway_and_lands_after_the
         # The third failure spools the stalled backlog (0.22): refused, kept.
         times = [timed_append(store, "a", m) for m in sent]
         assert found_locked(spool)
-        assert wsf._handed.pending((spool.path, "a")) == 0
+        assert wsf.hand_offs("a") == (0, 0)
         kept = len(store._dirty_transcripts["a"])
     assert max(times) < APPEND_BOUND, max(times)
     said = [r.getMessage() for r in caplog.records if r.name.startswith("walspool")]

@@ -66,6 +66,11 @@ class HandOffs:
             self._superseded.pop(key, None)
         self.condition.notify_all()
 
+    def counts(self, key: Hashable) -> tuple[int, int]:
+        """``key``'s pending hand-offs, and how many of them came before its last
+        rewrite."""
+        return self._pending.get(key, 0), self._superseded.get(key, 0)
+
     def superseded(self, key: Hashable) -> bool:
         """Whether the next hand-off of ``key`` to settle came before its last rewrite."""
         return self._superseded.get(key, 0) > 0
