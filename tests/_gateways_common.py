@@ -152,9 +152,8 @@ class DropInWaits:
     and whether the spool's writer had found its write lock held elsewhere by then.
 
     The places: a spool transaction on the caller's thread (``Writer.call``), a blocking
-    put (``notify``, ``submit``), a wait for room, the drain's wait for the session's
-    hand-offs (``HandOffs.wait``) and for the write lock (``shutdown_flush._probe``), and
-    the replay lock (``replay_lock._exclusive``).
+    put (``notify``, ``submit``), a wait for room, the drain's wait for earlier
+    hand-offs (``shutdown_flush._probe``) and the replay lock (``replay_lock._exclusive``).
     """
 
     def __init__(self, spool: object, monkeypatch: object) -> None:
@@ -162,7 +161,6 @@ class DropInWaits:
 
         import walspool.shutdown_flush as wsf
         import walspool.store.replay_lock as replay_lock
-        from walspool.link.handoffs import HandOffs
 
         self.seen: list[tuple[str, float | None, bool]] = []
         self._thread = threading.current_thread()
@@ -175,12 +173,6 @@ class DropInWaits:
             self._wrap(monkeypatch, writer, name, lambda *a, **k: None)
         self._wrap(monkeypatch, writer, "wait_for_room", lambda timeout, *a, **k: timeout)
         self._wrap(monkeypatch, wsf, "_probe", lambda spool, *, wait: wait)
-        self._wrap(
-            monkeypatch,
-            HandOffs,
-            "wait",
-            lambda self, key, seconds, busy, clock: 0.0 if busy() else seconds,
-        )
         self._wrap(
             monkeypatch,
             replay_lock,

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import collections
 import logging
 import re
 import threading
@@ -366,3 +367,70 @@ def test_two_messages_too_big_at_the_head_are_both_dropped_in_one_eviction(
             "message)"
             for n in (2028, 2028)
         ]
+
+
+def test_a_large_group_of_evictions_is_settled_a_chunk_at_a_time_under_the_stores_lock(
+    store, spool, monkeypatch
+):
+    """The spool's writer reports a group of 300 evictions (queued behind a held
+    operation, then committed together). It settles them ``bounds.SETTLE_CHUNK`` at most
+    under one take of the store's lock, so a gateway thread waits behind one chunk of
+    them, never behind the whole group; every one is settled, once."""
+    from walspool.link import bounds
+    from walspool.link.handoffs import HandOffs
+
+    takes: list[int] = [0]  # the spool writer's takes of the store's lock
+    settled_in: list[int] = []  # per settle on the writer's thread: the take it was in
+
+    def on_writer() -> bool:
+        return threading.current_thread().name.startswith("walspool-writer")
+
+    class Counted:
+        """The store's lock, counting the spool writer's takes (``Condition`` falls back
+        to acquire and release)."""
+
+        def __init__(self, inner: Any) -> None:
+            self.inner = inner
+
+        def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+            got = self.inner.acquire(blocking, timeout)
+            if got and on_writer():
+                takes[0] += 1
+            return got
+
+        def release(self) -> None:
+            self.inner.release()
+
+        __enter__ = acquire
+
+        def __exit__(self, *exc: object) -> None:
+            self.release()
+
+    settled = HandOffs.settled
+
+    def noted(self: HandOffs, key: Any) -> bool:
+        if on_writer():
+            settled_in.append(takes[0])
+        return settled(self, key)
+
+    monkeypatch.setattr(HandOffs, "settled", noted)
+    monkeypatch.setattr(store, "_transcript_retry_lock", Counted(store._transcript_retry_lock))
+    monkeypatch.setattr(store, "_MAX_PENDING_PER_SESSION", 2, raising=False)
+    store._db.create_session("s", "telegram")
+    link = install(store, spool, retry_interval=3600, recover=False)
+    sql(store, BREAK)
+    for i in range(2):  # up to the cap: the session drains (nothing) and fails
+        store.append_to_transcript("s", msg(f"m{i}"))
+    go_on = hold_the_writer(spool)
+    for i in range(2, 302):  # each evicts the oldest: 300 queued behind the hold
+        store.append_to_transcript("s", msg(f"m{i}"))
+    go_on.set()
+    spool.flush()
+    with link.core.lock:
+        assert link.core.handoffs.pending("s") == 0
+    per_take = collections.Counter(settled_in)
+    assert sum(per_take.values()) == 300
+    assert max(per_take.values()) == bounds.SETTLE_CHUNK
+    assert len(per_take) >= 300 // bounds.SETTLE_CHUNK
+    assert spool.stats().rows == 300
+    link.close()

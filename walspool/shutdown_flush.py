@@ -112,7 +112,7 @@ IMPORT_SOURCE_KEY = "_walspool_import"
 
 # CONFIRM_WAIT: seconds a drain waits for the spool's writer to commit what was handed
 # to it before (this session's evictions); none once the spool's write lock is found
-# held elsewhere. BUSY_LOOK_SECONDS: how often a probe's wait looks. The link's bounds.
+# held elsewhere. BUSY_LOOK_SECONDS: how often that wait looks. The link's bounds.
 #: Seconds a gateway that keeps what the spool refuses (0.22) waits for an eviction's
 #: commit; past it nothing is written and the gateway keeps the message.
 HANDOFF_SECONDS = 1.0
@@ -319,28 +319,21 @@ def _handed_off(spool: Spool, session_id: str) -> int:
 
 def _drain_runs(spool: Spool, session_id: str) -> bool:
     """Whether a gateway thread's drain of ``session_id`` runs now, decided as the
-    link's writer decides a drain (``walspool.link.machine.next_step``): once the
-    session's hand-offs committed (waited for at most ``CONFIRM_WAIT``, and not at all
-    once the spool's write lock is found held elsewhere), and while no other process
-    holds that lock. Otherwise the drain is left for later (the machine's yield)."""
-    key = (spool.path, session_id)
-    confirm_waited = False
+    link's writer decides a drain (``walspool.link.machine.next_step``), after the
+    probe stood for the machine's wait for the session's hand-offs (the writer commits
+    in order): not while one is still pending or another process holds the spool's
+    write lock; then the drain is left for later (the machine's yield)."""
     with _handoffs:
-        while True:
-            facts = machine.Facts(
-                owner=machine.Owner.GATEWAY,
-                spooled=machine.Spooled.MAY_HOLD,
-                backoff=machine.Backoff.HEALTHY,
-                unconfirmed=bool(_handed.pending(key)),
-                queued=True,
-                spool_busy=spool.busy(),
-                confirm_waited=confirm_waited,
-            )
-            step = machine.next_step(facts, time.monotonic()).step
-            if step is not machine.Step.CONFIRM:
-                return step is machine.Step.DRAIN
-            _handed.wait(key, CONFIRM_WAIT, spool.busy, time.monotonic)
-            confirm_waited = True
+        facts = machine.Facts(
+            owner=machine.Owner.GATEWAY,
+            spooled=machine.Spooled.MAY_HOLD,
+            backoff=machine.Backoff.HEALTHY,
+            unconfirmed=bool(_handed.pending((spool.path, session_id))),
+            queued=True,
+            spool_busy=spool.busy(),
+            confirm_waited=True,
+        )
+    return machine.next_step(facts, time.monotonic()).step is machine.Step.DRAIN
 
 
 def _probe(spool: Spool, *, wait: float) -> bool:
@@ -399,9 +392,10 @@ def drain_transcript_spool(
     spool's writer and not yet committed. With ``db_known_failing`` a failure logs
     at DEBUG, not WARNING.
 
-    Waits: at most ``CONFIRM_WAIT`` for the spool's writer to commit the session's
-    hand-offs, then as long for it to commit an empty transaction (the write lock is
-    free), and none while another process holds the spool's write lock or a
+    Waits: at most ``CONFIRM_WAIT`` for the spool's writer to commit what was handed
+    to it before (the session's hand-offs among it) and an empty transaction after
+    (the write lock is free), and none while another process holds the spool's write
+    lock or a
     replay of the spool runs elsewhere: the drain is skipped (nothing replayed, the
     rows count as remaining) and the gateway tries again at its next write (the
     plugin sooner: ``retry_skipped_drains``). A spool
@@ -417,11 +411,13 @@ def drain_transcript_spool(
         check_lookup(session_id, "session_id", spool.path)
     except InvalidArgument:  # an id the spool cannot hold has no rows in it
         return 0, 0
-    if spool.busy():
-        _probe(spool, wait=0.0)  # a probe that commits ends the busy state
-    # Then an empty transaction says the write lock is free now (the drain's own
-    # transactions would wait up to BUSY_RETRY_SECONDS for a lock held elsewhere).
-    if not _drain_runs(spool, session_id) or not _probe(spool, wait=CONFIRM_WAIT):
+    # An empty transaction queued behind everything handed to the writer so far: once
+    # committed, the session's hand-offs are, and the write lock is free now (the
+    # drain's own transactions would wait up to BUSY_RETRY_SECONDS for one held
+    # elsewhere). While the lock is known held, not waited for: a probe that commits
+    # ends the busy state.
+    busy = spool.busy()
+    if not _probe(spool, wait=0.0 if busy else CONFIRM_WAIT) or not _drain_runs(spool, session_id):
         _skipped(spool, session_id)
         remaining = _remaining(spool, session_id)
         log.debug(

@@ -160,6 +160,8 @@ def read_stats(conn: apsw.Connection, path: Path, now: float) -> dict[str, Any]:
         recent = totals.recent_errors(conn, LAST_ERROR_CHARS, LAST_ERRORS * 40)
         counted = totals.counters(conn)
         held = memory.read(conn)
+    quarantined, quarantined_bytes = set_aside.get(QUARANTINED, (0, 0))
+    superseded, superseded_bytes = set_aside.get(SUPERSEDED, (0, 0))
     return {
         "spool": str(path),
         "rows": s.rows,
@@ -174,10 +176,10 @@ def read_stats(conn: apsw.Connection, path: Path, now: float) -> dict[str, Any]:
         "inflight": inflight,
         "db_bytes": s.db_bytes,
         "wal_bytes": s.wal_bytes,
-        "quarantined": set_aside.get(QUARANTINED, (0, 0))[0],
-        "superseded": set_aside.get(SUPERSEDED, (0, 0))[0],
-        "quarantined_bytes": set_aside.get(QUARANTINED, (0, 0))[1],
-        "superseded_bytes": set_aside.get(SUPERSEDED, (0, 0))[1],
+        "quarantined": quarantined,
+        "superseded": superseded,
+        "quarantined_bytes": quarantined_bytes,
+        "superseded_bytes": superseded_bytes,
         "oldest_age": None if s.oldest is None else max(now - s.oldest, 0.0),
         "newest_age": None if s.newest is None else max(now - s.newest, 0.0),
         "last_errors": _latest_per_session(recent, now),

@@ -226,7 +226,7 @@ def pick_due(
         owner, waiters, retry_at, failing, unconfirmed, has_work = facts
         if owner is not nobody or waiters or unconfirmed or not has_work:
             continue
-        at = retry_at if not failing or probe_at is None else max(retry_at, probe_at)  # due_at
+        at = due_at(retry_at, failing, probe_at)
         if at > now:
             if later is None or at < later:
                 later = at

@@ -155,10 +155,9 @@ class Session:
         first fields of a ``machine.Candidate``, read together at each look of the
         background thread at every session (``walspool.link.retry``)."""
         owner = Owner.NOBODY if self.writer is None else self.writer.owner
-        seen = self._seen
-        if seen[0] != self._resets or seen[1] != self._wakes:
-            return owner, self.waiters > 0, 0.0, False  # reset or woken: due now
-        return owner, self.waiters > 0, self._retry_at, self._failures > 0
+        if self._seen == (self._resets, self._wakes):  # as ``retry_at`` reads it
+            return owner, self.waiters > 0, self._retry_at, self._failures > 0
+        return owner, self.waiters > 0, 0.0, False  # reset or woken: due now
 
     @property
     def woken(self) -> bool:
