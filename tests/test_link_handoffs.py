@@ -46,35 +46,66 @@ def test_the_hand_offs_a_rewrite_supersedes_are_the_first_to_settle(before, afte
         assert (handoffs.pending("s"), handoffs.superseded("s")) == (0, False)
 
 
+def test_a_hand_off_settled_out_of_order_keeps_its_own_superseded_mark():
+    """The drop-in's two paths (an eviction settled by the writer's callback, 0.22's
+    stalled backlog settled as its bounded put returns) can settle a key's hand-offs
+    out of order: each settle names its token, and a hand-off handed before the
+    rewrite reads superseded however many later ones settled first."""
+    handoffs = account()
+    with handoffs.condition:
+        older = handoffs.handed("s")
+        handoffs.rewritten("s")
+        newer = handoffs.handed("s")
+        assert handoffs.counts("s") == (2, 1)
+        assert not handoffs.superseded("s", newer)
+        assert handoffs.settled("s", newer) is False
+        assert handoffs.superseded("s", older)
+        assert handoffs.counts("s") == (1, 1)
+        assert handoffs.settled("s", older) is True
+        assert handoffs.counts("s") == (0, 0)
+        # A later hand-off of the key is not superseded by the rewrite before it.
+        assert not handoffs.superseded("s", handoffs.handed("s"))
+
+
 OPS = st.lists(
-    st.tuples(st.sampled_from(["handed", "settled", "rewritten"]), st.sampled_from("ab")),
+    st.tuples(
+        st.sampled_from(["handed", "settled", "settled oldest", "rewritten"]),
+        st.sampled_from("ab"),
+        st.integers(min_value=0, max_value=40),
+    ),
     max_size=40,
 )
 
 
 @given(OPS)
-def test_each_key_is_accounted_for_on_its_own_as_a_queue_of_hand_offs(ops):
-    """Any sequence of hand-offs, settles (only of a pending one: the writer settles
-    what it was handed) and rewrites, on two keys: each key reads as a model queue of
-    hand-offs, each marked superseded if a rewrite of its key came after it; a settle
-    says whether it was the key's last."""
+def test_each_key_is_accounted_for_on_its_own_as_a_set_of_hand_offs(ops):
+    """Any sequence of hand-offs, settles (of a pending one, named by its token or the
+    oldest: the writer settles what it was handed) and rewrites, on two keys: each key
+    reads as a model list of hand-offs, each marked superseded if a rewrite of its key
+    came after it; a settle says whether it was the key's last."""
     handoffs = account()
-    model: dict[str, list[bool]] = {"a": [], "b": []}
+    model: dict[str, list[list]] = {"a": [], "b": []}  # [token, superseded], oldest first
     with handoffs.condition:
-        for op, key in ops:
+        for op, key, pick in ops:
+            pending = model[key]
             if op == "handed":
-                handoffs.handed(key)
-                model[key].append(False)
+                pending.append([handoffs.handed(key), False])
             elif op == "rewritten":
                 handoffs.rewritten(key)
-                model[key] = [True] * len(model[key])
-            elif model[key]:
-                assert handoffs.superseded(key) is model[key][0]
-                model[key].pop(0)
-                assert handoffs.settled(key) is (not model[key])
-            for k, queue in model.items():
-                assert handoffs.pending(k) == len(queue)
-                assert handoffs.superseded(k) is bool(queue and queue[0])
+                for entry in pending:
+                    entry[1] = True
+            elif pending:
+                index = 0 if op == "settled oldest" else pick % len(pending)
+                token, superseded = pending.pop(index)
+                if op == "settled oldest":
+                    assert handoffs.superseded(key) is superseded
+                    assert handoffs.settled(key) is (not pending)
+                else:
+                    assert handoffs.superseded(key, token) is superseded
+                    assert handoffs.settled(key, token) is (not pending)
+            for k, entries in model.items():
+                assert handoffs.counts(k) == (len(entries), sum(s for _, s in entries))
+                assert handoffs.superseded(k) is bool(entries and entries[0][1])
 
 
 class Ticks:

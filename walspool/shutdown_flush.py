@@ -245,18 +245,18 @@ def spool_dropped_transcript_message(session_id: str, message: dict[str, Any]) -
         spool.check_path()
         key = (spool.path, session_id)
         with _handoffs:
-            _handed.handed(key)
+            token = _handed.handed(key)
         try:
             if keeps:
                 try:
                     spool.put_within(row, HANDOFF_SECONDS)
                 finally:
-                    _settled(key)
+                    _settled(key, token)
             else:
-                spool.put_nowait((row,), partial(_evicted, key))
+                spool.put_nowait((row,), partial(_evicted, key, token))
         except BaseException:
             if not keeps:
-                _settled(key)
+                _settled(key, token)
             raise
     except Exception as exc:  # noqa: BLE001 - the caller keeps or drops it, as upstream
         log.debug("Failed to spool cap-dropped transcript message for %s: %s", session_id, exc)
@@ -282,12 +282,12 @@ def _keeps_what_is_refused() -> bool:
     return gateway_mapping() is not None
 
 
-def _evicted(key: tuple[Path, str], request: Any) -> None:
+def _evicted(key: tuple[Path, str], token: int, request: Any) -> None:
     """The writer's word on a hand-off (on whichever thread committed it). One that
     failed after a rewrite of its session would have been superseded: not lost."""
     with _handoffs:
-        superseded = _handed.superseded(key)
-        _handed.settled(key)
+        superseded = _handed.superseded(key, token)
+        _handed.settled(key, token)
     if request.error is not None and not superseded:
         log.warning(
             "Session DB transcript message evicted for %s could not be committed to %s; "
@@ -298,9 +298,9 @@ def _evicted(key: tuple[Path, str], request: Any) -> None:
         )
 
 
-def _settled(key: tuple[Path, str]) -> None:
+def _settled(key: tuple[Path, str], token: int) -> None:
     with _handoffs:
-        _handed.settled(key)
+        _handed.settled(key, token)
 
 
 def hand_offs(session_id: str) -> tuple[int, int]:

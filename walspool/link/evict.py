@@ -174,10 +174,7 @@ class Evictions:
                     continue
                 if request.error is not None and not superseded:
                     said += self.lines.dropped(session_id, str(request.error))
-                if state is None:  # never: its pending hand-off keeps it there
-                    self.core.handoffs.settled(session_id)
-                    continue
-                if request.error is None and state.spooled:
+                if state is not None and request.error is None and state.spooled:
                     state.episode, said[:] = self.core.outage.evicted(
                         session_id, state.episode, 1, now
                     )
@@ -201,12 +198,13 @@ class Evictions:
             and self.core.clock() >= self.core.reopen_after
         )
 
-    def settled(self, session_id: str, state: Session) -> bool:
+    def settled(self, session_id: str, state: Session | None) -> bool:
         """One of the session's evictions committed or failed for good: the session
-        goes on once none is left; whether none is. The lock is held."""
+        (``state``; None once it is gone, never while a hand-off keeps it) goes on once
+        none is left; whether none is. The lock is held."""
         if not self.core.handoffs.settled(session_id):
             return False
-        if state.writer is None:
+        if state is not None and state.writer is None:
             if self.core.has_work(session_id, state):
                 self.core.schedule(self.core.due_at(state))
             else:
@@ -223,11 +221,7 @@ class Evictions:
                 self.core.spool.put_nowait((row,), self._committed)
             except Exception as exc:  # noqa: BLE001 - no room, closed: it cannot be kept
                 lines += self.lines.dropped(session_id, f"a fresh spool could not take it: {exc!r}")
-                state = self.core.sessions.get(session_id)
-                if state is not None:
-                    self.settled(session_id, state)
-                else:  # never: its pending hand-off keeps it there
-                    self.core.handoffs.settled(session_id)
+                self.settled(session_id, self.core.sessions.get(session_id))
                 continue
             self.core.shares.accepted(session_id, row.size)
             self.core.unconfirmed_bytes += row.size

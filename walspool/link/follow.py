@@ -93,9 +93,7 @@ class Follow:
                 lines += self.lines.dropped(
                     row.session_id, f"no fresh spool could be opened: {exc}"
                 )
-                state = core.sessions.get(row.session_id)
-                if state is not None:
-                    self.evictions.settled(row.session_id, state)
+                self.evictions.settled(row.session_id, core.sessions.get(row.session_id))
             core.settled.notify_all()
         log.warning(
             "The transcript spool %s was moved or deleted while the gateway ran, and no "

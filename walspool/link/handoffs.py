@@ -16,6 +16,7 @@ store lock, or the drop-in's own); ``wait`` releases it while it waits.
 from __future__ import annotations
 
 import threading
+from collections import deque
 from collections.abc import Callable, Hashable
 
 from . import bounds
@@ -23,57 +24,81 @@ from . import bounds
 
 class HandOffs:
     """Per key (a session, or a spool and a session): rows handed to the spool's writer
-    and not settled (committed or failed) yet, and how many of those came before the
-    key's last rewrite. The writer settles a key's hand-offs in the order they came."""
+    and not settled (committed or failed) yet, each known by the token ``handed``
+    returned, and the last token handed before the key's last rewrite. A settle names
+    its token, or settles the key's oldest (the 0.19.0 link's writer settles a key's
+    hand-offs in the order they came); the drop-in's two paths can settle out of order."""
 
-    __slots__ = ("condition", "_pending", "_superseded")
+    __slots__ = ("condition", "_pending", "_rewritten_at", "_next")
 
     def __init__(self, condition: threading.Condition) -> None:
         #: Notified when a key's last pending hand-off settles, and at a rewrite.
         self.condition = condition
-        self._pending: dict[Hashable, int] = {}
-        self._superseded: dict[Hashable, int] = {}
+        #: A key's pending tokens, oldest first.
+        self._pending: dict[Hashable, deque[int]] = {}
+        #: A key's last token handed before its last rewrite: that one and those
+        #: before it are superseded. Kept only while the key has a pending hand-off.
+        self._rewritten_at: dict[Hashable, int] = {}
+        self._next = 0
 
-    def handed(self, key: Hashable) -> None:
-        """A row of ``key`` was handed to the spool's writer."""
-        self._pending[key] = self._pending.get(key, 0) + 1
+    def handed(self, key: Hashable) -> int:
+        """A row of ``key`` was handed to the spool's writer; its token."""
+        token = self._next
+        self._next += 1
+        tokens = self._pending.get(key)
+        if tokens is None:
+            self._pending[key] = deque((token,))
+        else:
+            tokens.append(token)
+        return token
 
-    def settled(self, key: Hashable) -> bool:
-        """The oldest pending hand-off of ``key`` committed or failed; whether none is
-        left (then its waiters are woken)."""
-        left = self._pending.get(key, 0) - 1
-        superseded = self._superseded.pop(key, 0) - 1
-        if superseded > 0:
-            self._superseded[key] = superseded
-        if left > 0:
-            self._pending[key] = left
+    def settled(self, key: Hashable, token: int | None = None) -> bool:
+        """The hand-off ``token`` of ``key`` (its oldest when None) committed or
+        failed; whether none is left (then its waiters are woken)."""
+        tokens = self._pending.get(key)
+        if not tokens:  # nothing handed off: none left
+            self.condition.notify_all()
+            return True
+        if token is None or token == tokens[0]:
+            tokens.popleft()
+        else:
+            tokens.remove(token)
+        if tokens:
             return False
-        self._pending.pop(key, None)
+        del self._pending[key]
+        self._rewritten_at.pop(key, None)
         self.condition.notify_all()
         return True
 
     def pending(self, key: Hashable) -> int:
         """Rows of ``key`` handed off and not settled yet."""
-        return self._pending.get(key, 0)
+        tokens = self._pending.get(key)
+        return len(tokens) if tokens is not None else 0
 
     def rewritten(self, key: Hashable) -> None:
         """``key``'s transcript was rewritten: its pending hand-offs are superseded
         (its waiters are woken to read it)."""
-        pending = self._pending.get(key, 0)
-        if pending:
-            self._superseded[key] = pending
-        else:
-            self._superseded.pop(key, None)
+        tokens = self._pending.get(key)
+        if tokens:
+            self._rewritten_at[key] = tokens[-1]
         self.condition.notify_all()
 
     def counts(self, key: Hashable) -> tuple[int, int]:
         """``key``'s pending hand-offs, and how many of them came before its last
         rewrite."""
-        return self._pending.get(key, 0), self._superseded.get(key, 0)
+        tokens = self._pending.get(key, ())
+        mark = self._rewritten_at.get(key, -1)
+        return len(tokens), sum(1 for token in tokens if token <= mark)
 
-    def superseded(self, key: Hashable) -> bool:
-        """Whether the next hand-off of ``key`` to settle came before its last rewrite."""
-        return self._superseded.get(key, 0) > 0
+    def superseded(self, key: Hashable, token: int | None = None) -> bool:
+        """Whether the hand-off ``token`` of ``key`` (its oldest pending when None)
+        came before the key's last rewrite."""
+        if token is None:
+            tokens = self._pending.get(key)
+            if not tokens:
+                return False
+            token = tokens[0]
+        return token <= self._rewritten_at.get(key, -1)
 
     def wait(
         self,
