@@ -41,7 +41,7 @@ def readme_steps() -> dict[str, tuple[str, ...]]:
     for gateway, step1, step2 in re.findall(
         r"^\| `([^`]+)` \| `([^`]+)` \| `(.+)` \|$", text, re.M
     ):
-        assert step1 == "pip install ./walspool"  # a clone: tests/test_package.py builds it
+        assert step1 == "pip install ./walspool"  # run as printed: contract/test_package.py
         steps[gateway] = tuple(shlex.split(step2))
     return steps
 
