@@ -28,7 +28,7 @@ from _helpers import ROOT, child_deadline, doc_section
 
 import walspool
 from walspool import AGENT_HISTORY, CAP_DROP, SHUTDOWN
-from walspool.cli import COMMANDS, EXAMPLES, _statedb, build_parser, main
+from walspool.cli import COMMANDS, EXAMPLES, TOP_EXAMPLES, _statedb, build_parser, main
 from walspool.cli.ls import BACKLOG_KEYS
 from walspool.replay.replayer import Replayer
 from walspool.store.schema import SCHEMA_VERSION
@@ -183,8 +183,9 @@ def test_every_command_has_help_and_a_readme_entry(capsys: pytest.CaptureFixture
 def test_every_command_help_ends_with_examples_that_parse(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    """Each --help ends with examples; each is a command line walspool accepts as
-    typed (the shell's redirection left to the shell): its command and arguments."""
+    """Each --help, ``walspool --help`` too, ends with examples; each is a command line
+    walspool accepts as typed (the shell's redirection left to the shell): its command
+    and arguments."""
     parser = build_parser()
     for name, *_ in COMMANDS:
         examples = EXAMPLES[name]
@@ -199,6 +200,13 @@ def test_every_command_help_ends_with_examples_that_parse(
             args = parser.parse_args(words[1:])
             assert args.command == name, example
     assert set(EXAMPLES) == {name for name, *_ in COMMANDS}
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    head = "examples (an outage, as README's incident runbook walks it):\n"
+    assert out.endswith(head + "".join(f"  {e}\n" for e in TOP_EXAMPLES))
+    for example in TOP_EXAMPLES:
+        assert parser.parse_args(shlex.split(example)[1:]).command, example
 
 
 def test_bad_usage_exits_2(capsys: pytest.CaptureFixture[str]) -> None:

@@ -285,9 +285,11 @@ def test_a_spool_of_an_older_schema_is_upgraded_by_the_commands_that_write_it(ca
     say which commands upgrade it."""
     rows = [("s", i + 1, f'{{"role":"user","content":"m{i}"}}', None) for i in range(3)]
     state = state_db(tmp_path / "state.db", "s")
+    (tmp_path / "pending").mkdir()  # an empty JSON spool to import
     for n, (command, *rest) in enumerate(
         (["ls"], ["replay", "--into", state, "--dry-run"], ["vacuum"],
-         ["requeue", "--id", "1"], ["replay", "--into", state])
+         ["requeue", "--id", "1"], ["drop", "--id", "1", "--yes"],
+         ["import-json", str(tmp_path / "pending")], ["replay", "--into", state])
     ):  # fmt: skip
         path = tmp_path / f"v3-{n}.db"
         make_v3_spool(path, rows)
@@ -304,7 +306,10 @@ def test_a_spool_of_an_older_schema_is_upgraded_by_the_commands_that_write_it(ca
         assert err.splitlines()[0] == (
             f"walspool {command}: {path} has spool schema 3: upgraded to schema {SCHEMA_VERSION}"
         )
-        assert rc == (1 if command == "requeue" else 0), err  # row 1 was not set aside
+        # Row 1 was not set aside: requeue and drop find nothing they may change.
+        assert rc == (1 if command in ("requeue", "drop") else 0), err
+        if command in ("requeue", "drop", "import-json"):
+            assert rows_of(path) == [1, 2, 3], command  # the upgrade kept every row
         assert run(capsys, "ls", path)[0] == 0
     conn = sqlite3.connect(f"file:{state}?mode=ro", uri=True)
     try:
@@ -312,6 +317,14 @@ def test_a_spool_of_an_older_schema_is_upgraded_by_the_commands_that_write_it(ca
     finally:
         conn.close()
     assert moved == ["m0", "m1", "m2"]
+
+
+def rows_of(path: Path) -> list[int]:
+    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    try:
+        return [i for (i,) in conn.execute("SELECT id FROM records ORDER BY id")]
+    finally:
+        conn.close()
 
 
 def snapshot(path: Path) -> list[tuple[Any, ...]]:

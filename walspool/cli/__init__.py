@@ -45,7 +45,7 @@ from ._reading import spool_error
 #: ``--into``.
 STATE_DB_NAME = "state.db"
 
-__all__ = ["COMMANDS", "EXAMPLES", "build_parser", "main"]
+__all__ = ["COMMANDS", "EXAMPLES", "TOP_EXAMPLES", "build_parser", "main"]
 
 DESCRIPTION = """\
 Inspect the gateway's overflow spool, replay it into state.db, export it.
@@ -55,6 +55,15 @@ SPOOL defaults to $HERMES_HOME/spool.db (HERMES_HOME defaults to ~/.hermes), the
 gateway's own spool. Read commands (stats, ls, show, export, check, watch) never write
 to the spool and never block a gateway writing to it; requeue and drop (each change
 recorded in the spool's audit table) and vacuum are the operators' changes to it."""
+#: What ``walspool --help`` ends with: an outage looked at, then replayed.
+TOP_EXAMPLES = (
+    "walspool stats",
+    "walspool ls",
+    "walspool show telegram:12345 --failing",
+    "walspool replay --dry-run",
+    "walspool replay",
+)
+_TOP_EXAMPLES_TEXT = "\n".join(f"  {line}" for line in TOP_EXAMPLES)
 EPILOG = f"""\
 reasons (--reason), besides any other a caller chose:
   {CAP_DROP:<40} evicted at the gateway's 200-message cap
@@ -71,7 +80,10 @@ requeue, drop; --wait SECONDS waits for it); 5 done, but rows were quarantined
 stopped by SIGTERM (replay); 141 stdout closed early (`walspool export | head`).
 
 --json errors: with --json, an error also prints one JSON object on stdout,
-{{"command": "...", "error": "...", "exit": N}}, N the exit status above."""
+{{"command": "...", "error": "...", "exit": N}}, N the exit status above.
+
+examples (an outage, as README's incident runbook walks it):
+{_TOP_EXAMPLES_TEXT}"""
 
 #: What each command's --help ends with: its common uses, as an operator types them
 #: (SPOOL left to its default, $HERMES_HOME/spool.db). Each parses (tests/test_cli.py).
