@@ -136,6 +136,39 @@ def test_an_entry_of_a_gone_process_says_it_was_lost(spool, capsys):
     assert capsys.readouterr().out.splitlines()[-1].startswith("in memory: LOST: 7 messages")
 
 
+def test_a_session_held_only_in_memory_is_named_so_by_the_commands_that_take_a_session(
+    spool, capsys
+):
+    """`show s1` on a session whose messages are all in a gateway's queues said "no rows
+    for session": each command that takes a session says what a live process holds of
+    it (lost if killed), or what a gone one lost, and still exits 1 (nothing to show)."""
+    spool.append("other", {"role": "user", "content": "spooled"})
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    host = memory.this_host()
+    for pid, messages in ((os.getpid(), 30), (dead.pid, 4)):
+        held = memory.Held(pid, host, memory.started(pid), 1_000.0, 1, messages, 10, 990.0,
+                           [memory.Session("s1", messages, 10, 990.0)])  # fmt: skip
+        spool.publish_memory(pid, host, held).result()
+    live = (
+        f"; 30 messages of it are in the memory of pid {os.getpid()}, not spooled yet "
+        "(lost if the process is killed)"
+    )
+    gone = f"; 4 messages of it were lost with pid {dead.pid}, which is gone"
+    path = str(spool.path)
+    for argv in (
+        ["show", path, "s1"],
+        ["export", path, "--session", "s1"],
+        ["requeue", path, "--session", "s1"],
+        ["drop", path, "--session", "s1"],
+    ):
+        assert main(argv) == 1, argv
+        err = capsys.readouterr().err
+        assert err == f"walspool {argv[0]}: no rows for session 's1' in {path}{live}{gone}\n"
+    assert main(["show", path, "s2"]) == 1
+    assert "memory" not in capsys.readouterr().err  # nobody holds s2
+
+
 def test_a_publisher_starting_takes_in_what_gone_processes_of_its_host_lost(
     store, spool, capsys, caplog
 ):

@@ -38,6 +38,7 @@ from walspool.cli._watching import (
     try_snapshot,
 )
 from walspool.replay.replayer import Replayer
+from walspool.store import memory
 from walspool.store.backlog import CHARS
 
 MSG = {"role": "user", "content": "hello"}
@@ -761,6 +762,26 @@ def test_the_drain_eta_is_rows_over_the_rate_they_shrink_by():
     lines = render(reading, Rates(2.0, 10.0, 30.0), "t")
     assert "drain ETA    30s at the current rates" in lines
     assert "drain ETA    drained" in render(snap(uid="u"), Rates(2.0, 0.0, 0.0), "t")
+
+
+def test_an_empty_spool_is_not_called_drained_while_a_gateway_holds_messages_in_memory():
+    """950 messages in a live gateway's queues, none spooled yet: the spool is drained,
+    but they are not, and a kill would lose them; what a gone process lost is not
+    counted as held."""
+
+    def entry(pid: int, messages: int, alive: bool | None) -> memory.Entry:
+        top = [memory.Session("s1", messages, 10 * messages, 1_700_000_000.0)]
+        held = memory.Held(pid, "h", None, 1_700_000_090.0, 1, messages, 10 * messages,
+                           1_700_000_000.0, top)  # fmt: skip
+        return memory.Entry(held, alive)
+
+    reading = snap(uid="u", memory=(entry(7, 950, True), entry(8, 5, False)))
+    lines = render(reading, Rates(2.0, 0.0, 0.0), "t")
+    assert "drain ETA    drained; 950 messages still in a gateway's memory, not spooled" in lines
+    assert "in memory    950 messages in 1 session, oldest 1m40s, in the memory of pid 7 " \
+        "(lost if the process is killed)" in lines  # fmt: skip
+    gone = render(snap(uid="u", memory=(entry(8, 5, False),)), Rates(2.0, 0.0, 0.0), "t")
+    assert "drain ETA    drained" in gone
 
 
 def test_colour_marks_what_needs_a_look_only_when_asked_for():

@@ -60,6 +60,28 @@ def test_a_gateways_in_memory_backlog_is_shown_and_after_a_sigkill_named_as_lost
 
         wait_for("published", published, process)
         live = memory_of(gateway, home, pid)
+        spool = str(home / "spool.db")
+        # The operator's text, while the gateway runs: what a kill would lose now.
+        said = f"{total} messages in 3 sessions, oldest "
+        alive = f"in the memory of pid {pid} (lost if the process is killed)"
+        stats_text = run_walspool(gateway, home, "stats", spool).stdout.splitlines()
+        (line,) = [line for line in stats_text if line.startswith("in memory")]
+        assert line.startswith(f"in memory   {said}") and line.endswith(alive), line
+        ls_text = run_walspool(gateway, home, "ls", spool).stdout.splitlines()
+        (line,) = [line for line in ls_text if line.startswith("in memory: ")]
+        assert line.startswith(f"in memory: {said}") and line.endswith(alive), line
+        session, held = next(iter(queues.items()))  # nothing of it spooled yet
+        shown = run_walspool(gateway, home, "show", spool, session)
+        assert shown.returncode == 1
+        assert f"; {held} messages of it are in the memory of pid {pid}, not spooled yet " \
+            "(lost if the process is killed)" in shown.stderr  # fmt: skip
+        metrics = run_walspool(gateway, home, "metrics", spool).stdout.splitlines()
+        assert f'walspool_memory_messages{{spool="{spool}",pid="{pid}",alive="true"}} {total}' in (
+            metrics
+        )
+        opened = f'walspool_open_processes{{spool="{spool}"}} '
+        (count,) = [line.removeprefix(opened) for line in metrics if line.startswith(opened)]
+        assert int(count) >= 1  # the gateway has it open: someone drains it
         process.kill()
         process.wait()
     assert live is not None and live["alive"] is True
@@ -70,7 +92,7 @@ def test_a_gateways_in_memory_backlog_is_shown_and_after_a_sigkill_named_as_lost
     lost = memory_of(gateway, home, pid)
     assert lost is not None and lost["alive"] is False
     assert (lost["messages"], lost["sessions"]) == (total, 3)
-    spool = str(home / "spool.db")
+    assert {s["session_id"]: s["messages"] for s in lost["top"]} == queues  # each session's
     listed = run_walspool(gateway, home, "ls", spool).stdout.splitlines()
     assert f"in memory: LOST: {total} messages in 3 sessions" in "\n".join(listed)
     watched = json.loads(run_walspool(gateway, home, "watch", spool, "--json").stdout)

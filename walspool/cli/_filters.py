@@ -18,6 +18,7 @@ from ..store import lookups
 from ..store.reader import SpoolReader
 from ..store.records import AGENT_HISTORY, CAP_DROP, SHUTDOWN
 from ..store.spool import check_lookup
+from . import _memory as in_memory
 from ._near import near_sessions
 
 #: The reasons walspool itself spools rows with.
@@ -111,9 +112,9 @@ def check_session(reader: SpoolReader, session: str | None, *, keys: bool = True
         return
     check_lookup(session, "session", reader.path, stored_bytes=True)
     if not reader.read(lambda c: lookups.session_exists(c, session, keys=keys)):
-        raise WalspoolError(
-            f"no rows for session {session!r} in {reader.path}{near_sessions(reader, session)}"
-        )
+        held = in_memory.held_of(reader, session)
+        near = near_sessions(reader, session)
+        raise WalspoolError(f"no rows for session {session!r} in {reader.path}{held}{near}")
 
 
 def has_stream(reader: SpoolReader, name: str, kind: str) -> bool:

@@ -10,7 +10,19 @@ from typing import Any
 from ..text import printable
 from . import _memory as in_memory
 from ._holders import holders_text
-from ._output import cli_terms, clip, duration, iso, plural, size, stream_name, table
+from ._output import (
+    RED,
+    YELLOW,
+    cli_terms,
+    clip,
+    duration,
+    iso,
+    paint,
+    plural,
+    size,
+    stream_name,
+    table,
+)
 from ._watching import Rates, Snapshot, Stream
 
 
@@ -33,7 +45,7 @@ def render(
         head += textwrap.wrap(printable(snap.error), width or 1_000_000) or [""]
         head.append("(read again at each refresh)")
         lines = _fitted(head, width, height)
-        return [_paint(line, RED, colour) if i == 2 else line for i, line in enumerate(lines)]
+        return [paint(line, RED, colour) if i == 2 else line for i, line in enumerate(lines)]
     age = duration(max(snap.at - snap.oldest, 0.0)) if snap.oldest is not None else "-"
     # Rows set aside (quarantined, superseded) never drain by themselves: not waiting.
     waiting = snap.rows - snap.quarantined - snap.superseded
@@ -41,23 +53,29 @@ def render(
     eta = drain_eta(snap, rate)
     memory_json = in_memory.as_json(list(snap.memory), snap.at)
     lost = any(e.alive is False for e in snap.memory)
+    held = sum(e.held.messages for e in snap.memory if e.alive is not False)
     head += [
-        _paint(f"open by      {holders_text(snap.open_by, waiting)}", RED, colour and idle),
+        paint(f"open by      {holders_text(snap.open_by, waiting)}", RED, colour and idle),
         f"rows         {snap.rows:,} in {plural(snap.sessions, 'session')}, "
         f"{size(snap.bytes)}; oldest row {age} old",
-        _paint(
+        paint(
             f"in flight    {snap.inflight:,}; failing {snap.failing:,} (with a last error); "
             f"quarantined {snap.quarantined:,}; superseded {snap.superseded:,}",
             YELLOW,
             colour and bool(snap.failing or snap.quarantined),
         ),
-        "rates        " + _rates_text(rate),
-        "drain ETA    " + ("-" if rate is None else _eta_text(eta, snap.rows)),
+        "rates        "
+        + (
+            "appended -, replayed or dropped - (from the next reading)"
+            if rate is None
+            else rates_text(rate, f"over the last {rate.seconds:.1f}s")
+        ),
+        "drain ETA    " + ("-" if rate is None else eta_text(eta, snap.rows, held)),
         f"files        db {size(snap.db_bytes)}, WAL {size(snap.wal_bytes)}; "
         f"read in {snap.took:.2f}s",
         # What gateway processes hold in memory, once one published any.
         *(
-            _paint(f"{'in memory' if i == 0 else '':<13}{line}", RED, colour and lost)
+            paint(f"{'in memory' if i == 0 else '':<13}{line}", RED, colour and lost)
             for i, line in enumerate(in_memory.lines(memory_json) if memory_json else ())
         ),
         "",
@@ -73,7 +91,7 @@ def render(
     rows = table(headers, [_stream_line(s, snap.at) for s in shown]).split("\n")
     lines = _fitted([*head, *rows], width, None)
     for i, s in enumerate(shown, len(head) + 1):
-        lines[i] = _paint(lines[i], YELLOW, colour and s.failing > 0)
+        lines[i] = paint(lines[i], YELLOW, colour and s.failing > 0)
     if snap.sessions > len(shown):
         lines.append(_fitted([f"+{snap.sessions - len(shown):,} more sessions"], width, None)[0])
     return lines if height is None else lines[: max(height, 0)]
@@ -88,16 +106,13 @@ def drain_eta(snap: Snapshot, rate: Rates | None) -> float | None:
     return snap.rows / net if net > 0 else None
 
 
-#: SGR colours, drawn only on a terminal (``colour``).
-RED, YELLOW = "31", "33"
-
-
-def _paint(line: str, sgr: str, on: bool) -> str:
-    return f"\x1b[{sgr}m{line}\x1b[0m" if on else line
-
-
-def _eta_text(eta: float | None, rows: int) -> str:
+def eta_text(eta: float | None, rows: int, held: int) -> str:
+    """The drain's ETA (``drain_eta``) of a spool of ``rows`` rows, as ``watch`` and
+    ``stats --sample`` say it; ``held``: messages live gateways hold in memory, not
+    spooled (an empty spool is drained, but they are not)."""
     if rows == 0:
+        if held:
+            return f"drained; {held:,} messages still in a gateway's memory, not spooled"
         return "drained"
     if eta is None:
         return "not draining (no more rows leave than arrive)"
@@ -110,12 +125,12 @@ def render_reading(title: str, spool: str, width: int, height: int) -> list[str]
     return _fitted(lines, width, height)
 
 
-def _rates_text(rate: Rates | None) -> str:
-    if rate is None:
-        return "appended -, replayed or dropped - (from the next reading)"
+def rates_text(rate: Rates, over: str) -> str:
+    """The rates rows arrived and left at, over ``over``, as ``watch`` and ``stats
+    --sample`` say them."""
     return (
         f"appended {rate.appended:,.1f} rows/s, replayed or dropped {rate.replayed:,.1f} "
-        f"rows/s (over the last {rate.seconds:.1f}s)"
+        f"rows/s ({over})"
     )
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..store import memory
+from ..store.reader import SpoolReader
 from ._output import duration, plural
 
 
@@ -57,3 +58,26 @@ def lines(objects: list[dict[str, Any]]) -> list[str]:
             where = f"pid {o['pid']}" if o["alive"] else f"pid {o['pid']} on {o['host']}"
             out.append(f"{held}, in the memory of {where} (lost if the process is killed)")
     return out
+
+
+def held_of(reader: SpoolReader, session_id: str) -> str:
+    """``; N messages of it ...``: what gateway processes published holding of a session
+    with no row in the spool (in memory, not spooled yet; or lost with a process that is
+    gone), or nothing. Each process names its ``memory.TOP_SESSIONS`` largest sessions."""
+    notes = []
+    for entry in reader.read(memory.read):
+        for held in entry.held.top:
+            if held.session_id != session_id:
+                continue
+            of = f"{plural(held.messages, 'message')} of it"
+            if entry.alive is False:
+                notes.append(f"{of} were lost with pid {entry.held.pid}, which is gone")
+            else:
+                where = f"pid {entry.held.pid}"
+                if entry.alive is None:
+                    where += f" on {entry.held.host}"
+                notes.append(
+                    f"{of} {'is' if held.messages == 1 else 'are'} in the memory of {where}, "
+                    "not spooled yet (lost if the process is killed)"
+                )
+    return "".join(f"; {note}" for note in notes)

@@ -315,6 +315,16 @@ class Steps:
             self.stream.flush()
 
 
+#: SGR colours, drawn only on a terminal: red for rows nobody drains and for what a
+#: gateway lost, yellow for errors and rows set aside.
+RED, YELLOW = "31", "33"
+
+
+def paint(line: str, sgr: str, on: bool) -> str:
+    """``line`` in colour ``sgr`` when ``on``."""
+    return f"\x1b[{sgr}m{line}\x1b[0m" if on else line
+
+
 def duration(seconds: float) -> str:
     """Seconds for people: ``4s``, ``1m05s``, ``2h03m``, ``3d04h``: every command's
     ages and ETAs. (``--since`` takes ``30s``, ``10m``, ``2h``, ``1d`` back.)"""

@@ -14,6 +14,7 @@ from ..store.reader import SpoolReader
 from ..store.records import QUARANTINED, SUPERSEDED
 from ..store.spool import Spool
 from ..text import printable
+from . import _memory as in_memory
 from ._filters import UsageError, has_stream, id_ranges, row_ids, which_stream
 from ._lockwait import add_wait_argument, busy_message, say_waiting
 from ._near import near_sessions
@@ -58,7 +59,8 @@ def selected(reader: SpoolReader, args: argparse.Namespace) -> list[dict[str, An
     name, kind = (None, None) if args.session is None else which_stream(reader, args.session)
     if name is not None and not has_stream(reader, name, kind):
         near = near_sessions(reader, args.session)
-        raise WalspoolError(f"no rows for session {args.session!r} in {args.spool}{near}")
+        held = in_memory.held_of(reader, args.session)
+        raise WalspoolError(f"no rows for session {args.session!r} in {args.spool}{held}{near}")
     chosen = ((QUARANTINED, args.quarantined), (SUPERSEDED, args.superseded))
     statuses = [s for s, on in chosen if on] or [QUARANTINED, SUPERSEDED]
     rows = reader.read(lambda c: lookups.set_aside_rows(c, statuses, name, kind))

@@ -15,6 +15,7 @@ from ..store import codec
 from ..store.reader import BadPayload, iter_records
 from ..store.records import QUARANTINED, SUPERSEDED, Record
 from ..text import json_safe, printable
+from . import _memory as in_memory
 from . import _narrow
 from ._filters import has_stream, stream_rows, which_stream
 from ._near import near_sessions
@@ -59,7 +60,8 @@ def run(args: argparse.Namespace) -> int:
         if first is None:
             what = "session key" if args.key else "session"
             near = near_sessions(reader, args.session)
-            raise WalspoolError(f"no rows for {what} {args.session!r} in {args.spool}{near}")
+            held = "" if args.key else in_memory.held_of(reader, args.session)
+            raise WalspoolError(f"no rows for {what} {args.session!r} in {args.spool}{held}{near}")
         rows = itertools.chain([first], rows)
         # The stream as ls names it, a shell word: pasted into show, it names these rows.
         shown = stream_name(name, None) if kind == "id" else stream_name(None, name)

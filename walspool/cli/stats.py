@@ -16,10 +16,23 @@ from ..store import memory, totals
 from ..store.records import QUARANTINED, SUPERSEDED
 from ..text import printable
 from . import _memory as in_memory
-from ._frame import drain_eta
+from ._frame import drain_eta, eta_text, rates_text
 from ._holders import holders, holders_text
 from ._lockwait import seconds as seconds_argument
-from ._output import EXIT_OK, cli_terms, clip, dump, duration, iso, plural, size, stream_name
+from ._output import (
+    EXIT_OK,
+    RED,
+    YELLOW,
+    cli_terms,
+    clip,
+    dump,
+    duration,
+    iso,
+    paint,
+    plural,
+    size,
+    stream_name,
+)
 from ._reading import reading
 from ._watching import Rates, rates, read_snapshot
 
@@ -83,24 +96,28 @@ def run(args: argparse.Namespace) -> int:
         ("in memory", held[0], *lost),
         *(("", line, *lost) for line in held[1:]),
     ]
-    if args.sample:
+    if args.sample and rate is None:
         lines += [
-            ("rates", _rates_text(rate, args.sample)),
-            ("drain ETA", _eta_text(eta, stats["rows"], rate)),
+            ("rates", "- (the spool was replaced or edited between the two readings)"),
+            ("drain ETA", "-"),
+        ]
+    elif args.sample and rate is not None:
+        in_memory_now = sum(o["messages"] for o in stats["memory"] if o["alive"] is not False)
+        lines += [
+            ("rates", rates_text(rate, f"over {args.sample:g}s")),
+            ("drain ETA", eta_text(eta, stats["rows"], in_memory_now)),
         ]
     idle = found is not None and not found and waiting > 0
-    for key, value, *paint in lines:
+    for key, value, *colours in lines:
         line = f"{key:<12}{value}"
         counted = key == "in memory" or (key in _KEYS and stats[_KEYS[key]] > 0)
-        if colour and ((paint and (counted or not key)) or (key == "open by" and idle)):
-            line = f"\x1b[{paint[0] if paint else RED}m{line}\x1b[0m"
+        if colour and ((colours and (counted or not key)) or (key == "open by" and idle)):
+            line = paint(line, colours[0] if colours else RED, True)
         print(line)
     return EXIT_OK
 
 
 _KEYS = {"with errors": "failing", "quarantined": "quarantined"}
-#: SGR colours, as watch draws them: red for rows no process drains, yellow for errors.
-RED, YELLOW = "31", "33"
 
 
 def _colour(stream: TextIO) -> bool:
@@ -125,25 +142,6 @@ def sample(path: Path, seconds: float) -> tuple[Rates | None, float | None]:
     after = read_snapshot(path)
     rate = rates(before, after)
     return rate, drain_eta(after, rate) if rate is not None else None
-
-
-def _rates_text(rate: Rates | None, seconds: float) -> str:
-    if rate is None:
-        return "- (the spool was replaced or edited between the two readings)"
-    return (
-        f"appended {rate.appended:,.1f} rows/s, replayed or dropped {rate.replayed:,.1f} "
-        f"rows/s (over {seconds:g}s)"
-    )
-
-
-def _eta_text(eta: float | None, rows: int, rate: Rates | None) -> str:
-    if rate is None:
-        return "-"
-    if rows == 0:
-        return "drained"
-    if eta is None:
-        return "not draining (no more rows leave than arrive)"
-    return f"{duration(eta)} at these rates"
 
 
 def _when(moment: str | None, age: float | None) -> str:
