@@ -59,6 +59,10 @@ REPLAY_KEYS = {
     "quarantined", "keys", "key_errors", "inflight", "inflight_landed", "interrupted",
 }  # fmt: skip
 IMPORT_KEYS = {"spool", "directory", "imported", "skipped", "by_reason", "quarantined"}
+#: ``drop`` without ``--yes``: the error object and what it would take.
+DROP_LISTING_KEYS = ERROR_KEYS | {"spool", "would_drop", "rows", "missing"}
+DROP_ROW_KEYS = {"id", "session_id", "session_key", "seq", "reason", "status", "inflight",
+                 "last_error"}  # fmt: skip
 ISO = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z$")
 
 
@@ -228,6 +232,8 @@ def test_json_contract_is_documented() -> None:
         REPLAY_KEYS,
         IMPORT_KEYS,
         ERROR_KEYS,
+        DROP_LISTING_KEYS,
+        DROP_ROW_KEYS,
     ):
         for key in keys:
             assert f'"{key}"' in contract, key

@@ -19,6 +19,7 @@ import pytest
 from _gateway import state_db
 from _helpers import ROOT
 from _old_schemas import make_v3_spool
+from test_cli import DROP_LISTING_KEYS, DROP_ROW_KEYS
 
 import walspool
 from walspool.cli import main
@@ -375,6 +376,10 @@ def test_drop_without_yes_shows_what_it_would_drop_and_says_what_yes_would_refus
     before = digest(set_aside)
     rc, out, err = run(capsys, "drop", set_aside, "--id", "1198,1199")
     assert rc == 3 and "pass --yes" in err
+    rc, out, err = run(capsys, "drop", set_aside, "--id", "1198,1199", "--json")
+    got = json.loads(out)
+    assert rc == 3 and set(got) == DROP_LISTING_KEYS
+    assert (got["exit"], got["would_drop"], got["missing"]) == (3, [1198, 1199], [])
     rc, out, err = run(capsys, "drop", set_aside, "--quarantined")
     assert rc == 1 and "pass --yes" not in err
     assert err.count("\n") == 1 and err.endswith(
@@ -393,6 +398,8 @@ def test_drop_without_yes_shows_what_it_would_drop_and_says_what_yes_would_refus
     assert "in flight: refused" in lines[-1]
     rc, out, err = run(capsys, "drop", set_aside, "--id", "5,1000,9999", "--json")
     got = json.loads(out)
+    assert set(got) == DROP_LISTING_KEYS  # as docs/cli.md states it
+    assert all(set(row) == DROP_ROW_KEYS for row in got["rows"])
     assert rc == 1 and (got["command"], got["exit"]) == ("drop", 1)
     assert got["error"].endswith("9999 (no such row), 5 (replayable, not set aside)")
     assert (got["would_drop"], got["missing"]) == ([], [9999])  # all or none: none

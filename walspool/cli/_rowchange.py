@@ -93,7 +93,7 @@ def run_change(args: argparse.Namespace, command: str, change: Change, done: str
     return EXIT_OK
 
 
-def preview(args: argparse.Namespace, command: str) -> dict[str, Any]:
+def would_change(args: argparse.Namespace, command: str) -> dict[str, Any]:
     """What ``command`` would change, printed (a table, or with --json one object), and
     returned: ``{"spool", "would_<command>": ids, "rows": [...], "missing": ids}``. All
     the rows named or none: when --yes would refuse one (``problems``), it would take

@@ -7,7 +7,7 @@ import argparse
 from ..store.maintenance import drop, not_set_aside
 from ._output import EXIT_ERROR, EXIT_HELD, dump, warn
 from ._rowchange import add_arguments as add_row_arguments
-from ._rowchange import preview, run_change
+from ._rowchange import run_change, would_change
 
 
 def run(args: argparse.Namespace) -> int:
@@ -27,7 +27,7 @@ def run(args: argparse.Namespace) -> int:
     it exits 4 at once, as replay does, or waits --wait SECONDS for it first.
     """
     if not args.yes:
-        would = preview(args, "drop")
+        would = would_change(args, "drop")
         problems = would.pop("problems")
         if problems:  # --yes would refuse them all: say so now, not "pass --yes"
             status, error = EXIT_ERROR, str(not_set_aside(args.spool, "drop", problems))
