@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -35,6 +36,13 @@ def doc_section(title: str) -> str:
             end = text.find("\n## ", start + 1)
             return text[start : end if end != -1 else len(text)]
     raise AssertionError(f"no section {title!r} in README.md or docs/")
+
+
+def runbook_commands() -> list[str]:
+    """README's incident runbook: its ``walspool`` command lines, comments cut, in order."""
+    blocks = re.findall(r"```sh\n(.*?)```", doc_section("Incident runbook"), re.S)
+    lines = [line.split("#", 1)[0].strip() for block in blocks for line in block.splitlines()]
+    return [line for line in lines if line.startswith("walspool ")]
 
 
 def terminal_line(config: Any, line: str) -> None:

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 from _gateway import BREAK, HEAL, contents, msg, sql, state_db
-from _helpers import ROOT, STEP, doc_section
+from _helpers import ROOT, STEP, doc_section, runbook_commands
 
 import walspool
 from walspool import AGENT_HISTORY, CAP_DROP
@@ -38,13 +38,6 @@ def test_every_relative_link_names_a_file_that_exists(page: Path) -> None:
         if "://" in target:
             continue
         assert (page.parent / target).exists(), f"{page.name}: {target}"
-
-
-def runbook_commands() -> list[str]:
-    """The runbook's ``walspool`` command lines, comments cut, in order."""
-    blocks = re.findall(r"```sh\n(.*?)```", doc_section("Incident runbook"), re.S)
-    lines = [line.split("#", 1)[0].strip() for block in blocks for line in block.splitlines()]
-    return [line for line in lines if line.startswith("walspool ")]
 
 
 def test_the_incident_runbook_runs_as_written_on_a_real_outage(

@@ -90,6 +90,11 @@ not enable) the plugin the user's way.
                                                  length is written to OUT; then the
                                                  process waits for its SIGKILL (kill), or
                                                  for OUT.stop and stops (stop)
+    python _gateway_process.py OUT memory-past N kill   the same without the spool's lock,
+                                                 and 50 messages to the third session:
+                                                 past the cap the evictions are spooled,
+                                                 what a gateway queues stays there; what
+                                                 was sent is written to OUT too
     python _gateway_process.py OUT stop N            a routed chat's session gets N turns
                                                  while every insert fails (they wait in
                                                  the store's queue), then a message for it
@@ -126,6 +131,8 @@ BREAK = (
     "BEGIN SELECT RAISE(ABORT, 'walspool test outage'); END"
 )
 HEAL = "DROP TRIGGER IF EXISTS walspool_test_broken"
+#: ``memory-past``: messages to the last session, under the 200 cap.
+MEMORY_PAST_LAST = 50
 T = TypeVar("T")
 #: The sessions a process sends to; ``WALSPOOL_TEST_PREFIX`` names them apart when two
 #: gateways share one home.
@@ -238,23 +245,27 @@ async def together(stage: str) -> None:
 
 
 async def during_an_outage(
-    store: Any, n: int, before: Any = None
+    store: Any, n: int, before: Any = None, last: int | None = None
 ) -> dict[str, list[dict[str, Any]]]:
-    """``n`` messages (``traffic``) to each session, made in state.db first, while every
-    insert fails (the outage stays); ``before(i)`` runs before the ``i``-th of each
-    session. What was sent. Each is appended on a worker thread, as the gateway's own
-    handlers do (``AsyncSessionStore``): its loop runs meanwhile, and its liveness
-    watchdog ends a process whose loop stalls behind a write waiting for state.db."""
+    """``n`` messages (``traffic``) to each session (``last`` to the last one, when
+    given), made in state.db first, while every insert fails (the outage stays);
+    ``before(i)`` runs before the ``i``-th of each session. What was sent. Each is
+    appended on a worker thread, as the gateway's own handlers do
+    (``AsyncSessionStore``): its loop runs meanwhile, and its liveness watchdog ends a
+    process whose loop stalls behind a write waiting for state.db."""
     db = store._db
     for sid in SESSIONS:
         db.create_session(sid, "telegram")
     sent = traffic(n)
+    if last is not None:
+        sent[SESSIONS[-1]] = sent[SESSIONS[-1]][:last]
     sql(db, BREAK)
     for i in range(n):
         if before is not None:
             before(i)
         for sid in SESSIONS:
-            await asyncio.to_thread(store.append_to_transcript, sid, sent[sid][i])
+            if i < len(sent[sid]):
+                await asyncio.to_thread(store.append_to_transcript, sid, sent[sid][i])
     return sent
 
 
@@ -294,8 +305,8 @@ async def run(mode: str, n: int, after: str) -> dict[str, Any]:
         return result
     if mode == "kill":
         await killed_in_the_drain(store, n, int(after))  # never returns: SIGKILLed
-    if mode == "memory":
-        await holding_in_memory(store, n, after)
+    if mode in ("memory", "memory-past"):
+        await holding_in_memory(store, n, after, locked=mode == "memory")
         await runner.stop()
         return result
     if mode == "full":
@@ -684,22 +695,27 @@ async def killed_in_the_drain(store: Any, n: int, commits: int) -> None:
     threading.Event().wait()
 
 
-async def holding_in_memory(store: Any, n: int, then: str) -> None:
+async def holding_in_memory(store: Any, n: int, then: str, locked: bool) -> None:
     """``memory``: ``n`` messages a session while state.db refuses them and another
-    process holds the spool's write lock, so that each gateway keeps them in its queues
-    (0.22 spools a stalled backlog, unless its spool is locked); the lock is let go.
-    ``OUT`` gets the process id and each session's queue length; then the process waits
-    for its SIGKILL (``kill``), or for ``OUT.stop`` (``stop``: then it stops)."""
-    holder = LockHolder("write")
+    process holds the spool's write lock (``locked``), so that each gateway keeps them in
+    its queues (0.22 spools a stalled backlog, unless its spool is locked); the lock is
+    let go. ``OUT`` gets the process id, each session's queue length and what was sent;
+    then the process waits for its SIGKILL (``kill``), or for ``OUT.stop`` (``stop``:
+    then it stops)."""
+    holder = LockHolder("write") if locked else None
     try:
-        await during_an_outage(store, n)
-        holder.release()
+        # Unlocked, the last session gets fewer than the cap: every gateway holds them.
+        sent = await during_an_outage(store, n, last=None if locked else MEMORY_PAST_LAST)
+        if holder is not None:
+            holder.release()
     finally:
-        holder.kill()
+        if holder is not None:
+            holder.kill()
     with store._transcript_retry_lock:
         queues = {sid: len(store._dirty_transcripts.get(sid) or ()) for sid in SESSIONS}
+    sent_pairs = {sid: [(m["role"], m["content"]) for m in sent[sid]] for sid in SESSIONS}
     with open(f"{OUT}.tmp", "w") as f:
-        json.dump({"pid": os.getpid(), "queues": queues}, f)
+        json.dump({"pid": os.getpid(), "queues": queues, "sent": sent_pairs}, f)
     os.rename(f"{OUT}.tmp", OUT)
     while then == "kill" or not os.path.exists(f"{OUT}.stop"):
         await asyncio.sleep(0.05)
