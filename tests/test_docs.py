@@ -40,6 +40,24 @@ def test_every_relative_link_names_a_file_that_exists(page: Path) -> None:
         assert (page.parent / target).exists(), f"{page.name}: {target}"
 
 
+@pytest.mark.parametrize(
+    "page",
+    [*DOCS, ROOT / "benchmarks" / "README.md", ROOT / "tests" / "README.md"],
+    ids=lambda p: str(p.relative_to(ROOT)),
+)
+def test_every_page_has_one_title(page: Path) -> None:
+    """One ``# `` heading a page, its first line (a ``#`` inside a code block, such as a
+    shell comment or an OpenMetrics line, is no heading)."""
+    text = page.read_text(encoding="utf-8")
+    titles, in_code = [], False
+    for line in text.splitlines():
+        if line.startswith("```"):
+            in_code = not in_code
+        elif not in_code and line.startswith("# "):
+            titles.append(line)
+    assert titles == [text.splitlines()[0]], titles
+
+
 def test_the_incident_runbook_runs_as_written_on_a_real_outage(
     store, hermes_home: Path, tmp_path: Path
 ) -> None:

@@ -84,3 +84,53 @@ def test_a_first_run_says_it_sets_up_before_it_does_and_a_second_run_is_silent(t
     assert third.returncode == 0, third.stderr
     assert third.stderr.splitlines() == ["updating .venv (pyproject.toml changed)"]
     assert len((root / ".venv" / "pip.log").read_text().splitlines()) == 2 * len(installed)
+
+
+def test_a_first_scripts_test_says_what_it_sets_up_before_it_does(tmp_path):
+    """``scripts/test`` on a machine with only ``python3``, as root, without the sqlite3
+    shell and tmux: it says it sets up each of the three environments, and that it
+    installs the two tools with apt-get, before it does; then it runs pytest in each.
+    (This machine's other commands stay; sqlite3 and tmux are hidden, and ``apt-get``
+    and ``id`` are stand-ins that note what they were asked.)"""
+    root, env = machine(tmp_path)
+    bin_dir = Path(env["PATH"].split(":")[0])
+    log = tmp_path / "asked.log"
+    (bin_dir / "apt-get").write_text(f'#!/bin/sh\necho "apt-get $*" >> {log}\n')
+    (bin_dir / "id").write_text("#!/bin/sh\necho 0\n")  # root
+    (bin_dir / "python3").write_text(
+        FAKE_PYTHON.replace(
+            'if [ "$1 $2" = "-m pip" ]; then',
+            f'if [ "$1 $2" = "-m pytest" ]; then\n  echo "$0 $*" >> {log}\n  exit 0\nfi\n'
+            'if [ "$1 $2" = "-m pip" ]; then',
+        )
+    )
+    for tool in ("apt-get", "id", "python3"):
+        (bin_dir / tool).chmod(0o755)
+    system = tmp_path / "system"  # this machine's commands, less sqlite3 and tmux
+    system.mkdir()
+    for directory in ("/usr/local/bin", "/usr/bin", "/bin"):
+        for entry in Path(directory).iterdir():
+            if entry.name not in ("sqlite3", "tmux") and not (system / entry.name).exists():
+                (system / entry.name).symlink_to(entry)
+    env = {**env, "PATH": f"{bin_dir}:{system}", "WALSPOOL_LITESTREAM": "/bin/true"}
+    done = subprocess.run(
+        [str(root / "scripts" / "test"), "-q"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=root,
+    )
+    assert done.returncode == 0, done.stderr
+    first_run = "from the package index): a first run takes a few minutes"
+    assert done.stderr.splitlines() == [
+        f"setting up .venv (walspool[test,hermes,package], {first_run}",
+        f"setting up .venv-upstream (walspool[test,upstream], {first_run}",
+        f"setting up .venv-axisrow (walspool[test,axisrow], {first_run}",
+        "installing sqlite3 tmux with apt-get (the tests use them)",
+    ]
+    asked = log.read_text().splitlines()
+    assert asked[:2] == ["apt-get update -qq", "apt-get install -y -qq sqlite3 tmux"]
+    ran = [line.split(" -m pytest ")[0] for line in asked[2:]]
+    assert ran == [str(root / v / "bin" / "python") for v in (".venv", ".venv-upstream",
+                                                                 ".venv-axisrow")]  # fmt: skip
