@@ -120,7 +120,7 @@ def test_an_entry_of_a_gone_process_says_it_was_lost(spool, capsys):
         messages=7,
         bytes=70,
         oldest_at=990.0,
-        top=[memory.Session("a", 7, 70, 990.0)],
+        top=[memory.HeldSession("a", 7, 70, 990.0)],
     )
     spool.publish_memory(dead.pid, host, held).result()
     spool.transact(
@@ -148,7 +148,7 @@ def test_a_session_held_only_in_memory_is_named_so_by_the_commands_that_take_a_s
     host = memory.this_host()
     for pid, messages in ((os.getpid(), 30), (dead.pid, 4)):
         held = memory.Held(pid, host, memory.started(pid), 1_000.0, 1, messages, 10, 990.0,
-                           [memory.Session("s1", messages, 10, 990.0)])  # fmt: skip
+                           [memory.HeldSession("s1", messages, 10, 990.0)])  # fmt: skip
         spool.publish_memory(pid, host, held).result()
     live = (
         f"; 30 messages of it are in the memory of pid {os.getpid()}, not spooled yet "
@@ -178,7 +178,7 @@ def test_a_publisher_starting_takes_in_what_gone_processes_of_its_host_lost(
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     host = memory.this_host()
-    top = [memory.Session("a", 5, 50, 990.0), memory.Session("b", 2, 20, 995.0)]
+    top = [memory.HeldSession("a", 5, 50, 990.0), memory.HeldSession("b", 2, 20, 995.0)]
     lost = memory.Held(dead.pid, host, None, 1_000.0, 2, 7, 70, 990.0, top)
     alive = memory.Held(os.getpid(), host, None, 1_000.0, 1, 3, 30, 990.0, [])
     elsewhere = memory.Held(dead.pid, "another-host", None, 1_000.0, 1, 4, 40, 990.0, [])

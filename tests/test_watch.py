@@ -769,11 +769,11 @@ def test_an_empty_spool_is_not_called_drained_while_a_gateway_holds_messages_in_
     but they are not, and a kill would lose them; what a gone process lost is not
     counted as held."""
 
-    def entry(pid: int, messages: int, alive: bool | None) -> memory.Entry:
-        top = [memory.Session("s1", messages, 10 * messages, 1_700_000_000.0)]
+    def entry(pid: int, messages: int, alive: bool | None) -> memory.Published:
+        top = [memory.HeldSession("s1", messages, 10 * messages, 1_700_000_000.0)]
         held = memory.Held(pid, "h", None, 1_700_000_090.0, 1, messages, 10 * messages,
                            1_700_000_000.0, top)  # fmt: skip
-        return memory.Entry(held, alive)
+        return memory.Published(held, alive)
 
     reading = snap(uid="u", memory=(entry(7, 950, True), entry(8, 5, False)))
     lines = render(reading, Rates(2.0, 0.0, 0.0), "t")

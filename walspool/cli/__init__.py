@@ -37,7 +37,16 @@ from . import (
 )
 from ._filters import UsageError
 from ._interrupt import Interrupted
-from ._output import EXIT_BUSY, EXIT_ERROR, EXIT_USAGE, SpoolBusy, as_path, dump, log_lines, warn
+from ._output import (
+    EXIT_BUSY,
+    EXIT_ERROR,
+    EXIT_USAGE,
+    ReplayRunning,
+    as_path,
+    dump,
+    log_lines,
+    warn,
+)
 from ._owner import command_owner, run_as
 from ._reading import spool_error
 
@@ -261,7 +270,7 @@ def _run(args: argparse.Namespace) -> tuple[int, str | None]:
             return int(args.func(args)), None
     except UsageError as exc:
         return EXIT_USAGE, str(exc)
-    except SpoolBusy as exc:
+    except ReplayRunning as exc:
         return EXIT_BUSY, str(exc)
     except WalspoolError as exc:
         return EXIT_ERROR, str(exc)

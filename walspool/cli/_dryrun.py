@@ -21,7 +21,7 @@ from ..shutdown_flush import routing_resolver
 from ..store import codec
 from ..store.preview import Plan
 from ..store.records import Record
-from ._statedb import session_exists
+from ._statedb import has_session
 from ._trial import Trial, trial_session_db
 
 
@@ -60,7 +60,7 @@ def dry_run_report(
                 error = f"resolver found no session for session_key {s.session_key!r}"
             elif routed in sessions:
                 error = sessions[routed].error
-            elif not create_missing and not session_exists(state, routed):
+            elif not create_missing and not has_session(state, routed):
                 error = str(SessionMissing(routed))
         else:
             out = [f.id for f in plan.inflight.get(s.session_id, []) if f.decodable]
@@ -93,7 +93,7 @@ def _try(
 
     Without hermes (no trial) the judgement is whether the session exists."""
     if trial is None:
-        missing = not create and not session_exists(state, session_id)
+        missing = not create and not has_session(state, session_id)
         return (str(SessionMissing(session_id)) if missing else None), 0
     exc = trial(session_id, record)
     if exc is None:

@@ -10,7 +10,7 @@ from ..store.reader import SpoolReader
 from ._output import duration, plural
 
 
-def as_json(entries: list[memory.Entry], now: float) -> list[dict[str, Any]]:
+def as_json(entries: list[memory.Published], now: float) -> list[dict[str, Any]]:
     """The ``memory`` array of ``stats --json`` and ``watch --json``: one object per
     gateway process, the largest first (see docs/cli.md)."""
     return [

@@ -39,7 +39,7 @@ EXIT_BUSY = 4
 EXIT_QUARANTINED = 5
 
 
-class SpoolBusy(WalspoolError):
+class ReplayRunning(WalspoolError):
     """Another replay of the spool holds its replay lock (exit status 4): reported as
     any error, a line on stderr and, with --json, the error object."""
 

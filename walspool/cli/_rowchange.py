@@ -18,7 +18,7 @@ from . import _memory as in_memory
 from ._filters import UsageError, has_stream, id_ranges, row_ids, which_stream
 from ._lockwait import add_wait_argument, busy_message, say_waiting
 from ._near import near_sessions
-from ._output import EXIT_OK, SpoolBusy, clip, dump, plural, stream_name, table
+from ._output import EXIT_OK, ReplayRunning, clip, dump, plural, stream_name, table
 from ._reading import reading, upgraded
 
 Change = Callable[..., list[int]]
@@ -88,7 +88,7 @@ def run_change(args: argparse.Namespace, command: str, change: Change, done: str
                 say_waiting(command, args, busy.pid)
                 ids = change(spool, ids, by=by, wait=args.wait)
     except ReplayBusy as busy:
-        raise SpoolBusy(f"nothing was changed: {busy_message(args, busy.pid)}") from busy
+        raise ReplayRunning(f"nothing was changed: {busy_message(args, busy.pid)}") from busy
     report(args, ids, by, done)
     return EXIT_OK
 

@@ -253,6 +253,6 @@ def state_db_message(exc: sqlite3.Error, path: Path) -> str:
     return f"state.db at {path}: {type(exc).__name__}: {text}"
 
 
-def session_exists(conn: sqlite3.Connection, session_id: str) -> bool:
+def has_session(conn: sqlite3.Connection, session_id: str) -> bool:
     """Whether state.db has a ``sessions`` row for ``session_id``."""
     return conn.execute("SELECT 1 FROM sessions WHERE id = ?", (session_id,)).fetchone() is not None

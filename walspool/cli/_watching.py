@@ -76,7 +76,7 @@ class Snapshot(msgspec.Struct, frozen=True):
     #: The processes that have the spool open (see ``_holders``); None: unknown here.
     open_by: tuple[Holder, ...] | None = ()
     #: What linked gateway processes published as held in memory (``store.memory``).
-    memory: tuple[memory.Entry, ...] = ()
+    memory: tuple[memory.Published, ...] = ()
 
 
 class Rates(msgspec.Struct, frozen=True):
@@ -136,7 +136,7 @@ def _read(
     # One read transaction: every count from the same moment.
     with stoppable(conn, stop, STOP_STEPS), conn:
         s = totals.stats(conn, path)
-        inflight = totals.in_flight(conn)
+        inflight = totals.in_flight_rows(conn)
         by_status = totals.by_status(conn)
         appended = totals.appended(conn)
         uid = totals.uid(conn)

@@ -110,7 +110,7 @@ def write_table(conn: apsw.Connection, out: IO[str], now: float) -> tuple[int, i
     return listed, clipped
 
 
-def _print_memory(held: list[memory.Entry], now: float) -> None:
+def _print_memory(held: list[memory.Published], now: float) -> None:
     """What gateway processes hold in memory, one line each (nothing if none)."""
     if held:
         for text in in_memory.lines(in_memory.as_json(held, now)):

@@ -52,7 +52,14 @@ def run(args: argparse.Namespace) -> int:
     if args.listen is not None:
         return _serve(args.spool, args.listen)
     if args.json:
-        print(dump({"spool": str(args.spool), "metrics": [f._asdict() for f in read(args.spool)]}))
+        print(
+            dump(
+                {
+                    "spool": str(args.spool),
+                    "metrics": [f._asdict() for f in read_families(args.spool)],
+                }
+            )
+        )
     else:
         sys.stdout.write(exposition(args.spool))
     return EXIT_OK
@@ -76,7 +83,7 @@ def exposition(spool: Path) -> str:
     """The spool's metrics, one reading, as OpenMetrics text ending in ``# EOF``."""
     where = {"spool": str(spool)}
     out: list[str] = []
-    for name, help, samples, kind in read(spool):
+    for name, help, samples, kind in read_families(spool):
         unit = next((u for u in ("seconds", "bytes") if name.endswith(f"_{u}")), None)
         out.append(f"# TYPE {name} {kind}")
         if unit is not None:
@@ -90,7 +97,7 @@ def exposition(spool: Path) -> str:
     return "\n".join(out) + "\n"
 
 
-def read(spool: Path) -> list[Family]:
+def read_families(spool: Path) -> list[Family]:
     """The spool's metrics, one reading (``stats``'s)."""
     with reading(spool, walk=True) as reader:
         stats = reader.read(lambda conn: read_stats(conn, spool, time.time()))

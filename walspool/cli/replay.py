@@ -25,7 +25,7 @@ from ._output import (
     EXIT_OK,
     EXIT_QUARANTINED,
     Progress,
-    SpoolBusy,
+    ReplayRunning,
     add_progress_argument,
     as_path,
     cli_terms,
@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
                 report = replay_into(args, progress, total, written)
         except ReplayBusy as busy:
             progress.drop()  # it never ran: no "0 rows, took 0s"
-            raise SpoolBusy(busy_message(args, busy.pid)) from busy
+            raise ReplayRunning(busy_message(args, busy.pid)) from busy
         except Interrupted as stop:
             # Moved: rows this run wrote that left the spool. The rows it had out stay
             # in flight, some of them already in state.db (the write the signal cut

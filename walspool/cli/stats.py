@@ -152,8 +152,8 @@ def read_stats(conn: apsw.Connection, path: Path, now: float) -> dict[str, Any]:
     """The ``stats --json`` object (see docs/cli.md); ages as of ``now``."""
     with conn:
         s = totals.stats(conn, path)
-        inflight = totals.in_flight(conn)
-        set_aside = totals.set_aside(conn)
+        inflight = totals.in_flight_rows(conn)
+        set_aside = totals.set_aside_counts(conn)
         failing_sessions = totals.failing_streams(conn)
         recent = totals.recent_errors(conn, LAST_ERROR_CHARS, LAST_ERRORS * 40)
         counted = totals.counters(conn)

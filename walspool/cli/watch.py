@@ -104,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--interval",
-        type=seconds,
+        type=interval_seconds,
         default=1.0,
         metavar="SECONDS",
         help=f"seconds between readings (default: %(default)g, at least {MIN_INTERVAL:g})",
@@ -117,7 +117,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def seconds(text: str) -> float:
+def interval_seconds(text: str) -> float:
     """An --interval: a number of seconds, at least ``MIN_INTERVAL``."""
     value = float(text)
     if not math.isfinite(value) or value < MIN_INTERVAL:

@@ -141,13 +141,15 @@ def spool_queues(
 
 
 #: A session's queue as taken: its messages, and their rows.
-Taken = dict[str, tuple[list[Message], list[Row]]]
+TakenQueues = dict[str, tuple[list[Message], list[Row]]]
 
 
-def _queued_rows(spool: Spool, queues: Queues) -> tuple[Taken, list[Row], list[Callable[[], None]]]:
+def _queued_rows(
+    spool: Spool, queues: Queues
+) -> tuple[TakenQueues, list[Row], list[Callable[[], None]]]:
     """Every queue's messages, as spool rows, but the queues of sessions whose oldest
     message is being written; and the lines to log. The lock is held."""
-    taken: Taken = {}
+    taken: TakenQueues = {}
     rows: list[Row] = []
     notes: list[Callable[[], None]] = []
     for session_id, pending in queues.transcripts.queues.items():
@@ -169,7 +171,7 @@ def _queued_rows(spool: Spool, queues: Queues) -> tuple[Taken, list[Row], list[C
 
 def _settler(
     queues: Queues,
-    taken: Taken,
+    taken: TakenQueues,
     tokens: dict[str, object],
     committed: threading.Event,
     requests: list[Request],

@@ -12,7 +12,7 @@ from functools import partial
 from typing import Any
 
 from .core import Core
-from .outage import Line
+from .outage import LogLine
 from .repeats import Kind, Said
 from .state import log
 
@@ -87,7 +87,7 @@ class Lines:
     def __init__(self, core: Core) -> None:
         self.core = core
 
-    def dropped(self, session_id: str, why: str, *, own: bool = False) -> list[Line]:
+    def dropped(self, session_id: str, why: str, *, own: bool = False) -> list[LogLine]:
         """The oldest message of the session was dropped: its first drop said in full,
         then a summary at most every ``REPEAT_SECONDS``; ``own`` (the message's own
         fault, ``OWN_FAULT``) is said each time."""
@@ -96,7 +96,7 @@ class Lines:
         said = self.core.repeats.seen((DROPPED, session_id), self.core.clock(), detail=why)
         return [] if said is None else [self.line((DROPPED, session_id), said)]
 
-    def kept(self, session_id: str, queued: int) -> list[Line]:
+    def kept(self, session_id: str, queued: int) -> list[LogLine]:
         said = self.core.repeats.seen((KEPT, session_id), self.core.clock())
         if said is None:
             return []
@@ -104,7 +104,7 @@ class Lines:
             return [partial(self._report_kept, session_id, queued)]
         return [self.line((KEPT, session_id), said)]
 
-    def unspoolable(self, session_id: str, exc: BaseException) -> list[Line]:
+    def unspoolable(self, session_id: str, exc: BaseException) -> list[LogLine]:
         said = self.core.repeats.seen(
             (UNSPOOLABLE, session_id), self.core.clock(), detail=repr(exc)
         )
@@ -114,7 +114,7 @@ class Lines:
             return [partial(report_unspoolable, session_id, exc)]
         return [self.line((UNSPOOLABLE, session_id), said)]
 
-    def ended(self, session_id: str, conditions: tuple[str, ...]) -> list[Line]:
+    def ended(self, session_id: str, conditions: tuple[str, ...]) -> list[LogLine]:
         """The session's ``conditions`` are over: their heals (held back while a line of
         theirs is recent: see ``Repeats.ended``)."""
         if not self.core.repeats.active:
@@ -127,13 +127,13 @@ class Lines:
                 lines.append(self.line((condition, session_id), said))
         return lines
 
-    def due(self) -> list[Line]:
+    def due(self) -> list[LogLine]:
         """The held-back lines whose time has come (one comparison when none is)."""
         if not self.core.repeats.holding:
             return []
         return [self.line(key, said) for key, said in self.core.repeats.due(self.core.clock())]
 
-    def line(self, key: Any, said: Said) -> Line:
+    def line(self, key: Any, said: Said) -> LogLine:
         """The line that tells ``said`` of ``key`` (a condition and a session)."""
         condition, session_id = key
         if condition == REPLAYED:

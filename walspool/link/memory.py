@@ -107,7 +107,7 @@ class MemoryPublisher:
                 seen[id(message)] = known
                 oldest = min(oldest, known[1])
                 nbytes += known[2]
-            sessions.append(memory.Session(str(session_id), len(messages), nbytes, oldest))
+            sessions.append(memory.HeldSession(str(session_id), len(messages), nbytes, oldest))
         self._seen = seen
         if not sessions:
             return None

@@ -9,7 +9,7 @@ every ``REPORT_SECONDS``. Lines name sessions and counts, never object reprs; er
 keep their detail.
 
 Every method is called with the link's lock held and returns the lines to log once it
-is released (``Line``s, run by the caller).
+is released (``LogLine``s, run by the caller).
 
 Not guaranteed: the counts are this process's; rows another process replays (the CLI,
 a recovery) are not counted as replayed here.
@@ -31,7 +31,7 @@ REPORT_SECONDS = 60.0
 #: ``REPORT_SECONDS`` (the retry delay reaches ``retry_interval`` at the fourth).
 QUIET_AFTER = 4
 
-Line = Callable[[], None]
+LogLine = Callable[[], None]
 
 
 class Episode:
@@ -62,9 +62,9 @@ class OutageLog:
 
     def evicted(
         self, session_id: str, episode: Episode | None, count: int, now: float
-    ) -> tuple[Episode, list[Line]]:
+    ) -> tuple[Episode, list[LogLine]]:
         """``count`` evictions of a session committed; its episode (new if None)."""
-        lines: list[Line] = []
+        lines: list[LogLine] = []
         if episode is None:
             episode = Episode(now)
             if not self.open:
@@ -106,12 +106,12 @@ class OutageLog:
 
     def ended(
         self, session_id: str, episode: Episode | None, now: float, *, superseded: bool = False
-    ) -> list[Line]:
+    ) -> list[LogLine]:
         """The session has no spooled rows left: written back, or superseded by a
         transcript rewrite (whose own WARNING says how many)."""
         if episode is None:
             return []
-        lines: list[Line] = []
+        lines: list[LogLine] = []
         if superseded:
             self.superseded += max(episode.spooled - episode.replayed, 0)
         else:

@@ -110,7 +110,7 @@ MEDIA_KEYS = ("media", "media_urls")
 
 _READ_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
 
-Progress = Callable[[int, int], None]
+OnProgress = Callable[[int, int], None]
 
 
 class ImportReport(msgspec.Struct, frozen=True):
@@ -150,7 +150,7 @@ def import_json_spool(
     spool: Spool,
     directory: str | os.PathLike[str],
     *,
-    progress: Progress | None = None,
+    progress: OnProgress | None = None,
     batch_files: int = DEFAULT_BATCH_FILES,
     source_key: str | None = None,
 ) -> ImportReport:
@@ -182,7 +182,7 @@ class _Import:
         spool: Spool,
         path: Path,
         dir_fd: int,
-        progress: Progress | None,
+        progress: OnProgress | None,
         batch_files: int,
         source_key: str | None = None,
     ) -> None:

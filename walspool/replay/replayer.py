@@ -51,7 +51,7 @@ from ..store import tickets
 from ..store.records import QUARANTINED, SUPERSEDED, Record
 from ..store.replay_lock import replay_lock
 from ..store.spool import Spool, check_lookup, reasons_filter
-from ..store.tickets import Scope, Settlement, Stream, Taken, stream_of
+from ..store.tickets import Scope, Settlement, StreamKey, TakenRow, stream_of
 from .sinks import ForgetsTickets, Sink, Ticket, WritesMany, rejects_content
 
 log = text.logger("walspool.replay")
@@ -255,8 +255,8 @@ class _Run:
         self.session_key = session_key
         self.scope = Scope(reasons, statuses, session_id, session_key)
         self.uid = self.spool.uid
-        self.tallies: dict[Stream, _StreamOutcome] = {}
-        self.targets: dict[Stream, str | None] = {}
+        self.tallies: dict[StreamKey, _StreamOutcome] = {}
+        self.targets: dict[StreamKey, str | None] = {}
         self.recovered = 0
         self.taken = 0
         #: Rows whose payload is not JSON: each is quarantined when its turn comes.
@@ -274,7 +274,7 @@ class _Run:
         failed write costs no spool transaction, and the next replay looks its
         ticket up before it writes it again.
 
-        Stream by stream, each a page at a time (``paging``: at most ``batch_rows``
+        StreamKey by stream, each a page at a time (``paging``: at most ``batch_rows``
         rows and ``PAGE_BYTES`` of what they cost), every page settled before the
         next is read, so memory holds one page, however many rows are in flight.
         """
@@ -291,7 +291,7 @@ class _Run:
             if not self._held(stream):
                 self._resume_stream(stream, limit)
 
-    def _resume_stream(self, stream: Stream, limit: int | None) -> None:
+    def _resume_stream(self, stream: StreamKey, limit: int | None) -> None:
         """Finish one stream's rows in flight, a page at a time, in seq order."""
         after_seq = 0
         while limit is None or self.taken < limit:
@@ -307,7 +307,12 @@ class _Run:
                 return
 
     def _resume_page(
-        self, stream: Stream, taken: list[Taken], done: Settlement, limit: int | None, more: bool
+        self,
+        stream: StreamKey,
+        taken: list[TakenRow],
+        done: Settlement,
+        limit: int | None,
+        more: bool,
     ) -> None:
         """One page of a stream's rows in flight: remove what landed, write the rest.
 
@@ -418,7 +423,7 @@ class _Run:
         if isinstance(self.sink, ForgetsTickets):
             self.sink.forget(self.uid, below, keep)
 
-    def _write_stream(self, stream: Stream, taken: list[Taken], done: Settlement) -> None:
+    def _write_stream(self, stream: StreamKey, taken: list[TakenRow], done: Settlement) -> None:
         """Write one stream's rows of a batch in order, stopping at the first held row.
 
         Runs of rows the sink can write together (``write_many``) go as one write;
@@ -472,7 +477,7 @@ class _Run:
             done.delete.append(rec.id)
             tally.moved += 1
 
-    def _batchable_run(self, taken: list[Taken], start: int) -> list[Taken]:
+    def _batchable_run(self, taken: list[TakenRow], start: int) -> list[TakenRow]:
         """The rows from ``start`` on that the sink can write as one batch."""
         if not isinstance(self.sink, WritesMany):
             return []
@@ -486,7 +491,7 @@ class _Run:
             end += 1
         return taken[start:end]
 
-    def _write_run(self, target: str, run: list[Taken]) -> bool | None:
+    def _write_run(self, target: str, run: list[TakenRow]) -> bool | None:
         """Write ``run`` as one batch; True if it landed (all of it: a batch is one
         transaction). False: nothing of it landed, and it is written row by row. None:
         the write raised and whether it landed could not be looked up: it is written
@@ -531,7 +536,7 @@ class _Run:
             return False
         return Ticket(self.uid, ticket, rec.id) in found
 
-    def _fail(self, stream: Stream, rec: Record, error: str, done: Settlement) -> None:
+    def _fail(self, stream: StreamKey, rec: Record, error: str, done: Settlement) -> None:
         """Record a failed row and hold its stream; the caller frees the later rows."""
         done.failures.append((error, time.time(), rec.id))
         # INFO, not WARNING: during an outage every replay attempt fails the same
@@ -546,7 +551,7 @@ class _Run:
         )
         self._hold(stream, error)
 
-    def _quarantine(self, stream: Stream, rec: Record, error: str, done: Settlement) -> None:
+    def _quarantine(self, stream: StreamKey, rec: Record, error: str, done: Settlement) -> None:
         done.quarantine.append((error, time.time(), rec.id))
         self._tally(stream).quarantined += 1
         log.warning(
@@ -574,20 +579,20 @@ class _Run:
             if tally.error is not None:
                 tally.held = tickets.count_held(self.spool, self.scope, stream)
 
-    def _hold(self, stream: Stream, error: str) -> None:
+    def _hold(self, stream: StreamKey, error: str) -> None:
         self._tally(stream).error = error
 
-    def _held(self, stream: Stream) -> bool:
+    def _held(self, stream: StreamKey) -> bool:
         tally = self.tallies.get(stream)
         return tally is not None and tally.error is not None
 
-    def _tally(self, stream: Stream) -> _StreamOutcome:
+    def _tally(self, stream: StreamKey) -> _StreamOutcome:
         tally = self.tallies.get(stream)
         if tally is None:
             tally = self.tallies[stream] = _StreamOutcome(self._target(stream)[0])
         return tally
 
-    def _target(self, stream: Stream) -> tuple[str | None, str | None]:
+    def _target(self, stream: StreamKey) -> tuple[str | None, str | None]:
         """The session a stream's rows go to, or None and why there is none."""
         kind, name = stream
         if kind == "session_id":
@@ -651,7 +656,7 @@ def statuses_filter(quarantined: bool, superseded: bool) -> str:
     return msgspec.json.encode(chosen).decode()
 
 
-def _stream(record: Record) -> Stream:
+def _stream(record: Record) -> StreamKey:
     return stream_of(record.session_id, record.session_key)
 
 

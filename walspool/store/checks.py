@@ -244,7 +244,7 @@ def _full_check(
         attempt(f"checking for {what}", check)
 
     def inflight() -> None:
-        n = totals.in_flight(conn)
+        n = totals.in_flight_rows(conn)
         if n:
             notes.append(
                 f"{n:,} row{'' if n == 1 else 's'} in flight: out with a replay or a "

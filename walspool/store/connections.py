@@ -28,7 +28,7 @@ from .sqlite_errors import sqlite_error
 log = text.logger("walspool.connections")
 
 # Every file SQLite opens for a spool is checked on its own descriptor (see open_guard).
-open_guard.install()
+open_guard.install_guard()
 
 #: ``PRAGMA synchronous`` per durability.
 DURABILITY_SYNCHRONOUS = {"full": "FULL", "normal": "NORMAL"}

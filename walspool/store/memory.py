@@ -36,7 +36,7 @@ _DELETE_SQL = "DELETE FROM spool_meta WHERE name = ?"
 _READ_SQL = "SELECT name, CAST(value AS BLOB) FROM spool_meta WHERE name >= ? AND name < ?"
 
 
-class Session(msgspec.Struct, array_like=True, frozen=True):
+class HeldSession(msgspec.Struct, array_like=True, frozen=True):
     """One session's queue: messages, their bytes (as JSON), and when the oldest of
     them was first seen there (epoch seconds)."""
 
@@ -59,10 +59,10 @@ class Held(msgspec.Struct, frozen=True):
     messages: int
     bytes: int
     oldest_at: float | None
-    top: list[Session]
+    top: list[HeldSession]
 
 
-class Entry(msgspec.Struct, frozen=True):
+class Published(msgspec.Struct, frozen=True):
     """A published ``Held`` as a reader sees it: ``alive`` is False once its process
     is gone (what it held was lost with it), None where that cannot be told (another
     host)."""
@@ -87,7 +87,7 @@ def publish(conn: apsw.Connection, pid: int, host: str, held: Held | None) -> No
         conn.execute(_PUT_SQL, (name_of(pid, host), msgspec.json.encode(held).decode()))
 
 
-def read(conn: apsw.Connection) -> list[Entry]:
+def read(conn: apsw.Connection) -> list[Published]:
     """Every entry, the largest first; one that does not decode is skipped (an
     operator's edit: it names no messages walspool can count)."""
     found = []
@@ -97,7 +97,7 @@ def read(conn: apsw.Connection) -> list[Entry]:
             held = msgspec.json.decode(bytes(value), type=Held)
         except (msgspec.DecodeError, TypeError):
             continue
-        found.append(Entry(held, _alive(held)))
+        found.append(Published(held, _alive(held)))
     found.sort(key=lambda e: (-e.held.messages, e.held.pid))
     return found
 

@@ -158,7 +158,7 @@ def refused() -> Refusal | None:
     return refusal
 
 
-def install() -> bool:
+def install_guard() -> bool:
     """Replace the ``open`` of apsw's ``unix`` VFS (once per process); False if it cannot."""
     if _installed:
         return True

@@ -417,7 +417,7 @@ class Spool:
         self._writer.notify_nowait(operation, committed)
         return done
 
-    def memory(self) -> list[memory.Entry]:
+    def memory(self) -> list[memory.Published]:
         """What gateway processes published as held in memory (``walspool.store.memory``)."""
         return self._with_reader(memory.read)
 

@@ -122,9 +122,9 @@ WHERE session_id IS NULL AND session_key = CAST(:name AS TEXT)
 """
 
 #: ("session_id" | "session_key", name): the order a row moves in.
-Stream = tuple[str, str]
+StreamKey = tuple[str, str]
 #: A row a replay has out, with its ticket number.
-Taken = tuple[Record, int]
+TakenRow = tuple[Record, int]
 
 
 class Scope(msgspec.Struct, frozen=True):
@@ -160,7 +160,7 @@ class Batch(msgspec.Struct):
     ``full``: more rows may follow.
     """
 
-    taken: list[Taken]
+    taken: list[TakenRow]
     undecodable: dict[int, str]
     older: list[int]
     full: bool
@@ -203,7 +203,7 @@ def take(spool: Spool, scope: Scope, *, keyed: bool, after: tuple[str, int], lim
     return batch
 
 
-def next_in_flight(spool: Spool, scope: Scope, after: int) -> tuple[int, Stream] | None:
+def next_in_flight(spool: Spool, scope: Scope, after: int) -> tuple[int, StreamKey] | None:
     """The first row in flight of ``scope``'s stream (every stream when it names none)
     after row id ``after``: its id and its stream."""
     found = spool.query(
@@ -216,7 +216,7 @@ def next_in_flight(spool: Spool, scope: Scope, after: int) -> tuple[int, Stream]
     return row_id, stream_of(as_text(session_id), as_text(session_key))
 
 
-def in_flight_page(spool: Spool, stream: Stream, after_seq: int, limit: int) -> Batch:
+def in_flight_page(spool: Spool, stream: StreamKey, after_seq: int, limit: int) -> Batch:
     """A page of ``stream``'s rows in flight after ``after_seq``, with their tickets."""
     sql = _IN_FLIGHT_IN_SESSION_SQL if stream[0] == "session_id" else _IN_FLIGHT_BY_KEY_SQL
     params = {"name": bound(stream[1]), "after_seq": after_seq, "limit": limit}
@@ -246,13 +246,13 @@ def put_back(spool: Spool, record_id: int) -> None:
     spool.transact(lambda conn: conn.execute(_PUT_BACK_SQL, (record_id,)))
 
 
-def count_held(spool: Spool, scope: Scope, stream: Stream) -> int:
+def count_held(spool: Spool, scope: Scope, stream: StreamKey) -> int:
     """The rows ``stream`` leaves behind for ``scope``: in flight, or still to move."""
     sql = _COUNT_HELD_BY_ID_SQL if stream[0] == "session_id" else _COUNT_HELD_BY_KEY_SQL
     return spool.query(sql, {**scope.params(), "name": bound(stream[1])})[0][0]
 
 
-def stream_of(session_id: str | None, session_key: str | None) -> Stream:
+def stream_of(session_id: str | None, session_key: str | None) -> StreamKey:
     """A row's stream: its session id, else its routing key."""
     if session_id is not None:
         return ("session_id", session_id)

@@ -120,7 +120,7 @@ def uid(conn: apsw.Connection) -> str:
     return str(conn.execute(_UID_SQL).get)
 
 
-def in_flight(conn: apsw.Connection) -> int:
+def in_flight_rows(conn: apsw.Connection) -> int:
     """Rows a replay has out (marked in flight, not settled)."""
     return int(conn.execute(_IN_FLIGHT_SQL).get)
 
@@ -132,10 +132,10 @@ def in_flight_tickets(conn: apsw.Connection) -> list[tuple[int, int]]:
 
 def by_status(conn: apsw.Connection) -> dict[str, int]:
     """Rows set aside, by status (quarantined, superseded)."""
-    return {status: rows for status, (rows, _) in set_aside(conn).items()}
+    return {status: rows for status, (rows, _) in set_aside_counts(conn).items()}
 
 
-def set_aside(conn: apsw.Connection) -> dict[str, tuple[int, int]]:
+def set_aside_counts(conn: apsw.Connection) -> dict[str, tuple[int, int]]:
     """Rows set aside and their payload bytes, by status (quarantined, superseded)."""
     return {status: (rows, size) for status, rows, size in conn.execute(_STATUS_SQL)}
 
