@@ -835,12 +835,7 @@ def _left_to_the_running_replay(
     those with rows of their own, and those the resolver routes spooled keys to (a
     slot spooled by key precedes its session's next live row too)."""
     held = _sessions_with_rows(spool)
-    keys: dict[str, str] = {}
-    if session_resolver is not None:
-        for key, ts in streams.keys_to_resolve(spool):
-            found = upstream.resolve_key(session_resolver, key, ts)
-            if found is not None:
-                keys[key] = found[0]
+    keys = {key: session for key, (session, _) in _key_targets(spool, session_resolver).items()}
     held.update(keys.values())
     _leave_keys(spool, keys)
     log.warning(
@@ -852,16 +847,25 @@ def _left_to_the_running_replay(
     return 0, held
 
 
-def _replay_all(
-    spool: Spool, session_db: Any, session_resolver: Callable[..., Any] | None
-) -> ReplayReport:
-    """One replay of every replayable row, key rows routed as the resolver says."""
+def _key_targets(
+    spool: Spool, session_resolver: Callable[..., Any] | None
+) -> dict[str, tuple[str, Any]]:
+    """Each session key spooled without a session id that the resolver routes: its
+    session and the store it belongs to (``upstream.resolve_key``)."""
     targets: dict[str, tuple[str, Any]] = {}
     if session_resolver is not None:
         for key, ts in streams.keys_to_resolve(spool):
             found = upstream.resolve_key(session_resolver, key, ts)
             if found is not None:
                 targets[key] = found
+    return targets
+
+
+def _replay_all(
+    spool: Spool, session_db: Any, session_resolver: Callable[..., Any] | None
+) -> ReplayReport:
+    """One replay of every replayable row, key rows routed as the resolver says."""
+    targets = _key_targets(spool, session_resolver)
     sink = upstream.RoutingSink(
         session_db, {key: db for key, (_, db) in targets.items() if db is not None}
     )
