@@ -661,8 +661,32 @@ def test_shutdown_with_a_closed_spool_says_what_is_lost_and_goes_on(hermes_home,
     runner._pending_messages.clear()  # never raises
     assert runner._pending_messages == {}
     assert _lines(caplog, logging.ERROR)[0] == (
-        "walspool could not spool at shutdown; these messages are lost"
+        "walspool could not spool a pending message for 'k' at shutdown; it is lost: "
+        f"spool {spool.path} is closed"
     )
+    runner.session_store._db.close()
+
+
+def test_a_slot_the_spool_refuses_at_shutdown_loses_only_itself(hermes_home, caplog):
+    """The stop spools the runner's slots in one transaction; a slot the spool refuses
+    (a message past its size limit) made that transaction fail and lost every slot. Now
+    the slots go one by one then: only the refused one is lost, with an ERROR naming it,
+    and the others keep their order (the drop-in's stop does the same:
+    ``link.shutdown.spool_in_order``)."""
+    runner = _runner(hermes_home)
+    spool = walspool.Spool(hermes_home / "spool.db", max_payload_bytes=1024)
+    install_runner(runner, install(runner.session_store, spool, retry_interval=0))
+    runner._pending_messages.update({"a": "first", "big": "x" * 4096, "c": "last"})
+    caplog.set_level(logging.DEBUG, logger="walspool.hermes")
+    runner._pending_messages.clear()
+    rows = list(spool.records(reasons=[walspool.SHUTDOWN]))
+    assert [(r.session_key, r.message) for r in rows] == [
+        ("a", {"text": "first"}),
+        ("c", {"text": "last"}),
+    ]
+    (lost,) = _lines(caplog, logging.ERROR)
+    assert lost.startswith("walspool could not spool a pending message for 'big' at shutdown")
+    spool.close()
     runner.session_store._db.close()
 
 

@@ -71,6 +71,7 @@ from .link import machine
 from .link.bounds import BUSY_LOOK_SECONDS, CONFIRM_WAIT
 from .link.handoffs import HandOffs
 from .link.rewrites import supersede_rewritten
+from .link.shutdown import Slot, spool_in_order
 from .replay import upstream
 from .replay.jsonspool import FILE_PATTERN, QUARANTINE_PATTERN, import_json_spool
 from .replay.replayer import Replayer, ReplayReport
@@ -642,34 +643,31 @@ def flush_overflow_to_file(
 
 
 def _flush_slots(slots: list[tuple[str, Any]], reason: str, what: str) -> int:
-    """Spool ``(session key, value)`` pairs in order: one transaction, else one by one."""
-    items = [(_attribute(value, "session_id"), slot_message(value), key) for key, value in slots]
+    """Spool ``(session key, value)`` pairs in order (``link.shutdown.spool_in_order``:
+    one transaction, else one by one)."""
+    items = [(_slot_session(value), slot_message(value), key) for key, value in slots]
     if not items:
         return 0
     try:
         spool = shared_spool()
-        spool.append_many([_slot_item(*item) for item in items], reason=reason)
-        flushed = len(items)
-    except Exception:  # noqa: BLE001 - one by one, so one bad slot loses only itself
-        flushed = sum(_flush_one(item, reason) for item in items)
+    except Exception as exc:  # noqa: BLE001 - never raises, as upstream
+        for item in items:
+            _slot_failed(item, exc)
+        return 0
+    flushed = spool_in_order(spool, items, reason, _slot_failed)
     if flushed:
-        log.info("Flushed %d %s message(s) to %s (reason=%s)", flushed, what, spool_path(), reason)
+        log.info("Flushed %d %s message(s) to %s (reason=%s)", flushed, what, spool.path, reason)
     return flushed
 
 
-def _slot_item(session_id: Any, message: Any, key: str) -> tuple[str | None, Any, str]:
-    return (session_id if isinstance(session_id, str) and session_id else None, message, key)
+def _slot_session(value: Any) -> str | None:
+    """A slot's own session id, if it is a non-empty string (else resolved at replay)."""
+    session_id = _attribute(value, "session_id")
+    return session_id if isinstance(session_id, str) and session_id else None
 
 
-def _flush_one(item: tuple[Any, Any, str], reason: str) -> bool:
-    """Spool one slot on its own, so one bad slot cannot lose the others."""
-    session_id, message, key = _slot_item(*item)
-    try:
-        shared_spool().append(session_id, message, reason=reason, session_key=key)
-    except Exception as exc:  # noqa: BLE001 - never raises, as upstream
-        log.debug("Failed to flush pending message for %r: %s", key, exc)
-        return False
-    return True
+def _slot_failed(item: Slot, exc: Exception) -> None:
+    log.debug("Failed to flush pending message for %r: %s", item[2], exc)
 
 
 def flush_agent_history_to_file(session_id: str | None, history: list[Any]) -> None:
