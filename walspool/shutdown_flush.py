@@ -71,14 +71,14 @@ from .link import machine
 from .link.bounds import BUSY_LOOK_SECONDS, CONFIRM_WAIT
 from .link.handoffs import HandOffs
 from .link.rewrites import supersede_rewritten
-from .link.shutdown import Slot, spool_in_order
+from .link.shutdown import Slot, spool_agent_history, spool_in_order
 from .replay import upstream
 from .replay.jsonspool import FILE_PATTERN, QUARANTINE_PATTERN, import_json_spool
 from .replay.replayer import Replayer, ReplayReport
 from .replay.sinks import gateway_mapping, is_row_rejection, session_db_connection
 from .store import streams
 from .store.directories import open_directory
-from .store.records import AGENT_HISTORY, CAP_DROP, agent_history_message, slot_message
+from .store.records import AGENT_HISTORY, CAP_DROP, slot_message
 from .store.replay_lock import replay_lock
 from .store.spool import REOPENED, Spool, check_lookup
 
@@ -679,11 +679,7 @@ def flush_agent_history_to_file(session_id: str | None, history: list[Any]) -> N
     if not history:
         return
     try:
-        shared_spool().append(
-            session_id or "unknown",
-            agent_history_message(session_id, history),
-            reason=AGENT_HISTORY,
-        )
+        spool_agent_history(shared_spool(), session_id, history)
     except Exception as exc:  # noqa: BLE001 - shutdown must go on
         log.warning(
             "Agent-history shutdown preservation failed for session %s: %s", session_id, exc

@@ -59,13 +59,8 @@ class Shutdown:
 
     def flush_agent_history(self, session_id: str | None, history: list[Any]) -> bool:
         """Spool an agent's unpersisted history as one ``AGENT_HISTORY`` row."""
-        if not history:
+        if not spool_agent_history(self.core.spool, session_id, history):
             return False
-        self.core.spool.append(
-            session_id or "unknown",
-            agent_history_message(session_id, history),
-            reason=AGENT_HISTORY,
-        )
         log.warning(
             "Preserved %d in-memory message(s) for session %s in %s (state.db did not take "
             "them); recover by hand after repairing state.db",
@@ -127,6 +122,18 @@ def spool_in_order(
         else:
             spooled += 1
     return spooled
+
+
+def spool_agent_history(spool: Spool, session_id: str | None, history: list[Any]) -> bool:
+    """Spool an agent's unpersisted history as its one ``AGENT_HISTORY`` row (under
+    ``unknown`` when it has no session), never replayed unless asked for; False when
+    there is none. Raises what the spool raises."""
+    if not history:
+        return False
+    spool.append(
+        session_id or "unknown", agent_history_message(session_id, history), reason=AGENT_HISTORY
+    )
+    return True
 
 
 def _slot_lost(item: Slot, exc: Exception) -> None:
