@@ -783,7 +783,8 @@ def test_a_start_whose_recovery_fails_for_a_session_holds_its_live_rows_behind(
     with walspool.Spool(hermes_home / "spool.db") as spool:
         link = install(store, spool, retry_interval=0)
         assert _recovery_done(link)
-        assert "Recovered 0 spooled message(s) into state.db; 3 held back" in _lines(
+        held = "Held back 3 spooled message(s) for the next start after a failed replay: s ("
+        assert [line for line in _lines(caplog, logging.INFO) if line.startswith(held)], _lines(
             caplog, logging.INFO
         )
         sql(store, HEAL)
@@ -815,6 +816,25 @@ def test_a_recovery_during_an_outage_keeps_this_runs_evictions_ahead(store, spoo
     assert contents(store, "s") == [f"m{i}" for i in range(203)] + ["live"]
 
 
+def test_a_starts_recovery_warns_of_the_rows_state_db_refused(hermes_home, store, caplog):
+    """A start's recovery on 0.19.0 said only how many rows moved and were held; the
+    drop-in's said what it quarantined too. Both say it now (``outage.say_recovered``):
+    a row state.db refuses for its content is quarantined, with a WARNING."""
+    store._db.create_session("s", "telegram")
+    with walspool.Spool(hermes_home / "spool.db") as first_run:
+        first_run.append("s", _m("fine"))
+        first_run.append("s", {"role": None, "content": "role missing"})  # refused
+    caplog.set_level(logging.INFO, logger="walspool.hermes")
+    with walspool.Spool(hermes_home / "spool.db") as spool:
+        link = install(store, spool, retry_interval=0)
+        assert _recovery_done(link)
+        assert _lines(caplog, logging.WARNING) == [
+            f"Quarantined 1 spooled message(s) in {spool.path} that state.db refused; "
+            "see `walspool ls`"
+        ]
+    assert contents(store, "s") == ["fine"]
+
+
 def test_a_recovery_that_moves_a_sessions_rows_forgets_its_state(store, spool, caplog):
     store._db.create_session("s", "telegram")
     link = install(store, spool, retry_interval=0)
@@ -828,9 +848,7 @@ def test_a_recovery_that_moves_a_sessions_rows_forgets_its_state(store, spool, c
     assert link.recover().moved == 203
     assert contents(store, "s") == [f"m{i}" for i in range(203)]
     assert "s" not in link.core.sessions
-    assert _lines(caplog, logging.INFO) == [
-        "Recovered 203 spooled message(s) into state.db; 0 held back"
-    ]
+    assert _lines(caplog, logging.INFO) == [f"Recovered 203 spooled message(s) from {spool.path}"]
     assert [r for r in caplog.records if r.levelno >= logging.ERROR] == []
 
 

@@ -70,6 +70,7 @@ from .errors import InvalidArgument, ReplayBusy, SpoolReplaced, UntrustedSpool, 
 from .link import machine
 from .link.bounds import BUSY_LOOK_SECONDS, CONFIRM_WAIT
 from .link.handoffs import HandOffs
+from .link.outage import say_recovered
 from .link.rewrites import supersede_rewritten
 from .link.shutdown import Slot, spool_agent_history, spool_in_order
 from .replay import upstream
@@ -771,40 +772,7 @@ def recover_pending_spool(
             if s.error is not None and s.session_id and s.session_key
         },
     )
-    if report.moved or report.recovered:
-        log.info(
-            "Recovered %d pending message(s) from %s", report.moved + report.recovered, spool.path
-        )
-    if report.held:
-        log.info(
-            "Held back %d spooled message(s) for the next start after a failed replay: %s",
-            report.held,
-            ", ".join(
-                [f"{k} ({v})" for k, v in report.errors.items()]
-                + [f"key:{k} ({v})" for k, v in report.key_errors.items()]
-            ),
-        )
-    # Keys neither the gateway's resolver (0.22) nor its routing on disk (0.20) knows.
-    unresolved = {
-        key: stream.held for key, stream in report.keys.items() if stream.session_id is None
-    }
-    if unresolved:
-        log.warning(
-            "%d spooled message(s) of %d session key(s) found no session in the gateway's "
-            "routing table and stay in %s; each start tries again (a new message from that "
-            "chat routes its key), `walspool ls` shows them as key:<KEY>, `walspool export "
-            "--session key:<KEY>` gives their text: %s",
-            sum(unresolved.values()),
-            len(unresolved),
-            spool.path,
-            ", ".join(sorted(unresolved)),
-        )
-    if report.quarantined:
-        log.warning(
-            "Quarantined %d spooled message(s) in %s that state.db refused; see `walspool ls`",
-            report.quarantined,
-            spool.path,
-        )
+    say_recovered(report, spool.path, "Recovered %d pending message(s) from %s", log)
     return report.moved, held_back
 
 

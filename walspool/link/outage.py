@@ -17,11 +17,13 @@ a recovery) are not counted as replayed here.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
 from .. import text
+from ..replay.replayer import ReplayReport
 
 log = text.logger("walspool.hermes")
 
@@ -147,3 +149,44 @@ def repeat_due(failures: int, last: float, now: float) -> bool:
     ``QUIET_AFTER``, then one per ``REPORT_SECONDS`` (``last``: when one was last said
     after those)."""
     return failures <= QUIET_AFTER or now >= last + REPORT_SECONDS
+
+
+def say_recovered(
+    report: ReplayReport, spool: Path, recovered: str, logger: logging.Logger
+) -> None:
+    """What a start's recovery (a replay of everything spooled) did, said to the
+    operator by every gateway's path: ``recovered`` (its own words, with ``%d`` for the
+    rows moved and ``%s`` for the spool) at INFO; then the rows held back with each
+    session's error (INFO: the next start or drain tries again), the session keys no
+    routing knows (WARNING: they stay), and the rows quarantined (WARNING)."""
+    if report.moved or report.recovered:
+        logger.info(recovered, report.moved + report.recovered, spool)
+    if report.held:
+        logger.info(
+            "Held back %d spooled message(s) for the next start after a failed replay: %s",
+            report.held,
+            ", ".join(
+                [f"{k} ({v})" for k, v in report.errors.items()]
+                + [f"key:{k} ({v})" for k, v in report.key_errors.items()]
+            ),
+        )
+    unresolved = {
+        key: stream.held for key, stream in report.keys.items() if stream.session_id is None
+    }
+    if unresolved:
+        logger.warning(
+            "%d spooled message(s) of %d session key(s) found no session in the gateway's "
+            "routing table and stay in %s; each start tries again (a new message from that "
+            "chat routes its key), `walspool ls` shows them as key:<KEY>, `walspool export "
+            "--session key:<KEY>` gives their text: %s",
+            sum(unresolved.values()),
+            len(unresolved),
+            spool,
+            ", ".join(sorted(unresolved)),
+        )
+    if report.quarantined:
+        logger.warning(
+            "Quarantined %d spooled message(s) in %s that state.db refused; see `walspool ls`",
+            report.quarantined,
+            spool,
+        )

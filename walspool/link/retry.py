@@ -13,6 +13,7 @@ from . import bounds, machine, shares
 from .core import Core, Note
 from .follow import Follow
 from .lines import Lines
+from .outage import say_recovered
 from .session_writer import SessionWriter
 from .state import Claim, Session, log
 
@@ -182,12 +183,7 @@ class Background:
         self.core.run(ended)
         for session_id, state, claim in ready:
             self.writer.write_session(session_id, state, claim, budget=None)
-        if report.moved or report.held:
-            log.info(
-                "Recovered %d spooled message(s) into state.db; %d held back",
-                report.moved,
-                report.held,
-            )
+        say_recovered(report, self.core.spool.path, "Recovered %d spooled message(s) from %s", log)
         return report
 
     def _end_recovery(self) -> None:
