@@ -606,8 +606,7 @@ def test_a_rewrite_never_waits_for_a_replay_elsewhere_and_supersedes_all_it_can(
         budgets.append(seconds)
         return real(fd, 0, spool_path)
 
-    lock = Path(f"{spool.path}{lock_module.LOCK_SUFFIX}")
-    with lock_module._exclusive(lock, wait=False):
+    with lock_module.replay_lock(spool, wait=False):
         monkeypatch.setattr(lock_module, "_lock_within", no_wait)
         assert store.rewrite_transcript("s", [_m("r")])
     assert budgets == [0]
@@ -859,9 +858,8 @@ def replay_lock(spool):
 
     from walspool.store import replay_lock as lock_module
 
-    lock = Path(f"{spool.path}{lock_module.LOCK_SUFFIX}")
     stack = contextlib.ExitStack()
-    yield lambda: stack.enter_context(lock_module._exclusive(lock, wait=False)), stack.close
+    yield lambda: stack.enter_context(lock_module.replay_lock(spool, wait=False)), stack.close
     stack.close()
 
 

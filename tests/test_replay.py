@@ -1028,11 +1028,11 @@ def test_rows_freed_by_two_failing_streams_in_one_batch_are_all_freed(spool, sin
 
 
 def test_a_replay_finding_the_lock_held_says_by_whom_and_how_long_it_waited(spool, sink):
-    from walspool.store.replay_lock import LOCK_SUFFIX, _exclusive
+    from walspool.store.replay_lock import LOCK_SUFFIX, replay_lock
 
     spool.append("s", msg("s", 0))
     lock = Path(f"{spool.path}{LOCK_SUFFIX}")
-    with _exclusive(lock):  # another replay, in this process: flock excludes it too
+    with replay_lock(spool):  # another replay, in this process: flock excludes it too
         with pytest.raises(walspool.ReplayBusy) as busy:
             Replayer(spool, sink).replay(wait=False)
         assert str(busy.value) == (
@@ -1050,11 +1050,11 @@ def test_a_replay_waits_for_the_lock_within_its_bound(spool, sink, monkeypatch):
     import contextlib
     import time
 
-    from walspool.store.replay_lock import LOCK_SUFFIX, _exclusive
+    from walspool.store.replay_lock import replay_lock
 
     spool.append("s", msg("s", 0))
     other = contextlib.ExitStack()
-    other.enter_context(_exclusive(Path(f"{spool.path}{LOCK_SUFFIX}")))
+    other.enter_context(replay_lock(spool))
     pauses: list[float] = []
     sleep = time.sleep
 
@@ -1171,11 +1171,11 @@ def test_a_replay_waits_for_the_lock_by_default(spool, sink, monkeypatch):
     import contextlib
     import time
 
-    from walspool.store.replay_lock import LOCK_SUFFIX, _exclusive
+    from walspool.store.replay_lock import replay_lock
 
     spool.append("s", msg("s", 0))
     other = contextlib.ExitStack()
-    other.enter_context(_exclusive(Path(f"{spool.path}{LOCK_SUFFIX}")))
+    other.enter_context(replay_lock(spool))
     sleep = time.sleep
 
     def pause_then_end_the_other(seconds: float) -> None:

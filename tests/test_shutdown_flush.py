@@ -373,9 +373,8 @@ def lock_held(home):
         budgets.append(seconds)
         return real(fd, 0, spool_path)
 
-    sf.shared_spool()  # the home and its spool exist before the lock file does
-    lock = Path(f"{home / 'spool.db'}{lock_module.LOCK_SUFFIX}")
-    with lock_module._exclusive(lock, wait=False), pytest.MonkeyPatch.context() as patch:
+    spool = sf.shared_spool()
+    with lock_module.replay_lock(spool, wait=False), pytest.MonkeyPatch.context() as patch:
         patch.setattr(lock_module, "_lock_within", no_wait)
         yield budgets
 
