@@ -126,7 +126,7 @@ def wait_for_line(gateway: Gateway, logs: Path, process: subprocess.Popen[bytes]
         assert process.poll() is None, f"the gateway exited with {process.returncode}"
         for path in sorted(logs.glob("*.log")):
             for text in path.read_text(errors="replace").splitlines():
-                if "walspool.plugin" in text:
+                if "walspool.gateways." in text:
                     found = linked_lines(gateway, [text.split(" ", 2)[2]])
                     if found:
                         return found[0]
@@ -209,6 +209,7 @@ from gateway.config import GatewayConfig
 from gateway.run import GatewayRunner
 from hermes_cli.plugins import discover_plugins
 from walspool import plugin
+from walspool.gateways import hermes_agent
 
 discover_plugins()
 discover_plugins(force=True)
@@ -220,7 +221,7 @@ async def main():
     await runner.start()
     store = runner.session_store
     link = store.append_to_transcript.__self__
-    again = plugin.link_runner(runner)
+    again = hermes_agent.link_runner(runner)
     await runner.stop()
     return {
         "start_wrapped_once": start.__wrapped__ is not None

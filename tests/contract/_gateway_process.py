@@ -382,8 +382,8 @@ def delete_the_spool(runner: Any) -> dict[str, int]:
     session has in it; then its files are deleted, as ``rm spool.db*`` would."""
     home = os.environ["HERMES_HOME"]
     path = f"{home}/spool.db"
-    plugin = sys.modules["walspool.plugin"]
-    linked = getattr(runner, plugin.MARK, None)  # 0.19.0: (link, the spool it writes)
+    gateways = sys.modules["walspool.gateways"]
+    linked = getattr(runner, gateways.MARK, None)  # 0.19.0: (link, the spool it writes)
     for spool in filter(None, [linked and linked[1], _drop_in_spool()]):
         spool.flush()  # the hand-offs still in the writer's queue
     conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)

@@ -97,7 +97,7 @@ def retry_session(store: Any, session_id: str) -> None:
                 if not pending:
                     return
                 message = pending[0]
-            # 0.20's live write drains first (``walspool.plugin``): unmarked rows of an
+            # 0.20's live write drains first (``walspool.gateways.axisrow``): unmarked rows of an
             # earlier run are drained here, and what remains refuses the write.
             if transcripts.write(session_id, message) is not None:
                 return
