@@ -45,6 +45,31 @@ def runbook_commands() -> list[str]:
     return [line for line in lines if line.startswith("walspool ")]
 
 
+def run_runbook(
+    env: dict[str, str], cwd: Path, session: str, timeout: float
+) -> dict[str, subprocess.CompletedProcess[str]]:
+    """Each command of README's runbook as written (``SESSION`` as ``session``), run by
+    a shell in ``cwd`` with ``env``; what each did, by its line. ``watch`` is left out:
+    it is interactive (tests/test_watch.py runs it on a terminal). None may be a usage
+    error."""
+    said = {}
+    for command in runbook_commands():
+        if command.startswith("walspool watch"):
+            continue
+        line = command.replace("SESSION", session)
+        said[line] = subprocess.run(
+            ["bash", "-c", line],
+            env=env,
+            cwd=cwd,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            stdin=subprocess.DEVNULL,
+        )
+        assert "usage:" not in said[line].stderr, (line, said[line].stderr)
+    return said
+
+
 def terminal_line(config: Any, line: str) -> None:
     """Write ``line`` to the terminal whatever pytest's capture setting (a summary a
     slow matrix prints: its counts belong in every run's output)."""

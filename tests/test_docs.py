@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 from _gateway import BREAK, HEAL, contents, msg, sql, state_db
-from _helpers import ROOT, STEP, doc_section, runbook_commands
+from _helpers import ROOT, STEP, doc_section, run_runbook, runbook_commands
 
 import walspool
 from walspool import AGENT_HISTORY, CAP_DROP
@@ -74,8 +74,7 @@ def test_the_incident_runbook_runs_as_written_on_a_real_outage(
     sql(store, HEAL)
     store._db.close()
 
-    commands = runbook_commands()
-    assert any(c.startswith("walspool replay") for c in commands)
+    assert any(c.startswith("walspool replay") for c in runbook_commands())
     env = {
         **os.environ,
         "HOME": str(tmp_path),
@@ -83,22 +82,8 @@ def test_the_incident_runbook_runs_as_written_on_a_real_outage(
         "PATH": f"{ROOT / '.venv' / 'bin'}{os.pathsep}{os.environ['PATH']}",
     }
     (tmp_path / ".hermes").symlink_to(hermes_home)  # the runbook's ~/.hermes
-    codes = {}
-    for command in commands:
-        if command.startswith("walspool watch"):
-            continue  # interactive; tests/test_watch.py runs it on a terminal
-        line = command.replace("SESSION", "s1")
-        done = subprocess.run(
-            ["bash", "-c", line],
-            env=env,
-            cwd=tmp_path,
-            capture_output=True,
-            text=True,
-            timeout=120,
-            stdin=subprocess.DEVNULL,
-        )
-        assert "usage:" not in done.stderr, (line, done.stderr)
-        codes[line] = done.returncode
+    said = run_runbook(env, tmp_path, "s1", 120)
+    codes = {line: done.returncode for line, done in said.items()}
     replay = next(c for c in codes if c.startswith("walspool replay") and "--dry" not in c)
     assert codes[replay] == 0
     assert codes["walspool check"] == 0

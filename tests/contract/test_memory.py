@@ -8,11 +8,10 @@ from __future__ import annotations
 import json
 import os
 import sqlite3
-import subprocess
 from pathlib import Path
 from typing import Any
 
-from _helpers import runbook_commands
+from _helpers import run_runbook
 
 from walspool import plugin
 
@@ -202,21 +201,7 @@ def test_the_incident_runbook_after_a_sigkill_accounts_for_every_message(
     # 0.20 and 0.22 refuse to open ~/.hermes/state.db from a process with a pytest
     # ancestor (their live-system guard); their documented bypass for a child process.
     shell = env(home, HOME=str(operator), PATH=path, HERMES_STATE_DB_GUARD_BYPASS="1")
-    said: dict[str, subprocess.CompletedProcess[str]] = {}
-    for command in runbook_commands():
-        if command.startswith("walspool watch"):
-            continue  # interactive; tests/test_watch.py runs it on a terminal
-        line = command.replace("SESSION", "s1")
-        said[line] = subprocess.run(
-            ["bash", "-c", line],
-            env=shell,
-            cwd=operator,
-            capture_output=True,
-            text=True,
-            timeout=PROCESS_SECONDS,
-            stdin=subprocess.DEVNULL,
-        )
-        assert "usage:" not in said[line].stderr, (line, said[line].stderr)
+    said = run_runbook(shell, operator, "s1", PROCESS_SECONDS)
     holding = sum(1 for queued in queues.values() if queued)
     lost = f"in memory   LOST: {total} messages in {holding} session{'s' * (holding > 1)}"
     if not total:
