@@ -674,6 +674,36 @@ def test_a_connection_to_a_file_swapped_in_is_refused_where_sqlite_reuses_a_desc
         holder.close()
 
 
+def test_a_state_db_sqlite_opened_read_only_for_a_write_is_refused_as_changed(tmp_path):
+    """Stepped: SQLite, asked to open state.db for writing, meets a file this user
+    cannot write (a link swapped in for that moment) and opens the path again
+    read-only, by then the checked file: the check after the open refuses (before: it
+    passed, and every write of the replay failed with "attempt to write a readonly
+    database", its row held; CI saw it once). A read-only open asked for passes, as
+    does one for writing. (A file this user cannot write, SQLite's own read-only
+    answer, also passes: not staged here, the tests run as root.)"""
+    from walspool.cli._statedb import StateDBError, check_state_db, open_descriptors
+
+    home = tmp_path / "home"
+    home.mkdir(mode=0o700)
+    path = home / "state.db"
+    hermes_state.SessionDB(db_path=path).close()
+    checked = check_state_db(path)
+    before = open_descriptors()
+    fallback = os.open(path, os.O_RDONLY)  # SQLite's second open, read-only
+    try:
+        with pytest.raises(StateDBError, match="changed while walspool was opening it"):
+            checked.verify(before, writable=True)
+        checked.verify(before)  # a read-only open asked for
+    finally:
+        os.close(fallback)
+    for_writing = os.open(path, os.O_RDWR)
+    try:
+        checked.verify(before, writable=True)
+    finally:
+        os.close(for_writing)
+
+
 @as_root
 def test_sessiondb_setup_never_runs_on_a_file_swapped_in_after_the_check(capfd):
     """The owner of the gateway's directory exchanges its state.db with a link to a

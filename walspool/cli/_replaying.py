@@ -106,7 +106,7 @@ class _CheckedSqlite3:
         before = open_descriptors()  # this connection's own descriptor is the new one
         conn = sqlite3.connect(f"file:{quote(str(path.absolute()))}?mode=rw", *args, **kwargs)
         try:
-            self._checked.verify(before)  # before any statement of hermes' runs
+            self._checked.verify(before, writable=True)  # before any statement of hermes
         except BaseException:
             conn.close()
             raise

@@ -8,6 +8,7 @@ creates a state.db.
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import sqlite3
 import stat
@@ -52,7 +53,7 @@ def open_state_db(
             timeout=wait,
             isolation_level=None,
         )
-        checked.verify(before)  # before any statement: SQLite opened the file checked
+        checked.verify(before, writable=write)  # before any statement: the file checked
         tables = {
             r[0]
             for r in conn.execute(
@@ -86,7 +87,7 @@ class CheckedStateDB:
         self.identity = identity
         self.owner = owner
 
-    def verify(self, before: dict[int, tuple[int, int]] | None) -> None:
+    def verify(self, before: dict[int, tuple[int, int]] | None, writable: bool = False) -> None:
         """Raise ``StateDBError`` unless SQLite, having opened the path since the
         descriptors ``before`` were listed (``open_descriptors``), holds the file checked.
 
@@ -99,6 +100,12 @@ class CheckedStateDB:
         its ``-wal``, ``-shm`` or ``-journal``; another file among them is what SQLite
         opened (the path named it for that moment), and refused. Refused before the
         first write. Where descriptors cannot be listed, only the path is compared.
+
+        ``writable``: SQLite was asked to open the file for writing. When its first open
+        meets a file this user cannot write it opens the path again read-only: if the
+        path named another file for the first (a link swapped in and out), the second
+        opens the checked file read-only, and every write would fail as if the user
+        could not write it. Refused too, where this user can write the checked file.
         """
         try:
             with open_directory(self.path.parent, self.path) as directory:
@@ -116,8 +123,11 @@ class CheckedStateDB:
         if before is None or now is None:
             return
         # A descriptor number reused since for another file counts as made since.
-        opened = {identity for fd, identity in now.items() if before.get(fd) != identity}
+        made = {fd: identity for fd, identity in now.items() if before.get(fd) != identity}
+        opened = set(made.values())
         if self.identity in opened:
+            if writable and not _opened_for_writing(made, self.identity):
+                raise self._changed()
             return
         if self.identity in before.values() and opened <= companions:
             return  # SQLite reused its descriptor of the checked file
@@ -130,6 +140,22 @@ class CheckedStateDB:
             "directory, run the command again",
             path=self.path,
         )
+
+
+def _opened_for_writing(made: dict[int, tuple[int, int]], identity: tuple[int, int]) -> bool:
+    """Whether SQLite's new descriptor of the file ``identity`` is open for writing, or
+    this user cannot write that file (then read-only is the file's own answer)."""
+    for fd, found in made.items():
+        if found != identity:
+            continue
+        try:
+            if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDWR:
+                return True
+            # Not opened for writing: was it this user's right (no open, no lock lost)?
+            return not os.access(f"/proc/self/fd/{fd}", os.W_OK, effective_ids=True)
+        except OSError:
+            return True  # closed meanwhile: nothing to tell
+    return True
 
 
 def check_state_db(path: Path) -> CheckedStateDB:
