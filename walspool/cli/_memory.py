@@ -55,7 +55,7 @@ def lines(objects: list[dict[str, Any]]) -> list[str]:
                 f"published them {duration(o['age'])} ago)"
             )
         else:
-            where = f"pid {o['pid']}" if o["alive"] else f"pid {o['pid']} on {o['host']}"
+            where = _process(o["pid"], o["host"], o["alive"])
             out.append(f"{held}, in the memory of {where} (lost if the process is killed)")
     return out
 
@@ -73,11 +73,15 @@ def held_of(reader: SpoolReader, session_id: str) -> str:
             if entry.alive is False:
                 notes.append(f"{of} were lost with pid {entry.held.pid}, which is gone")
             else:
-                where = f"pid {entry.held.pid}"
-                if entry.alive is None:
-                    where += f" on {entry.held.host}"
+                where = _process(entry.held.pid, entry.held.host, entry.alive)
                 notes.append(
                     f"{of} {'is' if held.messages == 1 else 'are'} in the memory of {where}, "
                     "not spooled yet (lost if the process is killed)"
                 )
     return "".join(f"; {note}" for note in notes)
+
+
+def _process(pid: int, host: str, alive: bool | None) -> str:
+    """A live gateway process as the lines name it: its host too when it is another
+    one (``alive`` None: it cannot be told from here)."""
+    return f"pid {pid}" if alive else f"pid {pid} on {host}"

@@ -27,7 +27,7 @@ from functools import partial, wraps
 from types import ModuleType
 from typing import Any
 
-from .. import text
+from .. import shutdown_flush, text
 from ..link.bounds import FLUSH_TIMEOUT
 from ..link.deferred import Deferred
 from ..link.flush import spool_queues
@@ -82,8 +82,7 @@ def link(gateway: str, *store_hooks: Callable[[type], None]) -> bool:
 
 def _swap_shutdown_flush(gateway: str) -> None:
     """Make ``walspool.shutdown_flush`` the gateway's ``gateway.shutdown_flush``."""
-    from .. import shutdown_flush as ours
-
+    ours = shutdown_flush
     name = "gateway.shutdown_flush"
     theirs = sys.modules.get(name)
     if theirs is ours:
