@@ -1665,3 +1665,24 @@ def test_evictions_into_a_replaced_spool_go_to_a_fresh_spool_in_order(store, spo
     assert not [line for line in lines if "dropping oldest" in line]
     link.close()
     fresh.close()
+
+
+def test_the_plugin_links_a_runner_module_imported_after_it(tmp_path: Path) -> None:
+    """The plugin comes first (discovery) and ``gateway.run`` later: the runner module,
+    once imported, is linked, and stays a module of its own loader (its source, for
+    tracebacks and ``inspect``, and its spec)."""
+    code = """
+import inspect, sys
+from walspool import plugin
+from walspool.gateways import MARK
+plugin.register(None)
+assert "gateway.run" not in sys.modules
+import gateway.run as run
+print(getattr(run.GatewayRunner.start, MARK, False))
+print(type(run.__loader__).__name__, run.__spec__.loader is run.__loader__)
+print("class GatewayRunner" in inspect.getsource(run))
+print([f for f in sys.meta_path if type(f).__module__.startswith("walspool")])
+"""
+    done = run_python(code, env={"HOME": str(tmp_path), "HERMES_HOME": str(tmp_path / "h")})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[:4] == ["True", "SourceFileLoader True", "True", "[]"]

@@ -24,6 +24,7 @@ from walspool.link.machine import (
     due_at,
     entry,
     failing,
+    gateway_write,
     next_step,
     pick_due,
     retry_delay,
@@ -92,6 +93,22 @@ TABLE = [
 @pytest.mark.parametrize(("owner", "spooled", "backoff", "facts", "decision"), TABLE)
 def test_next_step_from_the_table(owner, spooled, backoff, facts, decision):
     assert next_step(Facts(owner, spooled, backoff, **facts), NOW) == decision
+
+
+@pytest.mark.parametrize(
+    ("spooled", "unconfirmed", "busy", "step"),
+    [
+        (Spooled.NONE, False, False, Step.WRITE),
+        (Spooled.NONE, True, True, Step.WRITE),  # nothing spooled: nothing to wait for
+        (Spooled.MAY_HOLD, False, False, Step.DRAIN),
+        # The drain's probe was the wait: hand-offs still pending or a write lock held
+        # elsewhere leave the drain for later, never a second wait.
+        (Spooled.MAY_HOLD, True, False, Step.YIELD),
+        (Spooled.MAY_HOLD, False, True, Step.YIELD),
+    ],
+)
+def test_a_drop_in_gateway_write_from_the_table(spooled, unconfirmed, busy, step):
+    assert next_step(gateway_write(spooled, unconfirmed, busy), NOW).step is step
 
 
 def test_only_the_claims_holder_decides():

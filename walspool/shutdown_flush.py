@@ -326,14 +326,10 @@ def _drain_runs(spool: Spool, session_id: str) -> bool:
     in order): not while one is still pending or another process holds the spool's
     write lock; then the drain is left for later (the machine's yield)."""
     with _handoffs:
-        facts = machine.Facts(
-            owner=machine.Owner.GATEWAY,
-            spooled=machine.Spooled.MAY_HOLD,
-            backoff=machine.Backoff.HEALTHY,
+        facts = machine.gateway_write(
+            machine.Spooled.MAY_HOLD,
             unconfirmed=bool(_handed.pending((spool.path, session_id))),
-            queued=True,
             spool_busy=spool.busy(),
-            confirm_waited=True,
         )
     return machine.next_step(facts, time.monotonic()).step is machine.Step.DRAIN
 

@@ -1,25 +1,34 @@
-"""The ``--reason``, ``--session`` and ``--id`` filters, checked before use.
+"""Which records a command takes: the ``--reason``, ``--session`` and ``--id`` filters,
+checked before use, and the narrowing of ``show`` and ``export``.
 
 A filter that can match nothing is a typo far more often than a question, and an
 operator in an incident reads "moved 0 rows" as "nothing was waiting". So a reason
 that is neither one of walspool's nor found in the spool is refused with the list of
 known ones, and a session with no row at all is reported, as ``show`` reports it. An
 ``--id`` list that could be one number or several is refused rather than guessed.
+
+``show`` and ``export`` narrow the stream of records in drop order further with
+--limit, --tail, --since and --failing (in order: --since and --failing, then --tail
+or --limit).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import datetime
+import itertools
 import re
-from collections.abc import Sequence
+import time
+from collections.abc import Iterator, Sequence
 
 from ..errors import WalspoolError
 from ..store import lookups
 from ..store.reader import SpoolReader
-from ..store.records import AGENT_HISTORY, CAP_DROP, SHUTDOWN
+from ..store.records import AGENT_HISTORY, CAP_DROP, SHUTDOWN, Record
 from ..store.spool import check_lookup
 from . import _memory as in_memory
-from ._near import near_sessions
+from ._reading import near_sessions
 
 #: The reasons walspool itself spools rows with.
 KNOWN_REASONS = (CAP_DROP, SHUTDOWN, AGENT_HISTORY)
@@ -141,3 +150,64 @@ def which_stream(reader: SpoolReader, name: str, *, key: bool = False) -> tuple[
     if name.startswith(KEY_PREFIX) and not has_stream(reader, name, "key"):
         return name[len(KEY_PREFIX) :], "key"
     return name, "key"
+
+
+def add_narrowing_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--limit", type=_count, metavar="N", help="only the first N rows")
+    p.add_argument("--tail", type=_count, metavar="N", help="only the last N rows (kept in memory)")
+    p.add_argument(
+        "--since",
+        type=_moment,
+        metavar="TIME",
+        help="only rows spooled at or after TIME: ISO 8601 (UTC unless it says), epoch "
+        "seconds, or an age: 30s, 10m, 2h, 1d ago",
+    )
+    p.add_argument("--failing", action="store_true", help="only rows with a last error")
+
+
+def narrowed(
+    rows: Iterator[tuple[Record, int | None]], args: argparse.Namespace
+) -> Iterator[tuple[Record, int | None]]:
+    if args.since is not None:
+        rows = (r for r in rows if r[0].created_at >= args.since)
+    if args.failing:
+        rows = (r for r in rows if r[0].last_error is not None)
+    if args.tail is not None:
+        rows = iter(collections.deque(rows, maxlen=args.tail))
+    if args.limit is not None:
+        rows = itertools.islice(rows, args.limit)
+    return rows
+
+
+def _count(text: str) -> int:
+    n = int(text)
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"{text} is not a count of rows")
+    return n
+
+
+#: An age for --since: a number and its unit (seconds, minutes, hours, days).
+_AGE = re.compile(r"(\d+(?:\.\d+)?)([smhd])")
+_UNIT = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def _moment(text: str, now: float | None = None) -> float:
+    """A --since TIME as epoch seconds; an age (``10m``) counts back from ``now``."""
+    age = _AGE.fullmatch(text.strip())
+    if age is not None:
+        now = time.time() if now is None else now
+        return now - float(age[1]) * _UNIT[age[2]]
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    try:
+        moment = datetime.datetime.fromisoformat(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is neither ISO 8601 (2025-01-31T12:00:00Z), epoch seconds, nor an "
+            "age (30s, 10m, 2h, 1d)"
+        ) from None
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=datetime.UTC)
+    return moment.timestamp()

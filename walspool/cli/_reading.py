@@ -1,11 +1,17 @@
 """The command line's reading of a spool: opened read-only (``walspool.store.reader``)
 with the checks every command makes before any output and SQLite's failures as one-line
-errors; records as ``export`` and ``show`` print them. Not public API.
+errors; records as ``export`` and ``show`` print them; and "did you mean", the names
+near a mistyped spool path or session for the error that says it does not exist
+(bounded: a directory's first ``NEAR_NAMES`` entries, a spool's first ``NEAR_NAMES``
+session ids and keys, in their index's order, no sort). Not public API.
 """
 
 from __future__ import annotations
 
 import contextlib
+import difflib
+import itertools
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -13,7 +19,7 @@ from typing import Any
 import apsw
 
 from ..errors import NotASpool, SchemaTooOld, SpoolCorrupt, WalspoolError
-from ..store import connections, files, schema
+from ..store import connections, files, lookups, schema
 from ..store.checks import quick_check as _quick_check
 from ..store.checks import walk_check
 from ..store.files import SQLITE_MAGIC
@@ -22,7 +28,6 @@ from ..store.records import Record
 from ..store.spool import Spool
 from ..store.sqlite_errors import sqlite_error
 from ..text import json_safe
-from ._near import near_files
 from ._output import EXIT_OK, dump, plural, warn
 
 
@@ -162,3 +167,33 @@ def report_bad(command: str, bad: list[str]) -> int:
         f"decode, or a session id, reason or key that is not UTF-8, shown flagged: "
         f"{listed}; `walspool check` names them too"
     )
+
+
+NEAR_NAMES = 10_000
+#: Names longer than this are no typo's target.
+NEAR_CHARS = 200
+
+
+def near_files(path: Path) -> str:
+    """``; near that name: NAME, ...``: files beside a missing spool at ``path`` whose
+    name is close to its name (a typo's likely target), or nothing."""
+    try:
+        with os.scandir(path.parent) as entries:
+            names = [e.name for e in itertools.islice(entries, NEAR_NAMES)]
+    except OSError:
+        return ""
+    near = difflib.get_close_matches(path.name, names, n=3)
+    return f"; near that name: {', '.join(near)}" if near else ""
+
+
+def near_sessions(reader: SpoolReader, name: str) -> str:
+    """``; did you mean: S, key:K?``: sessions of the spool whose name is close to
+    ``name`` (keys as ``ls`` prints them), or nothing."""
+    if len(name) > NEAR_CHARS:
+        return ""
+    ids = reader.read(lambda c: lookups.session_ids(c, NEAR_CHARS, NEAR_NAMES))
+    keys = [
+        f"key:{k}" for k in reader.read(lambda c: lookups.session_keys(c, NEAR_CHARS, NEAR_NAMES))
+    ]
+    near = difflib.get_close_matches(name, ids + keys, n=3)
+    return f"; did you mean: {', '.join(near)}?" if near else ""

@@ -17,9 +17,8 @@ from ..text import printable
 from . import _memory as in_memory
 from ._filters import UsageError, has_stream, id_ranges, row_ids, which_stream
 from ._lockwait import add_wait_argument, busy_message, say_waiting
-from ._near import near_sessions
 from ._output import EXIT_OK, ReplayRunning, clip, dump, plural, stream_name, table
-from ._reading import reading, upgraded
+from ._reading import near_sessions, reading, upgraded
 
 Change = Callable[..., list[int]]
 

@@ -6,8 +6,14 @@ import argparse
 import sys
 
 from ..store.reader import count_records, iter_records
-from . import _narrow
-from ._filters import KEY_PREFIX, check_reasons, check_session, has_stream
+from ._filters import (
+    KEY_PREFIX,
+    add_narrowing_arguments,
+    check_reasons,
+    check_session,
+    has_stream,
+    narrowed,
+)
 from ._output import Progress, add_progress_argument
 from ._reading import reading, record_line, report_bad
 
@@ -41,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
         out = sys.stdout
         try:
             found = iter_records(reader, args.session, args.reason, bad=bad, kinds=kinds, raw=True)
-            rows = _narrow.narrowed(found, args)
+            rows = narrowed(found, args)
             for n, (record, inflight) in enumerate(rows, 1):
                 out.write(record_line(record, inflight) + "\n")
                 progress(n, total)
@@ -59,5 +65,5 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="R",
         help="only rows of this reason (repeatable); default: every reason",
     )
-    _narrow.add_arguments(p)
+    add_narrowing_arguments(p)
     add_progress_argument(p)

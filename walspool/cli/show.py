@@ -16,9 +16,7 @@ from ..store.reader import BadPayload, iter_records
 from ..store.records import QUARANTINED, SUPERSEDED, Record
 from ..text import json_safe, printable
 from . import _memory as in_memory
-from . import _narrow
-from ._filters import has_stream, stream_rows, which_stream
-from ._near import near_sessions
+from ._filters import add_narrowing_arguments, has_stream, narrowed, stream_rows, which_stream
 from ._output import (
     cli_terms,
     clip,
@@ -29,7 +27,7 @@ from ._output import (
     stream_name,
     table,
 )
-from ._reading import reading, record_line, report_bad
+from ._reading import near_sessions, reading, record_line, report_bad
 
 #: The mark after ``attempts`` in ``show`` for a row of each status.
 STATUS_MARKS = {QUARANTINED: "Q", SUPERSEDED: "S"}
@@ -53,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
         rows = iter_records(reader, name, bad=bad, kinds=(kind,), raw=copied)
         first = next(rows, None)
         if first is not None:
-            rows = _narrow.narrowed(itertools.chain([first], rows), args)
+            rows = narrowed(itertools.chain([first], rows), args)
             first = next(rows, None)
             if first is None:
                 raise WalspoolError(f"no rows of session {args.session!r} match the filters")
@@ -82,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("session", metavar="SESSION", help="session id (or key)")
     p.add_argument("--full", action="store_true", help="print each row's payload")
-    _narrow.add_arguments(p)
+    add_narrowing_arguments(p)
     p.add_argument(
         "--key",
         action="store_true",

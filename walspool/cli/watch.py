@@ -23,8 +23,8 @@ from ..errors import WalspoolError
 from . import _memory as in_memory
 from ._frame import drain_eta, render, render_reading
 from ._interrupt import Interrupted, interruptible
-from ._near import near_files
 from ._output import EXIT_OK, dump, iso
+from ._reading import near_files
 from ._streams import held_text
 from ._watching import Rates, Snapshot, rates, read_snapshot, try_snapshot
 

@@ -85,12 +85,7 @@ def _drain_first(store: Any, write: Callable[..., Any], session_id: str) -> None
     marked = getattr(store, "_spooled_drop_sessions", None) or set()
     looked = _looked.setdefault(store, set())
     may_hold = session_id not in looked or session_id in marked
-    facts = machine.Facts(
-        owner=machine.Owner.GATEWAY,
-        spooled=machine.Spooled.MAY_HOLD if may_hold else machine.Spooled.NONE,
-        backoff=machine.Backoff.HEALTHY,
-        queued=True,
-    )
+    facts = machine.gateway_write(machine.Spooled.MAY_HOLD if may_hold else machine.Spooled.NONE)
     if machine.next_step(facts, 0.0).step is machine.Step.WRITE:
         return
     _draining.on = True

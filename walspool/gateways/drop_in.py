@@ -32,6 +32,7 @@ from ..link.bounds import FLUSH_TIMEOUT
 from ..link.deferred import Deferred
 from ..link.flush import spool_queues
 from ..link.memory import MemoryPublisher
+from ..replay import upstream
 from ..replay.sinks import write_bindable
 from ..shutdown_flush import (
     drain_would_run,
@@ -145,12 +146,8 @@ def _bindable_live_writes(store_class: type) -> None:
     store_class._append_transcript_message = bindable_write
 
 
-#: The stores that have written (or tried to) in this process.
-_stores: weakref.WeakSet[Any] = weakref.WeakSet()
-
-
 def _spool_queues_of_stores() -> None:
-    for store in list(_stores):
+    for store in upstream.stores():
         _spool_queues(store)
 
 
@@ -208,7 +205,7 @@ def _publish_memory() -> None:
             return
 
         _memory = MemoryPublisher(
-            shared_spool, lambda: [StoreTranscripts(s) for s in list(_stores)]
+            shared_spool, lambda: [StoreTranscripts(s) for s in upstream.stores()]
         )
     _memory.start()
     atexit.register(_memory.stop)  # runs before shutdown_flush's close (registered earlier)
@@ -232,7 +229,7 @@ def _retry(key: tuple[Any, str]) -> None:
     path, session_id = key
     if spool_path() != path:
         return  # another home on this thread: the session's next write drains it
-    for store in list(_stores):
+    for store in upstream.stores():
         if store in _stopping:
             continue
         retry_session(store, session_id)
@@ -253,18 +250,19 @@ _stopping: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 def _spool_queues_after_writes(store_class: type) -> None:
-    """Know every store that writes (``_stores``: its queues are spooled at shutdown),
-    and after each ``append_to_transcript`` of a store that has begun its shutdown,
-    spool its queues (``_spool_queues``): a write that was under way then, and failed,
-    put its message back at the head of its queue, and no later flush comes."""
+    """Know every store that writes (``upstream.register_store``: its queues are
+    published, and spooled at shutdown), and after each ``append_to_transcript`` of a
+    store that has begun its shutdown, spool its queues (``_spool_queues``): a write
+    that was under way then, and failed, put its message back at the head of its
+    queue, and no later flush comes."""
     append = store_class.append_to_transcript
     if getattr(append, MARK, False):
         return
 
     @wraps(append)
     def appended(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if self not in _stores:
-            _stores.add(self)
+        upstream.register_store(self)
+        if _memory is None:
             _publish_memory()
         try:
             return append(self, *args, **kwargs)

@@ -12,6 +12,7 @@ the spool with it. A runner that exists already is linked at once.
 
 from __future__ import annotations
 
+import copy
 import importlib.abc
 import importlib.util
 import sys
@@ -157,26 +158,22 @@ class _AfterImport(importlib.abc.MetaPathFinder):
         spec = importlib.util.find_spec(fullname)
         if spec is None or spec.loader is None:
             return spec
-        spec.loader = _ThenLoader(spec.loader, self.then)
+        spec.loader = _then_after(spec.loader, self.then)
         return spec
 
 
-class _ThenLoader(importlib.abc.Loader):
-    """A loader that runs ``then(module)`` after the module it loads has run."""
+def _then_after(loader: Any, then: Callable[[ModuleType], None]) -> Any:
+    """A copy of ``loader`` (of its own class: the module's source, resources and
+    package state stay its own) that runs ``then(module)`` after the module has run."""
+    ours = copy.copy(loader)
+    run = ours.exec_module
 
-    def __init__(self, loader: Any, then: Callable[[ModuleType], None]) -> None:
-        self.loader = loader
-        self.then = then
-
-    def create_module(self, spec: Any) -> ModuleType | None:
-        return self.loader.create_module(spec)
-
-    def exec_module(self, module: ModuleType) -> None:
-        self.loader.exec_module(module)
+    def exec_module(module: ModuleType) -> None:
+        run(module)
         try:
-            self.then(module)
+            then(module)
         except Exception:  # noqa: BLE001 - the gateway's import must succeed
             log.exception("walspool could not link the gateway; it runs as released")
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.loader, name)
+    ours.exec_module = exec_module
+    return ours

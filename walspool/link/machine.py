@@ -105,6 +105,22 @@ class Facts:
     confirm_waited: bool = False
 
 
+def gateway_write(spooled: Spooled, unconfirmed: bool = False, spool_busy: bool = False) -> Facts:
+    """The facts of a 0.20 or 0.22 gateway thread about to write its message (the
+    drop-in, ``walspool.gateways.drop_in``): it holds the session (its store's drain
+    lock), has the message queued, keeps no backoff of walspool's (the gateway retries
+    in its own way), and has had its wait for its hand-offs (the drain's probe)."""
+    return Facts(
+        owner=Owner.GATEWAY,
+        spooled=spooled,
+        backoff=Backoff.HEALTHY,
+        unconfirmed=unconfirmed,
+        queued=True,
+        spool_busy=spool_busy,
+        confirm_waited=True,
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class Decision:
     """A step and, when not None, the session's new ``retry_at``."""

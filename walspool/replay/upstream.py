@@ -49,7 +49,10 @@ from .sinks import (
 
 log = text.logger("walspool.upstream")
 
-#: Stores ``recover_gateway_pending`` saw: a drain callback of theirs is tracked.
+#: The gateway stores of this process: the one ``recover_gateway_pending`` saw, and
+#: every store that has written (or tried to) through the drop-in
+#: (``walspool.gateways.drop_in``): their drain callbacks are tracked, their queues
+#: published and spooled at shutdown.
 _stores: weakref.WeakSet[Any] = weakref.WeakSet()
 #: One ticket-recording sink per ``SessionDB`` object, so its trigger is set up once.
 _trackers: weakref.WeakKeyDictionary[Any, SessionDBSink] = weakref.WeakKeyDictionary()
@@ -57,18 +60,23 @@ _trackers_lock = threading.Lock()
 
 
 def register_store(store: Any) -> None:
-    """Remember ``store`` (a gateway ``SessionStore``) for tracking its drains."""
-    if _is_store(store):
+    """Remember ``store`` (a gateway ``SessionStore``; None is no store)."""
+    if store is not None:
         _stores.add(store)
+
+
+def stores() -> list[Any]:
+    """The stores registered (``register_store``) and still alive."""
+    return list(_stores)
 
 
 def still_queued(session_id: str, message: Any) -> bool | None:
     """Whether ``message`` (that very object) is in ``session_id``'s in-memory queue
     of a store ``recover_gateway_pending`` registered; None when none was registered."""
-    stores = list(_stores)
-    if not stores:
+    known = stores()
+    if not known:
         return None
-    for store in stores:
+    for store in known:
         queues = getattr(store, "_dirty_transcripts", None)
         pending = queues.get(session_id) if isinstance(queues, dict) else None
         if pending and any(queued is message for queued in list(pending)):
@@ -156,8 +164,8 @@ def store_of(replay: Callable[..., Any]) -> Any:
                 continue
             if _is_store(candidate):
                 return candidate
-    stores = list(_stores)
-    return stores[0] if len(stores) == 1 else None
+    known = stores()
+    return known[0] if len(known) == 1 else None
 
 
 class DrainSink:
