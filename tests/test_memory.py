@@ -65,6 +65,27 @@ def test_what_the_queues_hold_is_published_with_the_age_of_the_oldest(store, spo
     )
 
 
+def test_past_the_top_sessions_the_largest_are_named_ties_oldest_first(store, spool):
+    """Totals count every session; ``top`` names the TOP_SESSIONS holding the most,
+    the one first seen earlier first among those holding as many."""
+    clock = Clock()
+    publisher = MemoryPublisher(lambda: spool, lambda: [StoreTranscripts(store)], clock=clock)
+    extra = 7
+    for n in range(memory.TOP_SESSIONS + extra):
+        clock.now = 1_000.0 + (n % 3)  # first seen at one of three times
+        queue(store, f"s{n}", *["m"] * (1 + n % 4))
+        publisher.look()  # each message's first sight recorded now
+    held = publisher.look()
+    sent = {f"s{n}": 1 + n % 4 for n in range(memory.TOP_SESSIONS + extra)}
+    seen = {f"s{n}": 1_000.0 + (n % 3) for n in range(len(sent))}
+    assert (held.sessions, held.messages) == (len(sent), sum(sent.values()))
+    assert held.oldest_at == 1_000.0
+    expected = sorted(sent, key=lambda sid: (-sent[sid], seen[sid]))[: memory.TOP_SESSIONS]
+    assert [(s.session_id, s.messages, s.oldest_at) for s in held.top] == [
+        (sid, sent[sid], seen[sid]) for sid in expected
+    ]
+
+
 def test_an_unchanged_backlog_is_published_again_only_when_due(store, spool):
     clock = Clock()
     publisher = MemoryPublisher(lambda: spool, lambda: [StoreTranscripts(store)], clock=clock)

@@ -21,6 +21,7 @@ counted in the spool's total ``memory_lost``, and its entry removed.
 from __future__ import annotations
 
 import concurrent.futures
+import heapq
 import os
 import queue
 import threading
@@ -96,32 +97,40 @@ class MemoryPublisher:
             with store.lock:
                 queues += [(sid, list(q)) for sid, q in store.queues.items() if q]
         seen: dict[int, tuple[Any, float, int]] = {}
-        sessions = []
+        known_before = self._seen.get
+        sessions = []  # (-messages, oldest, session id, bytes): the largest first
+        messages_total = bytes_total = 0
+        oldest_total = now
         for session_id, messages in queues:
             oldest = now
             nbytes = 0
             for message in messages:
-                known = self._seen.get(id(message))
+                known = known_before(id(message))
                 if known is None or known[0] is not message:
                     known = (message, now, _size(message))  # each message encoded once
                 seen[id(message)] = known
-                oldest = min(oldest, known[1])
+                if known[1] < oldest:
+                    oldest = known[1]
                 nbytes += known[2]
-            sessions.append(memory.HeldSession(str(session_id), len(messages), nbytes, oldest))
+            sessions.append((-len(messages), oldest, str(session_id), nbytes))
+            messages_total += len(messages)
+            bytes_total += nbytes
+            if oldest < oldest_total:
+                oldest_total = oldest
         self._seen = seen
         if not sessions:
             return None
-        sessions.sort(key=lambda s: (-s.messages, s.oldest_at))
+        top = heapq.nsmallest(memory.TOP_SESSIONS, sessions, key=lambda s: (s[0], s[1]))
         return memory.Held(
             pid=self.pid,
             host=self.host,
             started=self._started,
             at=now,
             sessions=len(sessions),
-            messages=sum(s.messages for s in sessions),
-            bytes=sum(s.bytes for s in sessions),
-            oldest_at=min(s.oldest_at for s in sessions),
-            top=sessions[: memory.TOP_SESSIONS],
+            messages=messages_total,
+            bytes=bytes_total,
+            oldest_at=oldest_total,
+            top=[memory.HeldSession(sid, -count, nbytes, at) for count, at, sid, nbytes in top],
         )
 
     def publish(self) -> concurrent.futures.Future[Any] | None:
