@@ -449,8 +449,9 @@ def test_a_slot_spooled_on_its_own_keeps_its_session_id_and_reason(home, caplog)
     assert sf.flush_pending_to_file(slots, reason="adapter_shutdown") == 1
     (row,) = spooled(home)
     assert (row.session_id, row.session_key, row.reason) == ("sess-1", "good", "adapter_shutdown")
-    assert logged(caplog) == [
-        "Failed to flush pending message for '': session_key must not be empty"
+    assert logged(caplog, logging.ERROR) == [
+        "walspool could not spool a pending message for '' at shutdown; it is lost: "
+        "session_key must not be empty"
     ]
 
 

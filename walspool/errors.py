@@ -32,9 +32,22 @@ class InvalidArgument(WalspoolError, ValueError):
 class PayloadTooLarge(WalspoolError):
     """One message encodes to more than the spool's ``max_payload_bytes``."""
 
-    def __init__(self, size: int, limit: int, *, path: str, session_id: str | None) -> None:
+    def __init__(
+        self,
+        size: int,
+        limit: int,
+        *,
+        path: str,
+        session_id: str | None,
+        session_key: str | None = None,
+    ) -> None:
+        whose = (
+            f"session {session_id!r}"
+            if session_id is not None or session_key is None
+            else f"session key {session_key!r}"
+        )
         super().__init__(
-            f"message for session {session_id!r} is {size} bytes as JSON, over the "
+            f"message for {whose} is {size} bytes as JSON, over the "
             f"spool's max_payload_bytes={limit}; raise the limit or trim the message",
             path=path,
             session_id=session_id,

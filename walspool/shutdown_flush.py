@@ -72,7 +72,7 @@ from .link.bounds import BUSY_LOOK_SECONDS, CONFIRM_WAIT
 from .link.handoffs import HandOffs
 from .link.outage import say_recovered
 from .link.rewrites import supersede_rewritten
-from .link.shutdown import Slot, spool_agent_history, spool_in_order
+from .link.shutdown import slot_lost, spool_agent_history, spool_in_order
 from .replay import upstream
 from .replay.jsonspool import FILE_PATTERN, QUARANTINE_PATTERN, import_json_spool
 from .replay.replayer import Replayer, ReplayReport
@@ -649,9 +649,9 @@ def _flush_slots(slots: list[tuple[str, Any]], reason: str, what: str) -> int:
         spool = shared_spool()
     except Exception as exc:  # noqa: BLE001 - never raises, as upstream
         for item in items:
-            _slot_failed(item, exc)
+            slot_lost(log, item, exc)
         return 0
-    flushed = spool_in_order(spool, items, reason, _slot_failed)
+    flushed = spool_in_order(spool, items, reason, partial(slot_lost, log))
     if flushed:
         log.info("Flushed %d %s message(s) to %s (reason=%s)", flushed, what, spool.path, reason)
     return flushed
@@ -661,10 +661,6 @@ def _slot_session(value: Any) -> str | None:
     """A slot's own session id, if it is a non-empty string (else resolved at replay)."""
     session_id = _attribute(value, "session_id")
     return session_id if isinstance(session_id, str) and session_id else None
-
-
-def _slot_failed(item: Slot, exc: Exception) -> None:
-    log.debug("Failed to flush pending message for %r: %s", item[2], exc)
 
 
 def flush_agent_history_to_file(session_id: str | None, history: list[Any]) -> None:

@@ -296,6 +296,9 @@ async def run(mode: str, n: int, after: str) -> dict[str, Any]:
     if mode == "stop":
         result.update(await stop_during_outage(runner, n))
         return result
+    if mode == "stop-refused":
+        result.update(await stop_with_a_slot_refused(runner, n))
+        return result
     if mode == "in-flight":
         result.update(await stop_with_a_write_in_flight(runner, n))
         return result
@@ -631,6 +634,35 @@ async def stop_during_outage(runner: Any, n: int) -> dict[str, Any]:
     runner._pending_messages[entry.session_key] = SLOT_TEXT
     await runner.stop()
     return {"session_id": sid, "turns": turns, "slot": SLOT_TEXT}
+
+
+#: ``stop-refused``: a pending slot past the spool's payload limit (64 MiB, the default).
+BIG_SLOT_BYTES = 64 * 1024 * 1024 + 1
+
+
+async def stop_with_a_slot_refused(runner: Any, n: int) -> dict[str, Any]:
+    """``stop-refused``: two sessions' queued turns, then a pending slot each (the
+    first past the spool's payload limit), then a graceful stop, state.db broken."""
+    from gateway.config import Platform
+    from gateway.session import SessionSource
+
+    store = runner.session_store
+    entries = [
+        store.get_or_create_session(SessionSource(platform=Platform.TELEGRAM, chat_id=chat))
+        for chat in ("41", "42")
+    ]
+    sql(store._db, BREAK)
+    result: dict[str, Any] = {"sessions": [], "turns": [], "keys": [], "slot": SLOT_TEXT}
+    for entry in entries:
+        for message in turn_rows(entry.session_id, n):
+            store.append_to_transcript(entry.session_id, message)
+        result["sessions"].append(entry.session_id)
+        result["keys"].append(entry.session_key)
+        result["turns"].append([(m["role"], m["content"]) for m in turn_rows(entry.session_id, n)])
+    runner._pending_messages[entries[0].session_key] = "x" * BIG_SLOT_BYTES
+    runner._pending_messages[entries[1].session_key] = SLOT_TEXT
+    await runner.stop()
+    return result
 
 
 #: ``values``: a turn whose reply holds values a TEXT column cannot take as they are.

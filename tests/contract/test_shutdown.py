@@ -44,6 +44,38 @@ def test_a_stop_during_an_outage_keeps_queued_turns_before_the_slot_they_precede
     assert transcript(home, sid) == expected
 
 
+def test_a_stop_loses_only_the_slot_the_spool_refuses_and_says_so(gateway: Gateway, home) -> None:
+    """Two sessions' turns wait in memory and each has a pending slot, the first past
+    the spool's payload limit, when the gateway stops with state.db broken. That slot
+    alone is lost, with an ERROR naming its key; at the next start the other slot lands
+    after its turns, and each session's turns land (before: a refused slot failed the
+    stop's one transaction, and on 0.19.0 every slot of the stop was lost)."""
+    configure(gateway, home, gateway.enable)
+    stopped = run_worker(gateway, home, "stop-refused", str(TURNS))
+    big, small = stopped["sessions"]
+    lost = [line for line in stopped["log"] if "it is lost" in line]
+    assert len(lost) == 1 and lost[0].startswith("ERROR ") and repr(stopped["keys"][0]) in lost[0]
+    # The spool's error names the session: by its id where the stop resolved the key
+    # (0.19.0, through its store), else by the key.
+    error = lost[0].split("it is lost: ", 1)[1]
+    assert error.startswith(
+        (f"message for session {big!r} is ", f"message for session key {stopped['keys'][0]!r} is ")
+    )
+    assert "over the spool's max_payload_bytes" in error
+    heal(home)
+    expected = {
+        big: [tuple(t) for t in stopped["turns"][0]],
+        small: [tuple(t) for t in stopped["turns"][1]] + [("user", stopped["slot"])],
+    }
+    with gateway_running(gateway, home) as process:
+        wait_for(
+            "recovered",
+            lambda: all(len(transcript(home, s)) >= len(rows) for s, rows in expected.items()),
+            process,
+        )
+    assert {s: transcript(home, s) for s in expected} == expected
+
+
 def test_a_graceful_stop_with_a_write_in_flight_loses_nothing(gateway: Gateway, home) -> None:
     """Turns wait in the store's queue during an outage; then another process holds
     state.db's write lock and a gateway thread is inside its write of one more message

@@ -6,7 +6,9 @@ replays them.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from typing import Any
 
 from ..store.records import AGENT_HISTORY, SHUTDOWN, Receipt, agent_history_message, slot_message
@@ -47,7 +49,7 @@ class Shutdown:
         ]
         if not items:
             return 0
-        spooled = spool_in_order(self.core.spool, items, reason, _slot_lost)
+        spooled = spool_in_order(self.core.spool, items, reason, partial(slot_lost, log))
         if spooled:
             log.info(
                 "Spooled %d pending message(s) to %s (reason=%s)",
@@ -136,8 +138,10 @@ def spool_agent_history(spool: Spool, session_id: str | None, history: list[Any]
     return True
 
 
-def _slot_lost(item: Slot, exc: Exception) -> None:
-    log.error(
+def slot_lost(logger: logging.Logger, item: Slot, exc: Exception) -> None:
+    """Say on ``logger`` (the adapter's) that a stop's slot is lost (the spool refused
+    it), in every gateway's words."""
+    logger.error(
         "walspool could not spool a pending message for %r at shutdown; it is lost: %s",
         item[2],
         exc,

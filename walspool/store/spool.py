@@ -239,7 +239,9 @@ class Spool:
             payload = codec.encode(message)
             size = len(payload)
             if size > limit:
-                raise PayloadTooLarge(size, limit, path=str(self.path), session_id=session_id)
+                raise PayloadTooLarge(
+                    size, limit, path=str(self.path), session_id=session_id, session_key=session_key
+                )
             rows.append(Row(session_id, session_key, reason, now, payload.decode("utf-8"), size))
         return rows
 
