@@ -70,7 +70,7 @@ from .errors import InvalidArgument, ReplayBusy, SpoolReplaced, UntrustedSpool, 
 from .link import machine
 from .link.bounds import BUSY_LOOK_SECONDS, CONFIRM_WAIT
 from .link.handoffs import HandOffs
-from .link.outage import say_recovered
+from .link.outage import say_left_to_running_replay, say_recovered
 from .link.rewrites import supersede_rewritten
 from .link.shutdown import slot_lost, spool_agent_history, spool_in_order
 from .replay import upstream
@@ -426,6 +426,10 @@ def drain_transcript_spool(
             remaining,
         )
         return 0, remaining
+    if not _remaining(spool, session_id):
+        # Nothing of its own spooled: no replay, so no turn to wait for behind another
+        # (an operator's ``walspool replay``, another gateway's start).
+        return 0, 0
     sink = upstream.DrainSink(replay, session_id, spool)
     try:
         report = Replayer(spool, sink, wait_for_bookkeeping=False).replay(
@@ -792,12 +796,7 @@ def _left_to_the_running_replay(
     keys = {key: session for key, (session, _) in _key_targets(spool, session_resolver).items()}
     held.update(keys.values())
     _leave_keys(spool, keys)
-    log.warning(
-        "Another replay of %s is running; %d session(s) will drain their spooled rows "
-        "before their next message",
-        spool.path,
-        len(held),
-    )
+    say_left_to_running_replay(spool.path, len(held), log)
     return 0, held
 
 

@@ -284,6 +284,19 @@ def linked(runner: Any) -> dict[str, Any]:
     }
 
 
+def gateway_recovery_after_start() -> None:
+    """What the gateway's own start does once ``runner.start()`` has returned: 0.20's
+    ``start_gateway`` recovers the spool then (0.19.0's link and 0.22 do inside it)."""
+    import inspect
+
+    import gateway.run
+
+    if "recover_pending_to_db()" in inspect.getsource(gateway.run.start_gateway):
+        from gateway.shutdown_flush import recover_pending_to_db
+
+        recover_pending_to_db()
+
+
 async def run(mode: str, n: int, after: str) -> dict[str, Any]:
     from gateway.run import GatewayRunner
 
@@ -316,6 +329,8 @@ async def run(mode: str, n: int, after: str) -> dict[str, Any]:
         result.update(await on_a_full_disk(store, n))
         await runner.stop()
         return result
+    if mode in ("held-start", "locked-start"):
+        gateway_recovery_after_start()
     if mode in ("held-replay", "held-quiet", "held-start", "locked-start"):
         restarted = mode in ("held-start", "locked-start")
         quiet = mode == "held-quiet"
@@ -457,9 +472,15 @@ async def beside_a_held_replay_lock(
     if not restarted:
         sent = await during_an_outage(store, n)
     # The replay lock is taken before state.db heals: no drain can run in between.
+    fresh = None
+    if holder is not None:
+        # The start found the replay lock held: it says so once its recovery is over.
+        await wait_for_line(LEFT_TO_THE_RUNNING_REPLAY)
     holder = holder or LockHolder("replay")
     try:
         healed(db)
+        if restarted and fresh is None and holder is not None:
+            fresh = await a_fresh_session_writes(store)
         await one_more_each(store, sent, "while-held")
         while_held = {sid: len(messages(db, sid)) for sid in SESSIONS}
         holder.release()
@@ -470,7 +491,36 @@ async def beside_a_held_replay_lock(
     # A restart's rows were sent by the last run: n of them a session, before these.
     earlier = n if restarted else 0
     await settle(db, {sid: [{}] * earlier + rows for sid, rows in sent.items()})
-    return {"while_held": while_held, **sent_and_landed(db, sent)}
+    return {"while_held": while_held, "fresh_while_held": fresh, **sent_and_landed(db, sent)}
+
+
+#: What a start says when another replay holds the spool (``locked-start``).
+LEFT_TO_THE_RUNNING_REPLAY = "Another replay of "
+
+
+async def wait_for_line(text: str) -> None:
+    """Until walspool has logged a line holding ``text`` (``Lines``), bounded."""
+    deadline = time.monotonic() + SETTLE_SECONDS
+    handlers = [h for h in logging.getLogger("walspool").handlers if isinstance(h, Lines)]
+    while not any(text in line for h in handlers for line in h.lines):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"walspool never logged {text!r}")
+        await asyncio.sleep(0.01)
+
+
+async def a_fresh_session_writes(store: Any) -> int:
+    """A session with nothing spooled gets a message (on a worker thread, as the
+    gateway's handlers send): how many of its rows state.db holds once that call
+    returned and the gateway had ``SETTLE_SECONDS`` to write it (it has no reason to wait
+    for the replay that holds the spool)."""
+    db = store._db
+    db.create_session("fresh", "telegram")
+    message = {"role": "user", "content": "fresh", "timestamp": int(time.time())}
+    await asyncio.to_thread(store.append_to_transcript, "fresh", message)
+    deadline = time.monotonic() + SETTLE_SECONDS
+    while not messages(db, "fresh") and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    return len(messages(db, "fresh"))
 
 
 async def heal_beside_a_locked_spool(store: Any, n: int) -> dict[str, Any]:

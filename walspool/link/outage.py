@@ -151,6 +151,18 @@ def repeat_due(failures: int, last: float, now: float) -> bool:
     return failures <= QUIET_AFTER or now >= last + REPORT_SECONDS
 
 
+def say_left_to_running_replay(spool: Path, held: int, logger: logging.Logger) -> None:
+    """A start that found another replay of the spool running (an operator's
+    ``walspool replay``, another gateway's start) left the rows to it, said by every
+    gateway's path: ``held`` sessions drain theirs before their next message."""
+    logger.warning(
+        "Another replay of %s is running; %d session(s) will drain their spooled rows "
+        "before their next message",
+        spool,
+        held,
+    )
+
+
 def say_recovered(
     report: ReplayReport, spool: Path, recovered: str, logger: logging.Logger
 ) -> None:

@@ -7,13 +7,14 @@ from __future__ import annotations
 import threading
 import weakref
 
-from ..errors import SpoolClosed
-from ..replay.replayer import ReplayReport
+from ..errors import ReplayBusy, SpoolClosed
+from ..replay.replayer import ReplayReport, report_of
+from ..store import streams
 from . import bounds, machine, shares
 from .core import Core, Note
 from .follow import Follow
 from .lines import Lines
-from .outage import say_recovered
+from .outage import say_left_to_running_replay, say_recovered
 from .session_writer import SessionWriter
 from .state import Claim, Session, log
 
@@ -128,13 +129,15 @@ class Background:
             self.core.shares.load(counted, max_id)
             self.core.settled.notify_all()
 
-    def recover(self) -> ReplayReport:
+    def recover(self, wait: bool = True) -> ReplayReport:
         """Replay everything spooled (but agent histories) into ``state.db`` now.
 
-        Runs on the calling thread and waits for a replay that holds the spool's
-        replay lock elsewhere; ignores the retry delays. Sessions whose rows all moved
-        write their queued messages next; sessions held keep their queue until their
-        rows move.
+        Runs on the calling thread; ignores the retry delays. Sessions whose rows all
+        moved write their queued messages next; sessions held keep their queue until
+        their rows move. While another replay holds the spool's replay lock, waits for
+        it (at most ``REPLAY_WAIT``), or without ``wait`` (the start's recovery) leaves
+        the rows to it: nothing moves, and only the sessions with rows left drain them
+        before their next message (as on every gateway), the others write at once.
         """
         with self.core.lock:
             waiting = {
@@ -142,14 +145,23 @@ class Background:
                 for sid, st in self.core.sessions.items()
                 if st.spooled
             }
+        busy = False
         try:
             self.core.spool.flush()  # every eviction counted in ``waiting`` is committed
-            report = self.core.replay()
+            try:
+                report = self.core.replay(wait=wait)
+            except ReplayBusy:
+                if wait:
+                    raise
+                busy = True
+                report = report_of({}, {}, 0)
+                held = streams.sessions_left(self.core.spool)
         except BaseException:
             with self.core.lock:
                 self._end_recovery()
             raise
-        held = {s.session_id for s in report.sessions.values() if s.error}
+        if not busy:
+            held = {s.session_id for s in report.sessions.values() if s.error}
         ready: list[tuple[str, Session, Claim]] = []
         background = threading.current_thread() is self.thread
         moved = {s.session_id: s.moved for s in report.sessions.values() if s.session_key is None}
@@ -183,7 +195,12 @@ class Background:
         self.core.run(ended)
         for session_id, state, claim in ready:
             self.writer.write_session(session_id, state, claim, budget=None)
-        say_recovered(report, self.core.spool.path, "Recovered %d spooled message(s) from %s", log)
+        if busy:
+            say_left_to_running_replay(self.core.spool.path, len(held), log)
+        else:
+            say_recovered(
+                report, self.core.spool.path, "Recovered %d spooled message(s) from %s", log
+            )
         return report
 
     def _end_recovery(self) -> None:
@@ -210,7 +227,7 @@ def background(ref: weakref.ref[Background], due: threading.Condition) -> None:
         work.count_shares()
     if core.recovering:
         try:
-            work.recover()
+            work.recover(wait=False)
         except Exception:  # noqa: BLE001 - linked all the same; sessions drain their own
             log.exception(
                 "could not replay %s at start; each session replays its own spooled rows "
