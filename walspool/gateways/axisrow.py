@@ -18,6 +18,7 @@ from ..link import machine
 from ..replay.upstream import StoreWrite
 from ..shutdown_flush import drain_transcript_spool
 from . import MARK, drop_in
+from .session_store import StoreTranscripts
 
 
 def link(gateway: str) -> bool:
@@ -88,10 +89,17 @@ def _drain_first(store: Any, write: Callable[..., Any], session_id: str) -> None
     facts = machine.gateway_write(machine.Spooled.MAY_HOLD if may_hold else machine.Spooled.NONE)
     if machine.next_step(facts, 0.0).step is machine.Step.WRITE:
         return
+    transcripts = StoreTranscripts(store)
+    with transcripts.lock:
+        # As 0.22 tells its drain: inside an outage the write that failed already said so
+        # (the gateway's own WARNING), and a failing drain says it at DEBUG.
+        known_failing = transcripts.failures(session_id) > 0
     _draining.on = True
     try:
         # A callback that names its store: the drain records and looks up tickets.
-        _, remaining = drain_transcript_spool(session_id, StoreWrite(store, session_id, write))
+        _, remaining = drain_transcript_spool(
+            session_id, StoreWrite(store, session_id, write), db_known_failing=known_failing
+        )
     finally:
         _draining.on = False
     if remaining:

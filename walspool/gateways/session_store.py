@@ -53,6 +53,10 @@ class StoreTranscripts:
         failures[session_id] = count = failures.get(session_id, 0) + 1
         return int(count)
 
+    def failures(self, session_id: str) -> int:
+        """The session's failed writes in a row, as the gateway counts them (lock held)."""
+        return int(self.store._transcript_append_failures.get(session_id, 0))
+
     def forget_failures(self, session_id: str) -> None:
         self.store._transcript_append_failures.pop(session_id, None)
 
