@@ -1009,5 +1009,24 @@ def test_a_hand_off_that_fails_after_a_rewrite_of_its_session_is_not_reported_lo
             rewrite.join(STEP)
             assert not rewrite.is_alive()
     assert sf.hand_offs("s") == (0, 0)
-    dropped = [m for m in logged(caplog, logging.WARNING) if "could not be committed" in m]
+    dropped = [
+        m
+        for m in logged(caplog, logging.WARNING)
+        if "dropping oldest message" in m and "committing it to" in m
+    ]
     assert len(dropped) == (0 if rewritten else 1), dropped
+
+
+def test_a_message_the_drop_in_cannot_spool_is_said_once_with_why_then_counted(home, caplog):
+    """The gateway drops what this module refuses, in a line of its own that does not say
+    why: the first refusal of a session is said at WARNING with the reason, in the link's
+    words; the next ones within ``REPEAT_SECONDS`` only count towards its summary."""
+    caplog.set_level(logging.DEBUG, logger="walspool.shutdown_flush")
+    for _ in range(5):
+        assert sf.spool_dropped_transcript_message("", {"role": "user", "content": "x"}) is None
+    (line,) = logged(caplog, logging.WARNING)
+    assert line.startswith(
+        "Session DB transcript pending queue full for  (cap=200); dropping oldest message to "
+        "make room (on-disk spool unavailable: "
+    )
+    assert "session_id" in line

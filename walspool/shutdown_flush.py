@@ -70,7 +70,9 @@ from .errors import InvalidArgument, ReplayBusy, SpoolReplaced, UntrustedSpool, 
 from .link import machine
 from .link.bounds import BUSY_LOOK_SECONDS, CONFIRM_WAIT
 from .link.handoffs import HandOffs
+from .link.lines import DROPPED, say_repeat
 from .link.outage import say_left_to_running_replay, say_recovered
+from .link.repeats import Repeats
 from .link.rewrites import supersede_rewritten
 from .link.shutdown import slot_lost, spool_agent_history, spool_in_order
 from .replay import upstream
@@ -197,6 +199,7 @@ def close_shared_spools() -> None:
     Runs at interpreter exit too, so evictions handed to a spool's writer commit
     (within ``walspool.store.writer.CLOSE_TIMEOUT``) before its thread stops.
     """
+    _say_held_back()
     with _spools_lock:
         spools = list(_spools.values())
         _spools.clear()
@@ -232,9 +235,9 @@ def spool_dropped_transcript_message(session_id: str, message: dict[str, Any]) -
 
     A drain of the session counts the message as remaining until it is committed.
     """
+    keeps = _kept_if_refused(session_id, message)
     try:
         spool = shared_spool()
-        keeps = _kept_if_refused(session_id, message)
         if spool.busy() and keeps:
             _probe(spool, wait=0.0)  # a probe that commits ends the busy state
             log.debug(
@@ -262,8 +265,65 @@ def spool_dropped_transcript_message(session_id: str, message: dict[str, Any]) -
             raise
     except Exception as exc:  # noqa: BLE001 - the caller keeps or drops it, as upstream
         log.debug("Failed to spool cap-dropped transcript message for %s: %s", session_id, exc)
+        if not keeps:
+            try:
+                _say_dropped(session_id, str(exc))  # why, which the gateway's line omits
+            except Exception as say:  # noqa: BLE001 - never raises into the gateway
+                log.debug("Could not say why %s's message was not spooled: %s", session_id, say)
         return None
     return spool.path
+
+
+#: The drop-in's repeated condition of a session: messages it could not spool, which
+#: the gateway drops (refused, or handed off and then not committed), told in the link's
+#: lines (``walspool.link.lines``): the first in full, then a summary at most every
+#: ``REPEAT_SECONDS``, and the heal. One tally per spool path, guarded by ``_handoffs``;
+#: what is held back is said when the shared spools close.
+_repeats: dict[Path, Repeats] = {}
+#: The per-session queue cap of the released gateways, for those lines when no store is
+#: known to ask.
+RELEASED_CAP = 200
+
+
+def _say_dropped(session_id: str, why: str, path: Path | None = None) -> None:
+    path = spool_path() if path is None else path
+    with _handoffs:
+        repeats = _repeats.setdefault(path, Repeats())
+        now = time.monotonic()
+        said = [((DROPPED, session_id), repeats.seen((DROPPED, session_id), now, detail=why))]
+        said += repeats.due(now) if repeats.holding else []
+    _say(path, said)
+
+
+def _say_taken(session_id: str, path: Path) -> None:
+    """A hand-off of the session committed: a drop condition of it has healed."""
+    repeats = _repeats.get(path)
+    if repeats is None or not repeats.active:
+        return
+    with _handoffs:
+        now = time.monotonic()
+        said = [((DROPPED, session_id), repeats.ended((DROPPED, session_id), now))]
+        said += repeats.due(now) if repeats.holding else []
+    _say(path, said)
+
+
+def _say_held_back() -> None:
+    """Every line the tallies hold back, said now (the shared spools close)."""
+    with _handoffs:
+        now = time.monotonic()
+        held = [(path, repeats.flush(now)) for path, repeats in _repeats.items()]
+        _repeats.clear()
+    for path, said in held:
+        _say(path, said)
+
+
+def _say(path: Path, said: list[tuple[Any, Any]]) -> None:
+    stores = upstream.stores()
+    cap = getattr(stores[0], "_MAX_PENDING_PER_SESSION", RELEASED_CAP) if stores else RELEASED_CAP
+    for key, line in said:
+        if line is not None:
+            condition, session_id = key
+            say_repeat(log, condition, session_id, line, cap=int(cap), path=path)
 
 
 def _kept_if_refused(session_id: str, message: Any) -> bool:
@@ -290,14 +350,10 @@ def _evicted(key: tuple[Path, str], token: int, request: Any) -> None:
     with _handoffs:
         superseded = _handed.superseded(key, token)
         _handed.settled(key, token)
-    if request.error is not None and not superseded:
-        log.warning(
-            "Session DB transcript message evicted for %s could not be committed to %s; "
-            "dropped: %s",
-            key[1],
-            key[0],
-            request.error,
-        )
+    if request.error is None:
+        _say_taken(key[1], key[0])
+    elif not superseded:
+        _say_dropped(key[1], f"committing it to {key[0]} failed: {request.error}", key[0])
 
 
 def _settled(key: tuple[Path, str], token: int) -> None:

@@ -143,18 +143,7 @@ class Lines:
         return partial(self._report_repeat, condition, session_id, said)
 
     def _report_repeat(self, condition: str, session_id: str, said: Said) -> None:
-        level, line = REPEAT_LINES[condition, said.kind is Kind.AGAIN]
-        fields = {
-            "session": session_id,
-            "cap": self.core.cap,
-            "path": self.core.spool.path,
-            "count": said.count,
-            "total": said.total,
-            "seconds": said.seconds,
-            "detail": said.detail,
-            "limit": 2 * self.core.cap,
-        }
-        log.log(level, line, fields)
+        say_repeat(log, condition, session_id, said, cap=self.core.cap, path=self.core.spool.path)
 
     def _report_replayed(self, session_id: str, said: Said) -> None:
         if said.kind is Kind.ENDED and not said.count:
@@ -168,13 +157,7 @@ class Lines:
         log.info(REPLAYED_LINES[said.kind], fields)
 
     def report_drop(self, session_id: str, why: str) -> None:
-        log.warning(
-            "Session DB transcript pending queue full for %s (cap=%d); dropping oldest "
-            "message to make room (on-disk spool unavailable: %s)",
-            session_id,
-            self.core.cap,
-            why,
-        )
+        say_drop(log, session_id, why, cap=self.core.cap)
 
     def _report_kept(self, session_id: str, queued: int) -> None:
         log.warning(
@@ -186,6 +169,40 @@ class Lines:
             queued,
             2 * self.core.cap,
         )
+
+
+def say_drop(logger: logging.Logger, session_id: str, why: str, *, cap: int) -> None:
+    """A session's oldest message dropped (the first of a condition, or one the message's
+    own fault), in every gateway's words."""
+    logger.warning(
+        "Session DB transcript pending queue full for %s (cap=%d); dropping oldest "
+        "message to make room (on-disk spool unavailable: %s)",
+        session_id,
+        cap,
+        why,
+    )
+
+
+def say_repeat(
+    logger: logging.Logger, condition: str, session_id: str, said: Said, *, cap: int, path: Any
+) -> None:
+    """A summary or the heal of a session's repeated ``condition`` (``REPEAT_LINES``);
+    for ``DROPPED`` the first occurrence too (``say_drop``)."""
+    if said.kind is Kind.FIRST and condition == DROPPED:
+        say_drop(logger, session_id, said.detail or "", cap=cap)
+        return
+    level, line = REPEAT_LINES[condition, said.kind is Kind.AGAIN]
+    fields = {
+        "session": session_id,
+        "cap": cap,
+        "path": path,
+        "count": said.count,
+        "total": said.total,
+        "seconds": said.seconds,
+        "detail": said.detail,
+        "limit": 2 * cap,
+    }
+    logger.log(level, line, fields)
 
 
 def report_unspoolable(session_id: str, exc: BaseException) -> None:
