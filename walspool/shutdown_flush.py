@@ -69,6 +69,7 @@ from . import text
 from .errors import InvalidArgument, ReplayBusy, SpoolReplaced, UntrustedSpool, WalspoolError
 from .link import machine
 from .link.bounds import BUSY_LOOK_SECONDS, CONFIRM_WAIT
+from .link.evict import REJECTED, rejection_why, say_lost_rejection, say_set_aside
 from .link.handoffs import HandOffs
 from .link.lines import DROPPED, say_repeat
 from .link.outage import say_left_to_running_replay, say_recovered
@@ -456,6 +457,50 @@ def drain_transcript_spool(
     transaction of the drain itself waits at most ``walspool.store.writer.BUSY_RETRY_SECONDS``
     for a write lock taken elsewhere after that check.
     """
+    _in_drain.depth = getattr(_in_drain, "depth", 0) + 1
+    try:
+        return _drain(session_id, replay, db_known_failing)
+    finally:
+        _in_drain.depth -= 1
+
+
+#: Per thread: a drain runs (``drain_transcript_spool``), so a write that fails is a
+#: spooled row's, which the drain itself sets aside, not a live message's.
+_in_drain = threading.local()
+
+
+def in_drain() -> bool:
+    """Whether this thread is inside ``drain_transcript_spool``."""
+    return bool(getattr(_in_drain, "depth", 0))
+
+
+def set_aside_live(session_id: str, message: Any, error: BaseException) -> bool:
+    """Keep a live message the gateway's write refused for the message itself
+    (``rejects_live_row``) in the spool as a quarantined row, so the gateway takes it
+    off its queue and the session goes on, as the 0.19.0 link does
+    (``walspool.link.evict``); said when committed. False when the spool has no room
+    now or cannot take it: then the write's failure stands (the gateway retries it)."""
+    why = rejection_why(error)
+    try:
+        spool = shared_spool()
+        row = spool.prepare(session_id, message, REJECTED)
+        spool.put_nowait((row,), partial(_set_aside_done, why), quarantine=why)
+    except Exception as exc:  # noqa: BLE001 - no room, closed, too big: the write stands
+        log.debug("Could not set aside the refused message of %s: %s", session_id, exc)
+        return False
+    return True
+
+
+def _set_aside_done(why: str, request: Any) -> None:
+    if request.error is not None:
+        say_lost_rejection(log, request.session_id, why, request.error)
+    else:
+        say_set_aside(log, request.session_id, request.result.seq, why)
+
+
+def _drain(
+    session_id: str, replay: Callable[[dict[str, Any]], Any], db_known_failing: bool
+) -> tuple[int, int]:
     try:
         spool = shared_spool()
     except Exception as exc:  # noqa: BLE001 - no spool: nothing can be drained from it

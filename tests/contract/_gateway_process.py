@@ -319,6 +319,10 @@ async def run(mode: str, n: int, after: str) -> dict[str, Any]:
         result.update(await odd_values(store))
         await runner.stop()
         return result
+    if mode == "sdk-object":
+        result.update(await an_sdk_object(store))
+        await runner.stop()
+        return result
     if mode == "kill":
         await killed_in_the_drain(store, n, int(after))  # never returns: SIGKILLed
     if mode in ("memory", "memory-past"):
@@ -731,6 +735,37 @@ async def odd_values(store: Any) -> dict[str, Any]:
         store.append_to_transcript("s1", dict(message))
     await settle(store._db, {"s1": ODD_VALUES, "s2": [], "s3": []})
     return {"landed": [(m["role"], m["content"]) for m in messages(store._db, "s1")]}
+
+
+class SdkToolCall:
+    """A tool call as an SDK object, not a dict: no JSON serialiser takes it."""
+
+    def __init__(self, call_id: str) -> None:
+        self.id = call_id
+
+    def __repr__(self) -> str:
+        return f"SdkToolCall({self.id!r})"
+
+
+async def an_sdk_object(store: Any) -> dict[str, Any]:
+    """``sdk-object``: on a healthy session, a reply whose tool call is an SDK object,
+    then the next turn: what state.db holds of the session once the next turn had
+    ``SETTLE_SECONDS`` to land."""
+    db = store._db
+    db.create_session("s1", "telegram")
+    sent = [
+        {"role": "user", "content": "call a tool"},
+        {"role": "assistant", "content": "calling", "tool_calls": [SdkToolCall("t1")]},
+        {"role": "user", "content": "next turn"},
+    ]
+    for message in sent:
+        await asyncio.to_thread(store.append_to_transcript, "s1", message)
+    deadline = time.monotonic() + SETTLE_SECONDS
+    while time.monotonic() < deadline:
+        if any(m["content"] == "next turn" for m in messages(db, "s1")):
+            break
+        await asyncio.sleep(0.05)
+    return {"landed": [(m["role"], m["content"]) for m in messages(db, "s1")]}
 
 
 def turn_rows(sid: str, n: int) -> list[dict[str, Any]]:

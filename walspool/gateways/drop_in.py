@@ -33,7 +33,7 @@ from ..link.deferred import Deferred
 from ..link.flush import spool_queues
 from ..link.memory import MemoryPublisher
 from ..replay import upstream
-from ..replay.sinks import write_bindable
+from ..replay.sinks import rejects_live_row, write_bindable
 from ..shutdown_flush import (
     drain_would_run,
     queues_before_slots,
@@ -132,15 +132,29 @@ def _bindable_live_writes(store_class: type) -> None:
     """Make the store's live writes (``_append_transcript_message``) give a message
     state.db refuses for a value as it is (an integer past 64 bits) the verdict a
     replay gives it: written once more with its values made bindable
-    (``sinks.write_bindable``). Without it 0.20 and 0.22 retry the refused message for
-    ever, and every later message of its session waits behind it."""
+    (``sinks.write_bindable``); one refused for itself all the same is set aside in the
+    spool, quarantined (``shutdown_flush.set_aside_live``). Without it 0.20 and 0.22
+    retry the refused message for ever, and every later message of its session waits
+    behind it."""
     write = store_class._append_transcript_message
     if getattr(write, _BINDABLE, False):
         return
 
     @wraps(write)
     def bindable_write(self: Any, session_id: str, message: Any) -> Any:
-        return write_bindable(partial(write, self), session_id, message)
+        try:
+            return write_bindable(partial(write, self), session_id, message)
+        except Exception as exc:
+            # A live message refused for itself (an SDK object no serialiser takes, say)
+            # goes to the spool as a quarantined row, and the session goes on; a drain's
+            # row is the drain's to set aside.
+            if shutdown_flush.in_drain():
+                raise
+            if not rejects_live_row(exc, getattr(self, "_db", None), message):
+                raise
+            if not shutdown_flush.set_aside_live(session_id, message, exc):
+                raise
+            return None
 
     setattr(bindable_write, _BINDABLE, True)
     store_class._append_transcript_message = bindable_write

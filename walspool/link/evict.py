@@ -6,6 +6,7 @@ the writer's report of each group of them, which settles their sessions.
 
 from __future__ import annotations
 
+import logging
 import queue
 from functools import partial
 from typing import Any
@@ -243,12 +244,7 @@ class Evictions:
         lines to log once the lock is released."""
         if not pending or pending[0] is not message:
             return []  # a rewrite dropped the queue meanwhile, as the released store does
-        what = (
-            "state.db refused it for its content"
-            if rejects_content(error) or is_row_rejection(error)
-            else "the gateway's write fails on one of its values"
-        )
-        why = f"{what}: {type(error).__name__}: {error}"
+        why = rejection_why(error)
         try:
             if self.core.replaced:
                 raise queue.Full  # as an eviction would wait for the fresh spool
@@ -271,22 +267,45 @@ class Evictions:
         if request.error is not None:
             self._report_lost_rejection(request.session_id, why, request.error)
             return
-        log.warning(
-            "Session DB transcript append refused a message of %s; quarantined it in the "
-            "spool (seq %d, shown by walspool ls), the session goes on: %s",
-            request.session_id,
-            request.result.seq,
-            why,
-        )
+        say_set_aside(log, request.session_id, request.result.seq, why)
 
     def _report_lost_rejection(self, session_id: str | None, why: str, exc: BaseException) -> None:
-        log.warning(
-            "Session DB transcript append refused a message of %s and the spool could not "
-            "keep it (%s); dropped it, the session goes on: %s",
-            session_id,
-            exc,
-            why,
-        )
+        say_lost_rejection(log, session_id, why, exc)
+
+
+def rejection_why(error: BaseException) -> str:
+    """Why a live message the gateway's write refused is set aside, said the same by
+    every gateway's path."""
+    what = (
+        "state.db refused it for its content"
+        if rejects_content(error) or is_row_rejection(error)
+        else "the gateway's write fails on one of its values"
+    )
+    return f"{what}: {type(error).__name__}: {error}"
+
+
+def say_set_aside(logger: logging.Logger, session_id: str | None, seq: int, why: str) -> None:
+    """A live message the gateway's write refused is in the spool, quarantined."""
+    logger.warning(
+        "Session DB transcript append refused a message of %s; quarantined it in the "
+        "spool (seq %d, shown by walspool ls), the session goes on: %s",
+        session_id,
+        seq,
+        why,
+    )
+
+
+def say_lost_rejection(
+    logger: logging.Logger, session_id: str | None, why: str, exc: BaseException
+) -> None:
+    """A live message the gateway's write refused could not be kept by the spool either."""
+    logger.warning(
+        "Session DB transcript append refused a message of %s and the spool could not "
+        "keep it (%s); dropped it, the session goes on: %s",
+        session_id,
+        exc,
+        why,
+    )
 
 
 def _payload_bytes(request: Any) -> int:
