@@ -524,6 +524,24 @@ def test_an_agent_history_is_one_row_with_its_session_and_count(store, spool, ca
     ]
 
 
+def test_an_agent_history_the_spool_cannot_take_is_said_lost_as_on_every_gateway(
+    store, tmp_path, caplog
+):
+    """The words the drop-in says too (``link.shutdown.preserve_agent_history``): at
+    ERROR, with the session and the count, and the stop goes on."""
+    spool = walspool.Spool(tmp_path / "closed.db")
+    link = install(store, spool, retry_interval=0)
+    spool.close()
+    caplog.set_level(logging.DEBUG, logger="walspool.hermes")
+    assert link.flush_agent_history("s", [_m("a"), _m("b")]) is False
+    (line,) = _lines(caplog, logging.ERROR)
+    assert line.startswith(
+        "walspool could not keep the 2 in-memory message(s) of session s at shutdown; they "
+        "are lost: "
+    )
+    link.close()
+
+
 def test_a_rewrite_of_a_session_with_nothing_queued_is_quiet_and_keeps_no_state(
     store, spool, caplog
 ):

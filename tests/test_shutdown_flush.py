@@ -477,8 +477,8 @@ def test_an_agent_history_without_a_session_is_kept_under_unknown(home, caplog):
     (row,) = spooled(home, reasons=[AGENT_HISTORY])
     assert (row.session_id, row.message["session_id"]) == ("unknown", None)
     assert logged(caplog, logging.WARNING) == [
-        "Preserved 1 in-memory message(s) for session None (possible FTS corruption - recover "
-        "after repairing state.db)"
+        f"Preserved 1 in-memory message(s) for session None in {home / 'spool.db'} (state.db "
+        "did not take them); recover by hand after repairing state.db"
     ]
 
 
@@ -491,9 +491,12 @@ def test_the_drop_ins_say_word_for_word_when_the_spool_cannot_be_opened(home, mo
     assert sf.drain_transcript_spool("s", lambda m: None) == (0, 0)
     assert sf.recover_pending_spool() == (0, set())
     assert logged(caplog, logging.WARNING) == [
-        "Agent-history shutdown preservation failed for session s: disk gone",
         "Cannot open the transcript spool to drain s: disk gone",
         "Failed to recover pending messages: disk gone",
+    ]
+    assert logged(caplog, logging.ERROR) == [
+        "walspool could not keep the 1 in-memory message(s) of session s at shutdown; they "
+        "are lost: disk gone"
     ]
 
 

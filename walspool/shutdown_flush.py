@@ -75,7 +75,7 @@ from .link.lines import DROPPED, say_repeat
 from .link.outage import say_left_to_running_replay, say_recovered
 from .link.repeats import Repeats
 from .link.rewrites import supersede_rewritten
-from .link.shutdown import slot_lost, spool_agent_history, spool_in_order
+from .link.shutdown import preserve_agent_history, slot_lost, spool_in_order
 from .replay import upstream
 from .replay.jsonspool import FILE_PATTERN, QUARANTINE_PATTERN, import_json_spool
 from .replay.replayer import Replayer, ReplayReport
@@ -774,21 +774,7 @@ def flush_agent_history_to_file(session_id: str | None, history: list[Any]) -> N
     Kept as one ``AGENT_HISTORY`` row, never replayed unless an operator asks for
     it (``walspool replay --reason shutdown-with-unpersisted-agent-history``).
     """
-    if not history:
-        return
-    try:
-        spool_agent_history(shared_spool(), session_id, history)
-    except Exception as exc:  # noqa: BLE001 - shutdown must go on
-        log.warning(
-            "Agent-history shutdown preservation failed for session %s: %s", session_id, exc
-        )
-        return
-    log.warning(
-        "Preserved %d in-memory message(s) for session %s (possible FTS corruption - recover "
-        "after repairing state.db)",
-        len(history),
-        session_id,
-    )
+    preserve_agent_history(log, shared_spool, session_id, history)
 
 
 # -- startup -----------------------------------------------------------------------------

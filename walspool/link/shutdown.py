@@ -60,17 +60,9 @@ class Shutdown:
         return spooled
 
     def flush_agent_history(self, session_id: str | None, history: list[Any]) -> bool:
-        """Spool an agent's unpersisted history as one ``AGENT_HISTORY`` row."""
-        if not spool_agent_history(self.core.spool, session_id, history):
-            return False
-        log.warning(
-            "Preserved %d in-memory message(s) for session %s in %s (state.db did not take "
-            "them); recover by hand after repairing state.db",
-            len(history),
-            session_id,
-            self.core.spool.path,
-        )
-        return True
+        """Spool an agent's unpersisted history as one ``AGENT_HISTORY`` row
+        (``preserve_agent_history``)."""
+        return preserve_agent_history(log, lambda: self.core.spool, session_id, history)
 
     def flush_queues(self) -> int:
         """Spool every session's in-memory queue (``SHUTDOWN``), oldest first; empty it
@@ -146,6 +138,39 @@ def slot_lost(logger: logging.Logger, item: Slot, exc: Exception) -> None:
         item[2],
         exc,
     )
+
+
+def preserve_agent_history(
+    logger: logging.Logger,
+    spool: Callable[[], Spool],
+    session_id: str | None,
+    history: list[Any],
+) -> bool:
+    """Spool an agent's unpersisted history (``spool_agent_history``) and say so, or say
+    that it is lost, in every gateway's words; whether it was spooled. Never raises:
+    the gateway is stopping."""
+    if not history:
+        return False
+    try:
+        target = spool()
+        spool_agent_history(target, session_id, history)
+    except Exception as exc:  # noqa: BLE001 - shutdown must go on
+        logger.error(
+            "walspool could not keep the %d in-memory message(s) of session %s at shutdown; "
+            "they are lost: %s",
+            len(history),
+            session_id,
+            exc,
+        )
+        return False
+    logger.warning(
+        "Preserved %d in-memory message(s) for session %s in %s (state.db did not take "
+        "them); recover by hand after repairing state.db",
+        len(history),
+        session_id,
+        target.path,
+    )
+    return True
 
 
 def never_raise(fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
