@@ -230,3 +230,44 @@ def test_a_recovery_that_ends_an_outage_on_a_broken_state_db_leaves_the_next_its
     assert link.recover().moved == 3
     assert link.wait_idle(STEP)
     assert contents(store, "s") == [f"m{i}" for i in range(8)]
+
+
+def test_a_start_beside_another_replay_holds_the_sessions_a_spooled_key_routes_to(
+    store, spool, monkeypatch, caplog
+):
+    """A slot of the last run spooled by its routing key waits in the spool; the link
+    starts while another replay holds the spool: the start leaves the rows to that
+    replay, and the session the key routes to waits for it (its live message stays
+    queued behind the slot, as on 0.20 and 0.22), while a session with nothing spooled
+    writes at once; an embedder's own ``recover()`` waits for that replay. Once the
+    lock is free the slot lands first."""
+    from gateway.config import Platform
+    from gateway.session import SessionSource
+
+    import walspool.store.replay_lock
+    from walspool.store.replay_lock import replay_lock
+
+    entry = store.get_or_create_session(SessionSource(platform=Platform.TELEGRAM, chat_id="42"))
+    store._db.create_session("other", "telegram")
+    spool.append(None, msg("slot"), reason=walspool.SHUTDOWN, session_key=entry.session_key)
+    spool.flush()
+    caplog.set_level(logging.WARNING, logger="walspool")
+    with replay_lock(spool, wait=False):
+        link = install(store, spool, retry_interval=3600)
+        with link.core.lock:
+            assert link.core.settled.wait_for(lambda: not link.core.recovering, STEP)
+        store.append_to_transcript(entry.session_id, msg("live"))
+        store.append_to_transcript("other", msg("at once"))
+        assert contents(store, entry.session_id) == []
+        assert contents(store, "other") == ["at once"]
+        # An embedder's own recover waits for that replay (``REPLAY_WAIT``, short here).
+        monkeypatch.setattr(walspool.store.replay_lock, "REPLAY_WAIT", 0.2)
+        with pytest.raises(walspool.ReplayBusy):
+            link.recover()
+    assert any(
+        "Another replay of" in line and "1 session(s) will drain" in line
+        for line in link_lines(caplog, logging.WARNING)
+    )
+    link.recover()
+    assert contents(store, entry.session_id) == ["slot", "live"]
+    link.close()

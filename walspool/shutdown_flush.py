@@ -268,7 +268,10 @@ def spool_dropped_transcript_message(session_id: str, message: dict[str, Any]) -
         log.debug("Failed to spool cap-dropped transcript message for %s: %s", session_id, exc)
         if not keeps:
             try:
-                _say_dropped(session_id, str(exc))  # why, which the gateway's line omits
+                # Why, which the gateway's own line omits; a full queue is the link's words.
+                _say_dropped(
+                    session_id, "spool writer busy" if isinstance(exc, queue.Full) else str(exc)
+                )
             except Exception as say:  # noqa: BLE001 - never raises into the gateway
                 log.debug("Could not say why %s's message was not spooled: %s", session_id, say)
         return None
@@ -354,7 +357,7 @@ def _evicted(key: tuple[Path, str], token: int, request: Any) -> None:
     if request.error is None:
         _say_taken(key[1], key[0])
     elif not superseded:
-        _say_dropped(key[1], f"committing it to {key[0]} failed: {request.error}", key[0])
+        _say_dropped(key[1], str(request.error), key[0])  # the error names the spool
 
 
 def _settled(key: tuple[Path, str], token: int) -> None:

@@ -37,3 +37,15 @@ def test_a_full_disk_loses_nothing_the_released_gateway_would_keep(
     # released gateways drop when their own spool fails), never what 0.22 keeps.
     dropped = [line for line in result["log"] if "dropped" in line and "WARNING" in line]
     assert len(dropped) <= len(result["sent"]) * (BURST - 200), dropped[:3]
+    # A session that lost messages is told why, in the same words on every gateway, and
+    # in a few lines (the first in full, then counts), not one per message.
+    for session, sent in result["sent"].items():
+        head = f"WARNING Session DB transcript pending queue full for {session} "
+        said = [line for line in result["log"] if line.startswith(head) and "dropp" in line]
+        if len(result["landed"][session]) < len(sent):
+            assert any(
+                "dropping oldest message to make room (on-disk spool unavailable: " in line
+                and "no room to write" in line
+                for line in said
+            ), said
+        assert len(said) <= 3, said

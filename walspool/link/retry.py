@@ -136,8 +136,9 @@ class Background:
         moved write their queued messages next; sessions held keep their queue until
         their rows move. While another replay holds the spool's replay lock, waits for
         it (at most ``REPLAY_WAIT``), or without ``wait`` (the start's recovery) leaves
-        the rows to it: nothing moves, and only the sessions with rows left drain them
-        before their next message (as on every gateway), the others write at once.
+        the rows to it: nothing moves, and only the sessions with rows left (their own,
+        or a spooled key's the store routes to them) wait for them before their next
+        message (as on every gateway), the others write at once.
         """
         with self.core.lock:
             waiting = {
@@ -145,23 +146,21 @@ class Background:
                 for sid, st in self.core.sessions.items()
                 if st.spooled
             }
-        busy = False
+        busy = False  # another replay holds the spool: the rows are left to it
         try:
             self.core.spool.flush()  # every eviction counted in ``waiting`` is committed
             try:
                 report = self.core.replay(wait=wait)
+                held = {s.session_id for s in report.sessions.values() if s.error}
             except ReplayBusy:
                 if wait:
                     raise
-                busy = True
-                report = report_of({}, {}, 0)
-                held = streams.sessions_left(self.core.spool)
+                busy, report = True, report_of({}, {}, 0)
+                held = streams.sessions_left(self.core.spool) | self._routed_by_keys()
         except BaseException:
             with self.core.lock:
                 self._end_recovery()
             raise
-        if not busy:
-            held = {s.session_id for s in report.sessions.values() if s.error}
         ready: list[tuple[str, Session, Claim]] = []
         background = threading.current_thread() is self.thread
         moved = {s.session_id: s.moved for s in report.sessions.values() if s.session_key is None}
@@ -202,6 +201,19 @@ class Background:
                 report, self.core.spool.path, "Recovered %d spooled message(s) from %s", log
             )
         return report
+
+    def _routed_by_keys(self) -> set[str]:
+        """The sessions the store routes the spool's keys to now: a slot spooled by key
+        goes before its session's next live message too."""
+        routed = set()
+        for key, _ in streams.keys_to_resolve(self.core.spool):
+            try:
+                session_id = self.core.transcripts.resolve(key)
+            except Exception:  # noqa: BLE001 - unknown: the key's rows wait for a replay
+                continue
+            if session_id:
+                routed.add(session_id)
+        return routed
 
     def _end_recovery(self) -> None:
         """Let the sessions that waited for the start's recovery go on; lock held."""
