@@ -5,7 +5,7 @@ The switches exist only here, on this benchmark's own spools (a guarantee is nev
 optional in walspool); each takes away one piece of per-message work the floors of
 ``bench_append.py`` do not do:
 
-- ``path check``: the ``stat`` of the spool's path once per group, which refuses to
+- ``path check``: the look at the spool's path once per group, which refuses to
   acknowledge appends into a file the next start would not open (``SpoolReplaced``);
 - ``data_version``: the ``PRAGMA data_version`` per transaction that lets the writer
   keep ids and seqs across transactions only while no other connection wrote;
@@ -46,6 +46,7 @@ from bench_append import (
 from report import record
 
 import walspool
+from walspool.store.writer import Row
 
 ROUNDS = 15
 SINGLE = 1_000
@@ -70,11 +71,11 @@ def _no_checks_or_encoding(spool: walspool.Spool) -> None:
     size = len(payload.encode())
 
     def row(session_id: str | None, message: Any, reason: str, key: str | None) -> Any:
-        return (session_id, key, reason, time.time(), payload, size)
+        return Row(session_id, key, reason, time.time(), payload, size)
 
     def rows(items: Any, reason: str) -> list[Any]:
         now = time.time()
-        return [(item[0], None, reason, now, payload, size) for item in items]
+        return [Row(item[0], None, reason, now, payload, size) for item in items]
 
     spool._row = row  # type: ignore[method-assign]
     spool._rows = rows  # type: ignore[method-assign]

@@ -18,6 +18,7 @@ from ..errors import InvalidArgument, PayloadTooLarge, SpoolClosed, SpoolReplace
 from . import codec, files, memory, totals
 from .connections import close_quietly, open_reader, open_writer, opened_file
 from .paging import PAGE_ROWS, ROW_BYTES_SQL, read_page, record_from_row
+from .path_watch import PathWatch, file_identity
 from .records import AGENT_HISTORY, CAP_DROP, REASONS, Receipt, Record, Stats
 from .sqlite_errors import sqlite_error
 from .writer import Append, Operation, Quarantined, Row, Writer
@@ -110,9 +111,14 @@ class Spool:
         try:
             held = opened_file(self._conn)  # the file SQLite holds, whatever the path names
             self._identity = (
-                (held.st_dev, held.st_ino) if held is not None else _file_identity(self.path)
+                (held.st_dev, held.st_ino) if held is not None else file_identity(self.path)
             )
-            self._writer = Writer(self._conn, self.path, max_bytes, check=self._check_path)
+            self._watch = PathWatch(self._path_name, self._identity)
+            try:
+                self._writer = Writer(self._conn, self.path, max_bytes, check=self._check_path)
+            except BaseException:
+                self._watch.close()
+                raise
         except BaseException:
             close_quietly(self._conn)
             os.close(self._open_lock)
@@ -191,9 +197,10 @@ class Spool:
         An operator's ``mv``, or a move-aside by a process that did not honour the
         open lock, would otherwise leave acknowledged appends in a file the next
         start does not open. The writer calls it once per group of appends, just
-        before their transaction (one ``stat`` per commit, off the callers' threads).
+        before their transaction, off the callers' threads: a ``poll`` while nothing
+        may have changed what the path names, else a ``stat`` (``path_watch``).
         """
-        if _file_identity(self._path_name) != self._identity:
+        if not self._watch.names_it():
             raise SpoolReplaced(
                 f"spool {self.path} no longer names the file this Spool opened (it was "
                 "moved, replaced or deleted); nothing more is appended to it: open the "
@@ -511,7 +518,7 @@ class Spool:
         reading through it go to this one."""
         reader = open_reader(self.path)
         opened = opened_file(reader)  # None under another VFS: then what the path names
-        now = (opened.st_dev, opened.st_ino) if opened is not None else _file_identity(self.path)
+        now = (opened.st_dev, opened.st_ino) if opened is not None else file_identity(self.path)
         if self._identity is not None and now != self._identity:
             close_quietly(reader)
             raise SpoolReplaced(
@@ -541,6 +548,7 @@ class Spool:
             except apsw.Error as exc:
                 errors.append(exc)
         os.close(self._open_lock)  # after the last connection: others may now move it
+        self._watch.close()
         if self._identity is not None:
             files.closed(self._identity)
         if errors:
@@ -559,16 +567,6 @@ class Spool:
 
     def __repr__(self) -> str:
         return f"Spool({str(self.path)!r}, durability={self.durability!r})"
-
-
-def _file_identity(path: str | Path) -> tuple[int, int] | None:
-    """(device, inode) of what ``path`` names now, not following a symlink; None if
-    nothing."""
-    try:
-        st = os.stat(path, follow_symlinks=False)
-    except OSError:
-        return None
-    return (st.st_dev, st.st_ino)
 
 
 def _nothing(conn: apsw.Connection) -> None:
