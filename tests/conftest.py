@@ -3,7 +3,12 @@ its own environment, and an empty ``HERMES_HOME`` for its processes."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+# Every look of a link's background thread, here and in the gateways the tests start,
+# is checked against the whole table of sessions (``walspool.link.retry.CHECK_DUE``).
+os.environ["WALSPOOL_CHECK_DUE"] = "1"
 
 import pytest
 from contract._gateways import GATEWAYS, IDS, Gateway, present

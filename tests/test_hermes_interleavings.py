@@ -1808,12 +1808,13 @@ def test_a_shutdown_flush_with_no_room_within_its_bound_keeps_the_queue(
 
 
 def test_a_shutdown_flush_leaves_a_session_whose_head_is_being_written_to_that_write(
-    store, spool, caplog
+    store, spool, caplog, monkeypatch
 ):
-    """m0 is being written when the flush runs: the session's whole queue stays with
-    that write (spooling m1 and m2 now would put them before m0 if m0's write failed),
-    and a WARNING says so; m0 lands, and the same thread writes the rest, each once, in
-    order."""
+    """m0 is being written when the flush runs, and past ``FLUSH_TIMEOUT``: the
+    session's whole queue stays with that write (spooling m1 and m2 now would put them
+    before m0 if m0's write failed), and a WARNING says so; m0 lands, and the same
+    thread writes the rest, each once, in order."""
+    monkeypatch.setattr(bounds, "FLUSH_TIMEOUT", 0.2)
     store._db.create_session("s", "telegram")
     link = install(store, spool, retry_interval=0)
     gate = gate_live_writes(store)
@@ -1825,8 +1826,8 @@ def test_a_shutdown_flush_leaves_a_session_whose_head_is_being_written_to_that_w
     with caplog.at_level(logging.WARNING, logger="walspool.hermes"):
         assert link.flush_queues() == 0
     assert [r.getMessage() for r in caplog.records] == [
-        "A gateway thread is writing the oldest queued message of s at shutdown; the "
-        "session's queue is left to that write, and spooled, in order, once it ends"
+        "a transcript message was still being written to state.db after 0.2 s at shutdown; "
+        "what waits behind that write is spooled, in order, once it ends"
     ]
     assert list(spool.records()) == []
     with link.core.lock:
@@ -1836,6 +1837,31 @@ def test_a_shutdown_flush_leaves_a_session_whose_head_is_being_written_to_that_w
     assert link.wait_idle(STEP)
     assert contents(store, "s") == ["m0", "m1", "m2"]  # each once, in order
     assert gate.most == 1
+
+
+def test_a_shutdown_flush_waits_for_a_write_in_flight_then_spools_the_queue(store, spool, caplog):
+    """m0 is being written (state.db broken) when the flush runs: the flush waits for
+    that write, and once it failed the whole queue is spooled, m0 first, each once,
+    with nothing said of a write outlasting the stop."""
+    store._db.create_session("s", "telegram")
+    link = install(store, spool, retry_interval=0)
+    link.core.settled = counted = _CountedWaits(link.core.lock)
+    sql(store, BREAK)
+    gate = gate_live_writes(store)
+    gate.arm()
+    a = in_thread(lambda: store.append_to_transcript("s", msg("m0")))
+    assert gate.entered.wait(STEP)
+    for i in (1, 2):
+        store.append_to_transcript("s", msg(f"m{i}"))
+    with caplog.at_level(logging.WARNING, logger="walspool.hermes"):
+        flush = in_thread(link.flush_queues)
+        assert counted.waited_in(flush)  # for m0's write
+        gate.open()
+        assert joined(flush) and joined(a)
+    assert [r.message["content"] for r in spool.records()] == ["m0", "m1", "m2"]
+    assert not [r for r in caplog.records if "still being written" in r.getMessage()]
+    with link.core.lock:
+        assert not store._dirty_transcripts.get("s")
 
 
 def test_a_shutdown_flush_of_several_sessions_keeps_each_ones_share_exact(store, spool):

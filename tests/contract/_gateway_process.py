@@ -75,6 +75,10 @@ not enable) the plugin the user's way.
                                                  is being written by a gateway thread
                                                  (inside SessionDB's write) when the
                                                  gateway stops; the lock is let go after
+    python _gateway_process.py OUT long-write N      a session gets N turns while every insert
+                                                 fails; one more message's write is held
+                                                 inside SessionDB's write until the
+                                                 graceful stop has returned
     python _gateway_process.py OUT locked-heal-stop N   N messages to each of 3 sessions
                                                  while every insert fails; then another
                                                  process holds the spool's write lock
@@ -120,6 +124,7 @@ import logging
 import os
 import sqlite3
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -314,6 +319,9 @@ async def run(mode: str, n: int, after: str) -> dict[str, Any]:
         return result
     if mode == "in-flight":
         result.update(await stop_with_a_write_in_flight(runner, n))
+        return result
+    if mode == "long-write":
+        result.update(await stop_during_a_long_write(runner, n))
         return result
     if mode == "values":
         result.update(await odd_values(store))
@@ -618,22 +626,59 @@ conn.execute("ROLLBACK")
 """
 
 
+def turns_queued_in_an_outage(runner: Any, n: int) -> tuple[Any, str, list[dict[str, Any]]]:
+    """Session ``s1`` gets ``n`` turns while every insert fails (they wait in the
+    store's queue): the store, the session, what was sent."""
+    store = runner.session_store
+    sid = "s1"
+    store._db.create_session(sid, "telegram")
+    sent = turn_rows(sid, n)
+    sql(store._db, BREAK)
+    for message in sent:
+        store.append_to_transcript(sid, message)
+    return store, sid, sent
+
+
+def one_more_being_written(
+    store: Any,
+    sid: str,
+    sent: list[dict[str, Any]],
+    content: str,
+    held: threading.Event | None = None,
+) -> threading.Thread:
+    """One more message to ``sid`` (added to ``sent``) from a thread of its own; returns
+    once a write into SessionDB has begun. With ``held``, that first write waits for it
+    (or ``SETTLE_SECONDS``), whichever thread makes it: the message's own gateway thread
+    (0.20, 0.22), the link's probe of the failing session (0.19.0: its gateway thread
+    only queues). The thread, to join."""
+    import hermes_state
+
+    entered, first = threading.Event(), threading.Lock()
+    original = hermes_state.SessionDB.append_message
+
+    def append_message(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if first.acquire(blocking=False):
+            entered.set()
+            if held is not None:
+                held.wait(SETTLE_SECONDS)
+        return original(self, *args, **kwargs)
+
+    hermes_state.SessionDB.append_message = append_message
+    message = {"role": "user", "content": content, "timestamp": int(time.time())}
+    sent.append(message)
+    writer = threading.Thread(target=store.append_to_transcript, args=(sid, message))
+    writer.start()
+    assert entered.wait(SETTLE_SECONDS), "no write began"
+    return writer
+
+
 async def stop_with_a_write_in_flight(runner: Any, n: int) -> dict[str, Any]:
     """``in-flight``: queued turns, then a write a gateway thread is inside of (state.db
     locked by another process) when the gateway stops gracefully."""
     import subprocess
-    import threading
 
-    import hermes_state
-
-    store = runner.session_store
+    store, sid, sent = turns_queued_in_an_outage(runner, n)
     db = store._db
-    sid = "s1"
-    db.create_session(sid, "telegram")
-    sent = turn_rows(sid, n)
-    sql(db, BREAK)
-    for message in sent:
-        store.append_to_transcript(sid, message)
     holder = subprocess.Popen(
         [sys.executable, "-c", WRITE_LOCK_HOLDER, str(db.db_path)],
         stdin=subprocess.PIPE,
@@ -645,19 +690,7 @@ async def stop_with_a_write_in_flight(runner: Any, n: int) -> dict[str, Any]:
         assert holder.stdout.readline().strip() == "locked"
         # The trigger goes with the lock held elsewhere: from here the outage is the lock.
         other = sqlite3.connect(db.db_path, timeout=0.1, isolation_level=None)
-        entered = threading.Event()
-        original = hermes_state.SessionDB.append_message
-
-        def append_message(self: Any, *args: Any, **kwargs: Any) -> Any:
-            entered.set()
-            return original(self, *args, **kwargs)
-
-        hermes_state.SessionDB.append_message = append_message
-        in_flight = {"role": "user", "content": "in flight", "timestamp": int(time.time())}
-        sent.append(in_flight)
-        writer = threading.Thread(target=store.append_to_transcript, args=(sid, in_flight))
-        writer.start()
-        assert entered.wait(SETTLE_SECONDS), "no write began"
+        writer = one_more_being_written(store, sid, sent, "in flight")
         await runner.stop()
     finally:
         holder.stdin.write("\n")
@@ -666,6 +699,24 @@ async def stop_with_a_write_in_flight(runner: Any, n: int) -> dict[str, Any]:
     writer.join(SETTLE_SECONDS)
     other.execute(HEAL)  # the outage's trigger, for the next start
     other.close()
+    return {"session_id": sid, "sent": [(m["role"], m["content"]) for m in sent]}
+
+
+async def stop_during_a_long_write(runner: Any, n: int) -> dict[str, Any]:
+    """``long-write``: queued turns and one more message, then the next write of the
+    session held inside SessionDB's write until the graceful stop has returned (or
+    ``SETTLE_SECONDS``, should a stop wait for it that long); then it goes on, and fails
+    as the outage goes on."""
+    import threading
+
+    store, sid, sent = turns_queued_in_an_outage(runner, n)
+    stopped = threading.Event()
+    writer = one_more_being_written(store, sid, sent, "held in flight", held=stopped)
+    try:
+        await runner.stop()
+    finally:
+        stopped.set()
+    writer.join(SETTLE_SECONDS)
     return {"session_id": sid, "sent": [(m["role"], m["content"]) for m in sent]}
 
 

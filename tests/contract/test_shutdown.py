@@ -90,6 +90,28 @@ def test_a_graceful_stop_with_a_write_in_flight_loses_nothing(gateway: Gateway, 
     assert transcript(home, sid) == expected
 
 
+def test_a_stop_waits_for_a_write_in_flight_once_not_at_each_flush_call(
+    gateway: Gateway, home
+) -> None:
+    """Turns wait in the store's queue during an outage, and the session's next write
+    (the message's own gateway thread on 0.20 and 0.22, the link's probe on 0.19.0) does
+    not end until the stop has returned. The stop waits ``FLUSH_TIMEOUT`` for it once,
+    then says so in one WARNING, on every gateway (the drop-in waited and warned at each
+    of its flush calls, up to three times; the 0.19.0 link did not wait, and closed the
+    spool its write needed); the write then fails, what waited behind it is spooled,
+    and the next start lands every message once, in order."""
+    configure(gateway, home, gateway.enable)
+    stopped = run_worker(gateway, home, "long-write", str(TURNS))
+    waited = [line for line in stopped["log"] if "was still being written to state.db" in line]
+    assert len(waited) == 1, waited
+    sid = stopped["session_id"]
+    expected = [tuple(m) for m in stopped["sent"]]
+    heal(home)
+    with gateway_running(gateway, home) as process:
+        wait_for("recovered", lambda: len(transcript(home, sid)) >= len(expected), process)
+    assert transcript(home, sid) == expected
+
+
 def test_a_stop_after_a_heal_that_met_a_locked_spool_keeps_what_waits_in_memory(
     gateway: Gateway, home
 ) -> None:

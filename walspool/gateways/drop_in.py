@@ -21,6 +21,7 @@ from __future__ import annotations
 import atexit
 import sys
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from functools import partial, wraps
@@ -32,6 +33,7 @@ from ..link.bounds import FLUSH_TIMEOUT
 from ..link.deferred import Deferred
 from ..link.flush import spool_queues
 from ..link.memory import MemoryPublisher
+from ..link.shutdown import write_outlasted_stop
 from ..replay import upstream
 from ..replay.sinks import rejects_live_row, write_bindable
 from ..shutdown_flush import (
@@ -161,11 +163,17 @@ def _bindable_live_writes(store_class: type) -> None:
 
 
 def _spool_queues_of_stores() -> None:
+    """The stop's flush of every store's queues (before each of its flush calls): a
+    store's first sets its stop's deadline, ``FLUSH_TIMEOUT`` away, and no call waits
+    past it, so a write in flight holds the whole stop that long at most, not that long
+    at each of its flush calls."""
+    now = time.monotonic()
     for store in upstream.stores():
-        _spool_queues(store)
+        deadline = _stopping.setdefault(store, now + FLUSH_TIMEOUT)
+        _spool_queues(store, deadline)
 
 
-def _spool_queues(store: Any) -> int:
+def _spool_queues(store: Any, deadline: float | None = None) -> int:
     """Spool a store's in-memory transcript queues (``SHUTDOWN``), oldest first, and
     empty them, as the 0.19.0 link does (``walspool.link.flush.spool_queues``); how
     many were spooled.
@@ -175,24 +183,24 @@ def _spool_queues(store: Any) -> int:
     a write lock held elsewhere, a full disk). Run before the slots are spooled (see
     ``shutdown_flush.queues_before_slots``). A gateway thread writes a queue's head
     while holding the store's transcript drain lock (one for every session): it is
-    waited for at most ``walspool.link.bounds.FLUSH_TIMEOUT`` seconds; past that, nothing is
-    spooled now and the queues are left to that write: once it ends (a failed write
-    puts its message back at the head), its thread spools them, in order
+    waited for until ``deadline`` (the stop's, ``_spool_queues_of_stores``; None:
+    ``walspool.link.bounds.FLUSH_TIMEOUT`` from now), and the spool's room too; past
+    it, nothing is spooled now and the queues are left to that write: once it ends (a
+    failed write puts its message back at the head), its thread spools them, in order
     (``_spool_queues_after_writes``). The drain lock is held until the flush has
-    committed, so no live write overtakes it.
+    committed (``CONFIRM_WAIT`` past the deadline at most), so no live write overtakes it.
     """
 
-    _stopping.add(store)
+    if deadline is None:  # a write that ended after the stop's flush: a wait of its own
+        deadline = time.monotonic() + FLUSH_TIMEOUT
     lock = drain_lock(store)
-    if not lock.acquire(timeout=FLUSH_TIMEOUT):
-        log.warning(
-            "a gateway thread was still writing a transcript message after %g s at "
-            "shutdown; the transcript queues are spooled, in order, once its write ends",
-            FLUSH_TIMEOUT,
-        )
+    wait = max(deadline - time.monotonic(), 0.0)
+    if not lock.acquire(timeout=wait):
+        if wait > 0:  # said once: a later call of the same stop waits no more
+            write_outlasted_stop(log)
         return 0
     try:
-        return spool_queues(shared_spool(), StoreQueues(store))
+        return spool_queues(shared_spool(), StoreQueues(store), deadline=deadline)
     except Exception as exc:  # noqa: BLE001 - the gateway is stopping all the same
         log.error(
             "walspool could not spool the transcript queues at shutdown; they are lost "
@@ -258,9 +266,10 @@ def _spool_if_stopping(store: Any) -> None:
         _spool_queues(store)
 
 
-#: The stores whose queues were spooled at shutdown: a write that ends later spools
-#: what its store queues then.
-_stopping: weakref.WeakSet[Any] = weakref.WeakSet()
+#: The stores whose queues were spooled at shutdown, each with its stop's deadline
+#: (``time.monotonic()``) for the wait for a write in flight: a write that ends later
+#: spools what its store queues then.
+_stopping: weakref.WeakKeyDictionary[Any, float] = weakref.WeakKeyDictionary()
 
 
 def _spool_queues_after_writes(store_class: type) -> None:

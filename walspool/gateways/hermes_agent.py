@@ -12,6 +12,7 @@ the spool with it. A runner that exists already is linked at once.
 
 from __future__ import annotations
 
+import atexit
 import copy
 import importlib.abc
 import importlib.util
@@ -23,6 +24,7 @@ from typing import Any
 
 from .. import text
 from ..hermes import install, install_runner
+from ..link.bounds import FLUSH_TIMEOUT
 from ..shutdown_flush import spool_path
 from ..store.spool import Spool
 from . import MARK
@@ -129,8 +131,22 @@ def unlink_runner(runner: Any) -> None:
     if linked is None:
         return
     link, spool = linked
+    if not link.close():
+        # Its background thread is still writing a queued message (the stop waited for
+        # it in vain): what waits behind that write is spooled once it ends, so the
+        # spools stay open until then, or until the interpreter's exit has waited for it.
+        atexit.register(_close_at_exit, link, spool)
+        return
+    _close(link, spool)
+
+
+def _close_at_exit(link: Any, spool: Any) -> None:
+    link.close(FLUSH_TIMEOUT)
+    _close(link, spool)
+
+
+def _close(link: Any, spool: Any) -> None:
     try:
-        link.close()
         spool.close()
         link.spool.close()  # a fresh one the link opened at the path (``follow_path``)
     except Exception:  # noqa: BLE001 - the gateway is stopping all the same

@@ -13,6 +13,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from ..replay.replayer import Replayer, ReplayReport
@@ -20,6 +21,7 @@ from ..replay.sinks import SessionDBSink
 from ..store.spool import Spool
 from ..store.writer import Row
 from . import bounds, budget, machine, outage
+from .due import DueBook, Facts
 from .handoffs import HandOffs
 from .repeats import Repeats
 from .shares import Moving
@@ -62,6 +64,8 @@ class Core:
         #: Notified when the background thread has work sooner than it planned.
         self.due = threading.Condition(self.lock)
         self.sessions: dict[str, Session] = {}
+        #: The background thread's schedule of them (``walspool.link.due``).
+        self.due_book = DueBook(self.candidate)
         #: Each session's evictions and stop flushes handed to the spool's writer and
         #: not committed yet; the last of a session's commits notifies ``settled``.
         self.handoffs = HandOffs(self.settled)
@@ -82,6 +86,10 @@ class Core:
         #: session's queue spooled at once (``Shutdown.spool_if_stopping``), as nothing
         #: flushes the queues again.
         self.stopping = False
+        #: The stop's deadline for its waits (``Shutdown.flush_queues``; on ``timer``),
+        #: set by its first flush call; and whether it said it gave up on a write.
+        self.stop_deadline: float | None = None
+        self.said_write_outlasted = False
         #: When the background thread will look next (None: only when notified).
         self.wake_at: float | None = None
         #: Set while state.db failed the link's last write or drain: failing sessions
@@ -137,8 +145,17 @@ class Core:
         """The session's state, made if the link holds none for it."""
         state = self.sessions.get(session_id)
         if state is None:
-            state = self.sessions[session_id] = Session(0 if self.recovered else 1)
+            touch = partial(self.due_book.touch, session_id)
+            state = self.sessions[session_id] = Session(0 if self.recovered else 1, touch)
+            touch()  # it may hold spooled rows: work from the start
         return state
+
+    def candidate(self, session_id: str, state: Session) -> Facts:
+        """The session as the background thread sees it (``machine.Candidate``'s fields)."""
+        return state.schedule_facts() + (
+            self.handoffs.pending(session_id) > 0,
+            bool(state.spooled or self.transcripts.queues.get(session_id)),
+        )
 
     def queue(self, session_id: str) -> list[Message] | None:
         """The store's in-memory queue of the session, if it has one."""
@@ -241,6 +258,12 @@ class Core:
         """Whether the session waits for the outage's probe: it has failures in a row
         and was not woken since (``Session.wake``: due now)."""
         return state.failures > 0 and not state.woken
+
+    def due_again(self, session_id: str, state: Session) -> None:
+        """An event may have made the session due sooner, or free to take (its last
+        hand-off settled): the background thread places it again and looks by then."""
+        self.due_book.touch(session_id)
+        self.schedule(self.due_at(state))
 
     def schedule(self, at: float) -> None:
         """Make the background thread look at ``at`` (monotonic) or sooner."""

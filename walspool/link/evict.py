@@ -207,7 +207,7 @@ class Evictions:
             return False
         if state is not None and state.writer is None:
             if self.core.has_work(session_id, state):
-                self.core.schedule(self.core.due_at(state))
+                self.core.due_again(session_id, state)
             else:
                 self.core.forget_if_idle(session_id, state)
         return True

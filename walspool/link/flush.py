@@ -154,8 +154,7 @@ def _queued_rows(
     notes: list[Callable[[], None]] = []
     for session_id, pending in queues.transcripts.queues.items():
         if pending and queues.writing(session_id, pending):
-            notes.append(partial(_say_writing, session_id))
-            continue
+            continue  # left to that write (the stop waited for it, and said so)
         for message in pending:
             try:
                 row = spool.prepare(session_id, message, SHUTDOWN)
@@ -192,14 +191,6 @@ def _settler(
         committed.set()
 
     return settled
-
-
-def _say_writing(session_id: str) -> None:
-    log.warning(
-        "A gateway thread is writing the oldest queued message of %s at shutdown; the "
-        "session's queue is left to that write, and spooled, in order, once it ends",
-        session_id,
-    )
 
 
 def _run(notes: list[Callable[[], None]]) -> None:

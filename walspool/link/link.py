@@ -141,12 +141,15 @@ class Link:
         self.memory.start()
         self.background.start(recover=recover, recovery=recovery, count=count)
 
-    def close(self) -> None:
-        """Stop the background thread (at its next look). Idempotent. The link goes on
-        spooling evictions; sessions retry on their next message. The repeated
-        conditions' lines held back are said now, so every count is told."""
-        self.background.close()
+    def close(self, wait: float = bounds.HANDOFF_WAIT) -> bool:
+        """Stop the background thread (at its next look), waiting ``wait`` seconds at
+        most for it to end (it ends its write in flight first, and spools what waited
+        behind it at a stop); whether it ended. Idempotent. The link goes on spooling
+        evictions; sessions retry on their next message. The repeated conditions' lines
+        held back are said now, so every count is told."""
+        ended = self.background.close(wait)
         self.memory.stop()
+        return ended
 
     def recover(self) -> ReplayReport:
         """Replay everything spooled into state.db now; see ``Background.recover``."""
@@ -212,6 +215,7 @@ class Link:
                 if not queued:
                     pending.append(copy)
                     queued = True
+                    self.core.due_book.touch(session_id)  # it may have had no work
                 late = self.core.timer() >= deadline
                 notes += self.evictions.evict(session_id, state, pending, drops=late)
                 if len(pending) <= 2 * self.core.cap or late:

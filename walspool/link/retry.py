@@ -4,6 +4,7 @@ every session whose retry time has passed, with no new message needed.
 
 from __future__ import annotations
 
+import os
 import threading
 import weakref
 
@@ -17,6 +18,11 @@ from .lines import Lines
 from .outage import say_left_to_running_replay, say_recovered
 from .session_writer import SessionWriter
 from .state import Claim, Session, log
+
+#: Set (``WALSPOOL_CHECK_DUE=1``, as the test suite does): each look of the background
+#: thread is checked against ``machine.pick_due`` of every session, as the schedule
+#: was found before ``walspool.link.due`` kept it (O(sessions) a look).
+CHECK_DUE = os.environ.get("WALSPOOL_CHECK_DUE") == "1"
 
 
 class Background:
@@ -65,15 +71,9 @@ class Background:
         of ``bounds.GATEWAY_DRAIN_ROWS`` rows is due again from then on, so sessions with
         backlogs take turns. Lock held."""
         now = self.core.clock()
-        # Every session at every look: read with as few calls as can be (in an outage
-        # with thousands of sessions waiting, this is the background thread's work).
-        pending, queues = self.core.handoffs.pending, self.core.transcripts.queues
-        candidates = {  # machine.Candidate's fields, as a plain tuple
-            session_id: state.schedule_facts()
-            + (pending(session_id) > 0, bool(state.spooled or queues.get(session_id)))
-            for session_id, state in self.core.sessions.items()
-        }
-        session_id, look_at = machine.pick_due(candidates, now, self.core.probe_at)
+        session_id, look_at = self.core.due_book.pick(self.core.sessions, now, self.core.probe_at)
+        if CHECK_DUE:
+            _check_due(self.core, now, session_id, look_at)
         if session_id is None:
             return [], look_at
         state = self.core.sessions[session_id]
@@ -81,9 +81,10 @@ class Background:
         assert claim is not None  # no writer: checked above, under the same lock
         return [(session_id, state, claim)], look_at
 
-    def close(self) -> None:
-        """Stop the background thread (at its next look). Idempotent. The link goes on
-        spooling evictions; sessions retry on their next message. The repeated
+    def close(self, wait: float = bounds.HANDOFF_WAIT) -> bool:
+        """Stop the background thread (at its next look), waiting ``wait`` seconds at
+        most for it to end; whether it ended (or never ran). Idempotent. The link goes
+        on spooling evictions; sessions retry on their next message. The repeated
         conditions' lines held back are said now, so every count is told."""
         core = self.core
         with core.lock:
@@ -92,8 +93,10 @@ class Background:
             held = [self.lines.line(key, said) for key, said in core.repeats.flush(core.clock())]
         self.core.run(held)
         thread = self.thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(bounds.HANDOFF_WAIT)
+        if thread is None or thread is threading.current_thread():
+            return True
+        thread.join(wait)
+        return not thread.is_alive()
 
     def count_shares(self) -> None:
         """Count each session's bytes in the spool, its share of the cap (once, at the
@@ -275,3 +278,20 @@ def background(ref: weakref.ref[Background], due: threading.Condition) -> None:
             # A bounded slice, then the session waits its turn behind the others due.
             work.writer.write_session(session_id, state, claim, budget=bounds.GATEWAY_DRAIN_ROWS)
         del work, core
+
+
+def _check_due(core: Core, now: float, session_id: str | None, look_at: float | None) -> None:
+    """Raise if the look's answer is not ``machine.pick_due``'s of every session (the
+    same time; a session of the same ``retry_at`` when one is due)."""
+    candidates = {sid: core.candidate(sid, state) for sid, state in core.sessions.items()}
+    expected, expected_at = machine.pick_due(candidates, now, core.probe_at)
+    same = look_at == expected_at and (session_id is None) == (expected is None)
+    if same and session_id is not None and expected is not None:
+        same = candidates[session_id][2] == candidates[expected][2]
+    if not same:
+        message = (
+            f"walspool.link.due picked {session_id!r} at {look_at!r}; every session "
+            f"says {expected!r} at {expected_at!r} (now {now!r}, probe {core.probe_at!r})"
+        )
+        log.critical(message)
+        raise AssertionError(message)

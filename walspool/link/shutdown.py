@@ -69,25 +69,58 @@ class Shutdown:
         (``walspool.link.flush.spool_queues``; how many were spooled).
 
         For a shutdown while state.db refuses writes: what the released gateway loses
-        with the process. A session whose oldest message is being written right now is
-        left to that write: its whole queue stays, and is spooled in order once the
-        write ends (``spool_if_stopping``: the failed message first, or what follows
-        one that landed). If the spool's path names another file now, the evictions
-        in the old spool's writer come back first and a fresh spool takes them, then
-        the queues (``Follow.before_flush``).
+        with the process. A write in flight is waited for, until the stop's deadline
+        (``FLUSH_TIMEOUT`` from its first flush call, shared by all of them); a session
+        still being written then is left to that write: its whole queue stays, and is
+        spooled in order once the write ends (``spool_if_stopping``: the failed message
+        first, or what follows one that landed). If the spool's path names another file
+        now, the evictions in the old spool's writer come back first and a fresh spool
+        takes them, then the queues (``Follow.before_flush``).
         """
-        deadline = self.core.timer() + bounds.FLUSH_TIMEOUT
+        return self._flush_queues(self._stop_deadline(), wait_for_writes=True)
+
+    def _flush_queues(self, deadline: float, *, wait_for_writes: bool) -> int:
         self.core.stopping = True
         self.follow.before_flush(deadline)
+        if wait_for_writes:
+            self._wait_for_writes(deadline)
         queues = _LinkQueues(self.core)
         return spool_queues(self.core.spool, queues, clock=self.core.timer, deadline=deadline)
+
+    def _stop_deadline(self) -> float:
+        """The stop's deadline (on ``Core.timer``): ``FLUSH_TIMEOUT`` from its first
+        flush call, which none of its calls waits past."""
+        with self.core.lock:
+            if self.core.stop_deadline is None:
+                self.core.stop_deadline = self.core.timer() + bounds.FLUSH_TIMEOUT
+            return self.core.stop_deadline
+
+    def _wait_for_writes(self, deadline: float) -> None:
+        """Wait until no queued message is being written to state.db (or ``deadline``),
+        so every session's queue is spooled now; past it, a session still being written
+        is left to that write (said once a stop, in every gateway's words)."""
+        with self.core.lock:
+            while True:
+                writing = next((s for s in self.core.sessions.values() if s.inflight), None)
+                if writing is None:
+                    return
+                left = deadline - self.core.timer()
+                if left <= 0:
+                    break
+                with writing.waiting():  # its write's end notifies ``settled``
+                    self.core.settled.wait(left)
+            said, self.core.said_write_outlasted = self.core.said_write_outlasted, True
+        if not said:
+            write_outlasted_stop(log)
 
     def spool_if_stopping(self) -> None:
         """After a failed write: once the shutdown has flushed the queues, spool what
         is queued now (the message that was being written then among it), since no
-        later flush comes."""
+        later flush comes: within ``FLUSH_TIMEOUT`` of now, as the write may end past
+        the stop's own deadline."""
         if self.core.stopping:
-            never_raise(self.flush_queues)
+            deadline = self.core.timer() + bounds.FLUSH_TIMEOUT
+            never_raise(self._flush_queues, deadline, wait_for_writes=False)
 
 
 #: A slot to spool: its session id (None: resolved at replay), its message, its key.
@@ -128,6 +161,16 @@ def spool_agent_history(spool: Spool, session_id: str | None, history: list[Any]
         session_id or "unknown", agent_history_message(session_id, history), reason=AGENT_HISTORY
     )
     return True
+
+
+def write_outlasted_stop(logger: logging.Logger) -> None:
+    """Say on ``logger`` (the adapter's) that a stop gave up waiting for a transcript
+    write in flight, in every gateway's words."""
+    logger.warning(
+        "a transcript message was still being written to state.db after %g s at shutdown; "
+        "what waits behind that write is spooled, in order, once it ends",
+        bounds.FLUSH_TIMEOUT,
+    )
 
 
 def slot_lost(logger: logging.Logger, item: Slot, exc: Exception) -> None:
@@ -221,5 +264,5 @@ class _LinkQueues:
         state = self.core.sessions[session_id]  # its pending hand-off keeps it there
         self.core.handoffs.settled(session_id)
         if state.writer is None and self.core.has_work(session_id, state):
-            self.core.schedule(self.core.due_at(state))
+            self.core.due_again(session_id, state)
         self.core.settled.notify_all()

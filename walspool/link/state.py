@@ -7,7 +7,7 @@ them is decided by ``walspool.link.machine``.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 from .. import text
@@ -92,9 +92,10 @@ class Session:
         "_resets",
         "_wakes",
         "_seen",
+        "_touch",
     )
 
-    def __init__(self, spooled: int) -> None:
+    def __init__(self, spooled: int, touch: Callable[[], None] | None = None) -> None:
         #: The current writer's claim, or None: the session has no writer.
         self.writer: Claim | None = None
         #: Evictions (and shutdown flushes) since the session's spooled rows were last
@@ -116,6 +117,9 @@ class Session:
         self._wakes = 0
         #: The resets and wakes the holder's backoff was set after.
         self._seen = (0, 0)
+        #: Told of every event that may make the session due sooner for the background
+        #: thread, or free for it to take (``walspool.link.due``).
+        self._touch = touch
 
     # -- read by anyone --------------------------------------------------------
 
@@ -188,6 +192,7 @@ class Session:
         self._check(claim)
         self.writer = None
         self._inflight = None
+        self._touched()
 
     def writing(self, claim: Claim, message: dict[str, Any]) -> None:
         """The holder writes ``message`` (the queue's head) to state.db now."""
@@ -254,10 +259,12 @@ class Session:
         """A row of the session was handed to the spool's writer (counted, until it
         commits, in ``Core.handoffs``)."""
         self.spooled += 1
+        self._touched()
 
     def may_hold(self) -> None:
         """The spool may hold rows of the session (a recovery held them)."""
         self.spooled = self.spooled or 1
+        self._touched()
 
     def rewritten(self) -> None:
         """The transcript was rewritten: the spooled rows are superseded, what a writer
@@ -265,15 +272,18 @@ class Session:
         self.generation += 1
         self.spooled = 0
         self._resets += 1
+        self._touched()
 
     def recovered(self) -> None:
         """A recovery moved every row the session had spooled: the backoff is reset."""
         self.spooled = 0
         self._resets += 1
+        self._touched()
 
     def wake(self) -> None:
         """The session is due now (its failures in a row are kept)."""
         self._wakes += 1
+        self._touched()
 
     @contextlib.contextmanager
     def waiting(self) -> Iterator[None]:
@@ -283,6 +293,11 @@ class Session:
             yield
         finally:
             self.waiters -= 1
+            self._touched()
+
+    def _touched(self) -> None:
+        if self._touch is not None:
+            self._touch()
 
 
 def owner_of(state: Session) -> Owner:
