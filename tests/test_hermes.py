@@ -181,6 +181,19 @@ def test_install_twice_is_refused_word_for_word(store, spool):
     assert refused.value.path == str(spool.path)
 
 
+@pytest.mark.parametrize("interval", [float("nan"), float("inf"), "1", True, None])
+def test_install_refuses_a_retry_interval_that_is_no_finite_number(store, spool, interval):
+    """A NaN interval would make every retry time NaN (never due, never later); it is
+    refused, and the store stays as released."""
+    before = store.append_to_transcript
+    with pytest.raises(walspool.InvalidArgument) as refused:
+        install(store, spool, retry_interval=interval)
+    assert str(refused.value) == (
+        f"retry_interval must be a finite number of seconds, not {interval!r}"
+    )
+    assert store.append_to_transcript == before
+
+
 def test_install_refuses_a_store_without_state_db_word_for_word(store, spool):
     """The released store runs on when state.db cannot be opened (``_db`` None): there is
     nothing to replay into, so the link refuses rather than spooling forever."""

@@ -24,7 +24,7 @@ class Table:
     def __init__(self) -> None:
         self.sessions: dict[str, object] = {}
         self.facts: dict[str, Candidate] = {}
-        self.book = DueBook(lambda session_id, state: tuple(self.facts[session_id]))
+        self.book = DueBook()
 
     def set(self, session_id: str, facts: Candidate, *, touch: bool = True) -> None:
         if session_id not in self.sessions:
@@ -34,7 +34,10 @@ class Table:
             self.book.touch(session_id)
 
     def pick(self, now: float, probe_at: float | None = None) -> tuple[str | None, float | None]:
-        return self.book.pick(self.sessions, now, probe_at)
+        return self.book.pick(self.sessions, self.facts_of, now, probe_at)
+
+    def facts_of(self, session_id: str, state: object) -> tuple:
+        return tuple(self.facts[session_id])
 
 
 def test_the_book_picks_as_pick_due_does_from_a_table() -> None:
@@ -77,6 +80,23 @@ def test_a_forgotten_session_back_under_its_id_is_a_new_one() -> None:
     del table.sessions["s"]
     table.set("s", Candidate(**IDLE, retry_at=NOW + 5))  # the same facts, a new object
     assert table.pick(NOW + 5) == ("s", NOW + 5)
+
+
+def test_what_the_book_keeps_is_bounded_by_the_sessions_without_a_look() -> None:
+    """A link without a background thread never looks: the sessions it forgets leave
+    the book, touched or placed, and a closed book keeps nothing."""
+    table = Table()
+    for n in range(1_000):
+        table.set(f"s{n}", Candidate(**IDLE, retry_at=NOW))
+        table.book.forget(f"s{n}")
+        del table.sessions[f"s{n}"]
+    table.set("kept", Candidate(**IDLE, retry_at=NOW))
+    assert table.pick(NOW) == ("kept", NOW) and len(table.book) == 1
+    table.book.forget("kept")
+    assert len(table.book) == 0 and table.book.held() <= 1
+    table.book.close()
+    table.book.touch("late")
+    assert table.pick(NOW) == (None, None)
 
 
 def test_stale_entries_do_not_pile_up() -> None:

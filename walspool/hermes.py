@@ -25,11 +25,12 @@ hooks the runner's ``stop``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any
 
-from .errors import UnsupportedGateway
+from .errors import InvalidArgument, UnsupportedGateway
 from .gateways.session_store import StoreTranscripts
 from .link import budget, shares
 from .link.bounds import (
@@ -113,6 +114,15 @@ def install(
         raise UnsupportedGateway(
             f"{type(store).__name__} lacks {', '.join(missing)}; walspool.hermes supports "
             "hermes-agent 0.19.0's gateway.session.SessionStore",
+            path=spool.path,
+        )
+    if not (
+        isinstance(retry_interval, (int, float))
+        and not isinstance(retry_interval, bool)
+        and math.isfinite(retry_interval)
+    ):
+        raise InvalidArgument(
+            f"retry_interval must be a finite number of seconds, not {retry_interval!r}",
             path=spool.path,
         )
     if isinstance(getattr(store.append_to_transcript, "__self__", None), Link):

@@ -167,9 +167,8 @@ def _spool_queues_of_stores() -> None:
     store's first sets its stop's deadline, ``FLUSH_TIMEOUT`` away, and no call waits
     past it, so a write in flight holds the whole stop that long at most, not that long
     at each of its flush calls."""
-    now = time.monotonic()
     for store in upstream.stores():
-        deadline = _stopping.setdefault(store, now + FLUSH_TIMEOUT)
+        deadline = _stopping.setdefault(store, time.monotonic() + FLUSH_TIMEOUT)
         _spool_queues(store, deadline)
 
 
@@ -184,11 +183,12 @@ def _spool_queues(store: Any, deadline: float | None = None) -> int:
     ``shutdown_flush.queues_before_slots``). A gateway thread writes a queue's head
     while holding the store's transcript drain lock (one for every session): it is
     waited for until ``deadline`` (the stop's, ``_spool_queues_of_stores``; None:
-    ``walspool.link.bounds.FLUSH_TIMEOUT`` from now), and the spool's room too; past
-    it, nothing is spooled now and the queues are left to that write: once it ends (a
-    failed write puts its message back at the head), its thread spools them, in order
-    (``_spool_queues_after_writes``). The drain lock is held until the flush has
-    committed (``CONFIRM_WAIT`` past the deadline at most), so no live write overtakes it.
+    ``walspool.link.bounds.FLUSH_TIMEOUT`` from now); past it, nothing is spooled now
+    and the queues are left to that write: once it ends (a failed write puts its
+    message back at the head), its thread spools them, in order
+    (``_spool_queues_after_writes``). The spool's room and the commit are waited for as
+    ``spool_queues`` does. The drain lock is held until the flush has committed, so no
+    live write overtakes it.
     """
 
     if deadline is None:  # a write that ended after the stop's flush: a wait of its own
@@ -200,7 +200,7 @@ def _spool_queues(store: Any, deadline: float | None = None) -> int:
             write_outlasted_stop(log)
         return 0
     try:
-        return spool_queues(shared_spool(), StoreQueues(store), deadline=deadline)
+        return spool_queues(shared_spool(), StoreQueues(store))
     except Exception as exc:  # noqa: BLE001 - the gateway is stopping all the same
         log.error(
             "walspool could not spool the transcript queues at shutdown; they are lost "

@@ -131,10 +131,11 @@ def unlink_runner(runner: Any) -> None:
     if linked is None:
         return
     link, spool = linked
-    if not link.close():
-        # Its background thread is still writing a queued message (the stop waited for
-        # it in vain): what waits behind that write is spooled once it ends, so the
-        # spools stay open until then, or until the interpreter's exit has waited for it.
+    if not link.close() or not link.wait_for_writes(0.0):
+        # A queued message is still being written (the stop waited for it in vain), by
+        # the link's thread or a gateway thread: what waits behind that write is spooled
+        # once it ends, so the spools stay open until then, or until the interpreter's
+        # exit has waited for it.
         atexit.register(_close_at_exit, link, spool)
         return
     _close(link, spool)
@@ -142,6 +143,7 @@ def unlink_runner(runner: Any) -> None:
 
 def _close_at_exit(link: Any, spool: Any) -> None:
     link.close(FLUSH_TIMEOUT)
+    link.wait_for_writes(FLUSH_TIMEOUT)
     _close(link, spool)
 
 

@@ -65,7 +65,7 @@ class Core:
         self.due = threading.Condition(self.lock)
         self.sessions: dict[str, Session] = {}
         #: The background thread's schedule of them (``walspool.link.due``).
-        self.due_book = DueBook(self.candidate)
+        self.due_book = DueBook()
         #: Each session's evictions and stop flushes handed to the spool's writer and
         #: not committed yet; the last of a session's commits notifies ``settled``.
         self.handoffs = HandOffs(self.settled)
@@ -86,10 +86,13 @@ class Core:
         #: session's queue spooled at once (``Shutdown.spool_if_stopping``), as nothing
         #: flushes the queues again.
         self.stopping = False
-        #: The stop's deadline for its waits (``Shutdown.flush_queues``; on ``timer``),
-        #: set by its first flush call; and whether it said it gave up on a write.
+        #: The stop's deadline for its waits for writes in flight (``Shutdown.flush_queues``;
+        #: on ``timer``), set by its first flush call; whether it said it gave up on one.
         self.stop_deadline: float | None = None
         self.said_write_outlasted = False
+        #: Writes that failed once the stop's flush had begun whose threads have yet to
+        #: spool what waited behind them (``Shutdown.spool_if_stopping``).
+        self.stop_spools = 0
         #: When the background thread will look next (None: only when notified).
         self.wake_at: float | None = None
         #: Set while state.db failed the link's last write or drain: failing sessions
@@ -174,6 +177,7 @@ class Core:
             and self.sessions.get(session_id) is state
         ):
             del self.sessions[session_id]
+            self.due_book.forget(session_id)
             self.transcripts.queues.pop(session_id, None)
 
     def claim(self, state: Session, *, background: bool = False) -> Claim | None:

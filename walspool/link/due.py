@@ -36,13 +36,15 @@ _Entry = tuple[float, int, str, Any, bool]
 
 class DueBook:
     """The schedule of one link's background thread; guarded by the store's lock.
+    Once ``closed`` (its thread ended) touches are not kept."""
 
-    ``facts(session_id, state)`` gives a session's ``machine.Candidate`` fields now."""
+    __slots__ = ("_facts", "_touched", "_heaps", "_entries", "_order", "closed")
 
-    __slots__ = ("_facts", "_touched", "_heaps", "_entries", "_order")
-
-    def __init__(self, facts: Callable[[str, Any], Facts]) -> None:
-        self._facts = facts
+    def __init__(self) -> None:
+        #: ``facts(session_id, state)``: a session's ``machine.Candidate`` fields now
+        #: (given to each ``pick``, not kept: the book holds no reference to the link).
+        self._facts: Callable[[str, Any], Facts] = _no_facts
+        self.closed = False
         #: Sessions an event may have made due sooner since the last look.
         self._touched: set[str] = set()
         #: [others, those waiting for the probe].
@@ -53,7 +55,23 @@ class DueBook:
 
     def touch(self, session_id: str) -> None:
         """An event may have made the session due sooner, or free to take."""
-        self._touched.add(session_id)
+        if not self.closed:
+            self._touched.add(session_id)
+
+    def forget(self, session_id: str) -> None:
+        """The link forgot the session (nothing refers to it): so does the book, so
+        that what it keeps is bounded by the sessions the link holds, whether a look
+        comes or not (a link without a background thread never looks)."""
+        self._touched.discard(session_id)
+        self._entries.pop(session_id, None)
+
+    def close(self) -> None:
+        """No look comes any more (the link has no background thread, or it ended):
+        what the book holds goes, and touches are not kept."""
+        self.closed = True
+        self._touched = set()
+        self._heaps = ([], [])
+        self._entries = {}
 
     def __len__(self) -> int:
         """Sessions placed (those the background thread may take, or did at their last look)."""
@@ -64,10 +82,24 @@ class DueBook:
         return sum(len(heap) for heap in self._heaps)
 
     def pick(
+        self,
+        sessions: Mapping[str, Any],
+        facts: Callable[[str, Any], Facts],
+        now: float,
+        probe_at: float | None,
+    ) -> tuple[str | None, float | None]:
+        """``machine.pick_due`` of ``sessions`` (session id -> state, ``facts`` giving
+        each one's ``Candidate`` fields): the session longest due and ``now``, or None
+        and when one will be (None: none will)."""
+        self._facts = facts
+        try:
+            return self._pick(sessions, now, probe_at)
+        finally:
+            self._facts = _no_facts
+
+    def _pick(
         self, sessions: Mapping[str, Any], now: float, probe_at: float | None
     ) -> tuple[str | None, float | None]:
-        """``machine.pick_due`` of ``sessions`` (session id -> state): the session longest
-        due and ``now``, or None and when one will be (None: none will)."""
         touched, self._touched = self._touched, set()
         for session_id in touched:
             self._place(session_id, sessions.get(session_id))
@@ -134,3 +166,7 @@ class DueBook:
             del self._entries[session_id]
             self._place(session_id, current)
         return None
+
+
+def _no_facts(session_id: str, state: Any) -> Facts:
+    raise RuntimeError("DueBook reads a session's facts only within pick")

@@ -151,6 +151,14 @@ class Link:
         self.memory.stop()
         return ended
 
+    def wait_for_writes(self, timeout: float) -> bool:
+        """Wait at most ``timeout`` seconds until the queued messages being written to
+        state.db now are written, and what a write that failed at a stop left behind
+        it is spooled; whether so (before a stop closes the spool). Takes the store's lock."""
+        with self.core.lock:
+            writes = self.shutdown.in_flight()
+            return self.shutdown.wait_for_writes(writes, self.core.timer() + timeout)
+
     def recover(self) -> ReplayReport:
         """Replay everything spooled into state.db now; see ``Background.recover``."""
         return self.background.recover()

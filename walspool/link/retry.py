@@ -71,7 +71,8 @@ class Background:
         of ``bounds.GATEWAY_DRAIN_ROWS`` rows is due again from then on, so sessions with
         backlogs take turns. Lock held."""
         now = self.core.clock()
-        session_id, look_at = self.core.due_book.pick(self.core.sessions, now, self.core.probe_at)
+        core = self.core
+        session_id, look_at = core.due_book.pick(core.sessions, core.candidate, now, core.probe_at)
         if CHECK_DUE:
             _check_due(self.core, now, session_id, look_at)
         if session_id is None:
@@ -89,6 +90,7 @@ class Background:
         core = self.core
         with core.lock:
             core.closed = True
+            core.due_book.close()
             core.due.notify_all()
             held = [self.lines.line(key, said) for key, said in core.repeats.flush(core.clock())]
         self.core.run(held)
@@ -261,6 +263,7 @@ def background(ref: weakref.ref[Background], due: threading.Condition) -> None:
             work.follow.follow_path()
         with due:
             if core.closed or core.spool.closed:
+                core.due_book.close()
                 return  # a closed spool can take and give back nothing any more
             claimed, soonest = work.due_sessions()
             core.wake_at = soonest

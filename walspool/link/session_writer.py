@@ -21,7 +21,8 @@ class Stopping(Protocol):
     """What the writer tells the shutdown (``walspool.link.shutdown.Shutdown``)."""
 
     def spool_if_stopping(self) -> None:
-        """A write failed: spool what is queued now if the stop's flush has run."""
+        """A write failed once the stop's flush had begun (counted in
+        ``Core.stop_spools``): spool what is queued now."""
 
 
 class SessionWriter:
@@ -272,11 +273,16 @@ class SessionWriter:
                 # Messages that arrived during the write waited for it to be evicted.
                 notes = self.evictions.evict(session_id, state, pending) if pending else []
                 self.core.release(session_id, state, claim)
+                # Once the stop's flush began, no later flush comes: this thread spools
+                # what waited behind the write (counted, so a stop's close waits for it).
+                stopping = self.core.stopping
+                self.core.stop_spools += stopping
         if aside is not None:
             self.core.run(aside)
             return True
         self.core.run(notes)
-        self.shutdown.spool_if_stopping()
+        if stopping:
+            self.shutdown.spool_if_stopping()
         if not say:
             return False
         log.warning(

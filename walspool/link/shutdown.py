@@ -18,7 +18,7 @@ from . import bounds
 from .core import Core
 from .flush import spool_queues
 from .follow import Follow
-from .state import log
+from .state import Session, log
 from .transcripts import Message, Transcripts
 
 
@@ -69,58 +69,69 @@ class Shutdown:
         (``walspool.link.flush.spool_queues``; how many were spooled).
 
         For a shutdown while state.db refuses writes: what the released gateway loses
-        with the process. A write in flight is waited for, until the stop's deadline
-        (``FLUSH_TIMEOUT`` from its first flush call, shared by all of them); a session
-        still being written then is left to that write: its whole queue stays, and is
-        spooled in order once the write ends (``spool_if_stopping``: the failed message
-        first, or what follows one that landed). If the spool's path names another file
-        now, the evictions in the old spool's writer come back first and a fresh spool
-        takes them, then the queues (``Follow.before_flush``).
+        with the process. The writes in flight when it begins are waited for, until
+        the stop's deadline (``FLUSH_TIMEOUT`` from its first flush call: the stop waits
+        for writes that long at most, whatever its number of calls); a session still
+        being written then is left to that write: its whole queue stays, and is spooled
+        in order once the write ends (``spool_if_stopping``: the failed message first,
+        or what follows one that landed). Each call waits ``FLUSH_TIMEOUT`` at most for
+        the spool's room and for the commit (``walspool.link.flush.spool_queues``). If
+        the spool's path names another file now, the evictions in the old spool's
+        writer come back first and a fresh spool takes them, then the queues
+        (``Follow.before_flush``).
         """
-        return self._flush_queues(self._stop_deadline(), wait_for_writes=True)
-
-    def _flush_queues(self, deadline: float, *, wait_for_writes: bool) -> int:
         self.core.stopping = True
+        deadline = self.core.timer() + bounds.FLUSH_TIMEOUT
         self.follow.before_flush(deadline)
-        if wait_for_writes:
-            self._wait_for_writes(deadline)
-        queues = _LinkQueues(self.core)
-        return spool_queues(self.core.spool, queues, clock=self.core.timer, deadline=deadline)
-
-    def _stop_deadline(self) -> float:
-        """The stop's deadline (on ``Core.timer``): ``FLUSH_TIMEOUT`` from its first
-        flush call, which none of its calls waits past."""
         with self.core.lock:
             if self.core.stop_deadline is None:
-                self.core.stop_deadline = self.core.timer() + bounds.FLUSH_TIMEOUT
-            return self.core.stop_deadline
-
-    def _wait_for_writes(self, deadline: float) -> None:
-        """Wait until no queued message is being written to state.db (or ``deadline``),
-        so every session's queue is spooled now; past it, a session still being written
-        is left to that write (said once a stop, in every gateway's words)."""
-        with self.core.lock:
-            while True:
-                writing = next((s for s in self.core.sessions.values() if s.inflight), None)
-                if writing is None:
-                    return
-                left = deadline - self.core.timer()
-                if left <= 0:
-                    break
-                with writing.waiting():  # its write's end notifies ``settled``
-                    self.core.settled.wait(left)
-            said, self.core.said_write_outlasted = self.core.said_write_outlasted, True
-        if not said:
+                self.core.stop_deadline = deadline
+            done = self.wait_for_writes(self.in_flight(), self.core.stop_deadline)
+            said, self.core.said_write_outlasted = self.core.said_write_outlasted, not done
+        if not done and not said:
             write_outlasted_stop(log)
+        return spool_queues(self.core.spool, _LinkQueues(self.core), clock=self.core.timer)
+
+    def in_flight(self) -> list[tuple[Session, Message]]:
+        """The queued messages being written to state.db now, each with its session
+        (lock held)."""
+        return [
+            (state, state.inflight)
+            for state in self.core.sessions.values()
+            if state.inflight is not None
+        ]
+
+    def wait_for_writes(self, writes: list[tuple[Session, Message]], deadline: float) -> bool:
+        """Wait until none of ``writes`` (``in_flight``) is being written any more, and
+        every write that failed since the stop's flush began has spooled what waited
+        behind it (``spool_if_stopping``), or ``deadline`` (on ``Core.timer``); whether
+        so. Lock held (released while waiting)."""
+        while True:
+            writing = next((s for s, message in writes if s.inflight is message), None)
+            if writing is None and not self.core.stop_spools:
+                return True
+            left = deadline - self.core.timer()
+            if left <= 0:
+                return False
+            if writing is None:
+                self.core.settled.wait(left)  # ``spool_if_stopping`` notifies at its end
+                continue
+            with writing.waiting():  # its write's end notifies ``settled``
+                self.core.settled.wait(left)
 
     def spool_if_stopping(self) -> None:
-        """After a failed write: once the shutdown has flushed the queues, spool what
-        is queued now (the message that was being written then among it), since no
-        later flush comes: within ``FLUSH_TIMEOUT`` of now, as the write may end past
-        the stop's own deadline."""
-        if self.core.stopping:
-            deadline = self.core.timer() + bounds.FLUSH_TIMEOUT
-            never_raise(self._flush_queues, deadline, wait_for_writes=False)
+        """After a write that failed once the stop's flush had begun (counted in
+        ``Core.stop_spools`` by the writer): spool what is queued now (the message that
+        was being written then among it), since no later flush comes, within
+        ``FLUSH_TIMEOUT`` of now (the write may end past the stop's own deadline)."""
+        try:
+            self.follow.before_flush(self.core.timer() + bounds.FLUSH_TIMEOUT)
+            queues = _LinkQueues(self.core)
+            never_raise(spool_queues, self.core.spool, queues, clock=self.core.timer)
+        finally:
+            with self.core.lock:
+                self.core.stop_spools -= 1
+                self.core.settled.notify_all()
 
 
 #: A slot to spool: its session id (None: resolved at replay), its message, its key.

@@ -14,12 +14,13 @@ inotify), and the ``stat`` is made only then:
   file system mounted over one of those directories changes what the path names
   without touching any of them).
 
-An event about one of those names, or a lost event (the kernel's queue overflowed),
-ends the watch: from then on every check is a ``stat``, as it is where the watch cannot
-be set up (not Linux, a relative path that a ``chdir`` would change, inotify's limits
-reached, a directory that cannot be read). A mount change makes the check ``stat`` once,
-and the watch goes on: a mount elsewhere leaves the path's directories as they were.
-So the answer is always the ``stat``'s, only not asked while nothing could change it.
+An event about one of those names (created, deleted, renamed, its attributes changed),
+a lost event (the kernel's queue overflowed) or any mount change ends the watch: from
+then on every check is a ``stat``, as it is where the watch cannot be set up (not Linux,
+a relative path that a ``chdir`` would change, inotify's limits reached, a directory that
+cannot be read, or one on a file system whose changes by others inotify does not see:
+only local file systems are watched, not NFS, SMB, FUSE or a virtual machine's shared
+folder). So the answer is the ``stat``'s, only not asked while nothing could change it.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import threading
 from typing import Any
 
 #: inotify(7)'s event bits used here.
+IN_ATTRIB = 0x4
 IN_MOVED_FROM = 0x40
 IN_MOVED_TO = 0x80
 IN_CREATE = 0x100
@@ -49,7 +51,8 @@ IN_NONBLOCK = os.O_NONBLOCK
 IN_CLOEXEC = os.O_CLOEXEC
 #: What a watched directory is watched for: its name changing under it, or it going.
 WATCH_MASK = (
-    IN_MOVED_FROM
+    IN_ATTRIB
+    | IN_MOVED_FROM
     | IN_MOVED_TO
     | IN_CREATE
     | IN_DELETE
@@ -60,6 +63,21 @@ WATCH_MASK = (
 )
 #: Events that end the watch whatever their name: a directory gone, events lost.
 WATCH_LOST = IN_DELETE_SELF | IN_MOVE_SELF | IN_UNMOUNT | IN_Q_OVERFLOW | IN_IGNORED
+#: statfs(2) ``f_type`` of the local file systems watched (their changes are all made
+#: through this kernel): ext2-4, XFS, Btrfs, tmpfs, ramfs, overlayfs, F2FS, ZFS, bcachefs.
+LOCAL_FILE_SYSTEMS = frozenset(
+    (
+        0xEF53,
+        0x58465342,
+        0x9123683E,
+        0x01021994,
+        0x858458F6,
+        0x794C7630,
+        0xF2F52010,
+        0x2FC12FC1,
+        0xCA451A4E,
+    )
+)
 #: Symlinks followed while resolving a path, as Linux's own limit.
 MAX_LINKS = 40
 _EVENT = struct.Struct("iIII")
@@ -156,6 +174,8 @@ class PathWatch:
                 raise OSError(ctypes.get_errno(), "inotify_init1")
             self._inotify = fd
             for directory, names in lookups.items():
+                if _file_system(libc, directory) not in LOCAL_FILE_SYSTEMS:
+                    raise OSError(errno.EOPNOTSUPP, "not a local file system", directory)
                 wd = libc.inotify_add_watch(fd, os.fsencode(directory), WATCH_MASK)
                 if wd < 0:
                     raise OSError(ctypes.get_errno(), "inotify_add_watch")
@@ -176,19 +196,16 @@ class PathWatch:
 
     def _events(self) -> bool:
         """Whether anything may have changed what the path names since the last check
-        (lock held). Ends the watch on an event about one of its names."""
+        (lock held). Ends the watch on an event about one of its names, or on a mount
+        change (the path may now be resolved through other directories)."""
         ready = self._poll.poll(0)
         if not ready:
             return False
-        changed = False
         for fd, _ in ready:
-            if fd == self._inotify:
-                if self._read_inotify():
-                    self._stop()
-                    return True
-            else:
-                changed = True  # a mount or an unmount: stat once
-        return changed
+            if fd != self._inotify or self._read_inotify():
+                self._stop()
+                return True
+        return False
 
     def _read_inotify(self) -> bool:
         """Read every queued event; whether one is about a watched name or lost the watch."""
@@ -223,12 +240,21 @@ class PathWatch:
 
 @functools.cache
 def _libc() -> Any:
-    """libc with inotify's calls, or None where it has none."""
+    """libc with inotify's calls and statfs, or None where it has them not."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        init, add = libc.inotify_init1, libc.inotify_add_watch
+        init, add, statfs = libc.inotify_init1, libc.inotify_add_watch, libc.statfs
     except (OSError, AttributeError):
         return None
     init.argtypes, init.restype = [ctypes.c_int], ctypes.c_int
     add.argtypes, add.restype = [ctypes.c_int, ctypes.c_char_p, ctypes.c_uint32], ctypes.c_int
+    statfs.argtypes, statfs.restype = [ctypes.c_char_p, ctypes.c_void_p], ctypes.c_int
     return libc
+
+
+def _file_system(libc: Any, directory: str) -> int:
+    """statfs(2)'s ``f_type`` of ``directory`` (the struct's first field, a word)."""
+    buffer = ctypes.create_string_buffer(256)  # struct statfs is 120 bytes on 64-bit Linux
+    if libc.statfs(os.fsencode(directory), buffer) != 0:
+        raise OSError(ctypes.get_errno(), "statfs", directory)
+    return ctypes.c_long.from_buffer(buffer).value & 0xFFFFFFFF
