@@ -5,6 +5,7 @@ real, through the watch and through a Spool's appends racing it."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import subprocess
@@ -184,22 +185,29 @@ def test_events_lost_to_an_overflowing_queue_end_the_watch(home: Path) -> None:
     watch.close()
 
 
-def test_a_file_system_mounted_over_its_directory_is_seen(home: Path) -> None:
-    path = home / "data" / "real" / "spool.db"
-    watch = watched(path)
-    over = home / "data" / "real"
+@contextlib.contextmanager
+def tmpfs_over(directory: Path, watch: PathWatch) -> Iterator[None]:
+    """A tmpfs mounted over ``directory`` for the block (root only: the test skips, the
+    watch closed, where mounting is refused)."""
     mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "tmpfs", str(over)], capture_output=True, text=True
+        ["mount", "-t", "tmpfs", "tmpfs", str(directory)], capture_output=True, text=True
     )
     if mounted.returncode != 0:
         watch.close()
         pytest.skip(f"cannot mount here: {mounted.stderr.strip()}")
     try:
+        yield
+    finally:
+        subprocess.run(["umount", str(directory)], check=True)
+
+
+def test_a_file_system_mounted_over_its_directory_is_seen(home: Path) -> None:
+    path = home / "data" / "real" / "spool.db"
+    watch = watched(path)
+    with tmpfs_over(home / "data" / "real", watch):
         assert not watch.names_it()
         assert not watch.watching  # a mount ends the watch: every later check is a stat
         assert not watch.names_it()  # asked again (another thread's check came first)
-    finally:
-        subprocess.run(["umount", str(over)], check=True)
     assert watch.names_it()  # the file is there again once the mount is gone
     watch.close()
 
@@ -209,17 +217,9 @@ def test_a_mount_elsewhere_ends_the_watch_and_the_answers_stay_right(home: Path)
     watch = watched(path)
     elsewhere = home / "elsewhere"
     elsewhere.mkdir()
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "tmpfs", str(elsewhere)], capture_output=True, text=True
-    )
-    if mounted.returncode != 0:
-        watch.close()
-        pytest.skip(f"cannot mount here: {mounted.stderr.strip()}")
-    try:
+    with tmpfs_over(elsewhere, watch):
         assert watch.names_it()
         assert not watch.watching
-    finally:
-        subprocess.run(["umount", str(elsewhere)], check=True)
     _rename_file(home)
     assert not watch.names_it()
     watch.close()
